@@ -1,0 +1,184 @@
+//! Defragmentation: the seed's `defrag_prepare` plan, and the data moves that llama.cpp leaves
+//! to a compute graph, done here on every layer's K and V.
+
+use crate::cache::KvCache;
+use crate::cells::Cell;
+use crate::error::Result;
+
+/// llama.cpp's default graph node budget (`graph_max_nodes()` is at least 65536).
+pub const DEFAULT_MAX_NODES: u32 = 65536;
+
+/// A run of consecutive cells moved to consecutive destinations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CellMove {
+    /// First source cell.
+    pub src: u32,
+    /// First destination cell.
+    pub dst: u32,
+    /// Number of cells.
+    pub len: u32,
+}
+
+/// What a defrag did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DefragReport {
+    /// Runs moved, in the order they were applied.
+    pub moves: Vec<CellMove>,
+    /// Cells moved.
+    pub cells_moved: u32,
+    /// Bytes copied across all layers.
+    pub bytes_copied: u64,
+}
+
+impl KvCache {
+    /// The seed's `defrag_prepare(n_max_nodes)`: fills holes below `used` with the last
+    /// non-empty cells, moving the cell metadata at once, and returns the data moves still to
+    /// do (as runs ordered by source cell), or an empty list when nothing moved. At most
+    /// `(n_max_nodes - 2 * n_layer) / (6 * n_layer)` runs are planned.
+    pub fn defrag_plan(&mut self, n_max_nodes: u32) -> Vec<CellMove> {
+        let n_layer = self.params.n_layer;
+        let n_kv = self.cell_max() as usize;
+        let n_used = self.cells.used as usize;
+        let max_moves = n_max_nodes.saturating_sub(2 * n_layer) / (6 * n_layer);
+        let absent = n_kv;
+        let mut ids = vec![absent; n_kv];
+        let mut n_moves = 0u32;
+
+        let mut i0 = 0usize;
+        while i0 < n_used.min(n_kv) {
+            if !self.cells.is_empty_cell(i0) {
+                ids[i0] = i0;
+                i0 += 1;
+                continue;
+            }
+            let mut nh = 1;
+            while i0 + nh < n_used && self.cells.is_empty_cell(i0 + nh) {
+                nh += 1;
+            }
+            // find the nh last non-empty cells not yet moved
+            let mut nf = 0;
+            let mut is = n_kv - 1;
+            while is > i0 {
+                if !self.cells.is_empty_cell(is) && ids[is] == absent {
+                    nf += 1;
+                    if nf == nh {
+                        break;
+                    }
+                }
+                is -= 1;
+            }
+            if nf != nh {
+                // `used` overstates the occupied cells (possible after some seed operations);
+                // the seed asserts here, we stop planning instead
+                break;
+            }
+            nf = 0;
+            let mut cont = false;
+            let mut stop = false;
+            let mut i1 = is;
+            while i1 < n_kv {
+                if self.cells.is_empty_cell(i1) || ids[i1] != absent {
+                    if n_moves == max_moves {
+                        stop = true;
+                        break;
+                    }
+                    cont = false;
+                    i1 += 1;
+                    continue;
+                }
+                ids[i1] = i0 + nf;
+                let moved = self.cells.get(i1);
+                self.cells.set_cell(i0 + nf, moved);
+                self.cells.set_cell(i1, Cell::default());
+                self.head = n_used as u32;
+                if !cont {
+                    n_moves += 1;
+                    cont = true;
+                }
+                nf += 1;
+                if nf == nh {
+                    break;
+                }
+                i1 += 1;
+            }
+            if stop || n_moves == max_moves {
+                break;
+            }
+            i0 += nh;
+        }
+        if n_moves == 0 {
+            return Vec::new();
+        }
+        runs(&ids)
+    }
+
+    /// Applies planned moves to every layer's K and V, in plan order.
+    pub fn apply_moves(&mut self, moves: &[CellMove]) -> Result<DefragReport> {
+        let lay = self.layout();
+        let mut report = DefragReport {
+            moves: moves.to_vec(),
+            ..DefragReport::default()
+        };
+        for m in moves {
+            report.cells_moved += m.len;
+            for layer in &mut self.layers {
+                layer.move_cells(lay, m.src as usize, m.dst as usize, m.len as usize)?;
+                report.bytes_copied += (m.len as u64) * (layer.k_row + layer.v_row) as u64;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Plans and applies a defrag now, whether or not one is pending; clears the pending flag.
+    pub fn defrag_now(&mut self, n_max_nodes: u32) -> Result<DefragReport> {
+        self.do_defrag = false;
+        let moves = self.defrag_plan(n_max_nodes);
+        self.apply_moves(&moves)
+    }
+
+    /// llama.cpp's scheduling rule: with `threshold > 0`, a defrag is due when `n >= 2048` and
+    /// `1 - (used + padding) / n > threshold`. Returns the fragmentation measured.
+    pub fn fragmentation(&self) -> f32 {
+        let n = self.n as f32;
+        if self.n < 2048 {
+            return 0.0;
+        }
+        (1.0 - (self.cells.used as f32 + self.params.padding() as f32) / n).max(0.0)
+    }
+
+    /// Schedules a defrag when [`KvCache::fragmentation`] exceeds `threshold` (> 0); returns
+    /// whether it did.
+    pub fn schedule_defrag(&mut self, threshold: f32) -> bool {
+        if threshold > 0.0 && self.fragmentation() > threshold {
+            self.defrag();
+            return self.do_defrag;
+        }
+        false
+    }
+}
+
+/// Turns the `ids` map (cell -> destination, `ids.len()` = not moved) into runs, as the graph
+/// builder does: consecutive sources going to consecutive destinations form one run.
+fn runs(ids: &[usize]) -> Vec<CellMove> {
+    let absent = ids.len();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        let id = ids[i];
+        if id == i || id == absent {
+            i += 1;
+            continue;
+        }
+        let mut nm = 1;
+        while i + nm < ids.len() && ids[i + nm] == id + nm {
+            nm += 1;
+        }
+        out.push(CellMove {
+            src: i as u32,
+            dst: id as u32,
+            len: nm as u32,
+        });
+        i += nm;
+    }
+    out
+}

@@ -1,0 +1,159 @@
+//! K-shift: rotating every cell's K by its accumulated position delta, as llama.cpp's shift
+//! graph does, followed by clearing the deltas. Also `update`, which applies a pending shift
+//! and a pending defrag in llama.cpp's order.
+
+use std::collections::HashMap;
+
+use crate::cache::KvCache;
+use crate::defrag::{DefragReport, DEFAULT_MAX_NODES};
+use crate::error::{KvError, Result};
+use crate::quant;
+use crate::rope::{RopeParams, RopeTable};
+use crate::storage::KvBuffer;
+
+/// RoPE parameters for the K-shift: one set for every layer, with optional per-layer
+/// replacements (e.g. sliding-window layers with another base frequency).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShiftParams {
+    /// Parameters of every layer without an override.
+    pub rope: RopeParams,
+    /// `(layer, parameters)` replacements.
+    pub per_layer: Vec<(u32, RopeParams)>,
+}
+
+impl ShiftParams {
+    fn for_layer(&self, il: u32) -> &RopeParams {
+        self.per_layer
+            .iter()
+            .find(|(l, _)| *l == il)
+            .map_or(&self.rope, |(_, p)| p)
+    }
+}
+
+/// What `update` did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UpdateReport {
+    /// Cells whose K rows were rotated (0 when no shift was applied).
+    pub shifted_cells: u32,
+    /// Whether a shift is still pending (positions changed but no RoPE parameters were given).
+    pub shift_pending: bool,
+    /// The defrag applied, if one was pending.
+    pub defrag: Option<DefragReport>,
+}
+
+/// Cells processed per staging chunk when a buffer is not in host memory.
+const STAGE_CELLS: usize = 256;
+
+/// Runs `f(cell, row_bytes)` on the rows of `cells` (ascending) of a row-per-cell buffer,
+/// directly on host memory or through a staging copy elsewhere.
+pub(crate) fn for_each_row(
+    buf: &mut dyn KvBuffer,
+    row: usize,
+    cells: &[usize],
+    mut f: impl FnMut(usize, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    if let Some(bytes) = buf.as_host_mut() {
+        for &c in cells {
+            f(c, &mut bytes[c * row..(c + 1) * row])?;
+        }
+        return Ok(());
+    }
+    let mut stage = Vec::new();
+    for chunk in cells.chunk_by(|a, b| b - a == 1) {
+        for part in chunk.chunks(STAGE_CELLS) {
+            stage.resize(part.len() * row, 0);
+            buf.read(part[0] * row, &mut stage)?;
+            for (k, &c) in part.iter().enumerate() {
+                f(c, &mut stage[k * row..(k + 1) * row])?;
+            }
+            buf.write(part[0] * row, &stage)?;
+        }
+    }
+    Ok(())
+}
+
+impl KvCache {
+    /// Rotates every cell's K by its delta and clears the deltas and the pending-shift flag.
+    /// Fails, changing nothing, when the cache cannot shift or the parameters do not fit.
+    pub fn apply_shift(&mut self, params: &ShiftParams) -> Result<u32> {
+        if !self.can_shift() {
+            return Err(KvError::Unsupported(if self.params.recurrent {
+                "K-shift is not possible on a recurrent cache".into()
+            } else {
+                "K-shift is disabled for this cache (canShift: false)".into()
+            }));
+        }
+        for il in 0..self.params.n_layer {
+            let p = params.for_layer(il);
+            p.validate()?;
+            let width = self.layers[il as usize].n_embd_k;
+            if p.row_len() != width {
+                return Err(KvError::InvalidArg(format!(
+                    "rope geometry headDim {} x nHead {} = {} does not match layer {il}'s K width {width}",
+                    p.head_dim,
+                    p.n_head,
+                    p.row_len()
+                )));
+            }
+        }
+        for &(il, _) in &params.per_layer {
+            if il >= self.params.n_layer {
+                return Err(KvError::OutOfRange(format!(
+                    "rope override for layer {il}: out of range [0, {})",
+                    self.params.n_layer
+                )));
+            }
+        }
+
+        let ty = self.params.type_k;
+        let size = self.params.size as usize;
+        let deltas: Vec<i32> = self.cells.delta_column().to_vec();
+        let mut shifted = 0u32;
+        for il in 0..self.params.n_layer {
+            let p = params.for_layer(il);
+            let zero = RopeTable::new(p, 0);
+            // llama.cpp rotates all cells; a rotation by 0 is the identity only when it does
+            // not scale (YaRN's mscale) and the type round-trips f32 exactly
+            let zero_is_identity = !ty.is_quantized() && zero.is_identity();
+            let cells: Vec<usize> = (0..size)
+                .filter(|&c| deltas[c] != 0 || !zero_is_identity)
+                .collect();
+            let mut tables: HashMap<i32, RopeTable> = HashMap::new();
+            let mut values = vec![0f32; p.row_len()];
+            let layer = &mut self.layers[il as usize];
+            let row = layer.k_row;
+            for_each_row(layer.k.as_mut(), row, &cells, |c, bytes| {
+                let table = tables
+                    .entry(deltas[c])
+                    .or_insert_with(|| RopeTable::new(p, deltas[c]));
+                quant::dequantize_row(ty, bytes, &mut values)?;
+                table.rotate(&mut values);
+                quant::quantize_row(ty, &values, bytes)
+            })?;
+            shifted = shifted.max(cells.len() as u32);
+        }
+        self.cells.with_columns(|c| c.delta.fill(0));
+        self.has_shift = false;
+        Ok(shifted)
+    }
+
+    /// llama.cpp's `kv_self_update`: applies a pending K-shift (when `shift` is given) and
+    /// then a pending defrag planned with `n_max_nodes` (default 65536).
+    pub fn update(
+        &mut self,
+        shift: Option<&ShiftParams>,
+        n_max_nodes: Option<u32>,
+    ) -> Result<UpdateReport> {
+        let mut report = UpdateReport::default();
+        if self.has_shift {
+            match shift {
+                Some(params) => report.shifted_cells = self.apply_shift(params)?,
+                None => report.shift_pending = true,
+            }
+        }
+        if self.do_defrag {
+            report.defrag = Some(self.defrag_now(n_max_nodes.unwrap_or(DEFAULT_MAX_NODES))?);
+        }
+        Ok(report)
+    }
+}

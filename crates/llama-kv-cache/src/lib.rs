@@ -1,0 +1,43 @@
+//! llama.cpp's unified KV cache (`llama_kv_cache_unified`, b4944) in pure Rust.
+//!
+//! The cache keeps the cell metadata (positions, deltas, sequence sets, recurrent tails) with
+//! the seed's exact semantics, places micro-batches (`find_slot`), runs the sequence operations,
+//! and owns the per-layer K/V tensors: it moves their data on defrag, rotates K on a K-shift,
+//! and reads and writes llama.cpp's state formats.
+//!
+//! ```
+//! use llama_kv_cache::{CacheParams, KvCache, UBatch};
+//! let mut cache = KvCache::new(CacheParams::new(64, 2, 32, 32)).unwrap();
+//! let slot = cache.find_slot(&UBatch::sequence(0, 0, 8)).unwrap().unwrap();
+//! assert_eq!((slot.head, cache.used_cells()), (0, 8));
+//! cache.seq_rm(0, 4, -1).unwrap();
+//! assert_eq!(cache.seq_pos_max(0).unwrap(), 3);
+//! ```
+
+mod cache;
+pub mod cells;
+mod defrag;
+mod error;
+mod ggml_type;
+mod kshift;
+mod params;
+pub mod quant;
+pub mod rope;
+mod seq_ops;
+mod slot;
+pub mod storage;
+mod ubatch;
+mod view;
+
+pub use cache::KvCache;
+pub use cells::{Cell, SeqSet, MAX_SEQ};
+pub use defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
+pub use error::{KvError, Result};
+pub use ggml_type::GgmlType;
+pub use kshift::{ShiftParams, UpdateReport};
+pub use params::CacheParams;
+pub use rope::{RopeParams, RopeTable, RopeType};
+pub use slot::{PrepareOptions, Slot};
+pub use storage::{Device, Tensor};
+pub use ubatch::UBatch;
+pub use view::CacheView;

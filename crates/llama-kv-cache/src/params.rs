@@ -1,0 +1,186 @@
+//! Construction parameters of a cache, with llama.cpp's defaults and its validity rules.
+
+use crate::cells::MAX_SEQ;
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+
+/// Hyper-parameters and context parameters that shape a cache (the seed's `hparams` + `cparams`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheParams {
+    /// Number of cells (`kv_size`, the context length).
+    pub size: u32,
+    /// Number of layers.
+    pub n_layer: u32,
+    /// K width per layer (`n_embd_k_gqa`): one value for every layer, or one per layer.
+    pub n_embd_k_gqa: Vec<u32>,
+    /// V width per layer (`n_embd_v_gqa`): one value for every layer, or one per layer.
+    pub n_embd_v_gqa: Vec<u32>,
+    /// Extra K width of recurrent models (`n_embd_k_s`), added to every layer.
+    pub n_embd_k_s: u32,
+    /// Extra V width of recurrent models (`n_embd_v_s`), added to every layer.
+    pub n_embd_v_s: u32,
+    /// Type of K.
+    pub type_k: GgmlType,
+    /// Type of V.
+    pub type_v: GgmlType,
+    /// Flash attention: V is stored untransposed and padding is 256.
+    pub flash_attn: bool,
+    /// Recurrent model (Mamba, RWKV): one cell per sequence state.
+    pub recurrent: bool,
+    /// Whether K-shift is possible (false for MLA models); always false when recurrent.
+    pub can_shift: bool,
+    /// Largest number of sequences (seq ids `0..n_seq_max`).
+    pub n_seq_max: u32,
+}
+
+impl CacheParams {
+    /// A transformer cache with f16 K/V, no flash attention, one sequence.
+    pub fn new(size: u32, n_layer: u32, n_embd_k_gqa: u32, n_embd_v_gqa: u32) -> CacheParams {
+        CacheParams {
+            size,
+            n_layer,
+            n_embd_k_gqa: vec![n_embd_k_gqa],
+            n_embd_v_gqa: vec![n_embd_v_gqa],
+            n_embd_k_s: 0,
+            n_embd_v_s: 0,
+            type_k: GgmlType::F16,
+            type_v: GgmlType::F16,
+            flash_attn: false,
+            recurrent: false,
+            can_shift: true,
+            n_seq_max: 1,
+        }
+    }
+
+    /// V is transposed when flash attention is off and the model is not recurrent.
+    pub fn v_trans(&self) -> bool {
+        !self.recurrent && !self.flash_attn
+    }
+
+    /// The seed's `get_padding`: 256 with flash attention, else 32.
+    pub fn padding(&self) -> u32 {
+        if self.flash_attn {
+            256
+        } else {
+            32
+        }
+    }
+
+    /// K width of layer `il` including the recurrent extra.
+    pub fn n_embd_k(&self, il: usize) -> usize {
+        per_layer(&self.n_embd_k_gqa, il) as usize + self.n_embd_k_s as usize
+    }
+
+    /// V width of layer `il` including the recurrent extra.
+    pub fn n_embd_v(&self, il: usize) -> usize {
+        per_layer(&self.n_embd_v_gqa, il) as usize + self.n_embd_v_s as usize
+    }
+
+    /// Checks every rule; the error names the offending value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(KvError::InvalidArg(m));
+        if self.size == 0 {
+            return bad("size must be at least 1 cell, got 0".into());
+        }
+        if self.n_layer == 0 {
+            return bad("nLayer must be at least 1, got 0".into());
+        }
+        if self.n_seq_max == 0 || self.n_seq_max as usize > MAX_SEQ {
+            return Err(KvError::OutOfRange(format!(
+                "nSeqMax must be in [1, {MAX_SEQ}], got {}",
+                self.n_seq_max
+            )));
+        }
+        if self.recurrent && self.n_seq_max > self.size {
+            return bad(format!(
+                "a recurrent cache needs a cell per sequence: nSeqMax {} > size {}",
+                self.n_seq_max, self.size
+            ));
+        }
+        for (name, widths) in [
+            ("nEmbdKGqa", &self.n_embd_k_gqa),
+            ("nEmbdVGqa", &self.n_embd_v_gqa),
+        ] {
+            if widths.len() != 1 && widths.len() != self.n_layer as usize {
+                return bad(format!(
+                    "{name} must hold 1 or nLayer ({}) widths, got {}",
+                    self.n_layer,
+                    widths.len()
+                ));
+            }
+        }
+        if self.type_v.is_quantized() && self.v_trans() {
+            return bad(format!(
+                "quantized V ({}) needs flash attention (V is transposed without it)",
+                self.type_v
+            ));
+        }
+        for il in 0..self.n_layer as usize {
+            for (name, width, ty) in [
+                ("K", self.n_embd_k(il), self.type_k),
+                ("V", self.n_embd_v(il), self.type_v),
+            ] {
+                if width == 0 {
+                    return bad(format!("layer {il}: {name} width is 0"));
+                }
+                if width % ty.block_size() != 0 {
+                    return bad(format!(
+                        "layer {il}: {name} width {width} is not a multiple of {ty}'s block size {}",
+                        ty.block_size()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn per_layer(widths: &[u32], il: usize) -> u32 {
+    if widths.len() == 1 {
+        widths[0]
+    } else {
+        widths[il]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_quantized_v_without_flash_attention() {
+        let mut p = CacheParams::new(64, 2, 64, 64);
+        p.type_v = GgmlType::Q8_0;
+        assert!(p.validate().unwrap_err().to_string().contains("q8_0"));
+        p.flash_attn = true;
+        assert!(p.validate().is_ok());
+    }
+
+    #[test]
+    fn rejects_width_not_multiple_of_block() {
+        let mut p = CacheParams::new(64, 2, 48, 64);
+        p.type_k = GgmlType::Q4_0;
+        p.flash_attn = true;
+        assert!(p.validate().unwrap_err().to_string().contains("48"));
+    }
+
+    #[test]
+    fn rejects_zero_size_and_bad_seq_limit() {
+        assert!(CacheParams::new(0, 1, 8, 8).validate().is_err());
+        let mut p = CacheParams::new(8, 1, 8, 8);
+        p.n_seq_max = 65;
+        assert!(p.validate().is_err());
+        p.n_seq_max = 0;
+        assert!(p.validate().is_err());
+    }
+
+    #[test]
+    fn per_layer_widths_must_match_layer_count() {
+        let mut p = CacheParams::new(8, 3, 8, 8);
+        p.n_embd_k_gqa = vec![8, 16];
+        assert!(p.validate().is_err());
+        p.n_embd_k_gqa = vec![8, 16, 8];
+        assert!(p.validate().is_ok());
+        assert_eq!(p.n_embd_k(1), 16);
+    }
+}

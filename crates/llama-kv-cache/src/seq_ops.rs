@@ -1,0 +1,278 @@
+//! The seed's sequence operations: `seq_rm`, `seq_cp`, `seq_keep`, `seq_add`, `seq_div`,
+//! `seq_pos_max`, each with its transformer and recurrent branch.
+//!
+//! Position ranges are `[p0, p1)`; a negative `p0` means 0 and a negative `p1` means "to the end".
+//! Sequence ids are validated up front, so a refused call leaves the cache untouched.
+
+use crate::cache::KvCache;
+use crate::cells::{Cell, SeqSet};
+use crate::error::{KvError, Result};
+
+fn open_range(p0: i32, p1: i32) -> (i32, i32) {
+    (p0.max(0), if p1 < 0 { i32::MAX } else { p1 })
+}
+
+impl KvCache {
+    /// Removes `seq` (or every sequence, with -1) from the cells with positions in `[p0, p1)`,
+    /// freeing cells left without a sequence. Returns false, changing nothing, when a recurrent
+    /// cache is asked to erase part of a sequence's state.
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        if seq != -1 {
+            self.check_seq("seqRm", seq)?;
+        }
+        let (p0, p1) = open_range(p0, p1);
+        if self.params.recurrent {
+            if seq >= 0 {
+                let tail = self.cells.tail(seq as usize);
+                if tail >= 0 {
+                    let pos = self.cells.pos(tail as usize);
+                    // a partial intersection would leave half a state
+                    if (0 < p0 && p0 <= pos) || (0 < p1 && p1 <= pos) {
+                        return Ok(false);
+                    }
+                    if p0 <= pos && pos < p1 {
+                        self.cells.set_tail(seq as usize, -1);
+                    }
+                }
+            } else if p0 != p1 && (p0 != 0 || p1 != i32::MAX) {
+                return Ok(false);
+            }
+        }
+        let size = self.params.size;
+        let mut new_head = size;
+        let mut used = self.cells.used;
+        self.cells.with_columns(|c| {
+            for i in 0..c.pos.len() {
+                let pos = c.pos[i];
+                if pos < p0 || pos >= p1 {
+                    continue;
+                }
+                if seq < 0 {
+                    c.seqs[i] = SeqSet::EMPTY;
+                } else if c.seqs[i].contains(seq as usize) {
+                    c.seqs[i].remove(seq as usize);
+                } else {
+                    continue;
+                }
+                if c.seqs[i].is_empty() {
+                    if pos >= 0 {
+                        used = used.wrapping_sub(1);
+                    }
+                    c.pos[i] = -1;
+                    c.src[i] = -1;
+                    if new_head == size {
+                        new_head = i as u32;
+                    }
+                }
+            }
+        });
+        self.cells.used = used;
+        if new_head != size && new_head < self.head {
+            self.head = new_head;
+        }
+        Ok(true)
+    }
+
+    /// Adds `dst` to every cell of `src` with a position in `[p0, p1)`. Recurrent caches share
+    /// the source's state cell instead (the range is ignored, as in the seed).
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        let s = self.check_seq("seqCp source", src)?;
+        let d = self.check_seq("seqCp destination", dst)?;
+        if s == d {
+            return Ok(());
+        }
+        let (p0, p1) = open_range(p0, p1);
+        if self.params.recurrent {
+            let dst_tail = self.cells.tail(d);
+            if dst_tail >= 0 {
+                let cell = dst_tail as usize;
+                self.cells.remove_seq(cell, d);
+                self.cells.set_tail(d, -1);
+                if self.cells.is_empty_cell(cell) {
+                    self.cells.set_pos(cell, -1);
+                    // the seed writes -1 into delta here (not 0); kept for fidelity
+                    self.cells.set_delta(cell, -1);
+                    self.cells.set_src(cell, -1);
+                    self.cells.used = self.cells.used.wrapping_sub(1);
+                }
+            }
+            let src_tail = self.cells.tail(s);
+            if src_tail >= 0 {
+                self.cells.insert_seq(src_tail as usize, d);
+                self.cells.set_tail(d, src_tail);
+            }
+            return Ok(());
+        }
+        self.head = 0;
+        self.cells
+            .bulk_update(SeqSet::single(s), p0, p1, |_, _, _, seqs| seqs.insert(d));
+        Ok(())
+    }
+
+    /// Frees every cell that does not hold `seq` and removes all other sequences from the rest.
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        let keep = self.check_seq("seqKeep", seq)?;
+        let size = self.params.size;
+        let recurrent = self.params.recurrent;
+        let mut new_head = size;
+        let mut used = self.cells.used;
+        self.cells.with_columns(|c| {
+            for i in 0..c.pos.len() {
+                if recurrent && i != keep {
+                    c.tail[i] = -1;
+                }
+                if !c.seqs[i].contains(keep) {
+                    if c.pos[i] >= 0 {
+                        used = used.wrapping_sub(1);
+                    }
+                    c.pos[i] = -1;
+                    c.src[i] = -1;
+                    c.seqs[i] = SeqSet::EMPTY;
+                    if new_head == size {
+                        new_head = i as u32;
+                    }
+                } else {
+                    c.seqs[i] = SeqSet::single(keep);
+                }
+            }
+        });
+        self.cells.used = used;
+        if new_head != size && new_head < self.head {
+            self.head = new_head;
+        }
+        Ok(())
+    }
+
+    /// Adds `delta` to the positions of `seq` in `[p0, p1)` and records it for the K-shift;
+    /// cells pushed below position 0 are freed. The search head moves to the first freed cell,
+    /// or to 0.
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        let s = self.check_seq("seqAdd", seq)?;
+        if delta == 0 {
+            return Ok(());
+        }
+        let (p0, p1) = open_range(p0, p1);
+        if p0 == p1 {
+            return Ok(());
+        }
+        if self.params.recurrent {
+            let tail = self.cells.tail(s);
+            if tail >= 0 {
+                let cell = tail as usize;
+                let pos = self.cells.pos(cell);
+                if self.cells.seqs(cell).contains(s) && p0 <= pos && pos < p1 {
+                    let new = pos
+                        .checked_add(delta)
+                        .ok_or_else(|| overflow(seq, pos, delta))?;
+                    self.cells.set_pos(cell, new);
+                }
+            }
+            return Ok(());
+        }
+        if let Some(max) = self.cells.seq_pos_max(s) {
+            if delta > 0 && max.checked_add(delta).is_none() {
+                return Err(overflow(seq, max, delta));
+            }
+        }
+        let size = self.params.size;
+        let mut new_head = size;
+        let mut used = self.cells.used;
+        let mut shifted = false;
+        self.cells
+            .bulk_update(SeqSet::single(s), p0, p1, |i, pos, cell_delta, seqs| {
+                shifted = true;
+                *pos += delta;
+                *cell_delta = cell_delta.wrapping_add(delta);
+                if *pos < 0 {
+                    if !seqs.is_empty() {
+                        used = used.wrapping_sub(1);
+                    }
+                    *pos = -1;
+                    *seqs = SeqSet::EMPTY;
+                    if new_head == size {
+                        new_head = i as u32;
+                    }
+                }
+            });
+        self.has_shift |= shifted;
+        self.cells.used = used;
+        self.head = if new_head != size { new_head } else { 0 };
+        Ok(())
+    }
+
+    /// Divides the positions of `seq` in `[p0, p1)` by `d` (integer division, as self-extend
+    /// does) and records the change for the K-shift. `d` must be positive.
+    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        let s = self.check_seq("seqDiv", seq)?;
+        if d <= 0 {
+            return Err(KvError::InvalidArg(format!(
+                "seqDiv: divisor must be a positive integer, got {d}"
+            )));
+        }
+        if d == 1 {
+            return Ok(());
+        }
+        let (p0, p1) = open_range(p0, p1);
+        if p0 == p1 {
+            return Ok(());
+        }
+        if self.params.recurrent {
+            let tail = self.cells.tail(s);
+            if tail >= 0 {
+                let cell = tail as usize;
+                let pos = self.cells.pos(cell);
+                if self.cells.seqs(cell).contains(s) && p0 <= pos && pos < p1 {
+                    self.cells.set_pos(cell, pos / d);
+                }
+            }
+            return Ok(());
+        }
+        let mut shifted = false;
+        self.cells
+            .bulk_update(SeqSet::single(s), p0, p1, |_, pos, cell_delta, _| {
+                shifted = true;
+                let old = *pos;
+                *pos /= d;
+                *cell_delta = cell_delta.wrapping_add(*pos - old);
+            });
+        self.has_shift |= shifted;
+        Ok(())
+    }
+
+    /// Largest position of `seq`. As in the seed, a sequence with no cells gives 0, not -1
+    /// (use [`KvCache::seq_cell_count`] to tell an empty sequence apart). O(1).
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        let s = self.check_seq("seqPosMax", seq)?;
+        Ok(self.cells.seq_pos_max(s).unwrap_or(0).max(0))
+    }
+
+    /// Number of cells holding `seq`. O(1).
+    pub fn seq_cell_count(&self, seq: i32) -> Result<u32> {
+        let s = self.check_seq("seqCellCount", seq)?;
+        Ok(self.cells.seq_cell_count(s))
+    }
+
+    /// Schedules a defrag for the next `update` (ignored by recurrent caches, as in the seed).
+    pub fn defrag(&mut self) {
+        if !self.params.recurrent {
+            self.do_defrag = true;
+        }
+    }
+
+    /// A copy of cell `i`.
+    pub fn cell(&self, i: u32) -> Result<Cell> {
+        if i >= self.params.size {
+            return Err(KvError::OutOfRange(format!(
+                "cell {i} is out of range [0, {})",
+                self.params.size
+            )));
+        }
+        Ok(self.cells.get(i as usize))
+    }
+}
+
+fn overflow(seq: i32, pos: i32, delta: i32) -> KvError {
+    KvError::OutOfRange(format!(
+        "seqAdd: position {pos} of seq {seq} plus delta {delta} overflows a 32-bit position"
+    ))
+}

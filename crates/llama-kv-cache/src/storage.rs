@@ -1,0 +1,374 @@
+//! Where the K and V tensors live: a byte-addressed buffer interface, host memory behind it, and
+//! the per-layer tensor geometry (row sizes, the transposed-V layout).
+
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+
+/// Where a buffer's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// Host memory.
+    Host,
+    /// CUDA device memory on the given ordinal.
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Host => f.write_str("host"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// One tensor's bytes. Offsets and lengths are in bytes; callers check bounds first, and
+/// implementations return an error rather than panic if they are wrong anyway.
+pub trait KvBuffer: Send + Sync {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// Whether the buffer holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the bytes live.
+    fn device(&self) -> Device;
+    /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` into the buffer at `offset`.
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies `len` bytes from `src` to `dst` inside the buffer (ranges may overlap).
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()>;
+    /// Sets every byte to zero.
+    fn fill_zero(&mut self) -> Result<()>;
+    /// `rows` strided copies inside the buffer: row `r` copies `width` bytes from
+    /// `src + r * pitch` to `dst + r * pitch`. Transposed V moves are this shape; a device backend
+    /// can do it as one 2D copy.
+    fn copy_within_2d(
+        &mut self,
+        src: usize,
+        dst: usize,
+        width: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<()> {
+        for r in 0..rows {
+            self.copy_within(src + r * pitch, dst + r * pitch, width)?;
+        }
+        Ok(())
+    }
+    /// Reads `rows` strided pieces of `width` bytes (`offset + r * pitch`) into `dst`, packed.
+    fn read_2d(&self, offset: usize, width: usize, pitch: usize, dst: &mut [u8]) -> Result<()> {
+        for (r, chunk) in dst.chunks_exact_mut(width.max(1)).enumerate() {
+            self.read(offset + r * pitch, chunk)?;
+        }
+        Ok(())
+    }
+    /// Writes packed `src` as strided pieces of `width` bytes at `offset + r * pitch`.
+    fn write_2d(&mut self, offset: usize, width: usize, pitch: usize, src: &[u8]) -> Result<()> {
+        for (r, chunk) in src.chunks_exact(width.max(1)).enumerate() {
+            self.write(offset + r * pitch, chunk)?;
+        }
+        Ok(())
+    }
+    /// The bytes, when they are in host memory (fast paths skip the copy through `read`).
+    fn as_host(&self) -> Option<&[u8]> {
+        None
+    }
+    /// Mutable host bytes, when they are in host memory.
+    fn as_host_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+}
+
+/// A zero-initialised buffer in host memory.
+pub struct HostBuffer {
+    bytes: Vec<u8>,
+}
+
+impl HostBuffer {
+    /// Allocates `len` zero bytes, reporting allocation failure as an error instead of aborting.
+    pub fn new(len: usize) -> Result<HostBuffer> {
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(len)
+            .map_err(|_| KvError::Backend(format!("cannot allocate {len} bytes of host memory")))?;
+        bytes.resize(len, 0);
+        Ok(HostBuffer { bytes })
+    }
+}
+
+fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(KvError::OutOfRange(format!(
+            "{what} of {len} bytes at offset {offset} exceeds the buffer size {size}"
+        ))),
+    }
+}
+
+impl KvBuffer for HostBuffer {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn device(&self) -> Device {
+        Device::Host
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        check_range("read", offset, dst.len(), self.bytes.len())?;
+        dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        check_range("write", offset, src.len(), self.bytes.len())?;
+        self.bytes[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        check_range("copy source", src, len, self.bytes.len())?;
+        check_range("copy destination", dst, len, self.bytes.len())?;
+        self.bytes.copy_within(src..src + len, dst);
+        Ok(())
+    }
+
+    fn fill_zero(&mut self) -> Result<()> {
+        self.bytes.fill(0);
+        Ok(())
+    }
+
+    fn as_host(&self) -> Option<&[u8]> {
+        Some(&self.bytes)
+    }
+
+    fn as_host_mut(&mut self) -> Option<&mut [u8]> {
+        Some(&mut self.bytes)
+    }
+}
+
+/// Allocates the buffer of one tensor: `(layer, is_v, bytes) -> buffer`. Lets a cache put layers
+/// on different devices.
+pub type Allocator<'a> = dyn FnMut(usize, bool, usize) -> Result<Box<dyn KvBuffer>> + 'a;
+
+/// The host allocator.
+pub fn host_allocator(_layer: usize, _is_v: bool, len: usize) -> Result<Box<dyn KvBuffer>> {
+    Ok(Box::new(HostBuffer::new(len)?))
+}
+
+/// The K and V tensors of one layer and their geometry.
+pub struct LayerTensors {
+    /// K: one row of `k_row` bytes per cell.
+    pub k: Box<dyn KvBuffer>,
+    /// V: one row per cell, or transposed (`n_embd_v` rows of `size` elements).
+    pub v: Box<dyn KvBuffer>,
+    /// K width in elements (`n_embd_k_gqa + n_embd_k_s`).
+    pub n_embd_k: usize,
+    /// V width in elements (`n_embd_v_gqa + n_embd_v_s`).
+    pub n_embd_v: usize,
+    /// Bytes of one K row.
+    pub k_row: usize,
+    /// Bytes of one V row (untransposed).
+    pub v_row: usize,
+}
+
+/// Which of a layer's two tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tensor {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+impl std::fmt::Display for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Tensor::K => "K",
+            Tensor::V => "V",
+        })
+    }
+}
+
+/// Geometry shared by all layers of a cache, needed to address V.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    /// Cells in the cache.
+    pub size: usize,
+    /// V stored transposed.
+    pub v_trans: bool,
+    /// Element size of V (the type size; transposed V is never quantized).
+    pub v_el: usize,
+}
+
+impl LayerTensors {
+    /// Allocates the tensors of layer `il`.
+    pub fn allocate(
+        il: usize,
+        n_embd_k: usize,
+        n_embd_v: usize,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        size: usize,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<LayerTensors> {
+        let k_row = type_k.row_size(n_embd_k)?;
+        let v_row = type_v.row_size(n_embd_v)?;
+        let too_big = || KvError::InvalidArg(format!("layer {il}: tensor size overflows"));
+        let k = alloc(il, false, k_row.checked_mul(size).ok_or_else(too_big)?)?;
+        let v = alloc(il, true, v_row.checked_mul(size).ok_or_else(too_big)?)?;
+        Ok(LayerTensors {
+            k,
+            v,
+            n_embd_k,
+            n_embd_v,
+            k_row,
+            v_row,
+        })
+    }
+
+    /// Row size in bytes of `which`.
+    pub fn row_size(&self, which: Tensor) -> usize {
+        match which {
+            Tensor::K => self.k_row,
+            Tensor::V => self.v_row,
+        }
+    }
+
+    /// Reads the rows of cells `[first, first + n)` of `which`, one packed row per cell
+    /// (transposed V is gathered back into rows).
+    pub fn read_rows(&self, which: Tensor, lay: Layout, first: usize, n: usize) -> Result<Vec<u8>> {
+        let row = self.row_size(which);
+        let mut out = vec![0u8; row * n];
+        if which == Tensor::V && lay.v_trans {
+            let mut column = vec![0u8; n * lay.v_el];
+            for j in 0..self.n_embd_v {
+                self.v
+                    .read((first + j * lay.size) * lay.v_el, &mut column)?;
+                for (c, el) in column.chunks_exact(lay.v_el).enumerate() {
+                    out[c * row + j * lay.v_el..c * row + (j + 1) * lay.v_el].copy_from_slice(el);
+                }
+            }
+        } else {
+            self.buffer(which).read(first * row, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes packed rows (one per cell) to cells `[first, first + rows.len() / row)`.
+    pub fn write_rows(
+        &mut self,
+        which: Tensor,
+        lay: Layout,
+        first: usize,
+        rows: &[u8],
+    ) -> Result<()> {
+        let row = self.row_size(which);
+        let n = rows.len() / row;
+        if which == Tensor::V && lay.v_trans {
+            let mut column = vec![0u8; n * lay.v_el];
+            for j in 0..self.n_embd_v {
+                for (c, el) in column.chunks_exact_mut(lay.v_el).enumerate() {
+                    el.copy_from_slice(&rows[c * row + j * lay.v_el..c * row + (j + 1) * lay.v_el]);
+                }
+                self.v.write((first + j * lay.size) * lay.v_el, &column)?;
+            }
+            Ok(())
+        } else {
+            self.buffer_mut(which).write(first * row, rows)
+        }
+    }
+
+    /// Moves `n` cells' data from cell `src` to cell `dst` in both tensors.
+    pub fn move_cells(&mut self, lay: Layout, src: usize, dst: usize, n: usize) -> Result<()> {
+        self.k
+            .copy_within(src * self.k_row, dst * self.k_row, n * self.k_row)?;
+        if lay.v_trans {
+            self.v.copy_within_2d(
+                src * lay.v_el,
+                dst * lay.v_el,
+                n * lay.v_el,
+                lay.size * lay.v_el,
+                self.n_embd_v,
+            )
+        } else {
+            self.v
+                .copy_within(src * self.v_row, dst * self.v_row, n * self.v_row)
+        }
+    }
+
+    /// The buffer of `which`.
+    pub fn buffer(&self, which: Tensor) -> &dyn KvBuffer {
+        match which {
+            Tensor::K => self.k.as_ref(),
+            Tensor::V => self.v.as_ref(),
+        }
+    }
+
+    /// The buffer of `which`, mutable.
+    pub fn buffer_mut(&mut self, which: Tensor) -> &mut dyn KvBuffer {
+        match which {
+            Tensor::K => self.k.as_mut(),
+            Tensor::V => self.v.as_mut(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(v_trans: bool) -> (LayerTensors, Layout) {
+        let lay = Layout {
+            size: 4,
+            v_trans,
+            v_el: 2,
+        };
+        let l = LayerTensors::allocate(
+            0,
+            2,
+            3,
+            GgmlType::F16,
+            GgmlType::F16,
+            4,
+            &mut host_allocator,
+        )
+        .unwrap();
+        (l, lay)
+    }
+
+    #[test]
+    fn transposed_v_round_trips_rows_and_lays_columns_out() {
+        let (mut l, lay) = layer(true);
+        let rows: Vec<u8> = (1..=12).collect(); // 2 cells x 3 elements x 2 bytes
+        l.write_rows(Tensor::V, lay, 1, &rows).unwrap();
+        assert_eq!(l.read_rows(Tensor::V, lay, 1, 2).unwrap(), rows);
+        let raw = l.v.as_host().unwrap();
+        // element j of cell c sits at (c + j * size) * el
+        assert_eq!(&raw[2..4], &[1, 2]); // cell 1, j 0
+        assert_eq!(&raw[4..6], &[7, 8]); // cell 2, j 0
+        assert_eq!(&raw[(1 + 4) * 2..(1 + 4) * 2 + 2], &[3, 4]); // cell 1, j 1
+    }
+
+    #[test]
+    fn move_cells_moves_both_layouts() {
+        for v_trans in [false, true] {
+            let (mut l, lay) = layer(v_trans);
+            let rows: Vec<u8> = (1..=6).collect();
+            l.write_rows(Tensor::V, lay, 3, &rows).unwrap();
+            l.write_rows(Tensor::K, lay, 3, &[9, 9, 9, 9]).unwrap();
+            l.move_cells(lay, 3, 0, 1).unwrap();
+            assert_eq!(l.read_rows(Tensor::V, lay, 0, 1).unwrap(), rows);
+            assert_eq!(l.read_rows(Tensor::K, lay, 0, 1).unwrap(), vec![9, 9, 9, 9]);
+        }
+    }
+
+    #[test]
+    fn out_of_range_is_an_error() {
+        let mut b = HostBuffer::new(8).unwrap();
+        assert!(b.write(6, &[0; 4]).is_err());
+        assert!(b.copy_within(0, usize::MAX, 2).is_err());
+    }
+}

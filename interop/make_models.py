@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Write tiny random-weight GGUF models that real llama.cpp builds load on CPU.
+
+Deterministic: fixed seeds, fixed metadata, F32 weights. Output goes to
+interop/models/ (gitignored). Run:  python interop/make_models.py [out_dir]
+
+Models
+  llama-h16.gguf  llama, 2 layers, n_embd 64,  n_head 4, n_head_kv 2 (head_dim 16), n_ff 128
+  llama-h32.gguf  llama, 2 layers, n_embd 128, n_head 4, n_head_kv 2 (head_dim 32), n_ff 128
+  mamba.gguf      mamba, 2 layers, n_embd 64, d_inner 128, d_state 16, d_conv 4, dt_rank 4
+
+Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
+  0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
+  34 word pieces (16 words with the \u2581 space marker, plus their prefixes) and 27 letters.
+The output rows of tokens 0..258 are zero, so greedy decoding always picks a
+word/letter piece (never EOS or a raw byte), which keeps the next-token checks readable.
+The byte tokens make byte fallback work for any input text (llama.cpp's SPM
+tokenizer throws on a missing byte token), so the peers can tokenize anything.
+"""
+import os
+import sys
+
+import numpy as np
+import gguf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CTX = 256
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "big",
+         "red", "and", "is", "it", "in", "of"]
+LETTERS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581"]  # 27
+N_SPECIAL = 3 + 256  # <unk> <s> </s> + byte tokens
+
+
+def word_pieces():
+    """'\u2581'+word and every prefix of it (>= 2 chars): llama.cpp's SPM tokenizer
+    merges adjacent pairs only into pieces that exist, so the prefixes must exist."""
+    out = []
+    for w in WORDS:
+        full = "\u2581" + w
+        for n in range(2, len(full) + 1):
+            if full[:n] not in out:
+                out.append(full[:n])
+    return out
+
+
+def build_vocab():
+    tokens, scores, types = [], [], []
+    T = gguf.TokenType
+
+    def add(text, score, ttype):
+        tokens.append(text.encode("utf-8"))
+        scores.append(float(score))
+        types.append(int(ttype))
+
+    add("<unk>", 0.0, T.UNKNOWN)
+    add("<s>", 0.0, T.CONTROL)
+    add("</s>", 0.0, T.CONTROL)
+    for b in range(256):
+        add("<0x%02X>" % b, 0.0, T.BYTE)
+    # whole words with the SPM space marker: high scores so they win merges
+    for i, p in enumerate(word_pieces()):
+        add(p, -1.0 - 0.01 * i, T.NORMAL)
+    for i, c in enumerate(LETTERS):
+        add(c, -10.0 - 0.01 * i, T.NORMAL)
+    assert len(tokens) == len(set(tokens))
+    return tokens, scores, types
+
+
+def add_tokenizer(w):
+    tokens, scores, types = build_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(True)
+    return len(tokens)
+
+
+def rnd(rng, shape, std):
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def out_weight(rng, n_vocab, n_embd):
+    o = rnd(rng, (n_vocab, n_embd), 0.5)
+    o[:N_SPECIAL] = 0.0  # special + byte tokens never win greedy sampling
+    return o
+
+
+def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(os.path.splitext(os.path.basename(path))[0])
+    w.add_context_length(CTX)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = add_tokenizer(w)
+    w.add_vocab_size(n_vocab)
+
+    # numpy shape is (rows, cols) = ggml ne reversed
+    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
+        w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+        w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+        w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+    finish(w)
+
+
+def write_mamba(path, n_embd, d_inner, d_state, d_conv, dt_rank, n_layer, seed):
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "mamba")
+    w.add_name("mamba")
+    w.add_context_length(CTX)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = add_tokenizer(w)
+    w.add_vocab_size(n_vocab)
+
+    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner, n_embd), 0.1))
+        w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (d_inner, d_conv), 0.3))
+        w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (d_inner,), 0.05))
+        w.add_tensor(p + "ssm_x.weight", rnd(rng, (dt_rank + 2 * d_state, d_inner), 0.1))
+        w.add_tensor(p + "ssm_dt.weight", rnd(rng, (d_inner, dt_rank), 0.3))
+        w.add_tensor(p + "ssm_dt.bias", rnd(rng, (d_inner,), 0.1) - 2.0)
+        # A = -exp(A_log), A_log = log(1..d_state) as in Mamba's init
+        a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
+        w.add_tensor(p + "ssm_a", a.astype(np.float32))
+        w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+        w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+    finish(w)
+
+
+def finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "models")
+    os.makedirs(out, exist_ok=True)
+    write_llama(os.path.join(out, "llama-h16.gguf"), 64, 4, 2, 128, 2, seed=16)
+    write_llama(os.path.join(out, "llama-h32.gguf"), 128, 4, 2, 128, 2, seed=32)
+    write_mamba(os.path.join(out, "mamba.gguf"), 64, 128, 16, 4, 4, 2, seed=64)
+    # shared vocab, for mapping the peers' token strings back to ids
+    import json
+    tokens, _, types = build_vocab()
+    with open(os.path.join(out, "vocab.json"), "w") as f:
+        json.dump({"tokens": [t.decode("utf-8") for t in tokens], "types": types}, f)
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".gguf"):
+            print(f, os.path.getsize(os.path.join(out, f)))
+
+
+if __name__ == "__main__":
+    main()
