@@ -1,0 +1,176 @@
+//! Property tests: random operation sequences applied to the cache and to a deliberately simple
+//! model of the seed (`common/reference.rs`), compared after every step.
+
+mod common;
+
+use common::reference::RefCache;
+use llama_kv_cache::{CacheParams, KvCache, UBatch};
+use proptest::prelude::*;
+
+const N_SEQ: i32 = 4;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Place {
+        pos: Vec<i32>,
+        seqs: Vec<Vec<i32>>,
+        n_seq_tokens: usize,
+    },
+    Rm(i32, i32, i32),
+    Cp(i32, i32, i32, i32),
+    Keep(i32),
+    Add(i32, i32, i32, i32),
+    Div(i32, i32, i32, i32),
+    Clear,
+}
+
+fn seq_list() -> impl Strategy<Value = Vec<i32>> {
+    prop::collection::btree_set(0..N_SEQ, 1..=2).prop_map(|s| s.into_iter().collect())
+}
+
+fn transformer_op() -> impl Strategy<Value = Op> {
+    let range = (-1..40i32, -1..48i32);
+    prop_oneof![
+        4 => prop::collection::vec((0..48i32, seq_list()), 1..6).prop_map(|toks| {
+            let (pos, seqs) = toks.into_iter().unzip();
+            Op::Place { pos, seqs, n_seq_tokens: 1 }
+        }),
+        2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
+        1 => (0..N_SEQ, 0..N_SEQ, range.clone()).prop_map(|(s, d, (a, b))| Op::Cp(s, d, a, b)),
+        1 => (0..N_SEQ).prop_map(Op::Keep),
+        2 => (0..N_SEQ, range.clone(), -20..20i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        1 => (0..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+        1 => Just(Op::Clear),
+    ]
+}
+
+fn recurrent_op() -> impl Strategy<Value = Op> {
+    let range = (-1..40i32, -1..48i32);
+    prop_oneof![
+        4 => (prop::collection::btree_set(0..N_SEQ, 1..=3), 1..4usize, 0..30i32, prop::option::of(0..N_SEQ))
+            .prop_map(|(firsts, len, p0, extra)| {
+                let firsts: Vec<i32> = firsts.into_iter().collect();
+                let seqs: Vec<Vec<i32>> = firsts.iter().enumerate().map(|(g, &s)| {
+                    match extra {
+                        // a group shared with another sequence (not a first id of another group)
+                        Some(e) if g == 0 && !firsts.contains(&e) => vec![s, e],
+                        _ => vec![s],
+                    }
+                }).collect();
+                let pos = seqs.iter().flat_map(|_| (0..len as i32).map(move |k| p0 + k)).collect();
+                Op::Place { pos, seqs, n_seq_tokens: len }
+            }),
+        2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
+        1 => (0..N_SEQ, 0..N_SEQ).prop_map(|(s, d)| Op::Cp(s, d, -1, -1)),
+        1 => (0..N_SEQ).prop_map(Op::Keep),
+        1 => (0..N_SEQ, range.clone(), -5..5i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        1 => (0..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+        1 => Just(Op::Clear),
+    ]
+}
+
+fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
+    match op {
+        Op::Place {
+            pos,
+            seqs,
+            n_seq_tokens,
+        } => {
+            let ub = UBatch {
+                pos: pos.clone(),
+                n_seq_tokens: *n_seq_tokens as u32,
+                seq_ids: seqs.clone(),
+            };
+            let got = cache.find_slot(&ub).unwrap().map(|s| s.head);
+            let want = model.find_slot(pos, seqs, *n_seq_tokens);
+            assert_eq!(got, want, "find_slot result");
+        }
+        Op::Rm(s, a, b) => assert_eq!(cache.seq_rm(*s, *a, *b).unwrap(), model.seq_rm(*s, *a, *b)),
+        Op::Cp(s, d, a, b) => {
+            cache.seq_cp(*s, *d, *a, *b).unwrap();
+            model.seq_cp(*s, *d, *a, *b);
+        }
+        Op::Keep(s) => {
+            cache.seq_keep(*s).unwrap();
+            model.seq_keep(*s);
+        }
+        Op::Add(s, a, b, d) => {
+            cache.seq_add(*s, *a, *b, *d).unwrap();
+            model.seq_add(*s, *a, *b, *d);
+        }
+        Op::Div(s, a, b, d) => {
+            cache.seq_div(*s, *a, *b, *d).unwrap();
+            model.seq_div(*s, *a, *b, *d);
+        }
+        Op::Clear => {
+            cache.clear().unwrap();
+            model.clear();
+        }
+    }
+}
+
+fn compare(cache: &KvCache, model: &RefCache, step: usize) {
+    for (i, m) in model.cells.iter().enumerate() {
+        let c = cache.cell(i as u32).unwrap();
+        let seqs: Vec<i32> = c.seqs.iter().map(|s| s as i32).collect();
+        let want: Vec<i32> = m.seq.iter().copied().collect();
+        assert_eq!(
+            (c.pos, c.delta, c.src, c.tail, seqs),
+            (m.pos, m.delta, m.src, m.tail, want),
+            "cell {i} after step {step}"
+        );
+    }
+    assert_eq!(cache.used_cells(), model.used, "used after step {step}");
+    assert_eq!(cache.head(), model.head, "head after step {step}");
+    assert_eq!(
+        cache.n_tokens(),
+        model.n_tokens(),
+        "n_tokens after step {step}"
+    );
+    assert_eq!(
+        cache.cell_max(),
+        model.cell_max(),
+        "cell_max after step {step}"
+    );
+    assert_eq!(
+        cache.has_shift(),
+        model.has_shift,
+        "has_shift after step {step}"
+    );
+    for s in 0..N_SEQ {
+        assert_eq!(
+            cache.seq_pos_max(s).unwrap(),
+            model.seq_pos_max(s),
+            "seq_pos_max({s}) after step {step}"
+        );
+    }
+    if model.recurrent {
+        assert_eq!(cache.n(), model.n, "n after step {step}");
+    }
+}
+
+fn run(size: u32, recurrent: bool, ops: &[Op]) {
+    let mut params = CacheParams::new(size, 1, 8, 8);
+    params.n_seq_max = N_SEQ as u32;
+    params.recurrent = recurrent;
+    let mut cache = KvCache::new(params).unwrap();
+    let mut model = RefCache::new(size, recurrent);
+    for (step, op) in ops.iter().enumerate() {
+        apply(&mut cache, &mut model, op);
+        compare(&cache, &model, step);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn transformer_matches_the_seed_model(size in 8u32..40, ops in prop::collection::vec(transformer_op(), 1..40)) {
+        run(size, false, &ops);
+    }
+
+    #[test]
+    fn recurrent_matches_the_seed_model(size in 4u32..8, ops in prop::collection::vec(recurrent_op(), 1..40)) {
+        run(size, true, &ops);
+    }
+}
