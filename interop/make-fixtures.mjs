@@ -8,7 +8,7 @@ import { HERE, FIXTURES } from './lib.mjs'
 let failed = false
 for (const script of ['fixtures-llama-node.mjs', 'fixtures-node-llama-cpp.mjs']) {
   console.log(`== ${script}`)
-  // @fugood/llama.node 1.7.15 segfaults now and then (about 1 run in 4 here, inside the native addon):
+  // @fugood/llama.node 1.7.15 segfaults now and then (every 2nd-4th run here, SIGSEGV inside the native addon):
   // the scripts are idempotent, so retry the whole script.
   let r
   for (let attempt = 1; attempt <= 4; attempt++) {

@@ -1,0 +1,89 @@
+//! The one place where core errors and panics become JS errors with stable `code`s.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use llama_kv_cache::KvError;
+use napi::bindgen_prelude::*;
+
+/// Stable error codes, the `code` property of every error this addon throws.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    InvalidArg,
+    OutOfRange,
+    Unsupported,
+    InvalidState,
+    Io,
+    Busy,
+    Disposed,
+    CudaUnavailable,
+    Aborted,
+    Internal,
+}
+
+impl AsRef<str> for Code {
+    fn as_ref(&self) -> &str {
+        match self {
+            Code::InvalidArg => "ERR_KV_INVALID_ARG",
+            Code::OutOfRange => "ERR_KV_OUT_OF_RANGE",
+            Code::Unsupported => "ERR_KV_UNSUPPORTED",
+            Code::InvalidState => "ERR_KV_INVALID_STATE",
+            Code::Io => "ERR_KV_IO",
+            Code::Busy => "ERR_KV_BUSY",
+            Code::Disposed => "ERR_KV_DISPOSED",
+            Code::CudaUnavailable => "ERR_KV_CUDA_UNAVAILABLE",
+            Code::Aborted => "ERR_KV_ABORTED",
+            Code::Internal => "ERR_KV_INTERNAL",
+        }
+    }
+}
+
+/// An error on its way to JS.
+pub type JsErr = Error<Code>;
+/// Result of every exported function.
+pub type JsResult<T> = Result<T, Code>;
+
+/// Builds an error with `code`.
+pub fn err(code: Code, msg: impl Into<String>) -> JsErr {
+    Error::new(code, msg.into())
+}
+
+/// Maps a core error to its code.
+pub fn from_core(e: KvError) -> JsErr {
+    let code = match &e {
+        KvError::InvalidArg(_) => Code::InvalidArg,
+        KvError::OutOfRange(_) => Code::OutOfRange,
+        KvError::Unsupported(_) => Code::Unsupported,
+        KvError::InvalidState(_) => Code::InvalidState,
+        KvError::Io(_) => Code::Io,
+        KvError::Backend(m) if m.contains("CUDA") => Code::CudaUnavailable,
+        KvError::Backend(_) => Code::Unsupported,
+    };
+    err(code, e.to_string())
+}
+
+/// Runs `f`, turning a panic into an `ERR_KV_INTERNAL` error so that Node never aborts.
+pub fn guard<T>(f: impl FnOnce() -> JsResult<T>) -> JsResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(err(
+            Code::Internal,
+            format!("internal error (please report): {msg}"),
+        ))
+    })
+}
+
+/// Converts a coded error into the status-typed error that napi's conversions and async tasks
+/// must return, keeping the code: the JS error object is built here and carried by reference.
+pub fn coded_error(env: napi::sys::napi_env, e: JsErr) -> Error {
+    // SAFETY: `env` is the live env of the current call, on its own thread
+    let raw = unsafe { JsError::from(e).into_value(env) };
+    // SAFETY: `raw` was just created on this env's thread and is a valid JS value
+    match unsafe { Unknown::from_napi_value(env, raw) } {
+        Ok(value) => Error::from(value),
+        Err(e) => e,
+    }
+}

@@ -1,0 +1,639 @@
+//! The `KvCache` class: converts arguments, locks the core cache, maps results. No cache logic.
+
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use llama_kv_cache as core;
+use llama_kv_cache::{CacheParams, PrepareOptions, Tensor};
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use crate::args::{Bytes, Floats, Num, Obj, Signal};
+use crate::convert::{self, i32v, opt_i32, u32v};
+use crate::error::{err, from_core, guard, Code, JsResult};
+use crate::tasks::UpdateTask;
+use crate::types::*;
+
+/// The core cache shared with async tasks, plus the count of tasks pending on it.
+pub struct Shared {
+    pub cache: Mutex<Option<core::KvCache>>,
+    pub pending: AtomicUsize,
+}
+
+impl Shared {
+    /// Locks the cache for a task on the threadpool (tasks queue behind each other).
+    pub fn lock_for_task(&self) -> Result<MutexGuard<'_, Option<core::KvCache>>, Code> {
+        Ok(self.cache.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
+///
+/// Metadata operations are synchronous. Work that touches tensor data in bulk (`update`) has
+/// an async twin that runs on the libuv threadpool; while such a task is pending, synchronous
+/// calls throw `ERR_KV_BUSY` and further tasks queue.
+#[napi(custom_finalize)]
+pub struct KvCache {
+    shared: Arc<Shared>,
+    external_bytes: AtomicI64,
+}
+
+impl ObjectFinalize for KvCache {
+    fn finalize(self, env: Env) -> napi::Result<()> {
+        let bytes = self.external_bytes.swap(0, Ordering::SeqCst);
+        if bytes != 0 {
+            env.adjust_external_memory(-bytes)?;
+        }
+        Ok(())
+    }
+}
+
+fn layer_and_tensor(layer: Num, v: bool) -> Result<(u32, Tensor), Code> {
+    Ok((u32v("layer", layer)?, if v { Tensor::V } else { Tensor::K }))
+}
+
+fn slot(s: core::Slot) -> Slot {
+    Slot {
+        head: s.head,
+        len: s.len,
+        n: s.n,
+    }
+}
+
+impl KvCache {
+    fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        guard(|| {
+            if self.shared.pending.load(Ordering::SeqCst) > 0 {
+                return Err(err(
+                    Code::Busy,
+                    "the cache is busy with an async operation; await it first",
+                ));
+            }
+            let mut lock = self
+                .shared
+                .cache
+                .try_lock()
+                .map_err(|_| err(Code::Busy, "the cache is busy with an async operation"))?;
+            let cache = lock
+                .as_mut()
+                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
+            f(cache)
+        })
+    }
+
+    fn read(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Buffer, Code> {
+        let (il, which) = layer_and_tensor(layer, v)?;
+        let (first, n) = (u32v("firstCell", first)?, u32v("nCells", n)?);
+        self.with(|c| Ok(c.read_rows(il, which, first, n).map_err(from_core)?.into()))
+    }
+
+    fn write(&self, layer: Num, v: bool, first: Num, data: &[u8]) -> Result<(), Code> {
+        let (il, which) = layer_and_tensor(layer, v)?;
+        let first = u32v("firstCell", first)?;
+        self.with(|c| c.write_rows(il, which, first, data).map_err(from_core))
+    }
+
+    fn read_f32(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Float32Array, Code> {
+        let (il, which) = layer_and_tensor(layer, v)?;
+        let (first, n) = (u32v("firstCell", first)?, u32v("nCells", n)?);
+        self.with(|c| {
+            Ok(Float32Array::new(
+                c.read_rows_f32(il, which, first, n).map_err(from_core)?,
+            ))
+        })
+    }
+
+    fn write_f32(&self, layer: Num, v: bool, first: Num, values: &[f32]) -> Result<(), Code> {
+        let (il, which) = layer_and_tensor(layer, v)?;
+        let first = u32v("firstCell", first)?;
+        self.with(|c| {
+            c.write_rows_f32(il, which, first, values)
+                .map_err(from_core)
+        })
+    }
+}
+
+#[napi]
+impl KvCache {
+    /// Creates a cache with zeroed K/V tensors in host memory.
+    #[napi(constructor)]
+    pub fn new(
+        env: Env,
+        #[napi(ts_arg_type = "KvCacheOptions")] options: Obj<KvCacheOptions>,
+    ) -> Result<Self, Code> {
+        let options = options.0;
+        guard(|| {
+            let k = convert::widths("nEmbdKGqa", &options.n_embd_k_gqa)?;
+            let v = match &options.n_embd_v_gqa {
+                Some(w) => convert::widths("nEmbdVGqa", w)?,
+                None => k.clone(),
+            };
+            let params = CacheParams {
+                size: u32v("size", options.size)?,
+                n_layer: u32v("nLayer", options.n_layer)?,
+                n_embd_k_gqa: k,
+                n_embd_v_gqa: v,
+                n_embd_k_s: options.n_embd_k_s.map_or(Ok(0), |x| u32v("nEmbdKS", x))?,
+                n_embd_v_s: options.n_embd_v_s.map_or(Ok(0), |x| u32v("nEmbdVS", x))?,
+                type_k: convert::ggml_type("typeK", options.type_k, core::GgmlType::F16)?,
+                type_v: convert::ggml_type("typeV", options.type_v, core::GgmlType::F16)?,
+                flash_attn: options.flash_attn.unwrap_or(false),
+                recurrent: options.recurrent.unwrap_or(false),
+                can_shift: options.can_shift.unwrap_or(true),
+                n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
+            };
+            let cache = core::KvCache::new(params).map_err(from_core)?;
+            let bytes = cache.total_size() as i64;
+            env.adjust_external_memory(bytes)
+                .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+            Ok(KvCache {
+                shared: Arc::new(Shared {
+                    cache: Mutex::new(Some(cache)),
+                    pending: AtomicUsize::new(0),
+                }),
+                external_bytes: AtomicI64::new(bytes),
+            })
+        })
+    }
+
+    /// Frees the tensors now. Any later call throws `ERR_KV_DISPOSED`; disposing twice is a no-op.
+    #[napi]
+    pub fn dispose(&self, env: Env) -> Result<(), Code> {
+        guard(|| {
+            if self.shared.pending.load(Ordering::SeqCst) > 0 {
+                return Err(err(
+                    Code::Busy,
+                    "cannot dispose while an async operation is pending",
+                ));
+            }
+            let mut lock = self
+                .shared
+                .cache
+                .try_lock()
+                .map_err(|_| err(Code::Busy, "cannot dispose while an async operation runs"))?;
+            if lock.take().is_some() {
+                let bytes = self.external_bytes.swap(0, Ordering::SeqCst);
+                if bytes != 0 {
+                    env.adjust_external_memory(-bytes)
+                        .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// `using cache = new KvCache(...)`: disposes at the end of the scope.
+    #[napi(well_known_symbol = "dispose")]
+    pub fn symbol_dispose(&self, env: Env) -> Result<(), Code> {
+        self.dispose(env)
+    }
+
+    /// Whether `dispose()` was called.
+    #[napi(getter)]
+    pub fn disposed(&self) -> bool {
+        matches!(self.shared.cache.try_lock(), Ok(g) if g.is_none())
+    }
+
+    /// Number of cells.
+    #[napi(getter)]
+    pub fn size(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.size()))
+    }
+
+    /// Number of layers.
+    #[napi(getter)]
+    pub fn n_layer(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.n_layer()))
+    }
+
+    /// Where the next slot search starts.
+    #[napi(getter)]
+    pub fn head(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.head()))
+    }
+
+    /// Cells the attention looks at (set by slot placement).
+    #[napi(getter)]
+    pub fn n(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.n()))
+    }
+
+    /// llama.cpp's `used` counter.
+    #[napi(getter)]
+    pub fn used_cells(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.used_cells()))
+    }
+
+    /// Sum over cells of the number of owning sequences (`llama_kv_self_n_tokens`).
+    #[napi(getter)]
+    pub fn n_tokens(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.n_tokens() as f64))
+    }
+
+    /// Largest position in the cache, -1 when empty.
+    #[napi(getter)]
+    pub fn pos_max(&self) -> Result<i32, Code> {
+        self.with(|c| Ok(c.pos_max()))
+    }
+
+    /// One past the last occupied cell.
+    #[napi]
+    pub fn cell_max(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.cell_max()))
+    }
+
+    /// Whether a K-shift is possible.
+    #[napi(getter)]
+    pub fn can_shift(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.can_shift()))
+    }
+
+    /// Whether positions changed since the last K-shift.
+    #[napi(getter)]
+    pub fn has_shift(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.has_shift()))
+    }
+
+    /// Whether a defrag is scheduled for the next `update`.
+    #[napi(getter)]
+    pub fn defrag_pending(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.defrag_pending()))
+    }
+
+    /// Whether V is stored transposed (flash attention off, not recurrent).
+    #[napi(getter)]
+    pub fn v_trans(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.v_trans()))
+    }
+
+    /// Whether the cache is recurrent.
+    #[napi(getter)]
+    pub fn recurrent(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.recurrent()))
+    }
+
+    /// Padding of `n`: 256 with flash attention, else 32.
+    #[napi(getter)]
+    pub fn padding(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.padding()))
+    }
+
+    /// K type name.
+    #[napi(getter)]
+    pub fn type_k(&self) -> Result<String, Code> {
+        self.with(|c| Ok(c.type_k().name().to_string()))
+    }
+
+    /// V type name.
+    #[napi(getter)]
+    pub fn type_v(&self) -> Result<String, Code> {
+        self.with(|c| Ok(c.type_v().name().to_string()))
+    }
+
+    /// Bytes of all K and V tensors.
+    #[napi(getter)]
+    pub fn total_size(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.total_size() as f64))
+    }
+
+    /// Bytes of all K tensors.
+    #[napi(getter)]
+    pub fn size_k_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.size_k_bytes() as f64))
+    }
+
+    /// Bytes of all V tensors.
+    #[napi(getter)]
+    pub fn size_v_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.size_v_bytes() as f64))
+    }
+
+    /// Bytes of one row (one cell) of K or V in `layer`.
+    #[napi]
+    pub fn row_size(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+    ) -> Result<u32, Code> {
+        let which = match tensor.as_str() {
+            "k" | "K" => Tensor::K,
+            "v" | "V" => Tensor::V,
+            other => {
+                return Err(err(
+                    Code::InvalidArg,
+                    format!("tensor must be 'k' or 'v', got {other:?}"),
+                ))
+            }
+        };
+        let il = u32v("layer", layer)?;
+        self.with(|c| Ok(c.row_size(il, which).map_err(from_core)? as u32))
+    }
+
+    /// Removes `seqId` (-1: every sequence) from cells with positions in `[p0, p1)`; negative
+    /// bounds are open. Returns false when a recurrent cache refuses a partial removal.
+    #[napi]
+    pub fn seq_rm(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Option<Num>,
+        #[napi(ts_arg_type = "number")] p1: Option<Num>,
+    ) -> Result<bool, Code> {
+        let (s, p0, p1) = (
+            i32v("seqId", seq_id)?,
+            opt_i32("p0", p0, -1)?,
+            opt_i32("p1", p1, -1)?,
+        );
+        self.with(|c| c.seq_rm(s, p0, p1).map_err(from_core))
+    }
+
+    /// Adds `dst` to the cells of `src` with positions in `[p0, p1)`.
+    #[napi]
+    pub fn seq_cp(
+        &self,
+        #[napi(ts_arg_type = "number")] src: Num,
+        #[napi(ts_arg_type = "number")] dst: Num,
+        #[napi(ts_arg_type = "number")] p0: Option<Num>,
+        #[napi(ts_arg_type = "number")] p1: Option<Num>,
+    ) -> Result<(), Code> {
+        let (s, d) = (i32v("src", src)?, i32v("dst", dst)?);
+        let (p0, p1) = (opt_i32("p0", p0, -1)?, opt_i32("p1", p1, -1)?);
+        self.with(|c| c.seq_cp(s, d, p0, p1).map_err(from_core))
+    }
+
+    /// Frees every cell not owned by `seqId` and drops other sequences from the rest.
+    #[napi]
+    pub fn seq_keep(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<(), Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_keep(s).map_err(from_core))
+    }
+
+    /// Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+    #[napi]
+    pub fn seq_add(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Num,
+        #[napi(ts_arg_type = "number")] p1: Num,
+        #[napi(ts_arg_type = "number")] delta: Num,
+    ) -> Result<(), Code> {
+        let (s, p0, p1, d) = (
+            i32v("seqId", seq_id)?,
+            i32v("p0", p0)?,
+            i32v("p1", p1)?,
+            i32v("delta", delta)?,
+        );
+        self.with(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
+    }
+
+    /// Divides positions of `seqId` in `[p0, p1)` by `d` (> 0).
+    #[napi]
+    pub fn seq_div(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Num,
+        #[napi(ts_arg_type = "number")] p1: Num,
+        #[napi(ts_arg_type = "number")] d: Num,
+    ) -> Result<(), Code> {
+        let (s, p0, p1, d) = (
+            i32v("seqId", seq_id)?,
+            i32v("p0", p0)?,
+            i32v("p1", p1)?,
+            i32v("d", d)?,
+        );
+        self.with(|c| c.seq_div(s, p0, p1, d).map_err(from_core))
+    }
+
+    /// Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era.
+    #[napi]
+    pub fn seq_pos_max(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<i32, Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_pos_max(s).map_err(from_core))
+    }
+
+    /// Number of cells owned by `seqId`.
+    #[napi]
+    pub fn seq_cell_count(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<u32, Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_cell_count(s).map_err(from_core))
+    }
+
+    /// Frees every cell and zeroes the tensors.
+    #[napi]
+    pub fn clear(&self) -> Result<(), Code> {
+        self.with(|c| c.clear().map_err(from_core))
+    }
+
+    /// Schedules a defrag for the next `update`.
+    #[napi]
+    pub fn defrag(&self) -> Result<(), Code> {
+        self.with(|c| {
+            c.defrag();
+            Ok(())
+        })
+    }
+
+    /// Fragmentation as llama.cpp measures it (0 when n < 2048).
+    #[napi]
+    pub fn fragmentation(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.fragmentation() as f64))
+    }
+
+    /// Schedules a defrag when fragmentation exceeds `threshold`; returns whether it did.
+    #[napi]
+    pub fn schedule_defrag(
+        &self,
+        #[napi(ts_arg_type = "number")] threshold: Num,
+    ) -> Result<bool, Code> {
+        let threshold = threshold.0;
+        if !threshold.is_finite() {
+            return Err(err(
+                Code::InvalidArg,
+                format!("threshold must be a finite number, got {threshold}"),
+            ));
+        }
+        self.with(|c| Ok(c.schedule_defrag(threshold as f32)))
+    }
+
+    /// Places a ubatch (llama.cpp's `find_slot`). Returns null when it does not fit.
+    #[napi]
+    pub fn find_slot(
+        &self,
+        #[napi(ts_arg_type = "UBatchInput")] ubatch: Obj<UBatchInput>,
+    ) -> Result<Option<Slot>, Code> {
+        let ub = convert::ubatch(&ubatch.0)?;
+        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(slot)))
+    }
+
+    /// The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
+    /// `findSlot`, `n` update, head advance. Returns null when it does not fit.
+    #[napi]
+    pub fn prepare_batch(
+        &self,
+        #[napi(ts_arg_type = "UBatchInput")] ubatch: Obj<UBatchInput>,
+        #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+    ) -> Result<Option<Slot>, Code> {
+        let ub = convert::ubatch(&ubatch.0)?;
+        let opts = PrepareOptions {
+            advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
+        };
+        self.with(|c| Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot)))
+    }
+
+    /// Metadata of cell `index`.
+    #[napi]
+    pub fn cell(&self, #[napi(ts_arg_type = "number")] index: Num) -> Result<CellInfo, Code> {
+        let i = u32v("index", index)?;
+        self.with(|c| {
+            let cell = c.cell(i).map_err(from_core)?;
+            Ok(CellInfo {
+                pos: cell.pos,
+                delta: cell.delta,
+                src: cell.src,
+                tail: cell.tail,
+                seq_ids: cell.seqs.iter().map(|s| s as i32).collect(),
+            })
+        })
+    }
+
+    /// A snapshot of every cell, listing at most `nSeqMax` (default 4) sequences per cell.
+    #[napi]
+    pub fn view(
+        &self,
+        #[napi(ts_arg_type = "number")] n_seq_max: Option<Num>,
+    ) -> Result<CacheView, Code> {
+        let limit = n_seq_max.map_or(Ok(4), |n| u32v("nSeqMax", n))? as usize;
+        self.with(|c| {
+            let v = c.view(limit);
+            Ok(CacheView {
+                pos: Int32Array::new(v.pos),
+                seq_ids: v.seqs,
+                used_cells: v.used_cells,
+                token_count: v.token_count as f64,
+                max_contiguous: v.max_contiguous,
+                max_contiguous_idx: v.max_contiguous_idx,
+            })
+        })
+    }
+
+    /// Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type.
+    #[napi]
+    pub fn read_k(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "number")] n_cells: Num,
+    ) -> Result<Buffer, Code> {
+        self.read(layer, false, first_cell, n_cells)
+    }
+
+    /// Raw V rows (one row per cell, untransposed whatever the layout).
+    #[napi]
+    pub fn read_v(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "number")] n_cells: Num,
+    ) -> Result<Buffer, Code> {
+        self.read(layer, true, first_cell, n_cells)
+    }
+
+    /// Writes raw K rows from `firstCell` (length: a multiple of the row size).
+    #[napi]
+    pub fn write_k(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+    ) -> Result<(), Code> {
+        self.write(layer, false, first_cell, &data.0)
+    }
+
+    /// Writes raw V rows (one row per cell; transposed on the way in when needed).
+    #[napi]
+    pub fn write_v(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+    ) -> Result<(), Code> {
+        self.write(layer, true, first_cell, &data.0)
+    }
+
+    /// K rows as f32 (dequantized).
+    #[napi(js_name = "readKF32")]
+    pub fn read_k_f32(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "number")] n_cells: Num,
+    ) -> Result<Float32Array, Code> {
+        self.read_f32(layer, false, first_cell, n_cells)
+    }
+
+    /// V rows as f32 (dequantized).
+    #[napi(js_name = "readVF32")]
+    pub fn read_v_f32(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "number")] n_cells: Num,
+    ) -> Result<Float32Array, Code> {
+        self.read_f32(layer, true, first_cell, n_cells)
+    }
+
+    /// Writes f32 K rows, converted to the cache's type.
+    #[napi(js_name = "writeKF32")]
+    pub fn write_k_f32(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "Float32Array")] values: Floats,
+    ) -> Result<(), Code> {
+        self.write_f32(layer, false, first_cell, &values.0)
+    }
+
+    /// Writes f32 V rows, converted to the cache's type.
+    #[napi(js_name = "writeVF32")]
+    pub fn write_v_f32(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "number")] first_cell: Num,
+        #[napi(ts_arg_type = "Float32Array")] values: Floats,
+    ) -> Result<(), Code> {
+        self.write_f32(layer, true, first_cell, &values.0)
+    }
+
+    /// Applies a pending K-shift (given `rope`) and a pending defrag, synchronously.
+    #[napi]
+    pub fn update_sync(
+        &self,
+        #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
+    ) -> Result<UpdateReport, Code> {
+        let (shift, max_nodes) = convert::shift(&options.map(|o| o.0))?;
+        self.with(|c| {
+            Ok(c.update(shift.as_ref(), max_nodes)
+                .map_err(from_core)?
+                .into())
+        })
+    }
+
+    /// Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool.
+    #[napi(ts_return_type = "Promise<UpdateReport>")]
+    pub fn update(
+        &self,
+        #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
+        #[napi(ts_arg_type = "AbortSignal")] signal: Option<Signal>,
+    ) -> Result<AsyncTask<UpdateTask>, Code> {
+        let (shift, max_nodes) = convert::shift(&options.map(|o| o.0))?;
+        // check disposal and business now, so the promise is not created for nothing
+        self.with(|_| Ok(()))?;
+        if signal.as_ref().is_some_and(|s| s.aborted) {
+            return Err(err(Code::Aborted, "update: the signal was already aborted"));
+        }
+        let task = UpdateTask::new(self.shared.clone(), shift, max_nodes);
+        Ok(AsyncTask::with_optional_signal(
+            task,
+            signal.map(|s| s.signal),
+        ))
+    }
+}

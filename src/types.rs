@@ -1,0 +1,201 @@
+//! The JS-facing option and result objects (`#[napi(object)]`), documented for index.d.ts.
+
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+/// Options of `new KvCache(options)`. Defaults follow llama.cpp's.
+#[napi(object)]
+pub struct KvCacheOptions {
+    /// Number of cells (the context length, `n_ctx`).
+    pub size: f64,
+    /// Number of layers.
+    pub n_layer: f64,
+    /// K width (`n_embd_k_gqa` = head_dim * n_head_kv): one number for all layers, or one per layer.
+    pub n_embd_k_gqa: Either<f64, Vec<f64>>,
+    /// V width (`n_embd_v_gqa`). Default: `nEmbdKGqa`.
+    pub n_embd_v_gqa: Option<Either<f64, Vec<f64>>>,
+    /// Extra K width of recurrent models (`n_embd_k_s`, Mamba's conv state). Default 0.
+    #[napi(js_name = "nEmbdKS")]
+    pub n_embd_k_s: Option<f64>,
+    /// Extra V width of recurrent models (`n_embd_v_s`, Mamba's ssm state). Default 0.
+    #[napi(js_name = "nEmbdVS")]
+    pub n_embd_v_s: Option<f64>,
+    /// K type: 'f32' | 'f16' | 'bf16' | 'q8_0' | 'q4_0' | 'q4_1' | 'q5_0' | 'q5_1' | 'iq4_nl'. Default 'f16'.
+    pub type_k: Option<String>,
+    /// V type (quantized V needs `flashAttn`). Default 'f16'.
+    pub type_v: Option<String>,
+    /// Flash attention: V stored untransposed, padding 256. Default false.
+    pub flash_attn: Option<bool>,
+    /// Recurrent model (Mamba, RWKV): one state cell per sequence. Default false.
+    pub recurrent: Option<bool>,
+    /// Whether K-shift is allowed (false for MLA models). Default true.
+    pub can_shift: Option<bool>,
+    /// Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1.
+    pub n_seq_max: Option<f64>,
+}
+
+/// A micro-batch to place: positions and, per group, the owning sequences.
+#[napi(object)]
+pub struct UBatchInput {
+    /// Position of every token (group after group).
+    pub pos: Either<Vec<f64>, Int32Array>,
+    /// Per group: one seq id, or several when the tokens are shared by sequences.
+    pub seq_ids: Vec<Either<f64, Vec<f64>>>,
+    /// Tokens per group (1 for llama.cpp's simple split; equal groups for recurrent models). Default 1.
+    pub n_seq_tokens: Option<f64>,
+}
+
+/// Where a ubatch was placed.
+#[napi(object)]
+pub struct Slot {
+    /// First cell: write the ubatch's K/V rows from here.
+    pub head: u32,
+    /// Tokens (transformer) or sequences (recurrent) placed.
+    pub len: u32,
+    /// Cells the attention should look at.
+    pub n: u32,
+}
+
+/// Options of `prepareBatch`.
+#[napi(object)]
+pub struct PrepareBatchOptions {
+    /// Move `head` past the slot afterwards, as llama.cpp's decode of the seed's era did. Default true.
+    pub advance_head: Option<bool>,
+}
+
+/// One cell's metadata.
+#[napi(object)]
+pub struct CellInfo {
+    /// Position, -1 when free.
+    pub pos: i32,
+    /// Position change pending for the K-shift.
+    pub delta: i32,
+    /// Recurrent: cell this one copies its state from.
+    pub src: i32,
+    /// Recurrent: for cell i, the cell holding sequence i's state.
+    pub tail: i32,
+    /// Owning sequences, ascending.
+    pub seq_ids: Vec<i32>,
+}
+
+/// A snapshot of every cell (llama.cpp's `llama_kv_cache_view`).
+#[napi(object)]
+pub struct CacheView {
+    /// Per cell: position + pending delta (-1 + delta for free cells, as llama.cpp).
+    pub pos: Int32Array,
+    /// Per cell: owning sequences, at most `nSeqMax` of them.
+    pub seq_ids: Vec<Vec<i32>>,
+    /// Cells owned by a sequence.
+    pub used_cells: u32,
+    /// Sum over cells of the number of owning sequences.
+    pub token_count: f64,
+    /// Length of the largest run of free cells.
+    pub max_contiguous: u32,
+    /// Start of that run, -1 when there is none.
+    pub max_contiguous_idx: i32,
+}
+
+/// RoPE parameters of the model, for the K-shift.
+#[napi(object)]
+pub struct RopeOptions {
+    /// Dimension of one head.
+    pub head_dim: f64,
+    /// Number of KV heads (head_dim * nHead = the layer's K width).
+    pub n_head: f64,
+    /// Rotated dimensions (`n_rot`). Default: headDim.
+    pub n_rot: Option<f64>,
+    /// 'norm' (llama) or 'neox'. Default 'norm'.
+    #[napi(js_name = "type")]
+    pub rope_type: Option<String>,
+    /// Base frequency. Default 10000.
+    pub freq_base: Option<f64>,
+    /// Frequency scale (1 / linear scaling factor). Default 1.
+    pub freq_scale: Option<f64>,
+    /// YaRN extrapolation mix factor. Default 0 (no YaRN).
+    pub ext_factor: Option<f64>,
+    /// YaRN magnitude factor. Default 1.
+    pub attn_factor: Option<f64>,
+    /// YaRN low correction dim. Default 32.
+    pub beta_fast: Option<f64>,
+    /// YaRN high correction dim. Default 1.
+    pub beta_slow: Option<f64>,
+    /// Training context length, for YaRN. Default 0.
+    pub n_ctx_orig: Option<f64>,
+    /// Per-dimension frequency factors (nRot / 2 values), e.g. llama 3.1's rope_freqs.
+    pub freq_factors: Option<Vec<f64>>,
+}
+
+/// A per-layer RoPE replacement.
+#[napi(object)]
+pub struct LayerRope {
+    /// Layer index.
+    pub layer: f64,
+    /// Its parameters.
+    pub rope: RopeOptions,
+}
+
+/// Options of `update` / `updateSync`.
+#[napi(object)]
+pub struct UpdateOptions {
+    /// RoPE parameters: needed to apply a pending K-shift; without them the shift stays pending.
+    pub rope: Option<RopeOptions>,
+    /// Per-layer RoPE replacements (e.g. sliding-window layers with another base).
+    pub rope_layers: Option<Vec<LayerRope>>,
+    /// Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536.
+    pub max_nodes: Option<f64>,
+}
+
+/// A run of cells moved by a defrag.
+#[napi(object)]
+pub struct CellMove {
+    /// First source cell.
+    pub src: u32,
+    /// First destination cell.
+    pub dst: u32,
+    /// Cells in the run.
+    pub len: u32,
+}
+
+/// What a defrag did.
+#[napi(object)]
+pub struct DefragReport {
+    /// The runs moved.
+    pub moves: Vec<CellMove>,
+    /// Cells moved.
+    pub cells_moved: u32,
+    /// Bytes copied across all layers.
+    pub bytes_copied: f64,
+}
+
+/// What `update` did.
+#[napi(object)]
+pub struct UpdateReport {
+    /// Cells whose K was rotated.
+    pub shifted_cells: u32,
+    /// A shift is still pending (no `rope` was given).
+    pub shift_pending: bool,
+    /// The defrag, when one was pending.
+    pub defrag: Option<DefragReport>,
+}
+
+impl From<llama_kv_cache::UpdateReport> for UpdateReport {
+    fn from(r: llama_kv_cache::UpdateReport) -> Self {
+        UpdateReport {
+            shifted_cells: r.shifted_cells,
+            shift_pending: r.shift_pending,
+            defrag: r.defrag.map(|d| DefragReport {
+                moves: d
+                    .moves
+                    .iter()
+                    .map(|m| CellMove {
+                        src: m.src,
+                        dst: m.dst,
+                        len: m.len,
+                    })
+                    .collect(),
+                cells_moved: d.cells_moved,
+                bytes_copied: d.bytes_copied as f64,
+            }),
+        }
+    }
+}
