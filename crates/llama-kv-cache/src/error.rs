@@ -23,6 +23,12 @@ pub enum KvError {
     /// A storage backend could not be used (e.g. no CUDA driver).
     #[error("{0}")]
     Backend(String),
+    /// There is no room in the cache for what was asked (e.g. a sequence restore).
+    #[error("{0}")]
+    NoSpace(String),
+    /// The operation was cancelled by its caller.
+    #[error("{0}")]
+    Aborted(String),
 }
 
 /// Result with [`KvError`].

@@ -1,0 +1,520 @@
+//! llama.cpp's state files: sequence files (`ggsq`, versions 2 and 3) and session files
+//! (`ggsn`, versions 9 and 10, with or without the seed era's outputs block), plus atomic
+//! saving.
+
+use std::fs;
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use crate::cache::KvCache;
+use crate::error::{KvError, Result};
+use crate::state::{
+    parse_payload, Cursor, Layout, ParsedPayload, Progress, ReadOptions, ReadSummary,
+};
+
+/// `'ggsn'`: session file magic.
+pub const SESSION_MAGIC: u32 = 0x6767_736E;
+/// `'ggsq'`: sequence file magic.
+pub const SEQUENCE_MAGIC: u32 = 0x6767_7371;
+
+/// The two kinds of llama.cpp state file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    /// A whole context (`llama_state_save_file`).
+    Session,
+    /// One sequence (`llama_state_seq_save_file`).
+    Sequence,
+}
+
+impl FileKind {
+    /// `"session"` or `"sequence"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FileKind::Session => "session",
+            FileKind::Sequence => "sequence",
+        }
+    }
+
+    /// The magic number.
+    pub fn magic(self) -> u32 {
+        match self {
+            FileKind::Session => SESSION_MAGIC,
+            FileKind::Sequence => SEQUENCE_MAGIC,
+        }
+    }
+
+    /// Versions llama.cpp has written for this kind.
+    pub fn versions(self) -> [u32; 2] {
+        match self {
+            FileKind::Session => [9, 10],
+            FileKind::Sequence => [2, 3],
+        }
+    }
+
+    /// The version today's llama.node writes and reads.
+    pub fn default_version(self) -> u32 {
+        self.versions()[0]
+    }
+}
+
+/// The seed era's outputs block of a session (after the arch string).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outputs {
+    /// Batch index of each output row.
+    pub output_pos: Vec<i32>,
+    /// Logits (n_outputs x n_vocab).
+    pub logits: Vec<f32>,
+    /// Embeddings.
+    pub embeddings: Vec<f32>,
+}
+
+/// A state file's header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileHeader {
+    /// Session or sequence.
+    pub kind: FileKind,
+    /// Format version.
+    pub version: u32,
+    /// Prompt tokens stored in the file.
+    pub tokens: Vec<i32>,
+    /// Offset of the body.
+    pub body: usize,
+}
+
+/// Parses the magic, version and token list.
+pub fn parse_header(bytes: &[u8]) -> Result<FileHeader> {
+    let mut c = Cursor::new(bytes);
+    let magic = c.u32("magic")?;
+    let kind = match magic {
+        SESSION_MAGIC => FileKind::Session,
+        SEQUENCE_MAGIC => FileKind::Sequence,
+        m => {
+            return Err(KvError::InvalidState(format!(
+                "not a llama.cpp state file: magic 0x{m:08x} (expected 'ggsn' 0x{SESSION_MAGIC:08x} or 'ggsq' 0x{SEQUENCE_MAGIC:08x})"
+            )))
+        }
+    };
+    let version = c.u32("version")?;
+    if !kind.versions().contains(&version) {
+        return Err(KvError::InvalidState(format!(
+            "unsupported {} file version {version} (supported: {:?})",
+            kind.name(),
+            kind.versions()
+        )));
+    }
+    let n = c.u32("token count")?;
+    if n as usize > c.remaining() / 4 {
+        return Err(KvError::InvalidState(format!(
+            "token count {n} exceeds the file size"
+        )));
+    }
+    let mut tokens = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        tokens.push(c.i32(&format!("token {i}"))?);
+    }
+    Ok(FileHeader {
+        kind,
+        version,
+        tokens,
+        body: c.pos,
+    })
+}
+
+/// A session body split into its parts, before the KV payload is validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionBody {
+    /// Model architecture name.
+    pub arch: String,
+    /// The seed era's outputs block, if this split assumes one.
+    pub outputs: Option<Outputs>,
+    /// The KV payload's byte range in the file.
+    pub payload: Range<usize>,
+}
+
+fn read_f32s(c: &mut Cursor<'_>, n: u64, what: &str) -> Result<Vec<f32>> {
+    let len = (n as usize)
+        .checked_mul(4)
+        .filter(|&l| l <= c.remaining())
+        .ok_or_else(|| KvError::InvalidState(format!("{what} size {n} exceeds the file")))?;
+    Ok(c.take(len, what)?
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// The possible splits of a session body: with and without the outputs block.
+pub fn session_splits(bytes: &[u8], body: usize) -> Result<Vec<SessionBody>> {
+    let mut c = Cursor::new(bytes);
+    c.pos = body;
+    let len = c.u32("arch length")?;
+    if len > 256 {
+        return Err(KvError::InvalidState(format!(
+            "arch name length {len} is implausible"
+        )));
+    }
+    let arch = String::from_utf8(c.take(len as usize, "arch")?.to_vec())
+        .map_err(|_| KvError::InvalidState("arch name is not UTF-8".into()))?;
+    let after_arch = c.pos;
+    let mut splits = vec![SessionBody {
+        arch: arch.clone(),
+        outputs: None,
+        payload: after_arch..bytes.len(),
+    }];
+    let with_outputs = (|| -> Result<(Outputs, usize)> {
+        let n = c.u32("n_outputs")?;
+        if n as usize > c.remaining() / 4 {
+            return Err(KvError::InvalidState(format!(
+                "n_outputs {n} exceeds the file"
+            )));
+        }
+        let mut output_pos = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            output_pos.push(c.i32(&format!("output_pos {i}"))?);
+        }
+        let n_logits = c.u64("logits size")?;
+        let logits = read_f32s(&mut c, n_logits, "logits")?;
+        let n_embd = c.u64("embeddings size")?;
+        let embeddings = read_f32s(&mut c, n_embd, "embeddings")?;
+        Ok((
+            Outputs {
+                output_pos,
+                logits,
+                embeddings,
+            },
+            c.pos,
+        ))
+    })();
+    if let Ok((outputs, start)) = with_outputs {
+        splits.push(SessionBody {
+            arch,
+            outputs: Some(outputs),
+            payload: start..bytes.len(),
+        });
+    }
+    Ok(splits)
+}
+
+/// What a file load restored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadedFile {
+    /// The header.
+    pub header: FileHeader,
+    /// Session files: the architecture.
+    pub arch: Option<String>,
+    /// Session files of the seed era: the outputs block.
+    pub outputs: Option<Outputs>,
+    /// What the payload read did.
+    pub summary: ReadSummary,
+}
+
+/// How to write a state file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteOptions {
+    /// File version (default: what today's llama.node reads: ggsq 2, ggsn 9).
+    pub version: Option<u32>,
+    /// Payload layout (default: today's, with the stream prefix).
+    pub layout: Layout,
+    /// Streams to write with today's layout: 1 for a unified context (default), `nSeqMax` to
+    /// write like a non-unified context (one stream per sequence).
+    pub n_stream: u32,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            version: None,
+            layout: Layout::Streams,
+            n_stream: 1,
+        }
+    }
+}
+
+fn header_bytes(kind: FileKind, version: Option<u32>, tokens: &[i32]) -> Result<Vec<u8>> {
+    let version = version.unwrap_or(kind.default_version());
+    if !kind.versions().contains(&version) {
+        return Err(KvError::InvalidArg(format!(
+            "{} files have versions {:?}, got {version}",
+            kind.name(),
+            kind.versions()
+        )));
+    }
+    let mut out = Vec::with_capacity(12 + 4 * tokens.len());
+    out.extend_from_slice(&kind.magic().to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// Bytes of a session body's prefix: the arch string and, for the seed layout, the outputs
+/// block (empty when `outputs` is None).
+pub fn session_prefix(arch: &str, outputs: Option<&Outputs>, layout: Layout) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&(arch.len() as u32).to_le_bytes());
+    out.extend_from_slice(arch.as_bytes());
+    if layout == Layout::Seed {
+        let empty = Outputs::default();
+        let o = outputs.unwrap_or(&empty);
+        out.extend_from_slice(&(o.output_pos.len() as u32).to_le_bytes());
+        for p in &o.output_pos {
+            out.extend_from_slice(&p.to_le_bytes());
+        }
+        out.extend_from_slice(&(o.logits.len() as u64).to_le_bytes());
+        for x in &o.logits {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out.extend_from_slice(&(o.embeddings.len() as u64).to_le_bytes());
+        for x in &o.embeddings {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    out
+}
+
+impl KvCache {
+    /// A sequence file (`ggsq`) for `seq` with its prompt `tokens`.
+    pub fn sequence_file_bytes(
+        &self,
+        seq: i32,
+        tokens: &[i32],
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<Vec<u8>> {
+        self.check_seq("saveSequenceFile", seq)?;
+        let mut out = header_bytes(FileKind::Sequence, opts.version, tokens)?;
+        out.extend(self.state_write(seq, opts.layout, opts.n_stream, progress)?);
+        Ok(out)
+    }
+
+    /// A session file (`ggsn`) of the whole cache. The seed layout carries the outputs block
+    /// (empty unless given); today's layout has none.
+    pub fn session_file_bytes(
+        &self,
+        tokens: &[i32],
+        arch: &str,
+        outputs: Option<&Outputs>,
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<Vec<u8>> {
+        let mut out = header_bytes(FileKind::Session, opts.version, tokens)?;
+        out.extend(session_prefix(arch, outputs, opts.layout));
+        out.extend(self.state_write(-1, opts.layout, opts.n_stream, progress)?);
+        Ok(out)
+    }
+
+    /// Loads a sequence file's bytes into `dest` (transactional, as `state_read`).
+    pub fn load_sequence_bytes(
+        &mut self,
+        bytes: &[u8],
+        dest: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        self.check_seq("loadSequenceFile", dest)?;
+        let header = parse_header(bytes)?;
+        if header.kind != FileKind::Sequence {
+            return Err(KvError::InvalidState(format!(
+                "expected a sequence file ('ggsq'), got a {} file",
+                header.kind.name()
+            )));
+        }
+        let summary = self.state_read(&bytes[header.body..], dest, opts, progress)?;
+        Ok(LoadedFile {
+            header,
+            arch: None,
+            outputs: None,
+            summary,
+        })
+    }
+
+    /// Loads a session file's bytes into the whole cache (transactional). The body is tried
+    /// with and without the seed era's outputs block and under each payload layout; exactly
+    /// one reading must fit.
+    pub fn load_session_bytes(
+        &mut self,
+        bytes: &[u8],
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        let header = parse_header(bytes)?;
+        if header.kind != FileKind::Session {
+            return Err(KvError::InvalidState(format!(
+                "expected a session file ('ggsn'), got a {} file",
+                header.kind.name()
+            )));
+        }
+        let mut fits: Vec<(SessionBody, ParsedPayload)> = Vec::new();
+        let mut errors = Vec::new();
+        for split in session_splits(bytes, header.body)? {
+            match self.detect_payload(&bytes[split.payload.clone()], None, opts.layout) {
+                Ok(p) => fits.push((split, p)),
+                Err(e) => errors.push(e),
+            }
+        }
+        match fits.len() {
+            1 => {
+                let (split, parsed) = fits.remove(0);
+                let summary = self.apply_payload(
+                    &bytes[split.payload.clone()],
+                    &parsed,
+                    None,
+                    opts,
+                    progress,
+                )?;
+                Ok(LoadedFile {
+                    header,
+                    arch: Some(split.arch),
+                    outputs: split.outputs,
+                    summary,
+                })
+            }
+            0 => Err(errors.into_iter().next().unwrap_or_else(|| {
+                KvError::InvalidState("the session body does not parse".into())
+            })),
+            _ => Err(KvError::InvalidState(
+                "the session body is ambiguous: it parses both with and without an outputs block"
+                    .into(),
+            )),
+        }
+    }
+}
+
+/// Structure of a file or payload found without a cache: for inspection.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Inspection {
+    /// Header, for files.
+    pub header: Option<FileHeader>,
+    /// Session: architecture.
+    pub arch: Option<String>,
+    /// Session: outputs block.
+    pub outputs: Option<Outputs>,
+    /// The payload parsed structurally.
+    pub payload: ParsedPayload,
+    /// Total bytes.
+    pub bytes: usize,
+    /// Byte offset of the payload.
+    pub payload_offset: usize,
+}
+
+/// Inspects a state file's bytes without a cache: every layout that parses exactly is tried;
+/// more than one is reported as ambiguous.
+pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
+    let header = parse_header(bytes)?;
+    let splits = match header.kind {
+        FileKind::Session => session_splits(bytes, header.body)?,
+        FileKind::Sequence => vec![SessionBody {
+            arch: String::new(),
+            outputs: None,
+            payload: header.body..bytes.len(),
+        }],
+    };
+    let mut fits = Vec::new();
+    let mut errors = Vec::new();
+    for split in splits {
+        for layout in [Layout::Seed, Layout::Streams] {
+            match parse_payload(&bytes[split.payload.clone()], layout, true) {
+                Ok(p) => fits.push((split.clone(), p)),
+                Err(e) => errors.push(format!(
+                    "{layout}{}: {e}",
+                    if split.outputs.is_some() {
+                        " with outputs"
+                    } else {
+                        ""
+                    }
+                )),
+            }
+        }
+    }
+    if fits.len() > 1 {
+        // the seed layout of a one-sequence save has n_seq_id 0 everywhere, the streams layout 1:
+        // prefer the reading whose cells are consistent with the file kind
+        let seq_ok = |p: &ParsedPayload| {
+            header.kind == FileKind::Session
+                || p.streams
+                    .iter()
+                    .flat_map(|s| &s.cells)
+                    .all(|c| match p.layout {
+                        Layout::Seed => c.seq_ids.is_empty(),
+                        Layout::Streams => c.seq_ids.len() == 1,
+                    })
+        };
+        fits.retain(|(_, p)| seq_ok(p));
+    }
+    match fits.len() {
+        1 => {
+            let (split, payload) = fits.remove(0);
+            Ok(Inspection {
+                arch: (header.kind == FileKind::Session).then_some(split.arch),
+                outputs: split.outputs,
+                payload,
+                bytes: bytes.len(),
+                payload_offset: split.payload.start,
+                header: Some(header),
+            })
+        }
+        0 => Err(KvError::InvalidState(format!(
+            "the file parses under no layout: {}",
+            errors.join("; ")
+        ))),
+        _ => Err(KvError::InvalidState(format!(
+            "the file is ambiguous: it parses as {}",
+            fits.iter()
+                .map(|(s, p)| format!(
+                    "{}{}",
+                    p.layout,
+                    if s.outputs.is_some() {
+                        " with outputs"
+                    } else {
+                        ""
+                    }
+                ))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        ))),
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed and
+/// synced, then renamed over the target. On any failure the previous file is left intact and
+/// the temporary file removed.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| KvError::InvalidArg(format!("{} is not a file path", path.display())))?;
+    let tmp: PathBuf = dir.join(format!(
+        ".{}.tmp-{}-{}",
+        name.to_string_lossy(),
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    let io = |what: &str, e: std::io::Error| KvError::Io(format!("{what} {}: {e}", path.display()));
+    let result = (|| -> Result<()> {
+        let mut f =
+            fs::File::create(&tmp).map_err(|e| io("cannot create a temporary file next to", e))?;
+        f.write_all(bytes).map_err(|e| io("cannot write", e))?;
+        f.sync_all().map_err(|e| io("cannot sync", e))?;
+        fs::rename(&tmp, path).map_err(|e| io("cannot replace", e))?;
+        if let Ok(d) = fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Reads a whole file, with an error naming the path.
+pub fn read_file(path: &Path) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| KvError::Io(format!("cannot read {}: {e}", path.display())))
+}

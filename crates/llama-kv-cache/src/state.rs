@@ -1,0 +1,967 @@
+//! llama.cpp's KV state payload, byte for byte: the seed's layout (b4944) and today's (an
+//! `n_stream` prefix, one seq id per cell in single-sequence saves). Reading parses the whole
+//! input and validates it against the cache before anything is touched, so a failed load
+//! leaves cells and tensors exactly as they were.
+
+use std::fmt;
+use std::ops::Range;
+
+use crate::cache::KvCache;
+use crate::cells::{SeqSet, MAX_SEQ};
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::storage::{KvBuffer, Tensor};
+use crate::ubatch::UBatch;
+
+/// Which llama.cpp era's layout a payload uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// llama.cpp b4944 (llama.node 0.3.16): `cell_count` first; single-sequence cells carry no
+    /// seq ids.
+    Seed,
+    /// llama.cpp since mid-2025 (llama.node 1.x, node-llama-cpp 3.x): `n_stream` first, one
+    /// block per stream; single-sequence cells carry `n_seq_id = 1` and the id. Recurrent
+    /// caches have no stream prefix in either era.
+    Streams,
+}
+
+impl Layout {
+    /// Name used in messages and options.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Seed => "seed",
+            Layout::Streams => "streams",
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reports progress as `(bytes done, bytes total)`; returning false asks to stop.
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64) -> bool;
+
+/// Options for reading a payload into a cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// Force a layout instead of detecting it.
+    pub layout: Option<Layout>,
+    /// For a one-sequence restore, use free cells anywhere when no contiguous run is free
+    /// (today's llama.cpp does; the seed requires a contiguous run).
+    pub allow_scattered: bool,
+}
+
+/// What a read did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadSummary {
+    /// The layout that was read.
+    pub layout: Layout,
+    /// Cells restored.
+    pub cells: u32,
+    /// Cells that received the data, in payload order.
+    pub placed: Vec<u32>,
+}
+
+/// Little-endian cursor over a byte slice; every read names what it was reading.
+pub(crate) struct Cursor<'a> {
+    pub bytes: &'a [u8],
+    pub pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Cursor { bytes, pos: 0 }
+    }
+
+    pub fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let Some(end) = end else {
+            return Err(KvError::InvalidState(format!(
+                "truncated at byte {} reading {what} ({n} bytes needed, {} left)",
+                self.pos,
+                self.bytes.len() - self.pos
+            )));
+        };
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    pub fn range(&mut self, n: usize, what: &str) -> Result<Range<usize>> {
+        let start = self.pos;
+        self.take(n, what)?;
+        Ok(start..self.pos)
+    }
+
+    pub fn u32(&mut self, what: &str) -> Result<u32> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    pub fn i32(&mut self, what: &str) -> Result<i32> {
+        Ok(self.u32(what)? as i32)
+    }
+
+    pub fn u64(&mut self, what: &str) -> Result<u64> {
+        let b = self.take(8, what)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    pub fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+}
+
+/// One cell's metadata in a payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CellMeta {
+    /// Position.
+    pub pos: i32,
+    /// Seq ids as written (empty for the seed's single-sequence cells).
+    pub seq_ids: Vec<i32>,
+}
+
+/// The V block of one layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VBlock {
+    /// One row per cell.
+    Rows {
+        ty: i32,
+        row_size: u64,
+        data: Range<usize>,
+    },
+    /// Transposed: `n_embd` rows of `cell_count` elements of `el_size` bytes.
+    Transposed {
+        ty: i32,
+        el_size: u32,
+        n_embd: u32,
+        data: Range<usize>,
+    },
+}
+
+/// K and V of one layer in a payload (data as byte ranges of the input).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerBlock {
+    /// K type id.
+    pub k_type: i32,
+    /// K row size.
+    pub k_row_size: u64,
+    /// K rows.
+    pub k_data: Range<usize>,
+    /// V block.
+    pub v: VBlock,
+}
+
+/// One stream (the whole payload in the seed's layout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamBlock {
+    /// Cells in payload order.
+    pub cells: Vec<CellMeta>,
+    /// Whether V is transposed (absent for an empty stream).
+    pub v_trans: Option<bool>,
+    /// Layers (empty for an empty stream).
+    pub layers: Vec<LayerBlock>,
+}
+
+/// A payload parsed structurally, without a cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParsedPayload {
+    /// Layout it was parsed as.
+    pub layout: Layout,
+    /// Streams (one for the seed layout).
+    pub streams: Vec<StreamBlock>,
+    /// Bytes consumed.
+    pub len: usize,
+}
+
+const MAX_LAYERS: u32 = 4096;
+
+fn parse_stream(c: &mut Cursor<'_>, s: usize) -> Result<StreamBlock> {
+    let cell_count = c.u32(&format!("stream {s} cell_count"))?;
+    // each cell takes at least 8 bytes: refuse absurd counts before allocating
+    if cell_count as usize > c.remaining() / 8 {
+        return Err(KvError::InvalidState(format!(
+            "stream {s}: cell_count {cell_count} exceeds what the remaining {} bytes can hold",
+            c.remaining()
+        )));
+    }
+    let mut cells = Vec::with_capacity(cell_count as usize);
+    for i in 0..cell_count {
+        let pos = c.i32(&format!("cell {i} pos"))?;
+        let n = c.u32(&format!("cell {i} n_seq_id"))?;
+        if n as usize > MAX_SEQ.max(256) {
+            return Err(KvError::InvalidState(format!(
+                "cell {i}: n_seq_id {n} is implausible"
+            )));
+        }
+        let mut seq_ids = Vec::with_capacity(n as usize);
+        for j in 0..n {
+            seq_ids.push(c.i32(&format!("cell {i} seq_id {j}"))?);
+        }
+        cells.push(CellMeta { pos, seq_ids });
+    }
+    if cell_count == 0 {
+        return Ok(StreamBlock {
+            cells,
+            v_trans: None,
+            layers: Vec::new(),
+        });
+    }
+    let v_trans = match c.u32("v_trans")? {
+        0 => false,
+        1 => true,
+        x => {
+            return Err(KvError::InvalidState(format!(
+                "v_trans must be 0 or 1, got {x}"
+            )))
+        }
+    };
+    let n_layer = c.u32("n_layer")?;
+    if n_layer == 0 || n_layer > MAX_LAYERS {
+        return Err(KvError::InvalidState(format!(
+            "n_layer {n_layer} is implausible"
+        )));
+    }
+    let n = cell_count as usize;
+    let mut k_blocks = Vec::with_capacity(n_layer as usize);
+    for il in 0..n_layer {
+        let ty = c.i32(&format!("layer {il} k_type"))?;
+        let row = c.u64(&format!("layer {il} k_row_size"))?;
+        let len = (row as usize)
+            .checked_mul(n)
+            .ok_or_else(|| KvError::InvalidState(format!("layer {il}: K size overflows")))?;
+        let data = c.range(len, &format!("layer {il} K rows"))?;
+        k_blocks.push((ty, row, data));
+    }
+    let mut layers = Vec::with_capacity(n_layer as usize);
+    for (il, (k_type, k_row_size, k_data)) in k_blocks.into_iter().enumerate() {
+        let ty = c.i32(&format!("layer {il} v_type"))?;
+        let v = if v_trans {
+            let el_size = c.u32(&format!("layer {il} v_size_el"))?;
+            let n_embd = c.u32(&format!("layer {il} n_embd_v_gqa"))?;
+            let len = (el_size as usize)
+                .checked_mul(n_embd as usize)
+                .and_then(|x| x.checked_mul(n))
+                .ok_or_else(|| KvError::InvalidState(format!("layer {il}: V size overflows")))?;
+            VBlock::Transposed {
+                ty,
+                el_size,
+                n_embd,
+                data: c.range(len, &format!("layer {il} V"))?,
+            }
+        } else {
+            let row_size = c.u64(&format!("layer {il} v_row_size"))?;
+            let len = (row_size as usize)
+                .checked_mul(n)
+                .ok_or_else(|| KvError::InvalidState(format!("layer {il}: V size overflows")))?;
+            VBlock::Rows {
+                ty,
+                row_size,
+                data: c.range(len, &format!("layer {il} V rows"))?,
+            }
+        };
+        layers.push(LayerBlock {
+            k_type,
+            k_row_size,
+            k_data,
+            v,
+        });
+    }
+    Ok(StreamBlock {
+        cells,
+        v_trans: Some(v_trans),
+        layers,
+    })
+}
+
+/// Parses a payload structurally under `layout`, consuming it from `bytes[0..]`. With
+/// `exact`, trailing bytes are an error.
+pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<ParsedPayload> {
+    let mut c = Cursor::new(bytes);
+    let streams = match layout {
+        Layout::Seed => vec![parse_stream(&mut c, 0)?],
+        Layout::Streams => {
+            let n_stream = c.u32("n_stream")?;
+            if n_stream == 0 || n_stream as usize > MAX_SEQ.max(256) {
+                return Err(KvError::InvalidState(format!(
+                    "n_stream {n_stream} is implausible"
+                )));
+            }
+            (0..n_stream as usize)
+                .map(|s| parse_stream(&mut c, s))
+                .collect::<Result<_>>()?
+        }
+    };
+    if exact && c.remaining() != 0 {
+        return Err(KvError::InvalidState(format!(
+            "{} trailing bytes after the payload",
+            c.remaining()
+        )));
+    }
+    Ok(ParsedPayload {
+        layout,
+        streams,
+        len: c.pos,
+    })
+}
+
+/// Whether the payload is for one sequence (`Some(seq)`) or the whole cache.
+fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool) -> Result<()> {
+    let single_ids = match (seq, p.layout, recurrent) {
+        (None, _, _) => None,
+        (Some(_), Layout::Seed, _) | (Some(_), _, true) => Some(0),
+        (Some(_), Layout::Streams, false) => Some(1),
+    };
+    for (s, stream) in p.streams.iter().enumerate() {
+        for (i, cell) in stream.cells.iter().enumerate() {
+            if let Some(n) = single_ids {
+                if cell.seq_ids.len() != n {
+                    return Err(KvError::InvalidState(format!(
+                        "stream {s} cell {i}: a one-sequence payload in the {} layout has {n} seq ids per cell, found {}",
+                        p.layout,
+                        cell.seq_ids.len()
+                    )));
+                }
+            } else {
+                for &id in &cell.seq_ids {
+                    if id < 0 || id as usize >= MAX_SEQ {
+                        return Err(KvError::InvalidState(format!(
+                            "stream {s} cell {i}: seq id {id} is out of range [0, {MAX_SEQ})"
+                        )));
+                    }
+                }
+            }
+            if cell.pos < 0 && !recurrent {
+                return Err(KvError::InvalidState(format!(
+                    "stream {s} cell {i}: negative position {}",
+                    cell.pos
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl KvCache {
+    fn cell_ranges(&self, seq: i32) -> Vec<(usize, usize)> {
+        let seqs = self.cells.seqs_column();
+        let mut ranges = Vec::new();
+        let mut start = None;
+        for (i, s) in seqs.iter().enumerate() {
+            let keep = if seq < 0 {
+                !s.is_empty()
+            } else {
+                s.contains(seq as usize)
+            };
+            match (keep, start) {
+                (true, None) => start = Some(i),
+                (false, Some(b)) => {
+                    ranges.push((b, i));
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(b) = start {
+            ranges.push((b, seqs.len()));
+        }
+        ranges
+    }
+
+    /// Cell ranges per stream: one stream, or (today's non-unified contexts) one per sequence,
+    /// stream `s` holding the cells of sequence `s`.
+    fn stream_plan(
+        &self,
+        seq: i32,
+        layout: Layout,
+        n_stream: u32,
+    ) -> Result<Vec<Vec<(usize, usize)>>> {
+        if seq != -1 {
+            self.check_seq("stateWrite", seq)?;
+        }
+        if layout == Layout::Seed || n_stream <= 1 {
+            return Ok(vec![self.cell_ranges(seq)]);
+        }
+        if n_stream > self.params.n_seq_max {
+            return Err(KvError::InvalidArg(format!(
+                "nStream {n_stream} exceeds nSeqMax {}",
+                self.params.n_seq_max
+            )));
+        }
+        if seq == -1 {
+            if let Some(i) = (0..self.cells.len()).find(|&i| self.cells.seqs(i).len() > 1) {
+                return Err(KvError::InvalidArg(format!(
+                    "cell {i} is shared by several sequences and cannot be split into per-sequence streams"
+                )));
+            }
+        }
+        Ok((0..n_stream as i32)
+            .map(|s| {
+                if seq == -1 || seq == s {
+                    self.cell_ranges(s)
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect())
+    }
+
+    fn effective_layout(&self, layout: Layout) -> Layout {
+        if self.params.recurrent {
+            Layout::Seed
+        } else {
+            layout
+        }
+    }
+
+    fn meta_ids(&self, cell: usize, seq: i32, layout: Layout) -> Vec<i32> {
+        match (seq, layout) {
+            (-1, _) => self.cells.seqs(cell).iter().map(|s| s as i32).collect(),
+            (_, Layout::Seed) => Vec::new(),
+            (s, Layout::Streams) => vec![s],
+        }
+    }
+
+    fn stream_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
+        let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+        let mut size = 4;
+        for &(a, b) in ranges {
+            for i in a..b {
+                size += 8 + 4 * self.meta_ids(i, seq, layout).len();
+            }
+        }
+        if n > 0 {
+            size += 8;
+            for l in &self.layers {
+                size += 12 + n * l.k_row + 12 + n * l.v_row;
+            }
+        }
+        size
+    }
+
+    /// Size in bytes of `state_write(seq, layout, n_stream)`.
+    pub fn state_size(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<usize> {
+        let layout = self.effective_layout(layout);
+        let plan = self.stream_plan(seq, layout, n_stream)?;
+        let prefix = if layout == Layout::Streams { 4 } else { 0 };
+        Ok(prefix
+            + plan
+                .iter()
+                .map(|r| self.stream_size(r, seq, layout))
+                .sum::<usize>())
+    }
+
+    /// The seed's `state_write(seq)` (seq -1: the whole cache) in `layout`. With the streams
+    /// layout, `n_stream > 1` writes one stream per sequence, as today's llama.cpp does for
+    /// non-unified contexts. Recurrent caches always use the stream-less layout, as llama.cpp
+    /// does in both eras.
+    pub fn state_write(
+        &self,
+        seq: i32,
+        layout: Layout,
+        n_stream: u32,
+        progress: Option<Progress<'_>>,
+    ) -> Result<Vec<u8>> {
+        let layout = self.effective_layout(layout);
+        let plan = self.stream_plan(seq, layout, n_stream)?;
+        let total = self.state_size(seq, layout, n_stream)?;
+        let mut out = Vec::new();
+        out.try_reserve_exact(total).map_err(|_| {
+            KvError::Backend(format!("cannot allocate {total} bytes for the state"))
+        })?;
+        if layout == Layout::Streams {
+            out.extend_from_slice(&(plan.len() as u32).to_le_bytes());
+        }
+        let mut tick = progress;
+        for ranges in &plan {
+            self.write_stream(&mut out, ranges, seq, layout, &mut |done| {
+                let go_on = tick.as_mut().is_none_or(|p| p(done as u64, total as u64));
+                if go_on {
+                    Ok(())
+                } else {
+                    Err(KvError::Aborted("state write aborted".into()))
+                }
+            })?;
+        }
+        debug_assert_eq!(out.len(), total);
+        Ok(out)
+    }
+
+    fn write_stream(
+        &self,
+        out: &mut Vec<u8>,
+        ranges: &[(usize, usize)],
+        seq: i32,
+        layout: Layout,
+        report: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+        let put32 = |out: &mut Vec<u8>, v: u32| out.extend_from_slice(&v.to_le_bytes());
+        put32(out, n as u32);
+        for &(a, b) in ranges {
+            for i in a..b {
+                out.extend_from_slice(&self.cells.pos(i).to_le_bytes());
+                let ids = self.meta_ids(i, seq, layout);
+                put32(out, ids.len() as u32);
+                for id in ids {
+                    out.extend_from_slice(&id.to_le_bytes());
+                }
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        put32(out, self.v_trans() as u32);
+        put32(out, self.params.n_layer);
+        let copy =
+            |out: &mut Vec<u8>, buf: &dyn KvBuffer, offset: usize, len: usize| -> Result<()> {
+                let start = out.len();
+                match buf.as_host() {
+                    Some(bytes) => out.extend_from_slice(&bytes[offset..offset + len]),
+                    None => {
+                        out.resize(start + len, 0);
+                        buf.read(offset, &mut out[start..])?;
+                    }
+                }
+                Ok(())
+            };
+        for l in &self.layers {
+            out.extend_from_slice(&self.params.type_k.id().to_le_bytes());
+            out.extend_from_slice(&(l.k_row as u64).to_le_bytes());
+            for &(a, b) in ranges {
+                copy(out, l.k.as_ref(), a * l.k_row, (b - a) * l.k_row)?;
+            }
+            report(out.len())?;
+        }
+        let size = self.params.size as usize;
+        for l in &self.layers {
+            out.extend_from_slice(&self.params.type_v.id().to_le_bytes());
+            if self.v_trans() {
+                let el = self.params.type_v.type_size();
+                put32(out, el as u32);
+                put32(out, l.n_embd_v as u32);
+                for j in 0..l.n_embd_v {
+                    for &(a, b) in ranges {
+                        copy(out, l.v.as_ref(), (a + j * size) * el, (b - a) * el)?;
+                    }
+                }
+            } else {
+                out.extend_from_slice(&(l.v_row as u64).to_le_bytes());
+                for &(a, b) in ranges {
+                    copy(out, l.v.as_ref(), a * l.v_row, (b - a) * l.v_row)?;
+                }
+            }
+            report(out.len())?;
+        }
+        Ok(())
+    }
+
+    /// Checks a parsed payload's data blocks against this cache's geometry.
+    fn check_data(&self, p: &ParsedPayload) -> Result<()> {
+        let total: usize = p.streams.iter().map(|s| s.cells.len()).sum();
+        if total > self.params.size as usize {
+            return Err(KvError::NoSpace(format!(
+                "the payload holds {total} cells, the cache only {}",
+                self.params.size
+            )));
+        }
+        for (s, stream) in p.streams.iter().enumerate() {
+            let Some(v_trans) = stream.v_trans else {
+                continue;
+            };
+            if v_trans != self.v_trans() {
+                return Err(KvError::InvalidState(format!(
+                    "stream {s}: V is {}transposed in the payload but {}transposed in the cache",
+                    if v_trans { "" } else { "not " },
+                    if self.v_trans() { "" } else { "not " }
+                )));
+            }
+            if stream.layers.len() != self.layers.len() {
+                return Err(KvError::InvalidState(format!(
+                    "stream {s}: the payload has {} layers, the cache {}",
+                    stream.layers.len(),
+                    self.layers.len()
+                )));
+            }
+            for (il, (b, l)) in stream.layers.iter().zip(&self.layers).enumerate() {
+                let type_name = |id: i32| {
+                    GgmlType::from_id(id).map_or(format!("type id {id}"), |t| t.to_string())
+                };
+                if b.k_type != self.params.type_k.id() {
+                    return Err(KvError::InvalidState(format!(
+                        "layer {il}: K type is {} in the payload, {} in the cache",
+                        type_name(b.k_type),
+                        self.params.type_k
+                    )));
+                }
+                if b.k_row_size != l.k_row as u64 {
+                    return Err(KvError::InvalidState(format!(
+                        "layer {il}: K row size is {} in the payload, {} in the cache",
+                        b.k_row_size, l.k_row
+                    )));
+                }
+                let (ty, ok, what) = match &b.v {
+                    VBlock::Rows { ty, row_size, .. } => (
+                        *ty,
+                        *row_size == l.v_row as u64,
+                        format!("V row size {row_size} (cache {})", l.v_row),
+                    ),
+                    VBlock::Transposed {
+                        ty,
+                        el_size,
+                        n_embd,
+                        ..
+                    } => (
+                        *ty,
+                        *el_size as usize == self.params.type_v.type_size()
+                            && *n_embd as usize == l.n_embd_v,
+                        format!(
+                            "V element size {el_size} x {n_embd} (cache {} x {})",
+                            self.params.type_v.type_size(),
+                            l.n_embd_v
+                        ),
+                    ),
+                };
+                if ty != self.params.type_v.id() {
+                    return Err(KvError::InvalidState(format!(
+                        "layer {il}: V type is {} in the payload, {} in the cache",
+                        type_name(ty),
+                        self.params.type_v
+                    )));
+                }
+                if !ok {
+                    return Err(KvError::InvalidState(format!(
+                        "layer {il}: mismatched {what}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses and validates `data` for this cache under every candidate layout; exactly one
+    /// must fit.
+    pub fn detect_payload(
+        &self,
+        data: &[u8],
+        seq: Option<i32>,
+        layout: Option<Layout>,
+    ) -> Result<ParsedPayload> {
+        let candidates: Vec<Layout> = match layout {
+            Some(l) => vec![self.effective_layout(l)],
+            None if self.params.recurrent => vec![Layout::Seed],
+            None => vec![Layout::Seed, Layout::Streams],
+        };
+        let mut fits = Vec::new();
+        let mut errors = Vec::new();
+        for l in candidates {
+            let attempt = parse_payload(data, l, true).and_then(|p| {
+                check_meta(&p, seq, self.params.recurrent)?;
+                self.check_data(&p)?;
+                Ok(p)
+            });
+            match attempt {
+                Ok(p) => fits.push(p),
+                Err(e) => errors.push((l, e)),
+            }
+        }
+        match fits.len() {
+            1 => Ok(fits.remove(0)),
+            0 if errors.len() == 1 => Err(errors.remove(0).1),
+            0 => {
+                // a capacity problem is the real answer when the structure itself parsed
+                if let Some((_, e)) = errors
+                    .iter()
+                    .find(|(_, e)| matches!(e, KvError::NoSpace(_)))
+                {
+                    return Err(e.clone());
+                }
+                Err(KvError::InvalidState(format!(
+                    "the payload fits no layout: {}",
+                    errors
+                        .iter()
+                        .map(|(l, e)| format!("as {l}: {e}"))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )))
+            }
+            _ => Err(KvError::InvalidState(format!(
+                "the payload is ambiguous: it parses as {}; pass the layout explicitly",
+                fits.iter()
+                    .map(|p| p.layout.name())
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            ))),
+        }
+    }
+
+    /// The seed's `state_read(seq)` (seq -1: the whole cache), transactional: the payload is
+    /// parsed and validated completely and room is found before the cache changes; on any
+    /// error the cache is exactly as before. `progress` may stop the read until data starts
+    /// being written.
+    pub fn state_read(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        let dest = if seq == -1 {
+            None
+        } else {
+            Some(self.check_seq("stateRead", seq)? as i32)
+        };
+        let parsed = self.detect_payload(data, dest, opts.layout)?;
+        self.apply_payload(data, &parsed, dest, opts, progress)
+    }
+
+    /// Applies a payload already validated by [`KvCache::detect_payload`] for `dest`.
+    pub(crate) fn apply_payload(
+        &mut self,
+        data: &[u8],
+        parsed: &ParsedPayload,
+        dest: Option<i32>,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        if let Some(p) = progress {
+            if !p(0, data.len() as u64) {
+                return Err(KvError::Aborted("state read aborted".into()));
+            }
+        }
+        let cells: Vec<&CellMeta> = parsed.streams.iter().flat_map(|s| s.cells.iter()).collect();
+        let snapshot = (self.cells.clone(), self.head, self.n);
+        let placed = match dest {
+            Some(d) => self.place_sequence(d, &cells, opts.allow_scattered),
+            None => self.place_whole(&cells),
+        };
+        let placed = match placed {
+            Ok(p) => p,
+            Err(e) => {
+                (self.cells, self.head, self.n) = snapshot;
+                return Err(e);
+            }
+        };
+        let backup = self.backup_if_device()?;
+        if let Err(e) = self.write_payload_data(data, parsed, &placed) {
+            (self.cells, self.head, self.n) = snapshot;
+            if let Some(b) = backup {
+                self.restore_backup(b)?;
+            }
+            return Err(e);
+        }
+        Ok(ReadSummary {
+            layout: parsed.layout,
+            cells: placed.len() as u32,
+            placed: placed.iter().map(|&c| c as u32).collect(),
+        })
+    }
+
+    fn place_sequence(
+        &mut self,
+        dest: i32,
+        cells: &[&CellMeta],
+        allow_scattered: bool,
+    ) -> Result<Vec<usize>> {
+        self.seq_rm(dest, -1, -1)?;
+        if cells.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = cells.len();
+        let ub = UBatch {
+            pos: cells.iter().map(|c| c.pos.max(0)).collect(),
+            n_seq_tokens: n as u32,
+            seq_ids: vec![vec![dest]],
+        };
+        if self.params.recurrent {
+            if n != 1 {
+                return Err(KvError::InvalidState(format!(
+                    "a recurrent sequence state has 1 cell, the payload has {n}"
+                )));
+            }
+            let slot = self.find_slot(&ub)?.ok_or_else(|| {
+                KvError::NoSpace(format!("no free state cell for sequence {dest}"))
+            })?;
+            let cell = slot.head as usize;
+            self.cells.set_pos(cell, cells[0].pos);
+            self.cells.set_src(cell, cell as i32);
+            return Ok(vec![cell]);
+        }
+        if let Some(slot) = self.find_slot(&ub)? {
+            return Ok((slot.head as usize..slot.head as usize + n).collect());
+        }
+        let free: Vec<usize> = (0..self.cells.len())
+            .filter(|&i| self.cells.pos(i) < 0)
+            .take(n)
+            .collect();
+        if !allow_scattered || free.len() < n {
+            return Err(KvError::NoSpace(format!(
+                "no {} run of {n} free cells for sequence {dest} ({} free)",
+                if allow_scattered { "set" } else { "contiguous" },
+                (0..self.cells.len())
+                    .filter(|&i| self.cells.pos(i) < 0)
+                    .count()
+            )));
+        }
+        for (k, &cell) in free.iter().enumerate() {
+            self.cells.set_pos(cell, cells[k].pos);
+            self.cells.insert_seq(cell, dest as usize);
+        }
+        self.cells.used += n as u32;
+        Ok(free)
+    }
+
+    fn place_whole(&mut self, cells: &[&CellMeta]) -> Result<Vec<usize>> {
+        let recurrent = self.params.recurrent;
+        let mut tails = vec![-1i32; self.cells.len()];
+        for (i, c) in cells.iter().enumerate() {
+            for &id in &c.seq_ids {
+                if recurrent {
+                    let t = tails.get_mut(id as usize).ok_or_else(|| {
+                        KvError::InvalidState(format!(
+                            "seq id {id} has no state cell in a cache of {} cells",
+                            self.cells.len()
+                        ))
+                    })?;
+                    if *t != -1 {
+                        return Err(KvError::InvalidState(format!(
+                            "duplicate tail for seq id {id} in cells {} and {i}",
+                            *t
+                        )));
+                    }
+                    *t = i as i32;
+                }
+            }
+        }
+        self.cells.reset();
+        self.head = 0;
+        for (i, c) in cells.iter().enumerate() {
+            let mut set = SeqSet::EMPTY;
+            for &id in &c.seq_ids {
+                set.insert(id as usize);
+            }
+            self.cells.set_pos(i, c.pos);
+            self.cells.set_seqs(i, set);
+            if recurrent {
+                self.cells.set_src(i, i as i32);
+            }
+        }
+        if recurrent {
+            for (seq, &t) in tails.iter().enumerate() {
+                self.cells.set_tail(seq, t);
+            }
+        }
+        self.cells.used = cells.len() as u32;
+        for l in &mut self.layers {
+            l.k.fill_zero()?;
+            l.v.fill_zero()?;
+        }
+        Ok((0..cells.len()).collect())
+    }
+
+    fn write_payload_data(
+        &mut self,
+        data: &[u8],
+        parsed: &ParsedPayload,
+        placed: &[usize],
+    ) -> Result<()> {
+        let lay = self.layout();
+        let mut offset = 0;
+        for stream in &parsed.streams {
+            let n = stream.cells.len();
+            let cells = &placed[offset..offset + n];
+            offset += n;
+            if n == 0 {
+                continue;
+            }
+            let contiguous = cells.windows(2).all(|w| w[1] == w[0] + 1);
+            for (l, b) in self.layers.iter_mut().zip(&stream.layers) {
+                let k = &data[b.k_data.clone()];
+                write_rows_at(l.k.as_mut(), l.k_row, cells, contiguous, k)?;
+                match &b.v {
+                    VBlock::Rows { data: r, .. } => {
+                        write_rows_at(l.v.as_mut(), l.v_row, cells, contiguous, &data[r.clone()])?;
+                    }
+                    VBlock::Transposed { data: r, .. } => {
+                        let v = &data[r.clone()];
+                        let el = lay.v_el;
+                        for j in 0..l.n_embd_v {
+                            let column = &v[j * n * el..(j + 1) * n * el];
+                            if contiguous {
+                                l.v.write((cells[0] + j * lay.size) * el, column)?;
+                            } else {
+                                for (k, &c) in cells.iter().enumerate() {
+                                    l.v.write(
+                                        (c + j * lay.size) * el,
+                                        &column[k * el..(k + 1) * el],
+                                    )?;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn backup_if_device(&self) -> Result<Option<Vec<TensorBackup>>> {
+        let on_device = self
+            .layers
+            .iter()
+            .any(|l| l.k.as_host().is_none() || l.v.as_host().is_none());
+        if !on_device {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let mut k = vec![0u8; l.k.len()];
+            let mut v = vec![0u8; l.v.len()];
+            l.k.read(0, &mut k)?;
+            l.v.read(0, &mut v)?;
+            out.push((k, v));
+        }
+        Ok(Some(out))
+    }
+
+    fn restore_backup(&mut self, backup: Vec<TensorBackup>) -> Result<()> {
+        for (l, (k, v)) in self.layers.iter_mut().zip(backup) {
+            l.k.write(0, &k)?;
+            l.v.write(0, &v)?;
+        }
+        Ok(())
+    }
+
+    /// Rows of `which` in layer `il` for the given cells, packed (for tests and inspection).
+    pub fn rows_of_cells(&self, il: u32, which: Tensor, cells: &[u32]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for &c in cells {
+            out.extend(self.read_rows(il, which, c, 1)?);
+        }
+        Ok(out)
+    }
+}
+
+/// A layer's K and V bytes, kept while a load writes to device memory.
+type TensorBackup = (Vec<u8>, Vec<u8>);
+
+fn write_rows_at(
+    buf: &mut dyn KvBuffer,
+    row: usize,
+    cells: &[usize],
+    contiguous: bool,
+    rows: &[u8],
+) -> Result<()> {
+    if contiguous {
+        return buf.write(cells[0] * row, rows);
+    }
+    for (k, &c) in cells.iter().enumerate() {
+        buf.write(c * row, &rows[k * row..(k + 1) * row])?;
+    }
+    Ok(())
+}
