@@ -1,7 +1,7 @@
 //! A deliberately simple model of the seed's cell semantics: one `BTreeSet` of sequence ids per
 //! cell (the seed's `std::set`), every operation a literal loop over all cells. The property
 //! tests compare the real cache with it, and the benchmarks use it as the baseline.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::needless_range_loop)]
 
 use std::collections::BTreeSet;
 
