@@ -120,7 +120,45 @@ export declare class KvCache {
   /** Applies a pending K-shift (given `rope`) and a pending defrag, synchronously. */
   updateSync(options?: UpdateOptions): UpdateReport
   /** Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool. */
-  update(options?: UpdateOptions, signal?: AbortSignal): Promise<UpdateReport>
+  update(options?: UpdateOptions): Promise<UpdateReport>
+  /** Bytes `stateWrite(seqId, options)` will produce. */
+  stateSize(seqId?: number, options?: SaveOptions): number
+  /**
+   * The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
+   * format (`llama_state_seq_get_data`'s KV part), synchronously.
+   */
+  stateWriteSync(seqId?: number, options?: SaveOptions): Buffer
+  /** The KV state of sequence `seqId` (-1: the whole cache), on the threadpool. */
+  stateWrite(seqId?: number, options?: SaveOptions): Promise<Buffer>
+  /**
+   * Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
+   * Transactional: on any error the cache is exactly as before.
+   */
+  stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
+  /** Restores a state on the threadpool (transactional). */
+  stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
+  /**
+   * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
+   * atomically (a failed save leaves the previous file intact), synchronously.
+   */
+  saveSequenceFileSync(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  /** Saves a sequence file on the threadpool. */
+  saveSequenceFile(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  /**
+   * Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
+   * returns its tokens. Transactional.
+   */
+  loadSequenceFileSync(path: string, destSeqId: number, options?: LoadOptions): LoadedFile
+  /** Loads a sequence file on the threadpool. */
+  loadSequenceFile(path: string, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
+  /** Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically. */
+  saveSessionFileSync(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  /** Saves a session file on the threadpool. */
+  saveSessionFile(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  /** Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional. */
+  loadSessionFileSync(path: string, options?: LoadOptions): LoadedFile
+  /** Loads a session file on the threadpool. */
+  loadSessionFile(path: string, options?: LoadOptions): Promise<LoadedFile>
 }
 
 /** A snapshot of every cell (llama.cpp's `llama_kv_cache_view`). */
@@ -209,10 +247,50 @@ export interface LayerRope {
   rope: RopeOptions
 }
 
+/** What a file load restored. */
+export interface LoadedFile {
+  /** 'session' or 'sequence'. */
+  format: string
+  /** File version. */
+  version: number
+  /** Prompt tokens stored in the file (may be fewer than the cells). */
+  tokens: Array<number>
+  /** Session files: model architecture. */
+  arch?: string
+  /** Seed-era session files: the outputs block. */
+  outputs?: SessionOutputs
+  /** Payload layout detected. */
+  layout: string
+  /** Cells restored. */
+  cells: number
+}
+
+/** Options of `stateRead` and the file loaders. */
+export interface LoadOptions {
+  /** Force 'seed' or 'streams' instead of detecting the layout. */
+  layout?: string
+  /** One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule). */
+  allowScattered?: boolean
+  /** Called with `(doneBytes, totalBytes)`. */
+  onProgress?: (done: number, total: number) => void
+  /** Aborts the async operation until data starts being written (after that it completes). */
+  signal?: AbortSignal
+}
+
 /** Options of `prepareBatch`. */
 export interface PrepareBatchOptions {
   /** Move `head` past the slot afterwards, as llama.cpp's decode of the seed's era did. Default true. */
   advanceHead?: boolean
+}
+
+/** What a state read did. */
+export interface ReadResult {
+  /** The layout detected: 'seed' or 'streams'. */
+  layout: string
+  /** Cells restored. */
+  cells: number
+  /** The cells that received the data, in payload order. */
+  placed: Array<number>
 }
 
 /** RoPE parameters of the model, for the K-shift. */
@@ -243,6 +321,32 @@ export interface RopeOptions {
   freqFactors?: Array<number>
 }
 
+/** Options of `stateWrite` and the file savers. */
+export interface SaveOptions {
+  /** Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944, llama.node 0.3.x). */
+  layout?: string
+  /** File version: sequence files 2 (default, llama.node) or 3 (node-llama-cpp); session files 9 (default) or 10. */
+  version?: number
+  /** Streams to write with today's layout: 1 (unified context, default) or nSeqMax (one per sequence, as a non-unified context). */
+  nStream?: number
+  /** Session files: the model architecture name. Default 'llama'. */
+  arch?: string
+  /** Called with `(doneBytes, totalBytes)` while the state is written. */
+  onProgress?: (done: number, total: number) => void
+  /** Aborts the async operation (also while it runs). */
+  signal?: AbortSignal
+}
+
+/** The seed era's outputs block of a session file. */
+export interface SessionOutputs {
+  /** Batch index of each output. */
+  outputPos: Array<number>
+  /** Logits. */
+  logits: Float32Array
+  /** Embeddings. */
+  embeddings: Float32Array
+}
+
 /** Where a ubatch was placed. */
 export interface Slot {
   /** First cell: write the ubatch's K/V rows from here. */
@@ -271,6 +375,8 @@ export interface UpdateOptions {
   ropeLayers?: Array<LayerRope>
   /** Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536. */
   maxNodes?: number
+  /** Aborts the async `update` while it is queued. */
+  signal?: AbortSignal
 }
 
 /** What `update` did. */

@@ -225,7 +225,7 @@ test('an aborted signal rejects the task', async (t) => {
   const c = make()
   const ac = new AbortController()
   ac.abort()
-  const e = t.throws(() => c.update(undefined, ac.signal))
+  const e = t.throws(() => c.update({ signal: ac.signal }))
   t.is(e.code, 'ERR_KV_ABORTED')
   t.true(c.seqRm(0), 'the cache stays usable')
 })

@@ -124,3 +124,31 @@ impl FromNapiValue for Signal {
         Ok(Signal { aborted, signal })
     }
 }
+
+/// Token ids: an array of integers or an Int32Array.
+pub struct Tokens(pub Vec<i32>);
+
+impl FromNapiValue for Tokens {
+    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
+        let mut is_typed = false;
+        sys::napi_is_typedarray(env, value, &mut is_typed);
+        if is_typed {
+            if let Ok(a) = Int32Array::from_napi_value(env, value) {
+                return Ok(Tokens(a.to_vec()));
+            }
+            return Err(mismatch(
+                env,
+                value,
+                "an array of token ids or an Int32Array",
+            ));
+        }
+        let list = Vec::<f64>::from_napi_value(env, value)
+            .map_err(|_| mismatch(env, value, "an array of token ids or an Int32Array"))?;
+        list.iter()
+            .enumerate()
+            .map(|(i, &t)| crate::convert::i32v(&format!("tokens[{i}]"), t))
+            .collect::<Result<Vec<i32>, crate::error::Code>>()
+            .map(Tokens)
+            .map_err(|e| coded_error(env, e))
+    }
+}

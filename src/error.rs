@@ -16,6 +16,7 @@ pub enum Code {
     Busy,
     Disposed,
     CudaUnavailable,
+    NoSpace,
     Aborted,
     Internal,
 }
@@ -31,6 +32,7 @@ impl AsRef<str> for Code {
             Code::Busy => "ERR_KV_BUSY",
             Code::Disposed => "ERR_KV_DISPOSED",
             Code::CudaUnavailable => "ERR_KV_CUDA_UNAVAILABLE",
+            Code::NoSpace => "ERR_KV_NO_SPACE",
             Code::Aborted => "ERR_KV_ABORTED",
             Code::Internal => "ERR_KV_INTERNAL",
         }
@@ -57,6 +59,8 @@ pub fn from_core(e: KvError) -> JsErr {
         KvError::Io(_) => Code::Io,
         KvError::Backend(m) if m.contains("CUDA") => Code::CudaUnavailable,
         KvError::Backend(_) => Code::Unsupported,
+        KvError::NoSpace(_) => Code::NoSpace,
+        KvError::Aborted(_) => Code::Aborted,
     };
     err(code, e.to_string())
 }

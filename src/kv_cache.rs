@@ -4,14 +4,15 @@ use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use llama_kv_cache as core;
-use llama_kv_cache::{CacheParams, PrepareOptions, Tensor};
+use llama_kv_cache::{CacheParams, Layout, PrepareOptions, ReadOptions, Tensor, WriteOptions};
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{Bytes, Floats, Num, Obj, Signal};
+use crate::args::{Bytes, Floats, Num, Obj, Signal, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
 use crate::error::{err, from_core, guard, Code, JsResult};
-use crate::tasks::UpdateTask;
+use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteJob, UpdateJob};
+use crate::tasks::{CacheTask, Control, Job, ProgressFn};
 use crate::types::*;
 
 /// The core cache shared with async tasks, plus the count of tasks pending on it.
@@ -79,6 +80,40 @@ impl KvCache {
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
             f(cache)
         })
+    }
+
+    fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
+        self.with(|c| {
+            let output = job.run(c, &mut |_, _| true).map_err(from_core)?;
+            J::to_js(output)
+        })
+    }
+
+    fn run_async<J: Job>(
+        &self,
+        job: J,
+        progress: Option<ProgressFn>,
+        signal: Option<Signal>,
+    ) -> JsResult<AsyncTask<CacheTask<J>>> {
+        // refuse now rather than in the promise when the cache is disposed or busy
+        self.with(|_| Ok(()))?;
+        if signal.as_ref().is_some_and(|s| s.aborted) {
+            return Err(err(Code::Aborted, "the signal was already aborted"));
+        }
+        let control = Control {
+            progress,
+            aborted: Default::default(),
+        };
+        if let Some(s) = &signal {
+            let flag = control.aborted.clone();
+            s.signal
+                .on_abort(move || flag.store(true, Ordering::SeqCst));
+        }
+        let task = CacheTask::new(self.shared.clone(), job, control);
+        Ok(AsyncTask::with_optional_signal(
+            task,
+            signal.map(|s| s.signal),
+        ))
     }
 
     fn read(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Buffer, Code> {
@@ -609,12 +644,8 @@ impl KvCache {
         &self,
         #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
     ) -> Result<UpdateReport, Code> {
-        let (shift, max_nodes) = convert::shift(&options.map(|o| o.0))?;
-        self.with(|c| {
-            Ok(c.update(shift.as_ref(), max_nodes)
-                .map_err(from_core)?
-                .into())
-        })
+        let (job, _) = update_job(options)?;
+        self.run_sync(job)
     }
 
     /// Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool.
@@ -622,18 +653,284 @@ impl KvCache {
     pub fn update(
         &self,
         #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
-        #[napi(ts_arg_type = "AbortSignal")] signal: Option<Signal>,
-    ) -> Result<AsyncTask<UpdateTask>, Code> {
-        let (shift, max_nodes) = convert::shift(&options.map(|o| o.0))?;
-        // check disposal and business now, so the promise is not created for nothing
-        self.with(|_| Ok(()))?;
-        if signal.as_ref().is_some_and(|s| s.aborted) {
-            return Err(err(Code::Aborted, "update: the signal was already aborted"));
-        }
-        let task = UpdateTask::new(self.shared.clone(), shift, max_nodes);
-        Ok(AsyncTask::with_optional_signal(
-            task,
-            signal.map(|s| s.signal),
-        ))
+    ) -> Result<AsyncTask<CacheTask<UpdateJob>>, Code> {
+        let (job, signal) = update_job(options)?;
+        self.run_async(job, None, signal)
     }
+
+    /// Bytes `stateWrite(seqId, options)` will produce.
+    #[napi]
+    pub fn state_size(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<f64, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.with(|c| {
+            Ok(c.state_size(seq, opts.layout, opts.n_stream)
+                .map_err(from_core)? as f64)
+        })
+    }
+
+    /// The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
+    /// format (`llama_state_seq_get_data`'s KV part), synchronously.
+    #[napi]
+    pub fn state_write_sync(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<Buffer, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.run_sync(StateWriteJob { seq, opts })
+    }
+
+    /// The KV state of sequence `seqId` (-1: the whole cache), on the threadpool.
+    #[napi(ts_return_type = "Promise<Buffer>")]
+    pub fn state_write(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<AsyncTask<CacheTask<StateWriteJob>>, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, _, progress, signal) = save_options(options)?;
+        self.run_async(StateWriteJob { seq, opts }, progress, signal)
+    }
+
+    /// Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
+    /// Transactional: on any error the cache is exactly as before.
+    #[napi]
+    pub fn state_read_sync(
+        &self,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<ReadResult, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(StateReadJob {
+            data: data.0.to_vec(),
+            seq,
+            opts,
+        })
+    }
+
+    /// Restores a state on the threadpool (transactional).
+    #[napi(ts_return_type = "Promise<ReadResult>")]
+    pub fn state_read(
+        &self,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<AsyncTask<CacheTask<StateReadJob>>, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            StateReadJob {
+                data: data.0.to_vec(),
+                seq,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
+    /// atomically (a failed save leaves the previous file intact), synchronously.
+    #[napi]
+    pub fn save_sequence_file_sync(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<(), Code> {
+        let seq = i32v("seqId", seq_id)?;
+        let (opts, arch, ..) = save_options(options)?;
+        self.run_sync(SaveFileJob {
+            path: path.into(),
+            seq: Some(seq),
+            arch,
+            tokens: tokens.0,
+            opts,
+        })
+    }
+
+    /// Saves a sequence file on the threadpool.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn save_sequence_file(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<AsyncTask<CacheTask<SaveFileJob>>, Code> {
+        let seq = i32v("seqId", seq_id)?;
+        let (opts, arch, progress, signal) = save_options(options)?;
+        self.run_async(
+            SaveFileJob {
+                path: path.into(),
+                seq: Some(seq),
+                arch,
+                tokens: tokens.0,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
+    /// returns its tokens. Transactional.
+    #[napi]
+    pub fn load_sequence_file_sync(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "number")] dest_seq_id: Num,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<LoadedFile, Code> {
+        let dest = i32v("destSeqId", dest_seq_id)?;
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(LoadFileJob {
+            path: path.into(),
+            dest: Some(dest),
+            opts,
+        })
+    }
+
+    /// Loads a sequence file on the threadpool.
+    #[napi(ts_return_type = "Promise<LoadedFile>")]
+    pub fn load_sequence_file(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "number")] dest_seq_id: Num,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<AsyncTask<CacheTask<LoadFileJob>>, Code> {
+        let dest = i32v("destSeqId", dest_seq_id)?;
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            LoadFileJob {
+                path: path.into(),
+                dest: Some(dest),
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically.
+    #[napi]
+    pub fn save_session_file_sync(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<(), Code> {
+        let (opts, arch, ..) = save_options(options)?;
+        self.run_sync(SaveFileJob {
+            path: path.into(),
+            seq: None,
+            arch,
+            tokens: tokens.0,
+            opts,
+        })
+    }
+
+    /// Saves a session file on the threadpool.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn save_session_file(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<AsyncTask<CacheTask<SaveFileJob>>, Code> {
+        let (opts, arch, progress, signal) = save_options(options)?;
+        self.run_async(
+            SaveFileJob {
+                path: path.into(),
+                seq: None,
+                arch,
+                tokens: tokens.0,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional.
+    #[napi]
+    pub fn load_session_file_sync(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<LoadedFile, Code> {
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(LoadFileJob {
+            path: path.into(),
+            dest: None,
+            opts,
+        })
+    }
+
+    /// Loads a session file on the threadpool.
+    #[napi(ts_return_type = "Promise<LoadedFile>")]
+    pub fn load_session_file(
+        &self,
+        path: String,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<AsyncTask<CacheTask<LoadFileJob>>, Code> {
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            LoadFileJob {
+                path: path.into(),
+                dest: None,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+}
+
+fn update_job(options: Option<Obj<UpdateOptions>>) -> JsResult<(UpdateJob, Option<Signal>)> {
+    let mut options = options.map(|o| o.0);
+    let signal = options.as_mut().and_then(|o| o.signal.take());
+    let (shift, max_nodes) = convert::shift(&options)?;
+    Ok((UpdateJob { shift, max_nodes }, signal))
+}
+
+type SaveParts = (WriteOptions, String, Option<ProgressFn>, Option<Signal>);
+
+fn save_options(options: Option<Obj<SaveOptions>>) -> JsResult<SaveParts> {
+    let Some(Obj(o)) = options else {
+        return Ok((WriteOptions::default(), "llama".into(), None, None));
+    };
+    let opts = WriteOptions {
+        version: o.version.map(|v| u32v("version", v)).transpose()?,
+        layout: jobs::layout(o.layout.as_deref())?.unwrap_or(Layout::Streams),
+        n_stream: o.n_stream.map_or(Ok(1), |n| u32v("nStream", n))?,
+    };
+    Ok((
+        opts,
+        o.arch.unwrap_or_else(|| "llama".into()),
+        o.on_progress,
+        o.signal,
+    ))
+}
+
+type LoadParts = (ReadOptions, Option<ProgressFn>, Option<Signal>);
+
+fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
+    let Some(Obj(o)) = options else {
+        return Ok((ReadOptions::default(), None, None));
+    };
+    let opts = ReadOptions {
+        layout: jobs::layout(o.layout.as_deref())?,
+        allow_scattered: o.allow_scattered.unwrap_or(false),
+    };
+    Ok((opts, o.on_progress, o.signal))
 }

@@ -135,7 +135,7 @@ pub struct LayerRope {
 }
 
 /// Options of `update` / `updateSync`.
-#[napi(object)]
+#[napi(object, object_to_js = false)]
 pub struct UpdateOptions {
     /// RoPE parameters: needed to apply a pending K-shift; without them the shift stays pending.
     pub rope: Option<RopeOptions>,
@@ -143,6 +143,9 @@ pub struct UpdateOptions {
     pub rope_layers: Option<Vec<LayerRope>>,
     /// Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536.
     pub max_nodes: Option<f64>,
+    /// Aborts the async `update` while it is queued.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<crate::args::Signal>,
 }
 
 /// A run of cells moved by a defrag.
@@ -198,4 +201,79 @@ impl From<llama_kv_cache::UpdateReport> for UpdateReport {
             }),
         }
     }
+}
+
+/// Options of `stateWrite` and the file savers.
+#[napi(object, object_to_js = false)]
+pub struct SaveOptions {
+    /// Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944, llama.node 0.3.x).
+    pub layout: Option<String>,
+    /// File version: sequence files 2 (default, llama.node) or 3 (node-llama-cpp); session files 9 (default) or 10.
+    pub version: Option<f64>,
+    /// Streams to write with today's layout: 1 (unified context, default) or nSeqMax (one per sequence, as a non-unified context).
+    pub n_stream: Option<f64>,
+    /// Session files: the model architecture name. Default 'llama'.
+    pub arch: Option<String>,
+    /// Called with `(doneBytes, totalBytes)` while the state is written.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<crate::tasks::ProgressFn>,
+    /// Aborts the async operation (also while it runs).
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<crate::args::Signal>,
+}
+
+/// Options of `stateRead` and the file loaders.
+#[napi(object, object_to_js = false)]
+pub struct LoadOptions {
+    /// Force 'seed' or 'streams' instead of detecting the layout.
+    pub layout: Option<String>,
+    /// One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule).
+    pub allow_scattered: Option<bool>,
+    /// Called with `(doneBytes, totalBytes)`.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<crate::tasks::ProgressFn>,
+    /// Aborts the async operation until data starts being written (after that it completes).
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<crate::args::Signal>,
+}
+
+/// What a state read did.
+#[napi(object)]
+pub struct ReadResult {
+    /// The layout detected: 'seed' or 'streams'.
+    pub layout: String,
+    /// Cells restored.
+    pub cells: u32,
+    /// The cells that received the data, in payload order.
+    pub placed: Vec<u32>,
+}
+
+/// The seed era's outputs block of a session file.
+#[napi(object)]
+pub struct SessionOutputs {
+    /// Batch index of each output.
+    pub output_pos: Vec<i32>,
+    /// Logits.
+    pub logits: Float32Array,
+    /// Embeddings.
+    pub embeddings: Float32Array,
+}
+
+/// What a file load restored.
+#[napi(object)]
+pub struct LoadedFile {
+    /// 'session' or 'sequence'.
+    pub format: String,
+    /// File version.
+    pub version: u32,
+    /// Prompt tokens stored in the file (may be fewer than the cells).
+    pub tokens: Vec<i32>,
+    /// Session files: model architecture.
+    pub arch: Option<String>,
+    /// Seed-era session files: the outputs block.
+    pub outputs: Option<SessionOutputs>,
+    /// Payload layout detected.
+    pub layout: String,
+    /// Cells restored.
+    pub cells: u32,
 }

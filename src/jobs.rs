@@ -1,0 +1,165 @@
+//! The long operations, each a [`Job`] shared by its sync and async entry points.
+
+use std::path::PathBuf;
+
+use llama_kv_cache as core;
+use llama_kv_cache::files::{read_file, write_atomic};
+use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
+use napi::bindgen_prelude::*;
+
+use crate::error::JsResult;
+use crate::tasks::Job;
+use crate::types::{LoadedFile, ReadResult, SessionOutputs, UpdateReport};
+
+/// `update`: pending K-shift and defrag.
+pub struct UpdateJob {
+    pub shift: Option<ShiftParams>,
+    pub max_nodes: Option<u32>,
+}
+
+impl Job for UpdateJob {
+    type Output = core::UpdateReport;
+    type Js = UpdateReport;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        _: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> core::Result<Self::Output> {
+        c.update(self.shift.as_ref(), self.max_nodes)
+    }
+    fn to_js(o: Self::Output) -> JsResult<Self::Js> {
+        Ok(o.into())
+    }
+}
+
+/// `stateWrite`: the payload of one sequence or the whole cache.
+pub struct StateWriteJob {
+    pub seq: i32,
+    pub opts: WriteOptions,
+}
+
+impl Job for StateWriteJob {
+    type Output = Vec<u8>;
+    type Js = Buffer;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> core::Result<Vec<u8>> {
+        c.state_write(self.seq, self.opts.layout, self.opts.n_stream, Some(p))
+    }
+    fn to_js(o: Vec<u8>) -> JsResult<Buffer> {
+        Ok(o.into())
+    }
+}
+
+fn read_result(s: core::ReadSummary) -> ReadResult {
+    ReadResult {
+        layout: s.layout.name().into(),
+        cells: s.cells,
+        placed: s.placed,
+    }
+}
+
+/// `stateRead`: restores a payload.
+pub struct StateReadJob {
+    pub data: Vec<u8>,
+    pub seq: i32,
+    pub opts: ReadOptions,
+}
+
+impl Job for StateReadJob {
+    type Output = core::ReadSummary;
+    type Js = ReadResult;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> core::Result<Self::Output> {
+        c.state_read(&self.data, self.seq, self.opts, Some(p))
+    }
+    fn to_js(o: Self::Output) -> JsResult<ReadResult> {
+        Ok(read_result(o))
+    }
+}
+
+/// `saveSequenceFile` / `saveSessionFile`: writes the file atomically.
+pub struct SaveFileJob {
+    pub path: PathBuf,
+    /// `Some(seq)`: a sequence file; `None`: a session file with `arch`.
+    pub seq: Option<i32>,
+    pub arch: String,
+    pub tokens: Vec<i32>,
+    pub opts: WriteOptions,
+}
+
+impl Job for SaveFileJob {
+    type Output = ();
+    type Js = ();
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> core::Result<()> {
+        let bytes = match self.seq {
+            Some(seq) => c.sequence_file_bytes(seq, &self.tokens, self.opts, Some(p))?,
+            None => c.session_file_bytes(&self.tokens, &self.arch, None, self.opts, Some(p))?,
+        };
+        write_atomic(&self.path, &bytes)
+    }
+    fn to_js(_: ()) -> JsResult<()> {
+        Ok(())
+    }
+}
+
+/// `loadSequenceFile` / `loadSessionFile`.
+pub struct LoadFileJob {
+    pub path: PathBuf,
+    /// `Some(dest)`: a sequence file into `dest`; `None`: a session file.
+    pub dest: Option<i32>,
+    pub opts: ReadOptions,
+}
+
+impl Job for LoadFileJob {
+    type Output = core::LoadedFile;
+    type Js = LoadedFile;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> core::Result<Self::Output> {
+        let bytes = read_file(&self.path)?;
+        match self.dest {
+            Some(dest) => c.load_sequence_bytes(&bytes, dest, self.opts, Some(p)),
+            None => c.load_session_bytes(&bytes, self.opts, Some(p)),
+        }
+    }
+    fn to_js(o: Self::Output) -> JsResult<LoadedFile> {
+        Ok(LoadedFile {
+            format: o.header.kind.name().into(),
+            version: o.header.version,
+            tokens: o.header.tokens,
+            arch: o.arch,
+            outputs: o.outputs.map(|out| SessionOutputs {
+                output_pos: out.output_pos,
+                logits: Float32Array::new(out.logits),
+                embeddings: Float32Array::new(out.embeddings),
+            }),
+            layout: o.summary.layout.name().into(),
+            cells: o.summary.cells,
+        })
+    }
+}
+
+/// Parses a layout name.
+pub fn layout(name: Option<&str>) -> JsResult<Option<Layout>> {
+    match name {
+        None => Ok(None),
+        Some("seed") => Ok(Some(Layout::Seed)),
+        Some("streams") => Ok(Some(Layout::Streams)),
+        Some(other) => Err(crate::error::err(
+            crate::error::Code::InvalidArg,
+            format!("layout must be 'seed' or 'streams', got {other:?}"),
+        )),
+    }
+}
