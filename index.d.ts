@@ -161,6 +161,22 @@ export declare class KvCache {
   loadSessionFile(path: string, options?: LoadOptions): Promise<LoadedFile>
 }
 
+/** Byte accounting of a file. */
+export interface ByteInfo {
+  /** File size. */
+  total: number
+  /** Header and token list. */
+  header: number
+  /** Session prefix (arch, outputs block). */
+  session: number
+  /** Cell metadata. */
+  meta: number
+  /** K rows. */
+  k: number
+  /** V rows. */
+  v: number
+}
+
 /** A snapshot of every cell (llama.cpp's `llama_kv_cache_view`). */
 export interface CacheView {
   /** Per cell: position + pending delta (-1 + delta for free cells, as llama.cpp). */
@@ -201,6 +217,30 @@ export interface CellMove {
   len: number
 }
 
+/** Options of `convertStateFile`. */
+export interface ConvertFileOptions {
+  /** Output payload layout: 'streams' (default) or 'seed'. */
+  layout?: string
+  /** Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads). */
+  version?: number
+  /** Streams to write (today's layout): 1 (default) or one per sequence. */
+  nStream?: number
+  /** Extract this sequence into a sequence file. */
+  seqId?: number
+  /** Re-type K, e.g. 'f32' or 'f16'. */
+  typeK?: string
+  /** Re-type V. */
+  typeV?: string
+  /** Treat a sequence file as a recurrent (Mamba/RWKV) state. */
+  recurrent?: boolean
+}
+
+/**
+ * Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
+ * writes the result atomically to `output`.
+ */
+export declare function convertStateFile(input: string, output: string, options?: ConvertFileOptions): void
+
 /** What a defrag did. */
 export interface DefragReport {
   /** The runs moved. */
@@ -210,6 +250,41 @@ export interface DefragReport {
   /** Bytes copied across all layers. */
   bytesCopied: number
 }
+
+/** The structure of a llama.cpp state file. */
+export interface Inspection {
+  /** 'session' or 'sequence'. */
+  format: string
+  /** 'ggsn' or 'ggsq'. */
+  magic: string
+  /** File version. */
+  version: number
+  /** Tokens stored. */
+  nTokens: number
+  /** The tokens. */
+  tokens: Array<number>
+  /** Session: architecture. */
+  arch?: string
+  /** 'seed' (b4944, no stream prefix) or 'streams' (today's). */
+  layout: string
+  /** Seed-era sessions: whether the outputs block is present. */
+  hasOutputs: boolean
+  /** The streams. */
+  streams: Array<StreamInfo>
+  /** Layers (0 when every stream is empty). */
+  nLayer: number
+  /** Whether V is transposed (null when every stream is empty). */
+  vTrans?: boolean
+  /** Per-layer types and row sizes. */
+  layers: Array<LayerInfo>
+  /** File size in bytes. */
+  bytes: number
+  /** Where the bytes go. */
+  byteAccounting: ByteInfo
+}
+
+/** Parses a state file (a path or its bytes) without a cache and describes it. */
+export declare function inspectState(source: string | Uint8Array): Inspection
 
 /** Options of `new KvCache(options)`. Defaults follow llama.cpp's. */
 export interface KvCacheOptions {
@@ -237,6 +312,18 @@ export interface KvCacheOptions {
   canShift?: boolean
   /** Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1. */
   nSeqMax?: number
+}
+
+/** Types and row sizes of one layer. */
+export interface LayerInfo {
+  /** K type name. */
+  kType: string
+  /** Bytes per K row. */
+  kRowSize: number
+  /** V type name. */
+  vType: string
+  /** Bytes per V row (element size x width when transposed). */
+  vRowSize: number
 }
 
 /** A per-layer RoPE replacement. */
@@ -337,6 +424,16 @@ export interface SaveOptions {
   signal?: AbortSignal
 }
 
+/** Cells of one sequence in a stream. */
+export interface SeqStat {
+  /** Cells holding the sequence. */
+  cells: number
+  /** Smallest position. */
+  posMin: number
+  /** Largest position. */
+  posMax: number
+}
+
 /** The seed era's outputs block of a session file. */
 export interface SessionOutputs {
   /** Batch index of each output. */
@@ -355,6 +452,14 @@ export interface Slot {
   len: number
   /** Cells the attention should look at. */
   n: number
+}
+
+/** One stream of the payload. */
+export interface StreamInfo {
+  /** Cells in the stream. */
+  cellCount: number
+  /** Per sequence id. One-sequence files of the seed layout record no id: their cells are listed under "-1". */
+  seqs: Record<string, SeqStat>
 }
 
 /** A micro-batch to place: positions and, per group, the owning sequences. */

@@ -836,3 +836,5 @@ function __napiStampBindingTarget(exportsObject, target) {
 module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __napiLoadedBindingTarget)
 module.exports = nativeBinding
 module.exports.KvCache = nativeBinding.KvCache
+module.exports.convertStateFile = nativeBinding.convertStateFile
+module.exports.inspectState = nativeBinding.inspectState

@@ -51,6 +51,12 @@ pub fn ggml_type(name: &str, v: Option<String>, default: GgmlType) -> JsResult<G
     }
 }
 
+/// An optional KV type name.
+pub fn ggml_type_opt(name: &str, v: Option<String>) -> JsResult<Option<GgmlType>> {
+    v.map(|s| ggml_type(name, Some(s), GgmlType::F16))
+        .transpose()
+}
+
 /// A width or per-layer widths.
 pub fn widths(name: &str, v: &Either<f64, Vec<f64>>) -> JsResult<Vec<u32>> {
     match v {

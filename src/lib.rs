@@ -6,6 +6,7 @@
 mod args;
 mod convert;
 mod error;
+mod inspect;
 mod jobs;
 mod kv_cache;
 mod tasks;

@@ -312,6 +312,29 @@ impl KvCache {
         }
     }
 
+    /// A copy of this cache with K and V in other types: every row is converted through f32
+    /// (dequantized and requantized with the reference quantizers as needed). Cell metadata is
+    /// copied as is.
+    pub fn retyped(&self, type_k: GgmlType, type_v: GgmlType) -> Result<KvCache> {
+        let mut params = self.params.clone();
+        params.type_k = type_k;
+        params.type_v = type_v;
+        let mut out = KvCache::new(params)?;
+        let size = self.params.size;
+        for il in 0..self.params.n_layer {
+            for which in [Tensor::K, Tensor::V] {
+                let values = self.read_rows_f32(il, which, 0, size)?;
+                out.write_rows_f32(il, which, 0, &values)?;
+            }
+        }
+        out.cells = self.cells.clone();
+        out.head = self.head;
+        out.n = self.n;
+        out.has_shift = self.has_shift;
+        out.do_defrag = self.do_defrag;
+        Ok(out)
+    }
+
     /// Validates a sequence id for operations on one sequence.
     pub(crate) fn check_seq(&self, what: &str, seq: i32) -> Result<usize> {
         if seq < 0 || seq as u32 >= self.params.n_seq_max {

@@ -385,8 +385,8 @@ impl KvCache {
 /// Structure of a file or payload found without a cache: for inspection.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Inspection {
-    /// Header, for files.
-    pub header: Option<FileHeader>,
+    /// The file header.
+    pub header: FileHeader,
     /// Session: architecture.
     pub arch: Option<String>,
     /// Session: outputs block.
@@ -452,7 +452,7 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                 payload,
                 bytes: bytes.len(),
                 payload_offset: split.payload.start,
-                header: Some(header),
+                header,
             })
         }
         0 => Err(KvError::InvalidState(format!(
@@ -517,4 +517,156 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Reads a whole file, with an error naming the path.
 pub fn read_file(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(|e| KvError::Io(format!("cannot read {}: {e}", path.display())))
+}
+
+/// Architectures whose state is recurrent (one cell per sequence, no stream prefix).
+const RECURRENT_ARCHS: [&str; 7] = [
+    "mamba",
+    "mamba2",
+    "rwkv6",
+    "rwkv6qwen2",
+    "rwkv7",
+    "arwkv7",
+    "jamba",
+];
+
+/// Whether a session's architecture keeps a recurrent state.
+pub fn is_recurrent_arch(arch: &str) -> bool {
+    RECURRENT_ARCHS.contains(&arch)
+}
+
+/// Parameters of a cache that can hold exactly what an inspected file holds.
+pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParams> {
+    use crate::state::VBlock;
+    use crate::GgmlType;
+    let stream = ins
+        .payload
+        .streams
+        .iter()
+        .find(|s| !s.layers.is_empty())
+        .ok_or_else(|| {
+            KvError::InvalidState(
+                "the file holds no cells, so no cache shape can be derived".into(),
+            )
+        })?;
+    let ty = |id: i32| {
+        GgmlType::from_id(id)
+            .ok_or_else(|| KvError::InvalidState(format!("type id {id} is not a KV type")))
+    };
+    let width = |t: GgmlType, row: u64| -> Result<u32> {
+        let w = row as usize / t.type_size() * t.block_size();
+        if t.row_size(w)? as u64 != row {
+            return Err(KvError::InvalidState(format!(
+                "row size {row} is not whole {t} blocks"
+            )));
+        }
+        Ok(w as u32)
+    };
+    let mut k_widths = Vec::new();
+    let mut v_widths = Vec::new();
+    let type_k = ty(stream.layers[0].k_type)?;
+    let mut type_v = type_k;
+    for l in &stream.layers {
+        k_widths.push(width(ty(l.k_type)?, l.k_row_size)?);
+        match &l.v {
+            VBlock::Rows {
+                ty: t, row_size, ..
+            } => {
+                type_v = ty(*t)?;
+                v_widths.push(width(type_v, *row_size)?);
+            }
+            VBlock::Transposed { ty: t, n_embd, .. } => {
+                type_v = ty(*t)?;
+                v_widths.push(*n_embd);
+            }
+        }
+    }
+    let cells: usize = ins.payload.streams.iter().map(|s| s.cells.len()).sum();
+    let max_seq = ins
+        .payload
+        .streams
+        .iter()
+        .flat_map(|s| s.cells.iter().flat_map(|c| c.seq_ids.iter()))
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(ins.payload.streams.len() as i32 - 1);
+    let n_seq_max = (max_seq + 1).clamp(1, crate::MAX_SEQ as i32) as u32;
+    let size = if recurrent {
+        n_seq_max.max(cells as u32)
+    } else {
+        (cells as u32).max(1)
+    };
+    let mut p = crate::CacheParams::new(size, stream.layers.len() as u32, 0, 0);
+    p.n_embd_k_gqa = k_widths;
+    p.n_embd_v_gqa = v_widths;
+    p.type_k = type_k;
+    p.type_v = type_v;
+    p.flash_attn = stream.v_trans == Some(false);
+    p.recurrent = recurrent;
+    p.n_seq_max = n_seq_max;
+    Ok(p)
+}
+
+/// What `convert` does to a file.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConvertOptions {
+    /// Output format options (layout, version, streams).
+    pub write: WriteOptions,
+    /// Extract this sequence into a sequence file (from a session or a sequence file).
+    pub extract_seq: Option<i32>,
+    /// Re-type K (f32 <-> f16, or any KV type).
+    pub type_k: Option<crate::GgmlType>,
+    /// Re-type V.
+    pub type_v: Option<crate::GgmlType>,
+    /// Treat a sequence file as recurrent (sessions tell by their architecture).
+    pub recurrent: bool,
+}
+
+/// Converts a state file: layout or version change, sequence extraction, K/V re-typing.
+pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
+    let ins = inspect_bytes(bytes)?;
+    let recurrent = opts.recurrent || ins.arch.as_deref().is_some_and(is_recurrent_arch);
+    let mut cache = KvCache::new(params_for(&ins, recurrent)?)?;
+    let read = ReadOptions {
+        layout: Some(ins.payload.layout),
+        allow_scattered: false,
+    };
+    let seq_in_file = ins
+        .payload
+        .streams
+        .iter()
+        .position(|s| !s.cells.is_empty())
+        .map(|s| {
+            ins.payload.streams[s].cells[0]
+                .seq_ids
+                .first()
+                .copied()
+                .unwrap_or(s as i32)
+        })
+        .unwrap_or(0);
+    let loaded = match ins.header.kind {
+        FileKind::Session => cache.load_session_bytes(bytes, read, None)?,
+        FileKind::Sequence => cache.load_sequence_bytes(bytes, seq_in_file, read, None)?,
+    };
+    if opts.type_k.is_some() || opts.type_v.is_some() {
+        cache = cache.retyped(
+            opts.type_k.unwrap_or(cache.type_k()),
+            opts.type_v.unwrap_or(cache.type_v()),
+        )?;
+    }
+    let tokens = &loaded.header.tokens;
+    match (ins.header.kind, opts.extract_seq) {
+        (FileKind::Session, None) => cache.session_file_bytes(
+            tokens,
+            loaded.arch.as_deref().unwrap_or("llama"),
+            loaded.outputs.as_ref(),
+            opts.write,
+            None,
+        ),
+        (_, Some(seq)) => cache.sequence_file_bytes(seq, tokens, opts.write, None),
+        (FileKind::Sequence, None) => {
+            cache.sequence_file_bytes(seq_in_file, tokens, opts.write, None)
+        }
+    }
 }

@@ -16,6 +16,8 @@
 
 mod cache;
 pub mod cells;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod defrag;
 mod error;
 pub mod files;
@@ -35,7 +37,7 @@ pub use cache::KvCache;
 pub use cells::{Cell, SeqSet, MAX_SEQ};
 pub use defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
 pub use error::{KvError, Result};
-pub use files::{FileKind, LoadedFile, Outputs, WriteOptions};
+pub use files::{ConvertOptions, FileKind, LoadedFile, Outputs, WriteOptions};
 pub use ggml_type::GgmlType;
 pub use kshift::{ShiftParams, UpdateReport};
 pub use params::CacheParams;

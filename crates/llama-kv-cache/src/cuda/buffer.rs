@@ -1,8 +1,8 @@
 //! [`CudaBuffer`]: a [`KvBuffer`] in the memory of one CUDA device.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys};
 
@@ -54,7 +54,14 @@ fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()>
 }
 
 /// Checks a 2D region of `rows` pieces of `width` bytes `pitch` apart starting at `offset`.
-fn check_2d(what: &str, offset: usize, width: usize, pitch: usize, rows: usize, size: usize) -> Result<()> {
+fn check_2d(
+    what: &str,
+    offset: usize,
+    width: usize,
+    pitch: usize,
+    rows: usize,
+    size: usize,
+) -> Result<()> {
     if rows == 0 || width == 0 {
         return Ok(());
     }
@@ -106,8 +113,9 @@ impl CudaBuffer {
                     ))
                 })?;
                 // SAFETY: `ptr` holds `len` bytes.
-                let zeroed =
-                    drv("memset", unsafe { cu::memset_d8_async(ptr, 0, len, dev.cu_stream()) });
+                let zeroed = drv("memset", unsafe {
+                    cu::memset_d8_async(ptr, 0, len, dev.cu_stream())
+                });
                 if let Err(e) = zeroed {
                     // SAFETY: just allocated, nothing queued uses it.
                     let _ = unsafe { cu::free_sync(ptr) };
@@ -207,12 +215,16 @@ impl CudaBuffer {
         for k in 0..n_chunks.min(2) {
             let (f, n) = chunk(k);
             issue(f, n, st.bufs[k])?;
-            drv("event record", unsafe { cu::event::record(st.events[k], stream) })?;
+            drv("event record", unsafe {
+                cu::event::record(st.events[k], stream)
+            })?;
         }
         for k in 0..n_chunks {
             let b = k % 2;
             let (f, n) = chunk(k);
-            drv("event wait", unsafe { cu::event::synchronize(st.events[b]) })?;
+            drv("event wait", unsafe {
+                cu::event::synchronize(st.events[b])
+            })?;
             let bytes = n * unit;
             unsafe {
                 std::ptr::copy_nonoverlapping(
@@ -224,7 +236,9 @@ impl CudaBuffer {
             if k + 2 < n_chunks {
                 let (f2, n2) = chunk(k + 2);
                 issue(f2, n2, st.bufs[b])?;
-                drv("event record", unsafe { cu::event::record(st.events[b], stream) })?;
+                drv("event record", unsafe {
+                    cu::event::record(st.events[b], stream)
+                })?;
             }
         }
         Ok(())
@@ -249,7 +263,9 @@ impl CudaBuffer {
             let n = per.min(total - first);
             let bytes = n * unit;
             // SAFETY: see download_staged; the event guards the device's use of the buffer.
-            drv("event wait", unsafe { cu::event::synchronize(st.events[b]) })?;
+            drv("event wait", unsafe {
+                cu::event::synchronize(st.events[b])
+            })?;
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     src[first * unit..first * unit + bytes].as_ptr(),
@@ -258,7 +274,9 @@ impl CudaBuffer {
                 );
             }
             issue(first, n, st.bufs[b])?;
-            drv("event record", unsafe { cu::event::record(st.events[b], stream) })?;
+            drv("event record", unsafe {
+                cu::event::record(st.events[b], stream)
+            })?;
         }
         // surface errors of the copies now rather than at some later call
         dev.synchronize()

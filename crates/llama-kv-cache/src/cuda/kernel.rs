@@ -221,7 +221,8 @@ impl RopeJob {
         let too_big = |what: &str, v: usize| {
             KvError::InvalidArg(format!("rope: {what} {v} is too large for the CUDA kernel"))
         };
-        let head_dim = u32::try_from(params.head_dim).map_err(|_| too_big("head_dim", params.head_dim))?;
+        let head_dim =
+            u32::try_from(params.head_dim).map_err(|_| too_big("head_dim", params.head_dim))?;
         let n_head = u32::try_from(params.n_head).map_err(|_| too_big("n_head", params.n_head))?;
         let n_pairs = (params.n_dims.min(params.head_dim) & !1) / 2;
         let mut index: HashMap<i32, u32> = HashMap::new();
@@ -322,7 +323,7 @@ impl CudaBuffer {
                 )))
             }
         };
-        if row_bytes % el != 0 || row_bytes / el != job.row_len {
+        if !row_bytes.is_multiple_of(el) || row_bytes / el != job.row_len {
             return Err(KvError::InvalidArg(format!(
                 "rope: a {ty} K row of {row_bytes} bytes does not hold head_dim * n_head = {} values",
                 job.row_len
@@ -351,7 +352,9 @@ impl CudaBuffer {
             let args = job.packed();
             let stream = dev.cu_stream();
             // SAFETY: scratch of `args.len()` bytes, freed below after the stream is drained.
-            let scratch = drv("rope scratch allocation", unsafe { cu::malloc_sync(args.len()) })?;
+            let scratch = drv("rope scratch allocation", unsafe {
+                cu::malloc_sync(args.len())
+            })?;
             let run = || -> Result<()> {
                 // SAFETY: `args` lives until the synchronize below.
                 drv("copy host to device", unsafe {
@@ -502,6 +505,9 @@ mod tests {
         ));
         let mut bad = p.clone();
         bad.n_dims = 7;
-        assert!(matches!(RopeJob::new(&bad, &[1], &deltas), Err(KvError::InvalidArg(_))));
+        assert!(matches!(
+            RopeJob::new(&bad, &[1], &deltas),
+            Err(KvError::InvalidArg(_))
+        ));
     }
 }

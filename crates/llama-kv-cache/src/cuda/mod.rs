@@ -31,7 +31,7 @@ use crate::error::{KvError, Result};
 use crate::storage::{host_allocator, Device, KvBuffer};
 
 pub use buffer::CudaBuffer;
-pub use kernel::{nvrtc_check, RopeJob};
+pub use kernel::{nvrtc_check, nvrtc_version, RopeJob};
 
 /// Why CUDA cannot be used here, or `Ok` when a driver loads, initialises and sees a device.
 /// Probed once per process. Never panics.

@@ -1,0 +1,253 @@
+//! `inspectState`: the structure of a llama.cpp state file, for the CLI and for apps.
+
+use std::collections::HashMap;
+
+use llama_kv_cache::files::{inspect_bytes, read_file};
+use llama_kv_cache::state::VBlock;
+use llama_kv_cache::GgmlType;
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use crate::error::{from_core, guard, Code};
+
+/// Cells of one sequence in a stream.
+#[napi(object)]
+pub struct SeqStat {
+    /// Cells holding the sequence.
+    pub cells: u32,
+    /// Smallest position.
+    pub pos_min: i32,
+    /// Largest position.
+    pub pos_max: i32,
+}
+
+/// One stream of the payload.
+#[napi(object)]
+pub struct StreamInfo {
+    /// Cells in the stream.
+    pub cell_count: u32,
+    /// Per sequence id. One-sequence files of the seed layout record no id: their cells are listed under "-1".
+    pub seqs: HashMap<String, SeqStat>,
+}
+
+/// Types and row sizes of one layer.
+#[napi(object)]
+pub struct LayerInfo {
+    /// K type name.
+    pub k_type: String,
+    /// Bytes per K row.
+    pub k_row_size: f64,
+    /// V type name.
+    pub v_type: String,
+    /// Bytes per V row (element size x width when transposed).
+    pub v_row_size: f64,
+}
+
+/// Byte accounting of a file.
+#[napi(object)]
+pub struct ByteInfo {
+    /// File size.
+    pub total: f64,
+    /// Header and token list.
+    pub header: f64,
+    /// Session prefix (arch, outputs block).
+    pub session: f64,
+    /// Cell metadata.
+    pub meta: f64,
+    /// K rows.
+    pub k: f64,
+    /// V rows.
+    pub v: f64,
+}
+
+/// The structure of a llama.cpp state file.
+#[napi(object)]
+pub struct Inspection {
+    /// 'session' or 'sequence'.
+    pub format: String,
+    /// 'ggsn' or 'ggsq'.
+    pub magic: String,
+    /// File version.
+    pub version: u32,
+    /// Tokens stored.
+    pub n_tokens: u32,
+    /// The tokens.
+    pub tokens: Vec<i32>,
+    /// Session: architecture.
+    pub arch: Option<String>,
+    /// 'seed' (b4944, no stream prefix) or 'streams' (today's).
+    pub layout: String,
+    /// Seed-era sessions: whether the outputs block is present.
+    pub has_outputs: bool,
+    /// The streams.
+    pub streams: Vec<StreamInfo>,
+    /// Layers (0 when every stream is empty).
+    pub n_layer: u32,
+    /// Whether V is transposed (null when every stream is empty).
+    pub v_trans: Option<bool>,
+    /// Per-layer types and row sizes.
+    pub layers: Vec<LayerInfo>,
+    /// File size in bytes.
+    pub bytes: f64,
+    /// Where the bytes go.
+    pub byte_accounting: ByteInfo,
+}
+
+fn type_name(id: i32) -> String {
+    GgmlType::from_id(id).map_or(format!("type {id}"), |t| t.name().to_string())
+}
+
+/// Parses a state file (a path or its bytes) without a cache and describes it.
+#[napi]
+pub fn inspect_state(
+    #[napi(ts_arg_type = "string | Uint8Array")] source: Either<String, Uint8Array>,
+) -> Result<Inspection, Code> {
+    guard(|| {
+        let bytes = match &source {
+            Either::A(path) => read_file(path.as_ref()).map_err(from_core)?,
+            Either::B(b) => b.to_vec(),
+        };
+        let ins = inspect_bytes(&bytes).map_err(from_core)?;
+        let header = ins.header.clone();
+        let mut streams = Vec::new();
+        let (mut meta, mut k, mut v) = (0usize, 0usize, 0usize);
+        let first = ins.payload.streams.iter().find(|s| !s.layers.is_empty());
+        for s in &ins.payload.streams {
+            let mut seqs: HashMap<String, SeqStat> = HashMap::new();
+            for c in &s.cells {
+                meta += 8 + 4 * c.seq_ids.len();
+                let ids: Vec<i32> = if c.seq_ids.is_empty() {
+                    vec![-1]
+                } else {
+                    c.seq_ids.clone()
+                };
+                for id in ids {
+                    let e = seqs.entry(id.to_string()).or_insert(SeqStat {
+                        cells: 0,
+                        pos_min: i32::MAX,
+                        pos_max: i32::MIN,
+                    });
+                    e.cells += 1;
+                    e.pos_min = e.pos_min.min(c.pos);
+                    e.pos_max = e.pos_max.max(c.pos);
+                }
+            }
+            for l in &s.layers {
+                k += l.k_data.len();
+                v += match &l.v {
+                    VBlock::Rows { data, .. } | VBlock::Transposed { data, .. } => data.len(),
+                };
+            }
+            streams.push(StreamInfo {
+                cell_count: s.cells.len() as u32,
+                seqs,
+            });
+        }
+        let layers = first.map_or_else(Vec::new, |s| {
+            s.layers
+                .iter()
+                .map(|l| {
+                    let (v_type, v_row_size) = match &l.v {
+                        VBlock::Rows { ty, row_size, .. } => (*ty, *row_size as f64),
+                        VBlock::Transposed {
+                            ty,
+                            el_size,
+                            n_embd,
+                            ..
+                        } => (*ty, (*el_size as f64) * (*n_embd as f64)),
+                    };
+                    LayerInfo {
+                        k_type: type_name(l.k_type),
+                        k_row_size: l.k_row_size as f64,
+                        v_type: type_name(v_type),
+                        v_row_size,
+                    }
+                })
+                .collect()
+        });
+        let payload_len = ins.payload.len;
+        Ok(Inspection {
+            format: header.kind.name().into(),
+            magic: if header.kind.name() == "session" {
+                "ggsn"
+            } else {
+                "ggsq"
+            }
+            .into(),
+            version: header.version,
+            n_tokens: header.tokens.len() as u32,
+            arch: ins.arch,
+            layout: ins.payload.layout.name().into(),
+            has_outputs: ins.outputs.is_some(),
+            n_layer: layers.len() as u32,
+            v_trans: first.and_then(|s| s.v_trans),
+            layers,
+            streams,
+            bytes: ins.bytes as f64,
+            byte_accounting: ByteInfo {
+                total: ins.bytes as f64,
+                header: header.body as f64,
+                session: (ins.payload_offset - header.body) as f64,
+                meta: meta as f64,
+                k: k as f64,
+                v: v as f64,
+            },
+            tokens: header.tokens,
+        })
+        .map(|i| {
+            debug_assert!(ins.payload_offset + payload_len == ins.bytes);
+            i
+        })
+    })
+}
+
+/// Options of `convertStateFile`.
+#[napi(object, object_to_js = false)]
+pub struct ConvertFileOptions {
+    /// Output payload layout: 'streams' (default) or 'seed'.
+    pub layout: Option<String>,
+    /// Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads).
+    pub version: Option<f64>,
+    /// Streams to write (today's layout): 1 (default) or one per sequence.
+    pub n_stream: Option<f64>,
+    /// Extract this sequence into a sequence file.
+    pub seq_id: Option<f64>,
+    /// Re-type K, e.g. 'f32' or 'f16'.
+    pub type_k: Option<String>,
+    /// Re-type V.
+    pub type_v: Option<String>,
+    /// Treat a sequence file as a recurrent (Mamba/RWKV) state.
+    pub recurrent: Option<bool>,
+}
+
+/// Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
+/// writes the result atomically to `output`.
+#[napi]
+pub fn convert_state_file(
+    input: String,
+    output: String,
+    #[napi(ts_arg_type = "ConvertFileOptions")] options: Option<
+        crate::args::Obj<ConvertFileOptions>,
+    >,
+) -> Result<(), Code> {
+    use crate::convert::{ggml_type_opt, i32v, u32v};
+    guard(|| {
+        let o = options.map(|o| o.0);
+        let mut opts = llama_kv_cache::ConvertOptions::default();
+        if let Some(o) = o {
+            opts.write.layout = crate::jobs::layout(o.layout.as_deref())?
+                .unwrap_or(llama_kv_cache::Layout::Streams);
+            opts.write.version = o.version.map(|v| u32v("version", v)).transpose()?;
+            if let Some(n) = o.n_stream {
+                opts.write.n_stream = u32v("nStream", n)?;
+            }
+            opts.extract_seq = o.seq_id.map(|s| i32v("seqId", s)).transpose()?;
+            opts.type_k = ggml_type_opt("typeK", o.type_k)?;
+            opts.type_v = ggml_type_opt("typeV", o.type_v)?;
+            opts.recurrent = o.recurrent.unwrap_or(false);
+        }
+        let bytes = read_file(input.as_ref()).map_err(from_core)?;
+        let out = llama_kv_cache::files::convert_bytes(&bytes, &opts).map_err(from_core)?;
+        llama_kv_cache::files::write_atomic(output.as_ref(), &out).map_err(from_core)
+    })
+}
