@@ -23,6 +23,12 @@ export declare class KvCache {
   dispose(): void
   /** `using cache = new KvCache(...)`: disposes at the end of the scope. */
   [globalThis.Symbol.dispose](): void
+  /** The CUDA devices present; empty where there is no NVIDIA driver. */
+  static cudaDevices(): Array<CudaDevice>
+  /** Whether CUDA memory can be used here, and why not. */
+  static cudaStatus(): CudaStatus
+  /** Tensor bytes per device. */
+  get bytesPerDevice(): Array<DeviceBytes>
   /** Whether `dispose()` was called. */
   get disposed(): boolean
   /** Number of cells. */
@@ -241,6 +247,24 @@ export interface ConvertFileOptions {
  */
 export declare function convertStateFile(input: string, output: string, options?: ConvertFileOptions): void
 
+/** A CUDA device. */
+export interface CudaDevice {
+  /** Device ordinal (the N of 'cuda:N'). */
+  ordinal: number
+  /** Device name. */
+  name: string
+  /** Total memory in bytes. */
+  totalMemory: number
+}
+
+/** Whether CUDA can be used here. */
+export interface CudaStatus {
+  /** True when a driver loaded and a device is visible. */
+  available: boolean
+  /** Why not, when unavailable. */
+  reason?: string
+}
+
 /** What a defrag did. */
 export interface DefragReport {
   /** The runs moved. */
@@ -249,6 +273,14 @@ export interface DefragReport {
   cellsMoved: number
   /** Bytes copied across all layers. */
   bytesCopied: number
+}
+
+/** Tensor bytes on one device. */
+export interface DeviceBytes {
+  /** 'cpu' or 'cuda:N'. */
+  device: string
+  /** Bytes of K and V there. */
+  bytes: number
 }
 
 /** The structure of a llama.cpp state file. */
@@ -312,6 +344,12 @@ export interface KvCacheOptions {
   canShift?: boolean
   /** Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1. */
   nSeqMax?: number
+  /**
+   * Where the tensors live: 'cpu' (default), 'cuda' or 'cuda:N' for every layer, or one entry
+   * per layer (llama.cpp's per-layer offload). CUDA needs an NVIDIA driver at run time;
+   * without one, construction fails with ERR_KV_CUDA_UNAVAILABLE.
+   */
+  device?: string | string[]
 }
 
 /** Types and row sizes of one layer. */

@@ -263,3 +263,21 @@ test('many caches can be created and disposed without leaking', (t) => {
   }
   t.pass()
 })
+
+test('without an NVIDIA driver CUDA is reported absent and refused cleanly', (t) => {
+  const status = KvCache.cudaStatus()
+  if (status.available) {
+    t.true(KvCache.cudaDevices().length > 0)
+    return
+  }
+  t.deepEqual(KvCache.cudaDevices(), [])
+  t.regex(status.reason, /driver|CUDA|device/i)
+  for (const device of ['cuda', 'cuda:0', ['cpu', 'cuda:1']]) {
+    const e = code(t, () => make({ device }), 'ERR_KV_CUDA_UNAVAILABLE')
+    t.regex(e.message, /CUDA unavailable/)
+  }
+  code(t, () => make({ device: 'gpu' }), 'ERR_KV_INVALID_ARG')
+  code(t, () => make({ device: ['cpu', 'cpu', 'cpu'] }), 'ERR_KV_INVALID_ARG')
+  const c = make({ device: ['cpu', 'cpu'] })
+  t.deepEqual(c.bytesPerDevice, [{ device: 'cpu', bytes: c.totalSize }])
+})

@@ -177,8 +177,16 @@ impl KvCache {
                 can_shift: options.can_shift.unwrap_or(true),
                 n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
             };
-            let cache = core::KvCache::new(params).map_err(from_core)?;
-            let bytes = cache.total_size() as i64;
+            let devices = crate::device::devices(&options.device, params.n_layer)?;
+            let mut alloc = crate::device::allocator(devices)?;
+            let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
+            // V8 is told about host memory only
+            let bytes = cache
+                .bytes_per_device()
+                .iter()
+                .filter(|(d, _)| *d == core::Device::Host)
+                .map(|(_, b)| *b as i64)
+                .sum::<i64>();
             env.adjust_external_memory(bytes)
                 .map_err(|e| err(Code::Internal, e.reason.clone()))?;
             Ok(KvCache {
@@ -221,6 +229,35 @@ impl KvCache {
     #[napi(well_known_symbol = "dispose")]
     pub fn symbol_dispose(&self, env: Env) -> Result<(), Code> {
         self.dispose(env)
+    }
+
+    /// The CUDA devices present; empty where there is no NVIDIA driver.
+    #[napi]
+    pub fn cuda_devices() -> Vec<CudaDevice> {
+        crate::device::list()
+    }
+
+    /// Whether CUDA memory can be used here, and why not.
+    #[napi]
+    pub fn cuda_status() -> CudaStatus {
+        crate::device::status()
+    }
+
+    /// Tensor bytes per device.
+    #[napi(getter)]
+    pub fn bytes_per_device(&self) -> Result<Vec<DeviceBytes>, Code> {
+        self.with(|c| {
+            Ok(c.bytes_per_device()
+                .into_iter()
+                .map(|(d, b)| DeviceBytes {
+                    device: match d {
+                        core::Device::Host => "cpu".into(),
+                        core::Device::Cuda(n) => format!("cuda:{n}"),
+                    },
+                    bytes: b as f64,
+                })
+                .collect())
+        })
     }
 
     /// Whether `dispose()` was called.

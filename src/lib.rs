@@ -5,6 +5,7 @@
 
 mod args;
 mod convert;
+mod device;
 mod error;
 mod inspect;
 mod jobs;

@@ -32,6 +32,40 @@ pub struct KvCacheOptions {
     pub can_shift: Option<bool>,
     /// Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1.
     pub n_seq_max: Option<f64>,
+    /// Where the tensors live: 'cpu' (default), 'cuda' or 'cuda:N' for every layer, or one entry
+    /// per layer (llama.cpp's per-layer offload). CUDA needs an NVIDIA driver at run time;
+    /// without one, construction fails with ERR_KV_CUDA_UNAVAILABLE.
+    #[napi(ts_type = "string | string[]")]
+    pub device: Option<Either<String, Vec<String>>>,
+}
+
+/// A CUDA device.
+#[napi(object)]
+pub struct CudaDevice {
+    /// Device ordinal (the N of 'cuda:N').
+    pub ordinal: u32,
+    /// Device name.
+    pub name: String,
+    /// Total memory in bytes.
+    pub total_memory: f64,
+}
+
+/// Whether CUDA can be used here.
+#[napi(object)]
+pub struct CudaStatus {
+    /// True when a driver loaded and a device is visible.
+    pub available: bool,
+    /// Why not, when unavailable.
+    pub reason: Option<String>,
+}
+
+/// Tensor bytes on one device.
+#[napi(object)]
+pub struct DeviceBytes {
+    /// 'cpu' or 'cuda:N'.
+    pub device: String,
+    /// Bytes of K and V there.
+    pub bytes: f64,
 }
 
 /// A micro-batch to place: positions and, per group, the owning sequences.

@@ -72,6 +72,35 @@ pub(crate) fn for_each_row(
     Ok(())
 }
 
+/// Rotates K rows in place on the device when the buffer is CUDA memory, the type is a float
+/// type and the kernels compile; returns false when the host path must do it.
+#[cfg(feature = "cuda")]
+fn rotate_on_device(
+    buf: &mut dyn KvBuffer,
+    ty: crate::GgmlType,
+    row: usize,
+    params: &RopeParams,
+    cells: &[usize],
+    deltas: &[i32],
+) -> Result<bool> {
+    use crate::cuda::{CudaBuffer, RopeJob};
+    if !CudaBuffer::rope_supported(ty) {
+        return Ok(false);
+    }
+    let Some(cuda) = buf
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<CudaBuffer>())
+    else {
+        return Ok(false);
+    };
+    if cuda.kernels_available().is_err() {
+        return Ok(false);
+    }
+    let job = RopeJob::new(params, cells, deltas)?;
+    cuda.rope(ty, row, &job)?;
+    Ok(true)
+}
+
 impl KvCache {
     /// Rotates every cell's K by its delta and clears the deltas and the pending-shift flag.
     /// Fails, changing nothing, when the cache cannot shift or the parameters do not fit.
@@ -118,10 +147,15 @@ impl KvCache {
             let cells: Vec<usize> = (0..size)
                 .filter(|&c| deltas[c] != 0 || !zero_is_identity)
                 .collect();
-            let mut tables: HashMap<i32, RopeTable> = HashMap::new();
-            let mut values = vec![0f32; p.row_len()];
             let layer = &mut self.layers[il as usize];
             let row = layer.k_row;
+            #[cfg(feature = "cuda")]
+            if rotate_on_device(layer.k.as_mut(), ty, row, p, &cells, &deltas)? {
+                shifted = shifted.max(cells.len() as u32);
+                continue;
+            }
+            let mut tables: HashMap<i32, RopeTable> = HashMap::new();
+            let mut values = vec![0f32; p.row_len()];
             for_each_row(layer.k.as_mut(), row, &cells, |c, bytes| {
                 let table = tables
                     .entry(deltas[c])

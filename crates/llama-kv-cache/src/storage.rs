@@ -79,6 +79,10 @@ pub trait KvBuffer: Send + Sync {
     fn as_host_mut(&mut self) -> Option<&mut [u8]> {
         None
     }
+    /// The concrete buffer, for backends with fast paths of their own (the CUDA K-shift).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// A zero-initialised buffer in host memory.
