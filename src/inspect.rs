@@ -165,7 +165,6 @@ pub fn inspect_state(
                 })
                 .collect()
         });
-        let payload_len = ins.payload.len;
         Ok(Inspection {
             format: header.kind.name().into(),
             magic: if header.kind.name() == "session" {
@@ -193,10 +192,6 @@ pub fn inspect_state(
                 v: v as f64,
             },
             tokens: header.tokens,
-        })
-        .map(|i| {
-            debug_assert!(ins.payload_offset + payload_len == ins.bytes);
-            i
         })
     })
 }

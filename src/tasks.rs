@@ -46,7 +46,7 @@ impl Control {
         let mut last = u64::MAX;
         move |done, total| {
             if let Some(f) = &self.progress {
-                let step = if total == 0 { 0 } else { done * 100 / total };
+                let step = (done * 100).checked_div(total).unwrap_or(0);
                 if step != last {
                     last = step;
                     f.call(

@@ -47,7 +47,7 @@ impl KvCache {
             layers.push(layer);
         }
         Ok(KvCache {
-            cells: Cells::new(size),
+            cells: Cells::new(size, params.n_seq_max as usize),
             head: 0,
             // a worst-case graph reserve leaves n = size before the first decode
             n: params.size,

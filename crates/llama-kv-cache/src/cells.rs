@@ -1,9 +1,11 @@
 //! Cell metadata, stored column-wise, with exact per-sequence bookkeeping.
 //!
-//! The seed keeps a `std::set<llama_seq_id>` in every cell. Here a cell's sequences are a 64-bit
-//! mask, and the columns (`pos`, `seqs`, ...) are separate vectors, so the whole-cache scans that
-//! the seed's operations do touch 12 bytes per cell and no heap nodes. Each sequence's cell count
-//! and largest position are kept exact by every mutation, which makes `seq_pos_max` O(1).
+//! The seed keeps a `std::set<llama_seq_id>` in every cell and answers every question with a
+//! scan of all cells. Here a cell's sequences are a 64-bit mask, and two kinds of bitmaps index
+//! the cells: one of occupied cells (`pos >= 0`, what slot search looks at) and one per sequence
+//! (the cells it owns). Operations on one sequence walk only that sequence's cells, slot search
+//! skips 64 occupied cells per word, and each sequence's cell count and largest position are kept
+//! exact, so `seq_pos_max` is O(1).
 
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
 pub const MAX_SEQ: usize = 64;
@@ -51,16 +53,20 @@ impl SeqSet {
 
     /// The ids, ascending (the order of the seed's `std::set`).
     pub fn iter(self) -> impl Iterator<Item = usize> {
-        let mut bits = self.0;
-        std::iter::from_fn(move || {
-            if bits == 0 {
-                return None;
-            }
-            let seq = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            Some(seq)
-        })
+        bits(self.0)
     }
+}
+
+/// The set bit indices of `word`, ascending.
+fn bits(mut word: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        if word == 0 {
+            return None;
+        }
+        let b = word.trailing_zeros() as usize;
+        word &= word - 1;
+        Some(b)
+    })
 }
 
 /// One cell's metadata, as the seed's `llama_kv_cell`.
@@ -90,10 +96,11 @@ impl Default for Cell {
     }
 }
 
-/// All cells of a cache plus the bookkeeping derived from them.
+/// All cells of a cache plus the indexes derived from them.
 ///
-/// Every mutation goes through a method here so that `used`, the per-sequence cell counts and the
-/// per-sequence maximum positions never drift from the cells themselves.
+/// Every mutation goes through a method here, so `used`-independent bookkeeping (occupied
+/// bitmap, per-sequence bitmaps, counts and maxima) never drifts from the cells. `used` is the
+/// seed's own counter and is maintained by the operations exactly as the seed does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Cells {
     pos: Vec<i32>,
@@ -101,25 +108,34 @@ pub struct Cells {
     src: Vec<i32>,
     tail: Vec<i32>,
     seqs: Vec<SeqSet>,
-    /// The seed's `used`: maintained by the operations exactly as the seed does (it counts cells
-    /// with `pos >= 0` as they are freed), not recomputed.
+    /// Bit i set when `pos[i] >= 0`.
+    occupied: Vec<u64>,
+    /// Per sequence, bit i set when cell i holds it.
+    seq_bits: Vec<Vec<u64>>,
+    seq_cells: Vec<u32>,
+    seq_pos_max: Vec<i32>,
+    /// Sequences whose maximum must be recomputed (a cell at the maximum lost it).
+    dirty: u64,
+    /// The seed's `used` counter.
     pub used: u32,
-    seq_cells: [u32; MAX_SEQ],
-    seq_pos_max: [i32; MAX_SEQ],
 }
 
 impl Cells {
-    /// `size` free cells.
-    pub fn new(size: usize) -> Cells {
+    /// `size` free cells for sequences `0..n_seq`.
+    pub fn new(size: usize, n_seq: usize) -> Cells {
+        let words = size.div_ceil(64);
         Cells {
             pos: vec![-1; size],
             delta: vec![0; size],
             src: vec![-1; size],
             tail: vec![-1; size],
             seqs: vec![SeqSet::EMPTY; size],
+            occupied: vec![0; words],
+            seq_bits: vec![vec![0; words]; n_seq],
+            seq_cells: vec![0; n_seq],
+            seq_pos_max: vec![NO_POS; n_seq],
+            dirty: 0,
             used: 0,
-            seq_cells: [0; MAX_SEQ],
-            seq_pos_max: [NO_POS; MAX_SEQ],
         }
     }
 
@@ -174,7 +190,7 @@ impl Cells {
         self.seqs[i].is_empty()
     }
 
-    /// Column views for fast scans.
+    /// Column of positions.
     pub fn pos_column(&self) -> &[i32] {
         &self.pos
     }
@@ -189,6 +205,11 @@ impl Cells {
         &self.delta
     }
 
+    /// Number of sequences tracked.
+    pub fn n_seq(&self) -> usize {
+        self.seq_cells.len()
+    }
+
     /// Cells holding `seq`.
     pub fn seq_cell_count(&self, seq: usize) -> u32 {
         self.seq_cells[seq]
@@ -196,7 +217,13 @@ impl Cells {
 
     /// Largest position among the cells holding `seq`, `None` when it has none.
     pub fn seq_pos_max(&self, seq: usize) -> Option<i32> {
-        (self.seq_cells[seq] > 0).then_some(self.seq_pos_max[seq])
+        if self.seq_cells[seq] == 0 {
+            return None;
+        }
+        if self.dirty & (1 << seq) != 0 {
+            return Some(self.compute_max(seq));
+        }
+        Some(self.seq_pos_max[seq])
     }
 
     /// Sum over cells of the number of sequences (the seed's `get_n_tokens`).
@@ -204,18 +231,84 @@ impl Cells {
         self.seq_cells.iter().map(|&c| c as u64).sum()
     }
 
-    /// Sets the position of cell `i`, keeping the per-sequence maxima exact.
+    /// Calls `f(cells, i)` for every cell that held `seq` when the call began, ascending; `f`
+    /// may change cell `i` freely.
+    pub fn for_each_of(&mut self, seq: usize, mut f: impl FnMut(&mut Cells, usize)) {
+        for w in 0..self.occupied.len() {
+            for b in bits(self.seq_bits[seq][w]) {
+                f(self, w * 64 + b);
+            }
+        }
+    }
+
+    /// Calls `f(cells, i)` for every cell with `pos >= 0` when the call began, ascending.
+    pub fn for_each_occupied(&mut self, mut f: impl FnMut(&mut Cells, usize)) {
+        for w in 0..self.occupied.len() {
+            for b in bits(self.occupied[w]) {
+                f(self, w * 64 + b);
+            }
+        }
+    }
+
+    /// The first cell not holding `seq`, if any.
+    pub fn first_without(&self, seq: usize) -> Option<usize> {
+        let n = self.pos.len();
+        self.seq_bits[seq]
+            .iter()
+            .enumerate()
+            .find(|(_, &w)| w != u64::MAX)
+            .map(|(w, &word)| w * 64 + (!word).trailing_zeros() as usize)
+            .filter(|&i| i < n)
+    }
+
+    /// The first cell `>= from` with `pos >= 0` (slot search), or `len()`.
+    pub fn next_occupied(&self, from: usize) -> usize {
+        self.next_with(from, false)
+    }
+
+    /// The first cell `>= from` with `pos < 0`, or `len()`.
+    pub fn next_free(&self, from: usize) -> usize {
+        self.next_with(from, true)
+    }
+
+    fn next_with(&self, from: usize, free: bool) -> usize {
+        let n = self.pos.len();
+        if from >= n {
+            return n;
+        }
+        let mut w = from / 64;
+        let flip = if free { u64::MAX } else { 0 };
+        let mut word = (self.occupied[w] ^ flip) & (u64::MAX << (from % 64));
+        loop {
+            if word != 0 {
+                return (w * 64 + word.trailing_zeros() as usize).min(n);
+            }
+            w += 1;
+            if w >= self.occupied.len() {
+                return n;
+            }
+            word = self.occupied[w] ^ flip;
+        }
+    }
+
+    /// Sets the position of cell `i`.
     pub fn set_pos(&mut self, i: usize, pos: i32) {
         let old = self.pos[i];
-        self.pos[i] = pos;
         if old == pos {
             return;
+        }
+        self.pos[i] = pos;
+        let bit = 1u64 << (i % 64);
+        if pos >= 0 {
+            self.occupied[i / 64] |= bit;
+        } else {
+            self.occupied[i / 64] &= !bit;
         }
         for seq in self.seqs[i].iter() {
             if pos > self.seq_pos_max[seq] {
                 self.seq_pos_max[seq] = pos;
             } else if old == self.seq_pos_max[seq] {
-                self.recompute_seq(seq);
+                self.dirty |= 1 << seq;
             }
         }
     }
@@ -223,6 +316,11 @@ impl Cells {
     /// Sets the accumulated delta of cell `i`.
     pub fn set_delta(&mut self, i: usize, delta: i32) {
         self.delta[i] = delta;
+    }
+
+    /// Sets every delta to 0 (after a K-shift).
+    pub fn clear_deltas(&mut self) {
+        self.delta.fill(0);
     }
 
     /// Sets the recurrent copy source of cell `i`.
@@ -241,8 +339,12 @@ impl Cells {
             return;
         }
         self.seqs[i].insert(seq);
+        self.seq_bits[seq][i / 64] |= 1u64 << (i % 64);
         self.seq_cells[seq] += 1;
-        if self.seq_cells[seq] == 1 || self.pos[i] > self.seq_pos_max[seq] {
+        if self.seq_cells[seq] == 1 {
+            self.seq_pos_max[seq] = self.pos[i];
+            self.dirty &= !(1 << seq);
+        } else if self.pos[i] > self.seq_pos_max[seq] {
             self.seq_pos_max[seq] = self.pos[i];
         }
     }
@@ -253,11 +355,20 @@ impl Cells {
             return;
         }
         self.seqs[i].remove(seq);
+        self.seq_bits[seq][i / 64] &= !(1u64 << (i % 64));
         self.seq_cells[seq] -= 1;
         if self.seq_cells[seq] == 0 {
             self.seq_pos_max[seq] = NO_POS;
+            self.dirty &= !(1 << seq);
         } else if self.pos[i] == self.seq_pos_max[seq] {
-            self.recompute_seq(seq);
+            self.dirty |= 1 << seq;
+        }
+    }
+
+    /// Removes every sequence from cell `i`.
+    pub fn clear_seqs(&mut self, i: usize) {
+        for seq in self.seqs[i].iter() {
+            self.remove_seq(i, seq);
         }
     }
 
@@ -274,72 +385,53 @@ impl Cells {
 
     /// Replaces the whole cell `i` (used by defrag and recurrent swaps).
     pub fn set_cell(&mut self, i: usize, cell: Cell) {
-        self.set_seqs(i, SeqSet::EMPTY);
-        self.pos[i] = cell.pos;
+        self.clear_seqs(i);
+        self.set_pos(i, cell.pos);
         self.delta[i] = cell.delta;
         self.src[i] = cell.src;
         self.tail[i] = cell.tail;
         self.set_seqs(i, cell.seqs);
     }
 
-    /// Applies `f` to every cell holding any sequence of `mask` with `p0 <= pos < p1`, in index
-    /// order, then rebuilds the bookkeeping of every sequence once. This is the fast path for the
-    /// bulk operations: one linear pass over two columns, no per-cell bookkeeping.
-    pub fn bulk_update(
-        &mut self,
-        mask: SeqSet,
-        p0: i32,
-        p1: i32,
-        mut f: impl FnMut(usize, &mut i32, &mut i32, &mut SeqSet),
-    ) {
-        for i in 0..self.pos.len() {
-            if self.seqs[i].0 & mask.0 != 0 && self.pos[i] >= p0 && self.pos[i] < p1 {
-                f(i, &mut self.pos[i], &mut self.delta[i], &mut self.seqs[i]);
-            }
-        }
-        self.rebuild_bookkeeping();
-    }
-
-    /// Direct access to every column at once, followed by a rebuild of the bookkeeping.
-    pub fn with_columns<R>(&mut self, f: impl FnOnce(&mut Columns<'_>) -> R) -> R {
-        let r = f(&mut Columns {
-            pos: &mut self.pos,
-            delta: &mut self.delta,
-            src: &mut self.src,
-            tail: &mut self.tail,
-            seqs: &mut self.seqs,
-        });
-        self.rebuild_bookkeeping();
-        r
-    }
-
-    /// Recounts the per-sequence counts and maxima from the cells.
-    pub fn rebuild_bookkeeping(&mut self) {
-        let mut counts = [0u32; MAX_SEQ];
-        let mut maxima = [NO_POS; MAX_SEQ];
-        for (seqs, &pos) in self.seqs.iter().zip(&self.pos) {
-            let mut bits = seqs.0;
-            while bits != 0 {
-                let seq = bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                counts[seq] += 1;
-                if pos > maxima[seq] {
-                    maxima[seq] = pos;
+    /// Drops `seq` from every cell at once (its cells keep their other sequences). Returns the
+    /// cells that became empty, ascending.
+    pub fn drop_seq_everywhere(&mut self, seq: usize) -> Vec<usize> {
+        let mut emptied = Vec::new();
+        let mask = !(1u64 << seq);
+        for w in 0..self.occupied.len() {
+            for b in bits(self.seq_bits[seq][w]) {
+                let i = w * 64 + b;
+                self.seqs[i].0 &= mask;
+                if self.seqs[i].is_empty() {
+                    emptied.push(i);
                 }
             }
+            self.seq_bits[seq][w] = 0;
         }
-        self.seq_cells = counts;
-        self.seq_pos_max = maxima;
+        self.seq_cells[seq] = 0;
+        self.seq_pos_max[seq] = NO_POS;
+        self.dirty &= !(1 << seq);
+        emptied
     }
 
-    fn recompute_seq(&mut self, seq: usize) {
+    fn compute_max(&self, seq: usize) -> i32 {
         let mut max = NO_POS;
-        for (seqs, &pos) in self.seqs.iter().zip(&self.pos) {
-            if seqs.contains(seq) && pos > max {
-                max = pos;
+        for (w, &word) in self.seq_bits[seq].iter().enumerate() {
+            for b in bits(word) {
+                max = max.max(self.pos[w * 64 + b]);
             }
         }
-        self.seq_pos_max[seq] = max;
+        max
+    }
+
+    /// Recomputes the maxima marked stale; called at the end of every mutating operation so
+    /// that `seq_pos_max` stays O(1).
+    pub fn settle(&mut self) {
+        while self.dirty != 0 {
+            let seq = self.dirty.trailing_zeros() as usize;
+            self.dirty &= self.dirty - 1;
+            self.seq_pos_max[seq] = self.compute_max(seq);
+        }
     }
 
     /// Resets every cell's pos, seqs, src and tail (not delta: the seed's `clear` keeps it).
@@ -348,19 +440,56 @@ impl Cells {
         self.src.fill(-1);
         self.tail.fill(-1);
         self.seqs.fill(SeqSet::EMPTY);
+        self.occupied.fill(0);
+        for b in &mut self.seq_bits {
+            b.fill(0);
+        }
+        self.seq_cells.fill(0);
+        self.seq_pos_max.fill(NO_POS);
+        self.dirty = 0;
         self.used = 0;
-        self.seq_cells = [0; MAX_SEQ];
-        self.seq_pos_max = [NO_POS; MAX_SEQ];
     }
-}
 
-/// Mutable access to the columns, for algorithms that touch many cells at once.
-pub struct Columns<'a> {
-    pub pos: &'a mut [i32],
-    pub delta: &'a mut [i32],
-    pub src: &'a mut [i32],
-    pub tail: &'a mut [i32],
-    pub seqs: &'a mut [SeqSet],
+    /// Checks every index against the columns (tests and debug builds).
+    pub fn check_consistency(&self) -> Result<(), String> {
+        for i in 0..self.pos.len() {
+            let occ = self.occupied[i / 64] >> (i % 64) & 1 == 1;
+            if occ != (self.pos[i] >= 0) {
+                return Err(format!(
+                    "cell {i}: occupied bit {occ} but pos {}",
+                    self.pos[i]
+                ));
+            }
+            for seq in 0..self.n_seq() {
+                let bit = self.seq_bits[seq][i / 64] >> (i % 64) & 1 == 1;
+                if bit != self.seqs[i].contains(seq) {
+                    return Err(format!(
+                        "cell {i}: seq {seq} bitmap {bit} disagrees with the mask"
+                    ));
+                }
+            }
+        }
+        for seq in 0..self.n_seq() {
+            let count = self.seqs.iter().filter(|s| s.contains(seq)).count() as u32;
+            if count != self.seq_cells[seq] {
+                return Err(format!(
+                    "seq {seq}: count {} but {count} cells",
+                    self.seq_cells[seq]
+                ));
+            }
+            let max = (0..self.pos.len())
+                .filter(|&i| self.seqs[i].contains(seq))
+                .map(|i| self.pos[i])
+                .max();
+            if max != self.seq_pos_max(seq) {
+                return Err(format!(
+                    "seq {seq}: max {:?} but cells say {max:?}",
+                    self.seq_pos_max(seq)
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -381,7 +510,7 @@ mod tests {
 
     #[test]
     fn bookkeeping_follows_removals() {
-        let mut c = Cells::new(4);
+        let mut c = Cells::new(4, 2);
         for i in 0..3 {
             c.set_pos(i, i as i32 * 10);
             c.insert_seq(i, 1);
@@ -391,10 +520,27 @@ mod tests {
         assert_eq!(c.seq_pos_max(1), Some(10));
         assert_eq!(c.seq_cell_count(1), 2);
         c.set_pos(1, 3);
+        c.settle();
         assert_eq!(c.seq_pos_max(1), Some(3));
         c.set_seqs(0, SeqSet::EMPTY);
         c.set_seqs(1, SeqSet::EMPTY);
         assert_eq!(c.seq_pos_max(1), None);
         assert_eq!(c.n_tokens(), 0);
+        c.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn bitmap_searches_cross_words() {
+        let mut c = Cells::new(200, 1);
+        for i in 0..130 {
+            c.set_pos(i, 0);
+        }
+        assert_eq!(c.next_free(0), 130);
+        assert_eq!(c.next_occupied(130), 200);
+        c.set_pos(150, 1);
+        assert_eq!(c.next_occupied(131), 150);
+        assert_eq!(c.next_free(150), 151);
+        c.insert_seq(3, 0);
+        assert_eq!(c.first_without(0), Some(0));
     }
 }

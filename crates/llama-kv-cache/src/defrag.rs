@@ -106,6 +106,7 @@ impl KvCache {
             }
             i0 += nh;
         }
+        self.cells.settle();
         if n_moves == 0 {
             return Vec::new();
         }

@@ -166,7 +166,7 @@ impl KvCache {
             })?;
             shifted = shifted.max(cells.len() as u32);
         }
-        self.cells.with_columns(|c| c.delta.fill(0));
+        self.cells.clear_deltas();
         self.has_shift = false;
         Ok(shifted)
     }

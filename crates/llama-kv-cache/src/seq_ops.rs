@@ -38,37 +38,42 @@ impl KvCache {
                 return Ok(false);
             }
         }
-        let size = self.params.size;
+        let size = self.params.size as usize;
         let mut new_head = size;
         let mut used = self.cells.used;
-        self.cells.with_columns(|c| {
-            for i in 0..c.pos.len() {
-                let pos = c.pos[i];
-                if pos < p0 || pos >= p1 {
-                    continue;
-                }
-                if seq < 0 {
-                    c.seqs[i] = SeqSet::EMPTY;
-                } else if c.seqs[i].contains(seq as usize) {
-                    c.seqs[i].remove(seq as usize);
-                } else {
-                    continue;
-                }
-                if c.seqs[i].is_empty() {
-                    if pos >= 0 {
-                        used = used.wrapping_sub(1);
-                    }
-                    c.pos[i] = -1;
-                    c.src[i] = -1;
-                    if new_head == size {
-                        new_head = i as u32;
-                    }
-                }
+        let mut free = |c: &mut crate::cells::Cells, i: usize, pos: i32| {
+            if pos >= 0 {
+                used = used.wrapping_sub(1);
             }
-        });
+            c.set_pos(i, -1);
+            c.set_src(i, -1);
+            new_head = new_head.min(i);
+        };
+        if seq < 0 {
+            // p0 >= 0, so only cells with a position can be in range
+            self.cells.for_each_occupied(|c, i| {
+                let pos = c.pos(i);
+                if pos >= p0 && pos < p1 {
+                    c.clear_seqs(i);
+                    free(c, i, pos);
+                }
+            });
+        } else {
+            let s = seq as usize;
+            self.cells.for_each_of(s, |c, i| {
+                let pos = c.pos(i);
+                if pos >= p0 && pos < p1 {
+                    c.remove_seq(i, s);
+                    if c.is_empty_cell(i) {
+                        free(c, i, pos);
+                    }
+                }
+            });
+        }
         self.cells.used = used;
-        if new_head != size && new_head < self.head {
-            self.head = new_head;
+        self.cells.settle();
+        if new_head != size && (new_head as u32) < self.head {
+            self.head = new_head as u32;
         }
         Ok(true)
     }
@@ -104,41 +109,60 @@ impl KvCache {
             return Ok(());
         }
         self.head = 0;
-        self.cells
-            .bulk_update(SeqSet::single(s), p0, p1, |_, _, _, seqs| seqs.insert(d));
+        self.cells.for_each_of(s, |c, i| {
+            let pos = c.pos(i);
+            if pos >= p0 && pos < p1 {
+                c.insert_seq(i, d);
+            }
+        });
         Ok(())
     }
 
     /// Frees every cell that does not hold `seq` and removes all other sequences from the rest.
     pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
         let keep = self.check_seq("seqKeep", seq)?;
-        let size = self.params.size;
-        let recurrent = self.params.recurrent;
-        let mut new_head = size;
+        let size = self.params.size as usize;
         let mut used = self.cells.used;
-        self.cells.with_columns(|c| {
-            for i in 0..c.pos.len() {
-                if recurrent && i != keep {
-                    c.tail[i] = -1;
+        let new_head;
+        if self.params.recurrent {
+            // recurrent caches have one cell per sequence: the seed's loop as is
+            let mut first = size;
+            for i in 0..size {
+                if i != keep {
+                    self.cells.set_tail(i, -1);
                 }
-                if !c.seqs[i].contains(keep) {
-                    if c.pos[i] >= 0 {
+                if !self.cells.seqs(i).contains(keep) {
+                    if self.cells.pos(i) >= 0 {
                         used = used.wrapping_sub(1);
                     }
-                    c.pos[i] = -1;
-                    c.src[i] = -1;
-                    c.seqs[i] = SeqSet::EMPTY;
-                    if new_head == size {
-                        new_head = i as u32;
-                    }
+                    self.cells.clear_seqs(i);
+                    self.cells.set_pos(i, -1);
+                    self.cells.set_src(i, -1);
+                    first = first.min(i);
                 } else {
-                    c.seqs[i] = SeqSet::single(keep);
+                    self.cells.set_seqs(i, SeqSet::single(keep));
                 }
             }
-        });
+            new_head = first;
+        } else {
+            // free cells of a transformer cache hold no sequence, so only occupied cells change;
+            // the first cell without `keep` is where the seed's loop sets new_head
+            new_head = self.cells.first_without(keep).unwrap_or(size);
+            self.cells.for_each_occupied(|c, i| {
+                if c.seqs(i).contains(keep) {
+                    c.set_seqs(i, SeqSet::single(keep));
+                } else {
+                    used = used.wrapping_sub(1);
+                    c.clear_seqs(i);
+                    c.set_pos(i, -1);
+                    c.set_src(i, -1);
+                }
+            });
+        }
         self.cells.used = used;
-        if new_head != size && new_head < self.head {
-            self.head = new_head;
+        self.cells.settle();
+        if new_head != size && (new_head as u32) < self.head {
+            self.head = new_head as u32;
         }
         Ok(())
     }
@@ -174,29 +198,33 @@ impl KvCache {
                 return Err(overflow(seq, max, delta));
             }
         }
-        let size = self.params.size;
+        let size = self.params.size as usize;
         let mut new_head = size;
         let mut used = self.cells.used;
         let mut shifted = false;
-        self.cells
-            .bulk_update(SeqSet::single(s), p0, p1, |i, pos, cell_delta, seqs| {
-                shifted = true;
-                *pos += delta;
-                *cell_delta = cell_delta.wrapping_add(delta);
-                if *pos < 0 {
-                    if !seqs.is_empty() {
-                        used = used.wrapping_sub(1);
-                    }
-                    *pos = -1;
-                    *seqs = SeqSet::EMPTY;
-                    if new_head == size {
-                        new_head = i as u32;
-                    }
+        self.cells.for_each_of(s, |c, i| {
+            let pos = c.pos(i);
+            if pos < p0 || pos >= p1 {
+                return;
+            }
+            shifted = true;
+            c.set_delta(i, c.delta(i).wrapping_add(delta));
+            let new = pos + delta;
+            if new < 0 {
+                if !c.is_empty_cell(i) {
+                    used = used.wrapping_sub(1);
                 }
-            });
+                c.clear_seqs(i);
+                c.set_pos(i, -1);
+                new_head = new_head.min(i);
+            } else {
+                c.set_pos(i, new);
+            }
+        });
+        self.cells.settle();
         self.has_shift |= shifted;
         self.cells.used = used;
-        self.head = if new_head != size { new_head } else { 0 };
+        self.head = if new_head != size { new_head as u32 } else { 0 };
         Ok(())
     }
 
@@ -228,13 +256,16 @@ impl KvCache {
             return Ok(());
         }
         let mut shifted = false;
-        self.cells
-            .bulk_update(SeqSet::single(s), p0, p1, |_, pos, cell_delta, _| {
+        self.cells.for_each_of(s, |c, i| {
+            let pos = c.pos(i);
+            if pos >= p0 && pos < p1 {
                 shifted = true;
-                let old = *pos;
-                *pos /= d;
-                *cell_delta = cell_delta.wrapping_add(*pos - old);
-            });
+                let new = pos / d;
+                c.set_pos(i, new);
+                c.set_delta(i, c.delta(i).wrapping_add(new - pos));
+            }
+        });
+        self.cells.settle();
         self.has_shift |= shifted;
         Ok(())
     }

@@ -54,27 +54,42 @@ impl KvCache {
         if n_tokens > size {
             return None;
         }
-        let pos = self.cells.pos_column();
-        let mut head = self.head;
-        let mut n_tested: u32 = 0;
+        let (size, n) = (size as usize, n_tokens as usize);
+        let mut head = self.head as usize;
+        let mut n_tested = 0usize;
+        // the seed's scan, with runs of occupied cells skipped a word at a time; `head` and the
+        // failure point come out exactly as the cell-by-cell loop leaves them
         loop {
-            if head + n_tokens > size {
+            if head + n > size {
                 n_tested += size - head;
                 head = 0;
                 continue;
             }
-            match (0..n_tokens).find(|&i| pos[(head + i) as usize] >= 0) {
-                None => break,
-                Some(i) => {
-                    head += i + 1;
-                    n_tested += i + 1;
-                }
+            let first_occupied = self.cells.next_occupied(head);
+            if first_occupied >= head + n {
+                break;
             }
+            n_tested += first_occupied - head + 1;
+            head = first_occupied + 1;
             if n_tested >= size {
-                self.head = head;
+                self.head = head as u32;
                 return None;
             }
+            // every window starting on an occupied cell fails at once, one cell at a time
+            if head + n <= size {
+                let run_end = self.cells.next_free(head).min(size - n + 1);
+                if run_end > head {
+                    let k = run_end - head;
+                    if n_tested + k >= size {
+                        self.head = (head + (size - n_tested)) as u32;
+                        return None;
+                    }
+                    n_tested += k;
+                    head = run_end;
+                }
+            }
         }
+        let head = head as u32;
         self.head = head;
         let per_group = ubatch.n_seq_tokens as usize;
         for g in 0..ubatch.seq_ids.len() {
@@ -89,6 +104,7 @@ impl KvCache {
             }
         }
         self.cells.used += n_tokens;
+        self.cells.settle();
         Some(Slot {
             head,
             len: n_tokens,
@@ -205,6 +221,7 @@ impl KvCache {
             }
         }
 
+        self.cells.settle();
         self.head = min as u32;
         self.n = (max - min + 1) as u32;
         self.cells.used = (0..size).filter(|&i| !self.cells.is_empty_cell(i)).count() as u32;

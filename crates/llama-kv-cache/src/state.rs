@@ -310,8 +310,9 @@ pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<Parsed
     })
 }
 
-/// Whether the payload is for one sequence (`Some(seq)`) or the whole cache.
-fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool) -> Result<()> {
+/// Checks the cells of a payload for one sequence (`Some(seq)`) or the whole cache of a cache
+/// tracking `n_seq_max` sequences.
+fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool, n_seq_max: u32) -> Result<()> {
     let single_ids = match (seq, p.layout, recurrent) {
         (None, _, _) => None,
         (Some(_), Layout::Seed, _) | (Some(_), _, true) => Some(0),
@@ -329,9 +330,9 @@ fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool) -> Result<()
                 }
             } else {
                 for &id in &cell.seq_ids {
-                    if id < 0 || id as usize >= MAX_SEQ {
+                    if id < 0 || id as u32 >= n_seq_max {
                         return Err(KvError::InvalidState(format!(
-                            "stream {s} cell {i}: seq id {id} is out of range [0, {MAX_SEQ})"
+                            "stream {s} cell {i}: seq id {id} is out of range [0, {n_seq_max}) of this cache"
                         )));
                     }
                 }
@@ -661,7 +662,7 @@ impl KvCache {
         let mut errors = Vec::new();
         for l in candidates {
             let attempt = parse_payload(data, l, true).and_then(|p| {
-                check_meta(&p, seq, self.params.recurrent)?;
+                check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
                 self.check_data(&p)?;
                 Ok(p)
             });
@@ -813,6 +814,7 @@ impl KvCache {
             self.cells.insert_seq(cell, dest as usize);
         }
         self.cells.used += n as u32;
+        self.cells.settle();
         Ok(free)
     }
 
@@ -857,6 +859,7 @@ impl KvCache {
             }
         }
         self.cells.used = cells.len() as u32;
+        self.cells.settle();
         for l in &mut self.layers {
             l.k.fill_zero()?;
             l.v.fill_zero()?;

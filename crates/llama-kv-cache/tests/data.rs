@@ -44,7 +44,7 @@ proptest! {
         p.flash_attn = !v_trans;
         let mut c = KvCache::new(p).unwrap();
         for t in 0..40 {
-            let ub = UBatch::per_token(vec![t / 3], vec![vec![(t % 3) as i32]]);
+            let ub = UBatch::per_token(vec![t / 3], vec![vec![t % 3]]);
             c.find_slot(&ub).unwrap().unwrap();
             let bytes: Vec<u8> = (0..16).map(|j| (t * 7 + j) as u8).collect();
             for il in 0..2 {

@@ -44,6 +44,21 @@ fn transformer_op() -> impl Strategy<Value = Op> {
     ]
 }
 
+fn big_transformer_op() -> impl Strategy<Value = Op> {
+    let range = (-1..150i32, -1..160i32);
+    prop_oneof![
+        5 => (prop::collection::vec((0..160i32, seq_list()), 1..40)).prop_map(|toks| {
+            let (pos, seqs) = toks.into_iter().unzip();
+            Op::Place { pos, seqs, n_seq_tokens: 1 }
+        }),
+        3 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
+        1 => (0..N_SEQ, 0..N_SEQ, range.clone()).prop_map(|(s, d, (a, b))| Op::Cp(s, d, a, b)),
+        1 => (0..N_SEQ).prop_map(Op::Keep),
+        2 => (0..N_SEQ, range.clone(), -60..60i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        1 => (0..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+    ]
+}
+
 fn recurrent_op() -> impl Strategy<Value = Op> {
     let range = (-1..40i32, -1..48i32);
     prop_oneof![
@@ -110,6 +125,10 @@ fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
 }
 
 fn compare(cache: &KvCache, model: &RefCache, step: usize) {
+    cache
+        .cells()
+        .check_consistency()
+        .unwrap_or_else(|e| panic!("indexes after step {step}: {e}"));
     for (i, m) in model.cells.iter().enumerate() {
         let c = cache.cell(i as u32).unwrap();
         let seqs: Vec<i32> = c.seqs.iter().map(|s| s as i32).collect();
@@ -166,6 +185,13 @@ proptest! {
 
     #[test]
     fn transformer_matches_the_seed_model(size in 8u32..40, ops in prop::collection::vec(transformer_op(), 1..40)) {
+        run(size, false, &ops);
+    }
+
+    /// Caches spanning several 64-cell bitmap words, with bigger batches: exercises the
+    /// word-at-a-time slot search against the seed's cell-by-cell scan.
+    #[test]
+    fn multi_word_caches_match_the_seed_model(size in 60u32..200, ops in prop::collection::vec(big_transformer_op(), 1..40)) {
         run(size, false, &ops);
     }
 
