@@ -213,9 +213,7 @@ fn tokens(n: u32) -> &'static UBatch {
     static ONE: OnceLock<UBatch> = OnceLock::new();
     static RUN: OnceLock<UBatch> = OnceLock::new();
     let cell = if n == 1 { &ONE } else { &RUN };
-    let ub = cell.get_or_init(|| UBatch::sequence(0, 100_000, n));
-    assert_eq!(ub.n_tokens(), n);
-    ub
+    cell.get_or_init(|| UBatch::sequence(0, 100_000, n))
 }
 
 /// One measured call: a name, the state it starts from, and the call.
@@ -303,41 +301,50 @@ fn fingerprint(m: &dyn Model, result: i64) -> (i64, u32, u64, Vec<i32>) {
     )
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+/// Nanoseconds of a duration.
+fn ns(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-/// Median over `REPS` fresh states of one call of `op`.
-fn time_fresh<M: Model>(make: impl Fn() -> M, op: fn(&mut dyn Model) -> i64) -> Duration {
+/// Median over `REPS` fresh states of one call of `op`, in ns.
+fn time_fresh<M: Model>(make: impl Fn() -> M, op: fn(&mut dyn Model) -> i64) -> f64 {
     let mut samples = Vec::with_capacity(REPS);
     for _ in 0..REPS {
         let mut m = make();
         let t = Instant::now();
         let r = op(&mut m);
-        samples.push(t.elapsed());
+        samples.push(ns(t.elapsed()));
         black_box((r, &m));
     }
     median(samples)
 }
 
-/// Per-call time of `seq_pos_max`, read-only, so it is repeated on one state.
-fn time_pos_max<M: Model>(m: &M, calls: u32) -> Duration {
+/// Median over `REPS` loops of the per-call time of `f`, in ns.
+fn time_calls(calls: u32, mut f: impl FnMut(u32) -> i64) -> f64 {
     let mut samples = Vec::with_capacity(REPS);
     for _ in 0..REPS {
         let t = Instant::now();
         let mut acc = 0i64;
         for k in 0..calls {
-            acc += i64::from(m.seq_pos_max(black_box((k % N_SEQ) as i32)));
+            acc = acc.wrapping_add(f(black_box(k)));
         }
-        samples.push(t.elapsed() / calls);
+        samples.push(ns(t.elapsed()) / f64::from(calls));
         black_box(acc);
     }
     median(samples)
 }
 
-fn fmt(d: Duration) -> String {
-    let ns = d.as_secs_f64() * 1e9;
+/// Per-call time of `seq_pos_max`, read-only, so it is repeated on one state.
+fn time_pos_max<M: Model>(m: &M, calls: u32) -> f64 {
+    time_calls(calls, |k| i64::from(m.seq_pos_max((k % N_SEQ) as i32)))
+}
+
+fn fmt(ns: f64) -> String {
     if ns < 1e3 {
         format!("{ns:.1} ns")
     } else if ns < 1e6 {
@@ -349,14 +356,16 @@ fn fmt(d: Duration) -> String {
 
 struct Row {
     name: String,
-    ours: Duration,
-    baseline: Duration,
+    /// ns
+    ours: f64,
+    /// ns
+    baseline: f64,
 }
 
 /// Criterion times for an op whose own cost is about `est`: about 150 measured iterations,
 /// because every iteration also pays for a fresh state (setup is not timed, but takes wall time).
-fn criterion_for(est: Duration) -> Criterion {
-    let est = est.max(Duration::from_nanos(50));
+fn criterion_for(est_ns: f64) -> Criterion {
+    let est = Duration::from_nanos(est_ns.max(50.0) as u64);
     Criterion::default()
         .sample_size(10)
         .warm_up_time((est * 20).min(Duration::from_millis(100)))
@@ -373,10 +382,10 @@ fn main() {
     // setup costs, reported for context (never part of a measured time)
     let t = Instant::now();
     black_box(scen[FULL].ours());
-    let ours_build = t.elapsed();
+    let ours_build = ns(t.elapsed());
     let t = Instant::now();
     black_box(bases[FULL].clone());
-    let base_clone = t.elapsed();
+    let base_clone = ns(t.elapsed());
 
     // both models must start equal and end equal after every op
     for (s, b) in scen.iter().zip(&bases) {
@@ -461,12 +470,12 @@ fn main() {
         ("4096", 4096, &ours_small, &base_small),
     ] {
         let name = format!("seq_ops/seq_pos_max {label} cells");
-        let mut c = criterion_for(Duration::from_micros(20));
+        let mut c = criterion_for(20e3);
         let mut g = c.benchmark_group(name);
         g.bench_function("ours", |bch| {
             bch.iter(|| Model::seq_pos_max(ours, black_box(5)))
         });
-        let mut c2 = criterion_for(Duration::from_nanos(u64::from(cells) * 20));
+        let mut c2 = criterion_for(f64::from(cells) * 20.0);
         g.finish();
         let mut g = c2.benchmark_group(format!("seq_ops/seq_pos_max {label} cells"));
         g.bench_function("baseline", |bch| {
@@ -494,7 +503,7 @@ fn main() {
     );
     println!("|{:-<38}|{:-<12}|{:-<12}|{:-<28}|", "", "", "", "");
     for r in &rows {
-        let speedup = r.baseline.as_secs_f64() / r.ours.as_secs_f64();
+        let speedup = r.baseline / r.ours;
         let flag = if speedup < 10.0 { "  (< 10x)" } else { "" };
         println!(
             "| {:<36} | {:>10} | {:>10} | {:>26} |",
@@ -504,16 +513,18 @@ fn main() {
             format!("{speedup:.1}x{flag}")
         );
     }
+    println!();
+
     let (big, small) = (&rows[rows.len() - 2], &rows[rows.len() - 1]);
     println!();
     println!(
         "seq_pos_max vs cache size: ours {} at 4,096 cells, {} at 65,536 cells (ratio {:.2}); baseline {} -> {} (ratio {:.1})",
         fmt(small.ours),
         fmt(big.ours),
-        big.ours.as_secs_f64() / small.ours.as_secs_f64(),
+        big.ours / small.ours,
         fmt(small.baseline),
         fmt(big.baseline),
-        big.baseline.as_secs_f64() / small.baseline.as_secs_f64(),
+        big.baseline / small.baseline,
     );
     println!(
         "seq_ops bench wall time: {:.1} s",
