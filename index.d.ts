@@ -237,8 +237,17 @@ export interface ConvertFileOptions {
   typeK?: string
   /** Re-type V. */
   typeV?: string
-  /** Treat a sequence file as a recurrent (Mamba/RWKV) state. */
+  /**
+   * Whether the state is recurrent (Mamba/RWKV). Sessions tell by their architecture; a
+   * sequence file without a stream prefix needs it to be written in today's layout.
+   */
   recurrent?: boolean
+  /** Output kind: 'session' or 'sequence'. Default: the input's kind ('sequence' with `seqId`). */
+  to?: string
+  /** Rename the written sequence to this id. */
+  asSeqId?: number
+  /** Session output: the architecture when the input has none. Default 'llama'. */
+  arch?: string
 }
 
 /**
@@ -297,8 +306,16 @@ export interface Inspection {
   tokens: Array<number>
   /** Session: architecture. */
   arch?: string
-  /** 'seed' (b4944, no stream prefix) or 'streams' (today's). */
+  /**
+   * 'seed' (b4944) or 'streams' (today's llama.cpp). Recurrent payloads have no stream
+   * prefix in either era: a recurrent session is 'seed' when it has the outputs block.
+   */
   layout: string
+  /**
+   * Whether the state is recurrent: from the architecture of a session, false for a payload
+   * with a stream prefix, null when a sequence file cannot tell.
+   */
+  recurrent?: boolean
   /** Seed-era sessions: whether the outputs block is present. */
   hasOutputs: boolean
   /** The streams. */

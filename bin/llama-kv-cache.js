@@ -14,8 +14,12 @@ const USAGE = `usage:
       --version N             file version (ggsq 2|3, ggsn 9|10; default 2 / 9)
       --n-stream N            streams to write (1 = unified context)
       --seq ID                extract one sequence into a sequence file
+      --to session|sequence   output kind (default: the input's; sequence with --seq)
+      --as-seq ID             rename the written sequence (e.g. a slot of a non-unified context)
+      --arch NAME             session output from a sequence file: the architecture (default llama)
       --type-k T, --type-v T  re-type K/V (f32, f16, bf16, q8_0, ...)
-      --recurrent             the input sequence file holds a recurrent (Mamba/RWKV) state`
+      --recurrent             the input sequence file holds a recurrent (Mamba/RWKV) state
+      --transformer           the input sequence file holds a transformer state`
 
 function fail(message, code = 2) {
   process.stderr.write(`llama-kv-cache: ${message}\n`)
@@ -77,20 +81,23 @@ function main(argv) {
       const info = inspectState(file)
       const json = {
         format: info.format, magic: info.magic, version: info.version, nTokens: info.nTokens, arch: info.arch ?? null,
-        layout: info.layout, hasOutputs: info.hasOutputs, streams: info.streams, nLayer: info.nLayer,
+        layout: info.layout, recurrent: info.recurrent ?? null, hasOutputs: info.hasOutputs, streams: info.streams, nLayer: info.nLayer,
         vTrans: info.vTrans ?? null, layers: info.layers, bytes: info.bytes, byteAccounting: info.byteAccounting,
         tokens: info.tokens,
       }
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${human(file, info)}\n`)
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {
-        layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str', recurrent: 'bool',
+        layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str',
+        recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str',
       })
+      if (flags.recurrent && flags.transformer) fail('--recurrent and --transformer exclude each other')
       const [input, output] = flags.positional
       if (!input || !output) fail(`convert needs an input and an output file\n${USAGE}`)
       convertStateFile(input, output, {
         layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
-        typeK: flags['type-k'], typeV: flags['type-v'], recurrent: flags.recurrent,
+        typeK: flags['type-k'], typeV: flags['type-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
+        recurrent: flags.recurrent ? true : flags.transformer ? false : undefined,
       })
       process.stdout.write(`${output}\n`)
     } else {

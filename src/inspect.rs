@@ -75,8 +75,12 @@ pub struct Inspection {
     pub tokens: Vec<i32>,
     /// Session: architecture.
     pub arch: Option<String>,
-    /// 'seed' (b4944, no stream prefix) or 'streams' (today's).
+    /// 'seed' (b4944) or 'streams' (today's llama.cpp). Recurrent payloads have no stream
+    /// prefix in either era: a recurrent session is 'seed' when it has the outputs block.
     pub layout: String,
+    /// Whether the state is recurrent: from the architecture of a session, false for a payload
+    /// with a stream prefix, null when a sequence file cannot tell.
+    pub recurrent: Option<bool>,
     /// Seed-era sessions: whether the outputs block is present.
     pub has_outputs: bool,
     /// The streams.
@@ -108,6 +112,11 @@ pub fn inspect_state(
             Either::B(b) => b.to_vec(),
         };
         let ins = inspect_bytes(&bytes).map_err(from_core)?;
+        let recurrent = match (&ins.arch, ins.payload.layout) {
+            (Some(arch), _) => Some(llama_kv_cache::files::is_recurrent_arch(arch)),
+            (None, llama_kv_cache::Layout::Streams) => Some(false),
+            (None, llama_kv_cache::Layout::Seed) => None,
+        };
         let header = ins.header.clone();
         let mut streams = Vec::new();
         let (mut meta, mut k, mut v) = (0usize, 0usize, 0usize);
@@ -176,7 +185,11 @@ pub fn inspect_state(
             version: header.version,
             n_tokens: header.tokens.len() as u32,
             arch: ins.arch,
-            layout: ins.payload.layout.name().into(),
+            layout: match &recurrent {
+                Some(true) if ins.outputs.is_none() => "streams".into(),
+                _ => ins.payload.layout.name().into(),
+            },
+            recurrent,
             has_outputs: ins.outputs.is_some(),
             n_layer: layers.len() as u32,
             v_trans: first.and_then(|s| s.v_trans),
@@ -211,8 +224,15 @@ pub struct ConvertFileOptions {
     pub type_k: Option<String>,
     /// Re-type V.
     pub type_v: Option<String>,
-    /// Treat a sequence file as a recurrent (Mamba/RWKV) state.
+    /// Whether the state is recurrent (Mamba/RWKV). Sessions tell by their architecture; a
+    /// sequence file without a stream prefix needs it to be written in today's layout.
     pub recurrent: Option<bool>,
+    /// Output kind: 'session' or 'sequence'. Default: the input's kind ('sequence' with `seqId`).
+    pub to: Option<String>,
+    /// Rename the written sequence to this id.
+    pub as_seq_id: Option<f64>,
+    /// Session output: the architecture when the input has none. Default 'llama'.
+    pub arch: Option<String>,
 }
 
 /// Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
@@ -239,7 +259,20 @@ pub fn convert_state_file(
             opts.extract_seq = o.seq_id.map(|s| i32v("seqId", s)).transpose()?;
             opts.type_k = ggml_type_opt("typeK", o.type_k)?;
             opts.type_v = ggml_type_opt("typeV", o.type_v)?;
-            opts.recurrent = o.recurrent.unwrap_or(false);
+            opts.recurrent = o.recurrent;
+            opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
+            opts.arch = o.arch;
+            opts.to = match o.to.as_deref() {
+                None => None,
+                Some("session") => Some(llama_kv_cache::FileKind::Session),
+                Some("sequence") => Some(llama_kv_cache::FileKind::Sequence),
+                Some(other) => {
+                    return Err(crate::error::err(
+                        Code::InvalidArg,
+                        format!("to must be 'session' or 'sequence', got {other:?}"),
+                    ))
+                }
+            };
         }
         let bytes = read_file(input.as_ref()).map_err(from_core)?;
         let out = llama_kv_cache::files::convert_bytes(&bytes, &opts).map_err(from_core)?;

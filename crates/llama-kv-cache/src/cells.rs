@@ -69,6 +69,26 @@ fn bits(mut word: u64) -> impl Iterator<Item = usize> {
     })
 }
 
+/// Cells freed by a bulk operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Freed {
+    /// The lowest freed cell.
+    pub first: Option<usize>,
+    /// Freed cells that had a position (what the seed subtracts from `used`).
+    pub with_pos: u32,
+}
+
+impl Freed {
+    fn note(&mut self, i: usize, pos: i32) {
+        if self.first.is_none() {
+            self.first = Some(i);
+        }
+        if pos >= 0 {
+            self.with_pos += 1;
+        }
+    }
+}
+
 /// One cell's metadata, as the seed's `llama_kv_cell`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cell {
@@ -231,25 +251,6 @@ impl Cells {
         self.seq_cells.iter().map(|&c| c as u64).sum()
     }
 
-    /// Calls `f(cells, i)` for every cell that held `seq` when the call began, ascending; `f`
-    /// may change cell `i` freely.
-    pub fn for_each_of(&mut self, seq: usize, mut f: impl FnMut(&mut Cells, usize)) {
-        for w in 0..self.occupied.len() {
-            for b in bits(self.seq_bits[seq][w]) {
-                f(self, w * 64 + b);
-            }
-        }
-    }
-
-    /// Calls `f(cells, i)` for every cell with `pos >= 0` when the call began, ascending.
-    pub fn for_each_occupied(&mut self, mut f: impl FnMut(&mut Cells, usize)) {
-        for w in 0..self.occupied.len() {
-            for b in bits(self.occupied[w]) {
-                f(self, w * 64 + b);
-            }
-        }
-    }
-
     /// The first cell not holding `seq`, if any.
     pub fn first_without(&self, seq: usize) -> Option<usize> {
         let n = self.pos.len();
@@ -393,25 +394,192 @@ impl Cells {
         self.set_seqs(i, cell.seqs);
     }
 
-    /// Drops `seq` from every cell at once (its cells keep their other sequences). Returns the
-    /// cells that became empty, ascending.
-    pub fn drop_seq_everywhere(&mut self, seq: usize) -> Vec<usize> {
-        let mut emptied = Vec::new();
-        let mask = !(1u64 << seq);
+    /// Removes `seq` from its cells with `p0 <= pos < p1`; cells left without a sequence are
+    /// freed (pos -1, src -1). Walks only the sequence's cells.
+    pub fn remove_seq_in_range(&mut self, seq: usize, p0: i32, p1: i32) -> Freed {
+        let m = 1u64 << seq;
+        let max = self.seq_pos_max[seq];
+        let mut out = Freed::default();
         for w in 0..self.occupied.len() {
-            for b in bits(self.seq_bits[seq][w]) {
+            let mut word = self.seq_bits[seq][w];
+            let (mut cleared, mut emptied) = (0u64, 0u64);
+            while word != 0 {
+                let b = word.trailing_zeros() as usize;
+                word &= word - 1;
                 let i = w * 64 + b;
-                self.seqs[i].0 &= mask;
-                if self.seqs[i].is_empty() {
-                    emptied.push(i);
+                let pos = self.pos[i];
+                if pos < p0 || pos >= p1 {
+                    continue;
+                }
+                cleared |= 1 << b;
+                if pos == max {
+                    self.dirty |= m;
+                }
+                self.seqs[i].0 &= !m;
+                if self.seqs[i].0 == 0 {
+                    emptied |= 1 << b;
+                    out.note(i, pos);
+                    self.pos[i] = -1;
+                    self.src[i] = -1;
                 }
             }
-            self.seq_bits[seq][w] = 0;
+            self.seq_bits[seq][w] &= !cleared;
+            self.occupied[w] &= !emptied;
+            self.seq_cells[seq] -= cleared.count_ones();
         }
-        self.seq_cells[seq] = 0;
-        self.seq_pos_max[seq] = NO_POS;
-        self.dirty &= !(1 << seq);
-        emptied
+        self.fix_empty(seq);
+        out
+    }
+
+    /// Frees every cell with `p0 <= pos < p1`, whatever its sequences (`seq_rm(-1, ..)`).
+    pub fn free_range(&mut self, p0: i32, p1: i32) -> Freed {
+        let mut out = Freed::default();
+        for w in 0..self.occupied.len() {
+            let mut word = self.occupied[w];
+            let mut emptied = 0u64;
+            while word != 0 {
+                let b = word.trailing_zeros() as usize;
+                word &= word - 1;
+                let i = w * 64 + b;
+                let pos = self.pos[i];
+                if pos < p0 || pos >= p1 {
+                    continue;
+                }
+                for seq in bits(self.seqs[i].0) {
+                    self.seq_bits[seq][w] &= !(1 << b);
+                    self.seq_cells[seq] -= 1;
+                    if pos == self.seq_pos_max[seq] {
+                        self.dirty |= 1 << seq;
+                    }
+                }
+                self.seqs[i] = SeqSet::EMPTY;
+                emptied |= 1 << b;
+                out.note(i, pos);
+                self.pos[i] = -1;
+                self.src[i] = -1;
+            }
+            self.occupied[w] &= !emptied;
+        }
+        for seq in 0..self.n_seq() {
+            self.fix_empty(seq);
+        }
+        out
+    }
+
+    /// Adds `dst` to the cells of `src` with `p0 <= pos < p1`.
+    pub fn copy_seq_in_range(&mut self, src: usize, dst: usize, p0: i32, p1: i32) {
+        let m = 1u64 << dst;
+        for w in 0..self.occupied.len() {
+            let mut word = self.seq_bits[src][w] & !self.seq_bits[dst][w];
+            let mut added = 0u64;
+            while word != 0 {
+                let b = word.trailing_zeros() as usize;
+                word &= word - 1;
+                let i = w * 64 + b;
+                let pos = self.pos[i];
+                if pos < p0 || pos >= p1 {
+                    continue;
+                }
+                added |= 1 << b;
+                self.seqs[i].0 |= m;
+                if self.seq_cells[dst] == 0 || pos > self.seq_pos_max[dst] {
+                    self.seq_pos_max[dst] = pos;
+                }
+                self.seq_cells[dst] += 1;
+            }
+            self.seq_bits[dst][w] |= added;
+        }
+    }
+
+    /// Moves the cells of `seq` with `p0 <= pos < p1` to `new_pos(pos)`, adding the change to
+    /// their delta; cells pushed below 0 are freed with all their sequences. Returns whether any
+    /// cell matched and what was freed.
+    pub fn shift_seq_in_range(
+        &mut self,
+        seq: usize,
+        p0: i32,
+        p1: i32,
+        new_pos: impl Fn(i32) -> i32,
+    ) -> (bool, Freed) {
+        let mut matched = false;
+        let mut out = Freed::default();
+        for w in 0..self.occupied.len() {
+            let mut word = self.seq_bits[seq][w];
+            while word != 0 {
+                let b = word.trailing_zeros() as usize;
+                word &= word - 1;
+                let i = w * 64 + b;
+                let old = self.pos[i];
+                if old < p0 || old >= p1 {
+                    continue;
+                }
+                matched = true;
+                let new = new_pos(old);
+                self.delta[i] = self.delta[i].wrapping_add(new.wrapping_sub(old));
+                if new < 0 {
+                    out.note(i, 0);
+                    for s in bits(self.seqs[i].0) {
+                        self.seq_bits[s][w] &= !(1 << b);
+                        self.seq_cells[s] -= 1;
+                        if old == self.seq_pos_max[s] {
+                            self.dirty |= 1 << s;
+                        }
+                    }
+                    self.seqs[i] = SeqSet::EMPTY;
+                    self.pos[i] = -1;
+                    self.occupied[w] &= !(1 << b);
+                    continue;
+                }
+                self.pos[i] = new;
+                for s in bits(self.seqs[i].0) {
+                    if new > self.seq_pos_max[s] {
+                        self.seq_pos_max[s] = new;
+                    } else if old == self.seq_pos_max[s] {
+                        self.dirty |= 1 << s;
+                    }
+                }
+            }
+        }
+        for s in 0..self.n_seq() {
+            self.fix_empty(s);
+        }
+        (matched, out)
+    }
+
+    /// Transformer `seq_keep`: frees every occupied cell without `seq` and leaves `seq` alone
+    /// in the others. Returns how many cells were freed.
+    pub fn keep_only(&mut self, seq: usize) -> u32 {
+        let single = SeqSet::single(seq);
+        let mut freed = 0;
+        for w in 0..self.occupied.len() {
+            let keep = self.seq_bits[seq][w];
+            let drop = self.occupied[w] & !keep;
+            freed += drop.count_ones();
+            for b in bits(drop) {
+                let i = w * 64 + b;
+                self.seqs[i] = SeqSet::EMPTY;
+                self.pos[i] = -1;
+                self.src[i] = -1;
+            }
+            for b in bits(keep) {
+                self.seqs[w * 64 + b] = single;
+            }
+            self.occupied[w] &= keep;
+        }
+        for s in (0..self.n_seq()).filter(|&s| s != seq) {
+            self.seq_bits[s].fill(0);
+            self.seq_cells[s] = 0;
+            self.seq_pos_max[s] = NO_POS;
+        }
+        self.dirty &= 1 << seq;
+        freed
+    }
+
+    fn fix_empty(&mut self, seq: usize) {
+        if self.seq_cells[seq] == 0 {
+            self.seq_pos_max[seq] = NO_POS;
+            self.dirty &= !(1 << seq);
+        }
     }
 
     fn compute_max(&self, seq: usize) -> i32 {

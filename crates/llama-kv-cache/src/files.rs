@@ -613,21 +613,52 @@ pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParam
 pub struct ConvertOptions {
     /// Output format options (layout, version, streams).
     pub write: WriteOptions,
-    /// Extract this sequence into a sequence file (from a session or a sequence file).
+    /// Output kind; default: the input's kind, or a sequence file when `extract_seq` is set.
+    pub to: Option<FileKind>,
+    /// The sequence to write into a sequence file (from a session or a sequence file).
     pub extract_seq: Option<i32>,
+    /// Rename the written sequence to this id (e.g. to target a slot of a non-unified context).
+    pub as_seq: Option<i32>,
+    /// Session output: the architecture name when the input has none (default "llama").
+    pub arch: Option<String>,
     /// Re-type K (f32 <-> f16, or any KV type).
     pub type_k: Option<crate::GgmlType>,
     /// Re-type V.
     pub type_v: Option<crate::GgmlType>,
-    /// Treat a sequence file as recurrent (sessions tell by their architecture).
-    pub recurrent: bool,
+    /// Whether the state is recurrent. Sessions tell by their architecture; a stream-less
+    /// sequence file is either a seed-era transformer state or a recurrent one, and converting
+    /// it to today's layout needs this answered.
+    pub recurrent: Option<bool>,
 }
 
-/// Converts a state file: layout or version change, sequence extraction, K/V re-typing.
+/// Converts a state file: layout or version change, session <-> sequence, sequence renaming,
+/// K/V re-typing.
 pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
     let ins = inspect_bytes(bytes)?;
-    let recurrent = opts.recurrent || ins.arch.as_deref().is_some_and(is_recurrent_arch);
-    let mut cache = KvCache::new(params_for(&ins, recurrent)?)?;
+    let recurrent = match (opts.recurrent, ins.arch.as_deref()) {
+        (Some(r), _) => r,
+        (None, Some(arch)) => is_recurrent_arch(arch),
+        (None, None) if ins.payload.layout == Layout::Streams => false,
+        (None, None) if opts.write.layout == Layout::Seed => false,
+        (None, None) => {
+            return Err(KvError::InvalidArg(
+                "this sequence file has no stream prefix: it is either a seed-era transformer state or a recurrent (Mamba/RWKV) state; say which (recurrent: true or false) to write today's layout".into(),
+            ))
+        }
+    };
+    let mut params = params_for(&ins, recurrent)?;
+    let wanted = opts
+        .write
+        .n_stream
+        .max(opts.as_seq.map_or(0, |s| s.max(0) as u32 + 1))
+        .max(opts.extract_seq.map_or(0, |s| s.max(0) as u32 + 1));
+    if wanted > params.n_seq_max {
+        params.n_seq_max = wanted.min(crate::MAX_SEQ as u32);
+        if recurrent {
+            params.size = params.size.max(params.n_seq_max);
+        }
+    }
+    let mut cache = KvCache::new(params)?;
     let read = ReadOptions {
         layout: Some(ins.payload.layout),
         allow_scattered: false,
@@ -655,18 +686,30 @@ pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
             opts.type_v.unwrap_or(cache.type_v()),
         )?;
     }
-    let tokens = &loaded.header.tokens;
-    match (ins.header.kind, opts.extract_seq) {
-        (FileKind::Session, None) => cache.session_file_bytes(
-            tokens,
-            loaded.arch.as_deref().unwrap_or("llama"),
-            loaded.outputs.as_ref(),
-            opts.write,
-            None,
-        ),
-        (_, Some(seq)) => cache.sequence_file_bytes(seq, tokens, opts.write, None),
-        (FileKind::Sequence, None) => {
-            cache.sequence_file_bytes(seq_in_file, tokens, opts.write, None)
+    let mut seq = opts.extract_seq.unwrap_or(seq_in_file);
+    if let Some(target) = opts.as_seq {
+        if target != seq {
+            cache.seq_cp(seq, target, -1, -1)?;
+            cache.seq_rm(seq, -1, -1)?;
+            seq = target;
         }
+    }
+    let tokens = &loaded.header.tokens;
+    let to = opts
+        .to
+        .unwrap_or(match (ins.header.kind, opts.extract_seq) {
+            (_, Some(_)) => FileKind::Sequence,
+            (kind, None) => kind,
+        });
+    match to {
+        FileKind::Session => {
+            let arch = loaded
+                .arch
+                .as_deref()
+                .or(opts.arch.as_deref())
+                .unwrap_or("llama");
+            cache.session_file_bytes(tokens, arch, loaded.outputs.as_ref(), opts.write, None)
+        }
+        FileKind::Sequence => cache.sequence_file_bytes(seq, tokens, opts.write, None),
     }
 }

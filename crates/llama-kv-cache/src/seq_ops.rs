@@ -38,42 +38,16 @@ impl KvCache {
                 return Ok(false);
             }
         }
-        let size = self.params.size as usize;
-        let mut new_head = size;
-        let mut used = self.cells.used;
-        let mut free = |c: &mut crate::cells::Cells, i: usize, pos: i32| {
-            if pos >= 0 {
-                used = used.wrapping_sub(1);
-            }
-            c.set_pos(i, -1);
-            c.set_src(i, -1);
-            new_head = new_head.min(i);
-        };
-        if seq < 0 {
+        let freed = if seq < 0 {
             // p0 >= 0, so only cells with a position can be in range
-            self.cells.for_each_occupied(|c, i| {
-                let pos = c.pos(i);
-                if pos >= p0 && pos < p1 {
-                    c.clear_seqs(i);
-                    free(c, i, pos);
-                }
-            });
+            self.cells.free_range(p0, p1)
         } else {
-            let s = seq as usize;
-            self.cells.for_each_of(s, |c, i| {
-                let pos = c.pos(i);
-                if pos >= p0 && pos < p1 {
-                    c.remove_seq(i, s);
-                    if c.is_empty_cell(i) {
-                        free(c, i, pos);
-                    }
-                }
-            });
-        }
-        self.cells.used = used;
+            self.cells.remove_seq_in_range(seq as usize, p0, p1)
+        };
+        self.cells.used = self.cells.used.wrapping_sub(freed.with_pos);
         self.cells.settle();
-        if new_head != size && (new_head as u32) < self.head {
-            self.head = new_head as u32;
+        if let Some(first) = freed.first {
+            self.head = self.head.min(first as u32);
         }
         Ok(true)
     }
@@ -109,12 +83,7 @@ impl KvCache {
             return Ok(());
         }
         self.head = 0;
-        self.cells.for_each_of(s, |c, i| {
-            let pos = c.pos(i);
-            if pos >= p0 && pos < p1 {
-                c.insert_seq(i, d);
-            }
-        });
+        self.cells.copy_seq_in_range(s, d, p0, p1);
         Ok(())
     }
 
@@ -148,16 +117,7 @@ impl KvCache {
             // free cells of a transformer cache hold no sequence, so only occupied cells change;
             // the first cell without `keep` is where the seed's loop sets new_head
             new_head = self.cells.first_without(keep).unwrap_or(size);
-            self.cells.for_each_occupied(|c, i| {
-                if c.seqs(i).contains(keep) {
-                    c.set_seqs(i, SeqSet::single(keep));
-                } else {
-                    used = used.wrapping_sub(1);
-                    c.clear_seqs(i);
-                    c.set_pos(i, -1);
-                    c.set_src(i, -1);
-                }
-            });
+            used = used.wrapping_sub(self.cells.keep_only(keep));
         }
         self.cells.used = used;
         self.cells.settle();
@@ -198,33 +158,11 @@ impl KvCache {
                 return Err(overflow(seq, max, delta));
             }
         }
-        let size = self.params.size as usize;
-        let mut new_head = size;
-        let mut used = self.cells.used;
-        let mut shifted = false;
-        self.cells.for_each_of(s, |c, i| {
-            let pos = c.pos(i);
-            if pos < p0 || pos >= p1 {
-                return;
-            }
-            shifted = true;
-            c.set_delta(i, c.delta(i).wrapping_add(delta));
-            let new = pos + delta;
-            if new < 0 {
-                if !c.is_empty_cell(i) {
-                    used = used.wrapping_sub(1);
-                }
-                c.clear_seqs(i);
-                c.set_pos(i, -1);
-                new_head = new_head.min(i);
-            } else {
-                c.set_pos(i, new);
-            }
-        });
+        let (shifted, freed) = self.cells.shift_seq_in_range(s, p0, p1, |pos| pos + delta);
         self.cells.settle();
         self.has_shift |= shifted;
-        self.cells.used = used;
-        self.head = if new_head != size { new_head as u32 } else { 0 };
+        self.cells.used = self.cells.used.wrapping_sub(freed.with_pos);
+        self.head = freed.first.map_or(0, |f| f as u32);
         Ok(())
     }
 
@@ -255,16 +193,7 @@ impl KvCache {
             }
             return Ok(());
         }
-        let mut shifted = false;
-        self.cells.for_each_of(s, |c, i| {
-            let pos = c.pos(i);
-            if pos >= p0 && pos < p1 {
-                shifted = true;
-                let new = pos / d;
-                c.set_pos(i, new);
-                c.set_delta(i, c.delta(i).wrapping_add(new - pos));
-            }
-        });
+        let (shifted, _) = self.cells.shift_seq_in_range(s, p0, p1, |pos| pos / d);
         self.cells.settle();
         self.has_shift |= shifted;
         Ok(())
