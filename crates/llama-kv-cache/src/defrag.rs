@@ -120,12 +120,15 @@ impl KvCache {
             moves: moves.to_vec(),
             ..DefragReport::default()
         };
-        for m in moves {
-            report.cells_moved += m.len;
-            for layer in &mut self.layers {
-                layer.move_cells(lay, m.src as usize, m.dst as usize, m.len as usize)?;
-                report.bytes_copied += (m.len as u64) * (layer.k_row + layer.v_row) as u64;
-            }
+        let runs: Vec<(usize, usize, usize)> = moves
+            .iter()
+            .map(|m| (m.src as usize, m.dst as usize, m.len as usize))
+            .collect();
+        let cells: u64 = moves.iter().map(|m| m.len as u64).sum();
+        report.cells_moved = cells as u32;
+        for layer in &mut self.layers {
+            layer.apply_moves(lay, &runs)?;
+            report.bytes_copied += cells * (layer.k_row + layer.v_row) as u64;
         }
         Ok(report)
     }

@@ -285,21 +285,33 @@ impl LayerTensors {
         }
     }
 
-    /// Moves `n` cells' data from cell `src` to cell `dst` in both tensors.
-    pub fn move_cells(&mut self, lay: Layout, src: usize, dst: usize, n: usize) -> Result<()> {
-        self.k
-            .copy_within(src * self.k_row, dst * self.k_row, n * self.k_row)?;
-        if lay.v_trans {
-            self.v.copy_within_2d(
-                src * lay.v_el,
-                dst * lay.v_el,
-                n * lay.v_el,
-                lay.size * lay.v_el,
-                self.n_embd_v,
-            )
-        } else {
-            self.v
-                .copy_within(src * self.v_row, dst * self.v_row, n * self.v_row)
+    /// Applies runs of cell moves, in order, to both tensors. In host memory the transposed V
+    /// is processed row by row (each row stays in cache while every run moves through it)
+    /// instead of run by run over the whole tensor.
+    pub fn apply_moves(&mut self, lay: Layout, moves: &[(usize, usize, usize)]) -> Result<()> {
+        let (k_row, v_row) = (self.k_row, self.v_row);
+        move_rows(self.k.as_mut(), k_row, moves)?;
+        if !lay.v_trans {
+            return move_rows(self.v.as_mut(), v_row, moves);
+        }
+        let el = lay.v_el;
+        let row_bytes = lay.size * el;
+        match self.v.as_host_mut() {
+            Some(bytes) => {
+                for row in bytes.chunks_exact_mut(row_bytes).take(self.n_embd_v) {
+                    for &(src, dst, n) in moves {
+                        move_bytes(row, src * el, dst * el, n * el);
+                    }
+                }
+                Ok(())
+            }
+            None => {
+                for &(src, dst, n) in moves {
+                    self.v
+                        .copy_within_2d(src * el, dst * el, n * el, row_bytes, self.n_embd_v)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -317,6 +329,31 @@ impl LayerTensors {
             Tensor::K => self.k.as_mut(),
             Tensor::V => self.v.as_mut(),
         }
+    }
+}
+
+/// Moves runs of whole rows inside one buffer.
+fn move_rows(buf: &mut dyn KvBuffer, row: usize, moves: &[(usize, usize, usize)]) -> Result<()> {
+    if let Some(bytes) = buf.as_host_mut() {
+        for &(src, dst, n) in moves {
+            move_bytes(bytes, src * row, dst * row, n * row);
+        }
+        return Ok(());
+    }
+    for &(src, dst, n) in moves {
+        buf.copy_within(src * row, dst * row, n * row)?;
+    }
+    Ok(())
+}
+
+/// `copy_within` that avoids a library call for the few bytes of a transposed-V element.
+fn move_bytes(bytes: &mut [u8], src: usize, dst: usize, len: usize) {
+    if len <= 8 && (src + len <= dst || dst + len <= src) {
+        for k in 0..len {
+            bytes[dst + k] = bytes[src + k];
+        }
+    } else {
+        bytes.copy_within(src..src + len, dst);
     }
 }
 
@@ -363,7 +400,7 @@ mod tests {
             let rows: Vec<u8> = (1..=6).collect();
             l.write_rows(Tensor::V, lay, 3, &rows).unwrap();
             l.write_rows(Tensor::K, lay, 3, &[9, 9, 9, 9]).unwrap();
-            l.move_cells(lay, 3, 0, 1).unwrap();
+            l.apply_moves(lay, &[(3, 0, 1)]).unwrap();
             assert_eq!(l.read_rows(Tensor::V, lay, 0, 1).unwrap(), rows);
             assert_eq!(l.read_rows(Tensor::K, lay, 0, 1).unwrap(), vec![9, 9, 9, 9]);
         }
