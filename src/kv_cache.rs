@@ -448,12 +448,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] p1: Num,
         #[napi(ts_arg_type = "number")] delta: Num,
     ) -> Result<(), Code> {
-        let (s, p0, p1, d) = (
-            i32v("seqId", seq_id)?,
-            i32v("p0", p0)?,
-            i32v("p1", p1)?,
-            i32v("delta", delta)?,
-        );
+        let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("delta", delta))?;
         self.with(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
     }
 
@@ -466,12 +461,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] p1: Num,
         #[napi(ts_arg_type = "number")] d: Num,
     ) -> Result<(), Code> {
-        let (s, p0, p1, d) = (
-            i32v("seqId", seq_id)?,
-            i32v("p0", p0)?,
-            i32v("p1", p1)?,
-            i32v("d", d)?,
-        );
+        let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("d", d))?;
         self.with(|c| c.seq_div(s, p0, p1, d).map_err(from_core))
     }
 
@@ -931,6 +921,21 @@ impl KvCache {
             signal,
         )
     }
+}
+
+/// `(seqId, p0, p1, <named value>)` of `seqAdd` / `seqDiv`.
+fn range_args(
+    seq_id: Num,
+    p0: Num,
+    p1: Num,
+    (name, v): (&str, Num),
+) -> JsResult<(i32, i32, i32, i32)> {
+    Ok((
+        i32v("seqId", seq_id)?,
+        i32v("p0", p0)?,
+        i32v("p1", p1)?,
+        i32v(name, v)?,
+    ))
 }
 
 fn update_job(options: Option<Obj<UpdateOptions>>) -> JsResult<(UpdateJob, Option<Signal>)> {

@@ -401,17 +401,11 @@ impl Cells {
         let max = self.seq_pos_max[seq];
         let mut out = Freed::default();
         for w in 0..self.occupied.len() {
-            let mut word = self.seq_bits[seq][w];
-            let (mut cleared, mut emptied) = (0u64, 0u64);
-            while word != 0 {
-                let b = word.trailing_zeros() as usize;
-                word &= word - 1;
+            let cleared = self.in_range(self.seq_bits[seq][w], w, p0, p1);
+            let mut emptied = 0u64;
+            for b in bits(cleared) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
-                if pos < p0 || pos >= p1 {
-                    continue;
-                }
-                cleared |= 1 << b;
                 if pos == max {
                     self.dirty |= m;
                 }
@@ -435,16 +429,10 @@ impl Cells {
     pub fn free_range(&mut self, p0: i32, p1: i32) -> Freed {
         let mut out = Freed::default();
         for w in 0..self.occupied.len() {
-            let mut word = self.occupied[w];
-            let mut emptied = 0u64;
-            while word != 0 {
-                let b = word.trailing_zeros() as usize;
-                word &= word - 1;
+            let emptied = self.in_range(self.occupied[w], w, p0, p1);
+            for b in bits(emptied) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
-                if pos < p0 || pos >= p1 {
-                    continue;
-                }
                 for seq in bits(self.seqs[i].0) {
                     self.seq_bits[seq][w] &= !(1 << b);
                     self.seq_cells[seq] -= 1;
@@ -453,7 +441,6 @@ impl Cells {
                     }
                 }
                 self.seqs[i] = SeqSet::EMPTY;
-                emptied |= 1 << b;
                 out.note(i, pos);
                 self.pos[i] = -1;
                 self.src[i] = -1;
@@ -470,17 +457,10 @@ impl Cells {
     pub fn copy_seq_in_range(&mut self, src: usize, dst: usize, p0: i32, p1: i32) {
         let m = 1u64 << dst;
         for w in 0..self.occupied.len() {
-            let mut word = self.seq_bits[src][w] & !self.seq_bits[dst][w];
-            let mut added = 0u64;
-            while word != 0 {
-                let b = word.trailing_zeros() as usize;
-                word &= word - 1;
+            let added = self.in_range(self.seq_bits[src][w] & !self.seq_bits[dst][w], w, p0, p1);
+            for b in bits(added) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
-                if pos < p0 || pos >= p1 {
-                    continue;
-                }
-                added |= 1 << b;
                 self.seqs[i].0 |= m;
                 if self.seq_cells[dst] == 0 || pos > self.seq_pos_max[dst] {
                     self.seq_pos_max[dst] = pos;
@@ -504,16 +484,11 @@ impl Cells {
         let mut matched = false;
         let mut out = Freed::default();
         for w in 0..self.occupied.len() {
-            let mut word = self.seq_bits[seq][w];
-            while word != 0 {
-                let b = word.trailing_zeros() as usize;
-                word &= word - 1;
+            let hits = self.in_range(self.seq_bits[seq][w], w, p0, p1);
+            matched |= hits != 0;
+            for b in bits(hits) {
                 let i = w * 64 + b;
                 let old = self.pos[i];
-                if old < p0 || old >= p1 {
-                    continue;
-                }
-                matched = true;
                 let new = new_pos(old);
                 self.delta[i] = self.delta[i].wrapping_add(new.wrapping_sub(old));
                 if new < 0 {
@@ -573,6 +548,18 @@ impl Cells {
         }
         self.dirty &= 1 << seq;
         freed
+    }
+
+    /// The cells of `word` (cells `64 w ..`) whose position is in `[p0, p1)`.
+    fn in_range(&self, word: u64, w: usize, p0: i32, p1: i32) -> u64 {
+        let mut hits = 0u64;
+        for b in bits(word) {
+            let pos = self.pos[w * 64 + b];
+            if pos >= p0 && pos < p1 {
+                hits |= 1 << b;
+            }
+        }
+        hits
     }
 
     fn fix_empty(&mut self, seq: usize) {
