@@ -11,10 +11,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion, Throughput};
+use llama_kv_cache::files::{read_file, write_atomic};
 use llama_kv_cache::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
-    CacheParams, GgmlType, KvCache, RopeParams, RopeTable, RopeType, ShiftParams, UBatch,
-    DEFAULT_MAX_NODES,
+    CacheParams, GgmlType, KvCache, Layout, ReadOptions, RopeParams, RopeTable, RopeType,
+    ShiftParams, UBatch, WriteOptions, DEFAULT_MAX_NODES,
 };
 
 const CELLS: u32 = 4096;
@@ -294,6 +295,95 @@ fn main() {
             fmt(seq_add_only)
         ),
     });
+
+    // state payloads and files: a whole cache of 4 sequences with real rows
+    for flash_attn in [true, false] {
+        let mut c = filled(params(flash_attn), |i| (i % 4) as i32);
+        let rows_all = values((CELLS as usize) * EMBD as usize);
+        for il in 0..LAYERS {
+            for which in [llama_kv_cache::Tensor::K, llama_kv_cache::Tensor::V] {
+                c.write_rows_f32(il, which, 0, &rows_all).unwrap();
+            }
+        }
+        let v = if flash_attn {
+            "flash attn"
+        } else {
+            "V transposed"
+        };
+        let blob = c.state_write(-1, Layout::Streams, 1, None).unwrap();
+        let bytes = blob.len();
+        let write = time_with(
+            || (),
+            |_| c.state_write(-1, Layout::Streams, 1, None).unwrap().len(),
+        );
+        rows.push(Row {
+            name: format!("stateWrite whole cache ({v})"),
+            bytes: bytes as f64,
+            ours: write,
+            memcpy: time_memcpy(bytes),
+            extra: format!("{bytes} bytes"),
+        });
+        let read = time_with(
+            || KvCache::new(params(flash_attn)).unwrap(),
+            |fresh| {
+                fresh
+                    .state_read(&blob, -1, ReadOptions::default(), None)
+                    .unwrap()
+                    .cells
+            },
+        );
+        rows.push(Row {
+            name: format!("stateRead whole cache ({v})"),
+            bytes: bytes as f64,
+            ours: read,
+            memcpy: time_memcpy(bytes),
+            extra: "parse + validate + place + copy".into(),
+        });
+        // files against plain std::fs of the same bytes (the "memcpy" column here)
+        let dir = std::env::temp_dir().join(format!("kv-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (ours_path, plain_path) = (dir.join("ours.ggsn"), dir.join("plain.bin"));
+        let file = c
+            .session_file_bytes(&[1, 2, 3], "llama", None, WriteOptions::default(), None)
+            .unwrap();
+        let save = time_with(
+            || (),
+            |_| {
+                let b = c
+                    .session_file_bytes(&[1, 2, 3], "llama", None, WriteOptions::default(), None)
+                    .unwrap();
+                write_atomic(&ours_path, &b).unwrap()
+            },
+        );
+        let plain_save = time_with(|| (), |_| std::fs::write(&plain_path, &file).unwrap());
+        rows.push(Row {
+            name: format!("save session file ({v}), vs fs::write"),
+            bytes: file.len() as f64,
+            ours: save,
+            memcpy: plain_save,
+            extra: "atomic: temp file, fsync, rename".into(),
+        });
+        let load = time_with(
+            || KvCache::new(params(flash_attn)).unwrap(),
+            |fresh| {
+                let b = read_file(&ours_path).unwrap();
+                fresh
+                    .load_session_bytes(&b, ReadOptions::default(), None)
+                    .unwrap()
+                    .summary
+                    .cells
+            },
+        );
+        let plain_load = time_with(|| (), |_| std::fs::read(&plain_path).unwrap().len());
+        rows.push(Row {
+            name: format!("load session file ({v}), vs fs::read"),
+            bytes: file.len() as f64,
+            ours: load,
+            memcpy: plain_load,
+            extra: "read + parse + validate + place + copy".into(),
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     // quantizers
     let src = values(QUANT_ELEMS);
