@@ -1,0 +1,370 @@
+// Shared by interop/kshift-fixtures.mjs and __test__/kshift-interop.spec.mjs: llama.node's context shift on the
+// tiny llama model, and the comparison of OUR K-shift with it. No native code of ours here: the KvCache class
+// is passed in.
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { spawn } from 'node:child_process'
+import { fileURLToPath } from 'node:url'
+
+export const HERE = path.dirname(fileURLToPath(import.meta.url))
+export const MODELS = path.join(HERE, 'models')
+export const FIXTURES = path.resolve(HERE, '..', '__test__', 'fixtures')
+export const PEER = path.join(HERE, 'kshift-peer.mjs')
+export const CONTINUE = path.join(HERE, 'continue.mjs')
+export const BOS = 1
+
+// ---- GGUF metadata (enough of the format to read the key/value section) ------------------------------------
+
+/** The metadata key/values of a GGUF file (arrays are skipped: `null`). */
+export function readGgufMetadata(file) {
+  const b = fs.readFileSync(file)
+  if (b.toString('latin1', 0, 4) !== 'GGUF') throw new Error(`${file}: not a GGUF file`)
+  let o = 4
+  const version = b.readUInt32LE(o)
+  o += 4
+  o += 8 // n_tensors
+  const nKv = Number(b.readBigUInt64LE(o))
+  o += 8
+  const str = () => {
+    const n = Number(b.readBigUInt64LE(o))
+    o += 8
+    const s = b.toString('utf8', o, o + n)
+    o += n
+    return s
+  }
+  const SIZE = { 0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8 }
+  const scalar = (type) => {
+    switch (type) {
+      case 0: return b.readUInt8(o++)
+      case 1: return b.readInt8(o++)
+      case 2: { const v = b.readUInt16LE(o); o += 2; return v }
+      case 3: { const v = b.readInt16LE(o); o += 2; return v }
+      case 4: { const v = b.readUInt32LE(o); o += 4; return v }
+      case 5: { const v = b.readInt32LE(o); o += 4; return v }
+      case 6: { const v = b.readFloatLE(o); o += 4; return v }
+      case 7: return b.readUInt8(o++) !== 0
+      case 8: return str()
+      case 10: { const v = b.readBigUInt64LE(o); o += 8; return Number(v) }
+      case 11: { const v = b.readBigInt64LE(o); o += 8; return Number(v) }
+      case 12: { const v = b.readDoubleLE(o); o += 8; return v }
+      default: throw new Error(`${file}: unknown GGUF type ${type} at ${o}`)
+    }
+  }
+  const meta = { 'GGUF.version': version }
+  for (let i = 0; i < nKv; i++) {
+    const key = str()
+    const type = b.readUInt32LE(o)
+    o += 4
+    if (type === 9) {
+      const et = b.readUInt32LE(o)
+      const n = Number(b.readBigUInt64LE(o + 4))
+      o += 12
+      if (et === 8) for (let j = 0; j < n; j++) str()
+      else if (SIZE[et]) o += SIZE[et] * n
+      else throw new Error(`${file}: nested GGUF array in ${key}`)
+      meta[key] = null
+    } else {
+      meta[key] = scalar(type)
+    }
+  }
+  return meta
+}
+
+/**
+ * The model's RoPE parameters as our `update({ rope })` takes them, from the GGUF metadata, with llama.cpp's
+ * defaults (llama_model_loader / llama_hparams): head_dim = key_length or n_embd / n_head, n_rot =
+ * rope.dimension_count or head_dim, freq_base 10000, freq_scale = 1 / rope.scaling.factor (linear) or 1.
+ * Rope type: NORM for the llama architecture (llama_model_rope_type).
+ */
+export function ropeOfModel(file) {
+  const m = readGgufMetadata(file)
+  const arch = m['general.architecture']
+  if (arch !== 'llama') throw new Error(`${file}: rope type of architecture ${arch} not known here`)
+  const k = (name) => m[`${arch}.${name}`]
+  const nHeadQ = k('attention.head_count')
+  const headDim = k('attention.key_length') ?? k('embedding_length') / nHeadQ
+  const scalingType = k('rope.scaling.type') ?? 'none'
+  if (!['none', 'linear'].includes(scalingType)) throw new Error(`${file}: rope scaling ${scalingType} not handled here`)
+  const factor = k('rope.scaling.factor') ?? 0
+  return {
+    headDim,
+    nHead: k('attention.head_count_kv') ?? nHeadQ,
+    nRot: k('rope.dimension_count') ?? headDim,
+    type: 'norm',
+    freqBase: k('rope.freq_base') ?? 10000,
+    freqScale: scalingType === 'linear' && factor ? 1 / factor : 1,
+    nCtxOrig: k('context_length'),
+  }
+}
+
+// ---- tokens ------------------------------------------------------------------------------------------------
+
+let vocab = null
+function vocabTokens() {
+  vocab ??= JSON.parse(fs.readFileSync(path.join(MODELS, 'vocab.json'), 'utf8')).tokens
+  return vocab
+}
+/** Prompt text whose SPM tokenization is `ids` ('▁' is a space, the leading one is the dummy prefix; BOS dropped). */
+export function textOf(ids) {
+  const v = vocabTokens()
+  return ids.filter((id, i) => !(i === 0 && id === BOS)).map((id) => v[id].replaceAll('\u2581', ' ')).join('').replace(/^ /, '')
+}
+export const withoutBos = (ids) => (ids[0] === BOS ? ids.slice(1) : ids)
+
+// ---- peers in child processes ------------------------------------------------------------------------------
+
+const MAX_PARALLEL = Math.max(1, Math.min(2, os.availableParallelism?.() ?? 2))
+let active = 0
+const waiting = []
+async function limited(fn) {
+  while (active >= MAX_PARALLEL) await new Promise((resolve) => waiting.push(resolve))
+  active++
+  try {
+    return await fn()
+  } finally {
+    active--
+    waiting.shift()?.()
+  }
+}
+
+function spawnOnce(script, args) {
+  return new Promise((resolve) => {
+    const child = spawn(process.execPath, [script, ...args], { cwd: HERE, stdio: ['ignore', 'pipe', 'pipe'] })
+    let stdout = ''
+    let stderr = ''
+    child.stdout.on('data', (d) => (stdout += d))
+    child.stderr.on('data', (d) => (stderr = (stderr + d).slice(-20000)))
+    let timedOut = false
+    const timer = setTimeout(() => {
+      timedOut = true
+      child.kill('SIGKILL')
+    }, 60_000)
+    child.on('close', (code, signal) => {
+      clearTimeout(timer)
+      resolve({ code, signal, stdout, stderr, timedOut })
+    })
+  })
+}
+
+/**
+ * Runs a peer script (kshift-peer.mjs or continue.mjs) and returns its @@RESULT. @fugood/llama.node 1.7.15
+ * segfaults now and then: a run that dies by a signal is retried (up to 4 attempts), never a wrong result.
+ * A run reporting `error` throws.
+ */
+export async function runPeerScript(script, args, log = () => {}) {
+  for (let attempt = 1; ; attempt++) {
+    const r = await limited(() => spawnOnce(script, args))
+    const crashed = !r.timedOut && (r.signal !== null || r.code > 128)
+    if (crashed && attempt < 4) {
+      log(`${path.basename(script)} crashed (${r.signal ?? `exit ${r.code}`}) on attempt ${attempt}; retrying`)
+      continue
+    }
+    const line = r.stdout.split('\n').find((l) => l.startsWith('@@RESULT '))
+    if (r.code !== 0 || !line) {
+      throw new Error(
+        `node interop/${path.basename(script)} ${args.map((a) => `'${a}'`).join(' ')}: ` +
+          (r.timedOut ? 'timed out' : `exit ${r.code} signal ${r.signal}`) +
+          ` after ${attempt} attempt(s)\n${r.stderr.split('\n').slice(-15).join('\n')}`,
+      )
+    }
+    const result = JSON.parse(line.slice('@@RESULT '.length))
+    for (const run of result.runs) if (run.error) throw new Error(`${path.basename(script)} failed on ${JSON.stringify(run)}`)
+    return result
+  }
+}
+
+/** llama.node: kshift-peer.mjs `{ model, ctx, runs }` → its runs. */
+export async function llamaNode(model, ctx, runs, log) {
+  return (await runPeerScript(PEER, [JSON.stringify({ model, ctx, runs })], log)).runs
+}
+
+/**
+ * node-llama-cpp through continue.mjs: per file (one process, a fresh context each), load the sequence file into
+ * sequence 0, evaluate `evaluate`, n greedy tokens. Returns the runs in the order of `files`.
+ */
+export async function nodeLlamaCpp(model, files, { flashAttention, k, v, evaluate, n }, log) {
+  const opts = { ctx: { sequences: 1, flashAttention, k, v }, seqIndex: 0, evaluate, n, also: files.slice(1) }
+  return (await runPeerScript(CONTINUE, ['node-llama-cpp', model, files[0], JSON.stringify(opts)], log)).runs
+}
+
+// ---- the context shift -------------------------------------------------------------------------------------
+
+/**
+ * Lets llama.node shift its context (rn-llama's completion loop, `ctx_shift: true`):
+ *   A: completion with n_predict = n_ctx - P (P = prompt tokens with BOS): the last sampled token (`pending`) is not
+ *      decoded, the cache holds n_ctx - 1 cells (positions 0..n_ctx-2) → saveSession(pre).
+ *   B: a fresh context, same prompt, n_predict one more: at the next token embd reaches n_ctx, so llama.node shifts
+ *      (seq_rm(0, n_keep+1, n_keep+n_discard+1); seq_add(0, n_keep+1+n_discard, n_past, -n_discard)), then decodes
+ *      `pending` — that llama_decode applies the K-shift first — and samples one token → saveSession(post).
+ *      The post state = the shifted cells + the cell of `pending` (no earlier save point exists: the shift and
+ *      the decode that applies it happen inside one completion step).
+ *   C: same prompt, `extra` more tokens: the peer's own continuation after its shift.
+ * Greedy and deterministic: A's state is B's state just before the shift.
+ */
+export async function shiftWithLlamaNode({ model, ctx, prompt, extra = 4, nKeep }, dir, log) {
+  const [probe] = await llamaNode(model, ctx, [{ prompt, n_predict: 1 }], log)
+  const P = probe.prompt_n // prompt tokens decoded from an empty cache, BOS included
+  const nA = ctx.n_ctx - P
+  const pre = path.join(dir, 'pre.ggsn')
+  const post = path.join(dir, 'post.ggsn')
+  const keep = nKeep === undefined ? {} : { n_keep: nKeep } // completion({ n_keep }): llama.node 1.7.15 ignores it
+  const [a, b, c] = await llamaNode(model, ctx, [
+    { prompt, n_predict: nA, save: pre, ...keep },
+    { prompt, n_predict: nA + 1, save: post, ...keep },
+    { prompt, n_predict: nA + 1 + extra, ...keep },
+  ], log)
+  return { P, nA, pre, post, a, b, c, promptTokens: probe.prompt_tokens }
+}
+
+/**
+ * n_keep / n_discard from the token lists llama.node saved: post = pre[0, n_keep+1) + pre[n_keep+1+n_discard, n_past)
+ * + [pending], with rn-llama's n_discard = (n_past - n_keep - 1) / 2. Returns every (n_keep, n_discard) the lists
+ * allow (the caller requires exactly one).
+ */
+export function deriveShift(preTokens, postTokens, pending) {
+  const nPast = preTokens.length
+  const found = []
+  for (let nKeep = 0; nKeep < nPast - 1; nKeep++) {
+    for (let nDiscard = 1; nKeep + 1 + nDiscard <= nPast; nDiscard++) {
+      const expect = [...preTokens.slice(0, nKeep + 1), ...preTokens.slice(nKeep + 1 + nDiscard), pending]
+      if (expect.length === postTokens.length && expect.every((t, i) => t === postTokens[i])) {
+        found.push({ nKeep, nDiscard, nPast, formula: nDiscard === (nPast - nKeep - 1) >> 1 })
+      }
+    }
+  }
+  return found
+}
+
+/** The llama.cpp calls of llama.node's shift, as our cache takes them. */
+export function shiftCalls({ nKeep, nDiscard, nPast }) {
+  return {
+    seqRm: [0, nKeep + 1, nKeep + nDiscard + 1],
+    seqAdd: [0, nKeep + 1 + nDiscard, nPast, -nDiscard],
+  }
+}
+
+/** llama.node's shift as an ordered op list: ['rm', seq, p0, p1] / ['add', seq, p0, p1, delta]. */
+export function llamaNodeOps(shift) {
+  const c = shiftCalls(shift)
+  return [['rm', ...c.seqRm], ['add', ...c.seqAdd]]
+}
+
+/**
+ * node-llama-cpp's LlamaContextSequence.eraseContextTokenRanges(ranges) as llama.cpp calls, in order (its
+ * _eraseContextTokenRanges: ranges normalized, sorted and merged; per range llama_memory_seq_rm at the original
+ * positions, then llama_memory_seq_add of the run since the previous range by minus the tokens erased so far; the
+ * run after the last range up to `nextTokenIndex` last).
+ */
+export function nlcEraseOps(ranges, nextTokenIndex) {
+  const resolved = ranges
+    .map(({ start, end }) => {
+      if (start === end) return null
+      if (start > end) [start, end] = [end, start]
+      if (end > nextTokenIndex) end = nextTokenIndex
+      if (start >= nextTokenIndex) return null
+      return { start, end }
+    })
+    .filter((r) => r != null)
+    .sort((a, b) => a.start - b.start)
+    .reduce((acc, r) => {
+      const last = acc[acc.length - 1]
+      if (last && last.end >= r.start) last.end = Math.max(last.end, r.end)
+      else acc.push({ ...r })
+      return acc
+    }, [])
+  const ops = []
+  let removed = 0
+  let lastEnd = null
+  for (const r of resolved) {
+    ops.push(['rm', 0, r.start, r.end])
+    if (lastEnd != null && removed > 0 && lastEnd !== r.start) ops.push(['add', 0, lastEnd, r.start, -removed])
+    removed += r.end - r.start
+    lastEnd = r.end
+  }
+  if (lastEnd != null && removed > 0 && lastEnd !== nextTokenIndex) ops.push(['add', 0, lastEnd, nextTokenIndex, -removed])
+  return ops
+}
+
+/** Applies ops to our cache (seqRm must succeed). */
+export function applyOps(cache, ops) {
+  for (const [op, ...args] of ops) {
+    if (op === 'rm') {
+      if (!cache.seqRm(...args)) throw new Error(`seqRm(${args}) refused`)
+    } else cache.seqAdd(...args)
+  }
+}
+
+/**
+ * What the ops do to positions 0..nPast-1 (one cell per position, cell i at position i, as a loaded state):
+ * `newPos[p]` = the position of the cell that held p (-1: removed), `delta[p]` = newPos - p.
+ */
+export function simulateOps(ops, nPast) {
+  const pos = Array.from({ length: nPast }, (_, i) => i)
+  for (const [op, , p0, p1, d] of ops) {
+    for (let i = 0; i < nPast; i++) {
+      if (pos[i] < 0 || pos[i] < p0 || pos[i] >= p1) continue
+      if (op === 'rm') pos[i] = -1
+      else pos[i] += d
+    }
+  }
+  return { newPos: pos, delta: pos.map((p, i) => (p < 0 ? 0 : p - i)) }
+}
+
+/** Cell index of every position of sequence 0 (one cell per position). */
+export function cellsByPos(cache) {
+  const m = new Map()
+  for (let i = 0; i < cache.size; i++) {
+    const c = cache.cell(i)
+    if (c.pos < 0) continue
+    if (!c.seqIds.includes(0) || c.seqIds.length !== 1) throw new Error(`cell ${i}: sequences ${c.seqIds}`)
+    if (m.has(c.pos)) throw new Error(`position ${c.pos} in cells ${m.get(c.pos)} and ${i}`)
+    m.set(c.pos, i)
+  }
+  return m
+}
+
+/**
+ * K rows of `ours` vs `peer`, position by position. An element passes when |a - b| <= tolAbs * max(1, |b|) + eps
+ * (one f16 ulp at 1 is 2^-10). Returns the statistics over every compared element.
+ */
+export function compareK(ours, peer, positions, { tolAbs = 2 ** -10, eps = 1e-6 } = {}) {
+  const po = cellsByPos(ours)
+  const pp = cellsByPos(peer)
+  const s = { rows: 0, rowsBitIdentical: 0, elements: 0, elementsEqual: 0, outside: 0, maxAbs: 0, maxRel: 0, worst: null }
+  for (const pos of positions) {
+    for (let il = 0; il < ours.nLayer; il++) {
+      const a = ours.readKF32(il, po.get(pos), 1)
+      const b = peer.readKF32(il, pp.get(pos), 1)
+      s.rows++
+      if (ours.readK(il, po.get(pos), 1).equals(peer.readK(il, pp.get(pos), 1))) s.rowsBitIdentical++
+      for (let j = 0; j < a.length; j++) {
+        const d = Math.abs(a[j] - b[j])
+        s.elements++
+        if (d === 0) s.elementsEqual++
+        if (d > tolAbs * Math.max(1, Math.abs(b[j])) + eps) s.outside++
+        if (d > s.maxAbs) {
+          s.maxAbs = d
+          s.worst = { pos, layer: il, index: j, ours: a[j], peer: b[j] }
+        }
+        s.maxRel = Math.max(s.maxRel, d / Math.max(1, Math.abs(b[j])))
+      }
+    }
+  }
+  return s
+}
+
+/** V rows byte for byte, position by position: how many rows differ. */
+export function compareV(ours, peer, positions) {
+  const po = cellsByPos(ours)
+  const pp = cellsByPos(peer)
+  let rows = 0
+  let differ = 0
+  for (const pos of positions) {
+    for (let il = 0; il < ours.nLayer; il++) {
+      rows++
+      if (!ours.readV(il, po.get(pos), 1).equals(peer.readV(il, pp.get(pos), 1))) differ++
+    }
+  }
+  return { rows, differ }
+}
