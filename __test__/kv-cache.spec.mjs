@@ -281,3 +281,9 @@ test('without an NVIDIA driver CUDA is reported absent and refused cleanly', (t)
   const c = make({ device: ['cpu', 'cpu'] })
   t.deepEqual(c.bytesPerDevice, [{ device: 'cpu', bytes: c.totalSize }])
 })
+
+test('memory that cannot be allocated is ERR_KV_BACKEND, not an abort', (t) => {
+  // 2^31 cells x 64 layers x 8192 f16 values: petabytes
+  const e = code(t, () => new KvCache({ size: 2 ** 31, nLayer: 64, nEmbdKGqa: 8192 }), 'ERR_KV_BACKEND')
+  t.regex(e.message, /allocate|overflow/)
+})
