@@ -181,7 +181,10 @@ pub struct ParsedPayload {
 
 const MAX_LAYERS: u32 = 4096;
 
-fn parse_stream(c: &mut Cursor<'_>, s: usize) -> Result<StreamBlock> {
+/// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
+/// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
+/// stream of today's layout ends after a 0 `cell_count`.
+fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result<StreamBlock> {
     let cell_count = c.u32(&format!("stream {s} cell_count"))?;
     // each cell takes at least 8 bytes: refuse absurd counts before allocating
     if cell_count as usize > c.remaining() / 8 {
@@ -205,7 +208,7 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize) -> Result<StreamBlock> {
         }
         cells.push(CellMeta { pos, seq_ids });
     }
-    if cell_count == 0 {
+    if cell_count == 0 && !header_when_empty {
         return Ok(StreamBlock {
             cells,
             v_trans: None,
@@ -284,7 +287,7 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize) -> Result<StreamBlock> {
 pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<ParsedPayload> {
     let mut c = Cursor::new(bytes);
     let streams = match layout {
-        Layout::Seed => vec![parse_stream(&mut c, 0)?],
+        Layout::Seed => vec![parse_stream(&mut c, 0, true)?],
         Layout::Streams => {
             let n_stream = c.u32("n_stream")?;
             if n_stream == 0 || n_stream as usize > MAX_SEQ.max(256) {
@@ -293,7 +296,7 @@ pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<Parsed
                 )));
             }
             (0..n_stream as usize)
-                .map(|s| parse_stream(&mut c, s))
+                .map(|s| parse_stream(&mut c, s, false))
                 .collect::<Result<_>>()?
         }
     };
@@ -436,7 +439,7 @@ impl KvCache {
                 size += 8 + 4 * self.meta_ids(i, seq, layout).len();
             }
         }
-        if n > 0 {
+        if n > 0 || layout == Layout::Seed {
             size += 8;
             for l in &self.layers {
                 size += 12 + n * l.k_row + 12 + n * l.v_row;
@@ -514,7 +517,7 @@ impl KvCache {
                 }
             }
         }
-        if n == 0 {
+        if n == 0 && layout != Layout::Seed {
             return Ok(());
         }
         put32(out, self.v_trans() as u32);

@@ -459,3 +459,52 @@ fn wrong_magic_and_version_are_named() {
         .load_sequence_bytes(&s, 0, ReadOptions::default(), None)
         .is_err());
 }
+
+#[test]
+fn an_empty_state_keeps_the_data_header_in_the_seed_layout() {
+    // llama.cpp (b4944 and 0.1.103) writes the data header even for 0 cells; today's streams end
+    // after a 0 cell_count. Found by the differential harness (D1).
+    let mut p = CacheParams::new(64, 2, 32, 32);
+    p.n_seq_max = 2;
+    let c = KvCache::new(p.clone()).unwrap();
+    let blob = c.state_write(1, Layout::Seed, 1, None).unwrap();
+    let mut want = Vec::new();
+    for x in [0u32, 1, 2] {
+        want.extend_from_slice(&x.to_le_bytes());
+    }
+    for _ in 0..2 {
+        want.extend_from_slice(&1u32.to_le_bytes());
+        want.extend_from_slice(&64u64.to_le_bytes());
+    }
+    for _ in 0..2 {
+        for x in [1u32, 2, 32] {
+            want.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    assert_eq!(blob, want);
+    assert_eq!(blob.len(), c.state_size(1, Layout::Seed, 1).unwrap());
+    assert_eq!(
+        c.state_write(-1, Layout::Streams, 1, None).unwrap(),
+        [1, 0, 0, 0, 0, 0, 0, 0]
+    );
+    let mut b = busy_cache(params(64, GgmlType::F16, false));
+    let s = b
+        .state_read(&blob, 1, ReadOptions::default(), None)
+        .unwrap();
+    assert_eq!((s.layout, s.cells), (Layout::Seed, 0));
+    assert_eq!(
+        b.seq_cell_count(1).unwrap(),
+        0,
+        "restoring an empty state empties the sequence"
+    );
+    b.state_read(&blob, -1, ReadOptions::default(), None)
+        .unwrap();
+    assert_eq!(b.used_cells(), 0);
+    // the header is validated like any other: an f32 cache refuses it
+    let mut q = p.clone();
+    q.type_k = GgmlType::F32;
+    assert!(KvCache::new(q)
+        .unwrap()
+        .state_read(&blob, 1, ReadOptions::default(), None)
+        .is_err());
+}
