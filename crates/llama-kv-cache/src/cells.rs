@@ -58,6 +58,7 @@ impl SeqSet {
 }
 
 /// The set bit indices of `word`, ascending.
+#[inline(always)]
 fn bits(mut word: u64) -> impl Iterator<Item = usize> {
     std::iter::from_fn(move || {
         if word == 0 {
@@ -551,6 +552,7 @@ impl Cells {
     }
 
     /// The cells of `word` (cells `64 w ..`) whose position is in `[p0, p1)`.
+    #[inline(always)]
     fn in_range(&self, word: u64, w: usize, p0: i32, p1: i32) -> u64 {
         let mut hits = 0u64;
         for b in bits(word) {
