@@ -12,9 +12,10 @@ import fs from 'node:fs'
 import crypto from 'node:crypto'
 import os from 'node:os'
 import path from 'node:path'
-import { spawn, execFileSync } from 'node:child_process'
+import { execFileSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
+import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
@@ -23,104 +24,16 @@ const FIXTURES = path.join(HERE, 'fixtures')
 const CLI = path.join(ROOT, 'bin', 'llama-kv-cache.js')
 const CONTINUE = path.join(INTEROP, 'continue.mjs')
 
-const SETUP = [
-  'pip install -r interop/requirements.txt',
-  'python3 interop/make_models.py',
-  '(cd interop && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --omit=optional --no-audit --no-fund)',
-]
-const REQUIRED = [
-  'interop/node_modules/@fugood/llama.node/package.json',
-  'interop/node_modules/@fugood/node-llama-linux-x64/package.json',
-  'interop/node_modules/node-llama-cpp/package.json',
-  'interop/node_modules/@node-llama-cpp/linux-x64/package.json',
-  'interop/models/llama-h16.gguf',
-  'interop/models/llama-h32.gguf',
-  'interop/models/mamba.gguf',
-  'interop/models/vocab.json',
-]
-
-if (process.env.KV_INTEROP === '0') {
-  test('interop: peer tests disabled (KV_INTEROP=0)', (t) => {
-    t.is(process.env.KV_INTEROP, '0')
-  })
-} else {
-  const missing = REQUIRED.filter((p) => !fs.existsSync(path.join(ROOT, p)))
-  const platformOk = process.platform === 'linux' && process.arch === 'x64'
-  if (missing.length > 0 || !platformOk) {
-    test('interop: the llama.cpp peers and models are set up', (t) => {
-      t.fail(
-        (platformOk ? `missing: ${missing.join(', ')}.` : `the pinned peer binaries are linux-x64 only (this is ${process.platform}-${process.arch}).`) +
-          `\nSet up from the repository root with:\n  ${SETUP.join('\n  ')}\nor set KV_INTEROP=0 to run without the peer tests.`,
-      )
-    })
-  } else {
-    registerPeerTests()
-  }
-}
+registerPeerSuite(test, 'interop', registerPeerTests)
 
 function registerPeerTests() {
   const require = createRequire(import.meta.url)
   const { KvCache, inspectState } = require('../index.js')
 
-  // ---- the peers, in child processes ------------------------------------------------------------------
-
-  const MAX_PARALLEL = Math.max(1, Math.min(2, os.availableParallelism?.() ?? 2))
-  let active = 0
-  const waiting = []
-  async function limited(fn) {
-    while (active >= MAX_PARALLEL) await new Promise((resolve) => waiting.push(resolve))
-    active++
-    try {
-      return await fn()
-    } finally {
-      active--
-      waiting.shift()?.()
-    }
-  }
-
-  function spawnOnce(args) {
-    return new Promise((resolve) => {
-      const child = spawn(process.execPath, [CONTINUE, ...args], { cwd: INTEROP, stdio: ['ignore', 'pipe', 'pipe'] })
-      let stdout = ''
-      let stderr = ''
-      child.stdout.on('data', (d) => (stdout += d))
-      child.stderr.on('data', (d) => (stderr = (stderr + d).slice(-20000)))
-      let timedOut = false
-      const timer = setTimeout(() => {
-        timedOut = true
-        child.kill('SIGKILL')
-      }, 60_000)
-      child.on('close', (code, signal) => {
-        clearTimeout(timer)
-        resolve({ code, signal, stdout, stderr, timedOut })
-      })
-    })
-  }
-
   /** Runs interop/continue.mjs; retries a crash (exit by signal), never a wrong result. */
   async function peer(t, name, model, file, options) {
-    const args = [name, model, file, JSON.stringify(options)]
-    for (let attempt = 1; ; attempt++) {
-      const r = await limited(() => spawnOnce(args))
-      const crashed = !r.timedOut && (r.signal !== null || r.code > 128)
-      if (crashed && attempt < 4) {
-        t.log(`${name} crashed (${r.signal ?? `exit ${r.code}`}) on attempt ${attempt}; retrying`)
-        continue
-      }
-      const line = r.stdout.split('\n').find((l) => l.startsWith('@@RESULT '))
-      if (r.code !== 0 || !line) {
-        throw new Error(
-          `node interop/continue.mjs ${args.map((a) => `'${a}'`).join(' ')}: ` +
-            (r.timedOut ? 'timed out' : `exit ${r.code} signal ${r.signal}`) +
-            ` after ${attempt} attempt(s)\n${r.stderr.split('\n').slice(-15).join('\n')}`,
-        )
-      }
-      const result = JSON.parse(line.slice('@@RESULT '.length))
-      for (const run of result.runs) {
-        if (run.error) throw new Error(`${name} failed on ${run.file}: ${run.error}`)
-      }
-      return result.runs
-    }
+    const result = await runPeerScript(CONTINUE, [name, model, file, JSON.stringify(options)], (m) => t.log(m))
+    return result.runs
   }
 
   // ---- fixtures, models, tokens -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
+import { registerPeerSuite } from '../interop/peers.mjs'
 import {
   applyOps,
   cellsByPos,
@@ -48,20 +49,6 @@ const NLC_SCRIPT = path.join(INTEROP, 'kshift-nlc.mjs')
 // K tolerance: one f16 ulp relative to max(1, |peer|) (2^-10) plus 1e-6. Observed so far: 0 (bit-identical).
 const TOL = { tolAbs: 2 ** -10, eps: 1e-6 }
 
-const SETUP = [
-  'pip install -r interop/requirements.txt',
-  'python3 interop/make_models.py',
-  '(cd interop && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --omit=optional --no-audit --no-fund)',
-]
-const REQUIRED = [
-  'interop/node_modules/@fugood/llama.node/package.json',
-  'interop/node_modules/@fugood/node-llama-linux-x64/package.json',
-  'interop/node_modules/node-llama-cpp/package.json',
-  'interop/node_modules/@node-llama-cpp/linux-x64/package.json',
-  'interop/models/llama-h16.gguf',
-  'interop/models/llama-h32.gguf',
-  'interop/models/vocab.json',
-]
 
 const tmpDir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-kshift-'))
 test.after.always(() => fs.rmSync(tmpDir, { recursive: true, force: true }))
@@ -215,24 +202,7 @@ for (const c of CASES) {
 
 // ---- the peers ------------------------------------------------------------------------------------------------
 
-if (process.env.KV_INTEROP === '0') {
-  test('kshift interop: peer tests disabled (KV_INTEROP=0)', (t) => {
-    t.is(process.env.KV_INTEROP, '0')
-  })
-} else {
-  const missing = REQUIRED.filter((p) => !fs.existsSync(path.join(ROOT, p)))
-  const platformOk = process.platform === 'linux' && process.arch === 'x64'
-  if (missing.length > 0 || !platformOk) {
-    test('kshift interop: the llama.cpp peers and models are set up', (t) => {
-      t.fail(
-        (platformOk ? `missing: ${missing.join(', ')}.` : `the pinned peer binaries are linux-x64 only (this is ${process.platform}-${process.arch}).`) +
-          `\nSet up from the repository root with:\n  ${SETUP.join('\n  ')}\nor set KV_INTEROP=0 to run without the peer tests.`,
-      )
-    })
-  } else {
-    registerPeerTests()
-  }
-}
+registerPeerSuite(test, 'kshift interop', registerPeerTests)
 
 function registerPeerTests() {
   const pkg = (name) => JSON.parse(fs.readFileSync(path.join(INTEROP, 'node_modules', name, 'package.json'), 'utf8')).version

@@ -4,7 +4,6 @@
 import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { spawn } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
 
 export const HERE = path.dirname(fileURLToPath(import.meta.url))
@@ -112,67 +111,11 @@ export function textOf(ids) {
 }
 export const withoutBos = (ids) => (ids[0] === BOS ? ids.slice(1) : ids)
 
-// ---- peers in child processes ------------------------------------------------------------------------------
+// ---- peers in child processes: see peers.mjs
 
-const MAX_PARALLEL = Math.max(1, Math.min(2, os.availableParallelism?.() ?? 2))
-let active = 0
-const waiting = []
-async function limited(fn) {
-  while (active >= MAX_PARALLEL) await new Promise((resolve) => waiting.push(resolve))
-  active++
-  try {
-    return await fn()
-  } finally {
-    active--
-    waiting.shift()?.()
-  }
-}
+import { runPeerScript } from './peers.mjs'
 
-function spawnOnce(script, args) {
-  return new Promise((resolve) => {
-    const child = spawn(process.execPath, [script, ...args], { cwd: HERE, stdio: ['ignore', 'pipe', 'pipe'] })
-    let stdout = ''
-    let stderr = ''
-    child.stdout.on('data', (d) => (stdout += d))
-    child.stderr.on('data', (d) => (stderr = (stderr + d).slice(-20000)))
-    let timedOut = false
-    const timer = setTimeout(() => {
-      timedOut = true
-      child.kill('SIGKILL')
-    }, 60_000)
-    child.on('close', (code, signal) => {
-      clearTimeout(timer)
-      resolve({ code, signal, stdout, stderr, timedOut })
-    })
-  })
-}
-
-/**
- * Runs a peer script (kshift-peer.mjs or continue.mjs) and returns its @@RESULT. @fugood/llama.node 1.7.15
- * segfaults now and then: a run that dies by a signal is retried (up to 4 attempts), never a wrong result.
- * A run reporting `error` throws.
- */
-export async function runPeerScript(script, args, log = () => {}) {
-  for (let attempt = 1; ; attempt++) {
-    const r = await limited(() => spawnOnce(script, args))
-    const crashed = !r.timedOut && (r.signal !== null || r.code > 128)
-    if (crashed && attempt < 4) {
-      log(`${path.basename(script)} crashed (${r.signal ?? `exit ${r.code}`}) on attempt ${attempt}; retrying`)
-      continue
-    }
-    const line = r.stdout.split('\n').find((l) => l.startsWith('@@RESULT '))
-    if (r.code !== 0 || !line) {
-      throw new Error(
-        `node interop/${path.basename(script)} ${args.map((a) => `'${a}'`).join(' ')}: ` +
-          (r.timedOut ? 'timed out' : `exit ${r.code} signal ${r.signal}`) +
-          ` after ${attempt} attempt(s)\n${r.stderr.split('\n').slice(-15).join('\n')}`,
-      )
-    }
-    const result = JSON.parse(line.slice('@@RESULT '.length))
-    for (const run of result.runs) if (run.error) throw new Error(`${path.basename(script)} failed on ${JSON.stringify(run)}`)
-    return result
-  }
-}
+export { runPeerScript }
 
 /** llama.node: kshift-peer.mjs `{ model, ctx, runs }` → its runs. */
 export async function llamaNode(model, ctx, runs, log) {
