@@ -7,6 +7,9 @@
 //!
 //! Run: `cargo bench -p llama-kv-cache --bench data`.
 
+mod common;
+
+use common::{fmt, median, ns};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -27,15 +30,6 @@ const EMBD: u32 = (HEAD_DIM * HEADS) as u32;
 const QUANT_ELEMS: usize = 1 << 20;
 /// Timed repetitions per measurement (the median is printed).
 const REPS: usize = 9;
-
-fn ns(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e9
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// Median of `REPS` timings of `op` on fresh inputs from `setup` (setup not timed).
 fn time_with<S, R>(mut setup: impl FnMut() -> S, mut op: impl FnMut(&mut S) -> R) -> f64 {
@@ -170,16 +164,6 @@ fn dequantize_all(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         .zip(dst.chunks_exact_mut(EMBD as usize))
     {
         dequantize_row(ty, q, y).unwrap();
-    }
-}
-
-fn fmt(ns: f64) -> String {
-    if ns < 1e3 {
-        format!("{ns:.1} ns")
-    } else if ns < 1e6 {
-        format!("{:.1} us", ns / 1e3)
-    } else {
-        format!("{:.2} ms", ns / 1e6)
     }
 }
 

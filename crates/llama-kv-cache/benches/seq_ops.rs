@@ -15,6 +15,9 @@
 #[path = "../tests/common/reference.rs"]
 mod reference;
 
+mod common;
+
+use common::{fmt, median, ns};
 use std::hint::black_box;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -301,16 +304,6 @@ fn fingerprint(m: &dyn Model, result: i64) -> (i64, u32, u64, Vec<i32>) {
     )
 }
 
-/// Nanoseconds of a duration.
-fn ns(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e9
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Median over `REPS` fresh states of one call of `op`, in ns.
 fn time_fresh<M: Model>(make: impl Fn() -> M, op: fn(&mut dyn Model) -> i64) -> f64 {
     let mut samples = Vec::with_capacity(REPS);
@@ -342,16 +335,6 @@ fn time_calls(calls: u32, mut f: impl FnMut(u32) -> i64) -> f64 {
 /// Per-call time of `seq_pos_max`, read-only, so it is repeated on one state.
 fn time_pos_max<M: Model>(m: &M, calls: u32) -> f64 {
     time_calls(calls, |k| i64::from(m.seq_pos_max((k % N_SEQ) as i32)))
-}
-
-fn fmt(ns: f64) -> String {
-    if ns < 1e3 {
-        format!("{ns:.1} ns")
-    } else if ns < 1e6 {
-        format!("{:.1} us", ns / 1e3)
-    } else {
-        format!("{:.2} ms", ns / 1e6)
-    }
 }
 
 struct Row {
