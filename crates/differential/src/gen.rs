@@ -151,17 +151,7 @@ struct Gen {
 }
 
 fn config_for(s: Scenario, rng: &mut Rng) -> Config {
-    let mut c = Config {
-        model: ModelKind::LlamaH16,
-        n_ctx: 64,
-        n_seq_max: 1,
-        flash_attn: false,
-        type_k: GgmlType::F16,
-        type_v: GgmlType::F16,
-        n_batch: 64,
-        n_ubatch: 64,
-        defrag_thold: -1.0,
-    };
+    let mut c = Config::llama_h16(64, 1, 64, 64);
     c.n_ubatch = rng.pick(&[4, 8, 16, 32, 64, 512]);
     c.n_batch = rng.pick(&[64, 128, 256, 512]);
     match s {

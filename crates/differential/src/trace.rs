@@ -33,6 +33,21 @@ pub struct Config {
 }
 
 impl Config {
+    /// The head-dim-16 llama with f16 K/V, no flash attention and no threshold defrag.
+    pub fn llama_h16(n_ctx: u32, n_seq_max: u32, n_batch: u32, n_ubatch: u32) -> Config {
+        Config {
+            model: ModelKind::LlamaH16,
+            n_ctx,
+            n_seq_max,
+            flash_attn: false,
+            type_k: GgmlType::F16,
+            type_v: GgmlType::F16,
+            n_batch,
+            n_ubatch,
+            defrag_thold: -1.0,
+        }
+    }
+
     /// Padding of `n_ctx` and of `n` (256 with flash attention, else 32).
     pub fn padding(&self) -> u32 {
         if self.flash_attn {

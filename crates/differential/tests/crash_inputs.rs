@@ -9,26 +9,12 @@ use llama_kv_cache::{
     ShiftParams, UBatch,
 };
 
-fn llama(n_ctx: u32, n_seq_max: u32, n_ubatch: u32) -> Config {
-    Config {
-        model: ModelKind::LlamaH16,
-        n_ctx,
-        n_seq_max,
-        flash_attn: false,
-        type_k: GgmlType::F16,
-        type_v: GgmlType::F16,
-        n_batch: 512,
-        n_ubatch,
-        defrag_thold: -1.0,
-    }
-}
-
 fn mamba(n_seq_max: u32) -> Config {
     Config {
         model: ModelKind::Mamba,
         type_k: GgmlType::F32,
         type_v: GgmlType::F32,
-        ..llama(256, n_seq_max, 64)
+        ..Config::llama_h16(256, n_seq_max, 512, 64)
     }
 }
 
@@ -55,7 +41,7 @@ fn shift() -> ShiftParams {
 
 #[test]
 fn crash1_zero_cell_sequence_restore_is_a_clean_no_op() {
-    let mut o = Ours::new(&llama(64, 2, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 2, 512, 64)).unwrap();
     apply(&mut o, Op::Decode(tokens(0, 0, 5)));
     // the state of the empty sequence 1, restored into sequence 0 (llama.cpp: SIGSEGV)
     apply(&mut o, Op::SeqGet { seq: 1, slot: 0 });
@@ -90,7 +76,7 @@ fn crash1_llama_cpp_zero_cell_blob_does_not_touch_the_cache() {
         blob.extend(2u32.to_le_bytes());
         blob.extend(32u32.to_le_bytes());
     }
-    let mut o = Ours::new(&llama(64, 2, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 2, 512, 64)).unwrap();
     apply(&mut o, Op::Decode(tokens(0, 0, 5)));
     let before = o.observe();
     let opts = ReadOptions {
@@ -108,7 +94,7 @@ fn crash1_llama_cpp_zero_cell_blob_does_not_touch_the_cache() {
 #[test]
 fn crash2_kshift_with_head_near_the_end_applies() {
     // kv 64, n_ubatch 64: llama.cpp aborts in the reserve after any K-shift with head > 0
-    let mut o = Ours::new(&llama(64, 1, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 1, 512, 64)).unwrap();
     apply(&mut o, Op::Decode(tokens(0, 0, 40)));
     apply(&mut o, Op::Decode(tokens(0, 40, 20)));
     assert_eq!(o.cache.head(), 40);
@@ -125,7 +111,7 @@ fn crash2_kshift_with_head_near_the_end_applies() {
 #[test]
 fn crash2_defrag_that_moves_head_past_the_reserve_applies() {
     // the reference's example: kv 64, n_ubatch 64, a defrag that sets head = n_used = 2
-    let mut o = Ours::new(&llama(64, 2, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 2, 512, 64)).unwrap();
     apply(&mut o, Op::Decode(tokens(0, 0, 30)));
     apply(&mut o, Op::Decode(tokens(1, 0, 2)));
     apply(&mut o, Op::SeqRm(0, -1, -1));
@@ -219,7 +205,7 @@ fn recurrent_find_slot_without_a_free_cell_fails_without_changes() {
 
 #[test]
 fn seq_div_by_zero_or_negative_is_refused_and_changes_nothing() {
-    let mut o = Ours::new(&llama(64, 1, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 1, 512, 64)).unwrap();
     apply(&mut o, Op::Decode(tokens(0, 0, 10)));
     let before = o.observe();
     for d in [0, -2] {
@@ -233,7 +219,7 @@ fn seq_div_by_zero_or_negative_is_refused_and_changes_nothing() {
 
 #[test]
 fn batches_larger_than_n_batch_or_the_cache_are_refused() {
-    let cfg = llama(32, 1, 64);
+    let cfg = Config::llama_h16(32, 1, 512, 64);
     let mut o = Ours::new(&cfg).unwrap();
     // n_batch is 64 (raised to GGML_KQ_MASK_PAD): 65 tokens abort llama.cpp
     assert!(o.apply(&Op::Decode(tokens(0, 0, 65)), None).is_err());

@@ -5,27 +5,12 @@ use differential::gen::{generate, GenOptions, Scenario};
 use differential::gguf::{ensure_model, ModelKind};
 use differential::ours::{split_equal, split_simple, Ours};
 use differential::trace::{Config, Obs, Op, Tok};
-use llama_kv_cache::GgmlType;
 
 fn tok(pos: i32, seqs: &[i32]) -> Tok {
     Tok {
         token: 300,
         pos,
         seqs: seqs.to_vec(),
-    }
-}
-
-fn llama(n_ctx: u32, n_seq_max: u32, n_ubatch: u32) -> Config {
-    Config {
-        model: ModelKind::LlamaH16,
-        n_ctx,
-        n_seq_max,
-        flash_attn: false,
-        type_k: GgmlType::F16,
-        type_v: GgmlType::F16,
-        n_batch: 512,
-        n_ubatch,
-        defrag_thold: -1.0,
     }
 }
 
@@ -69,7 +54,7 @@ fn split_equal_refuses_ambiguous_duplicates() {
 
 #[test]
 fn failed_decode_rolls_back_earlier_ubatches_and_keeps_pending_ranges() {
-    let mut o = Ours::new(&llama(32, 2, 8)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(32, 2, 512, 8)).unwrap();
     let t: Vec<Tok> = (0..20).map(|p| tok(p, &[0])).collect();
     assert_eq!(o.apply(&Op::Decode(t), None).unwrap().ret, 0);
     // 16 tokens: two ubatches of 8; only 12 cells are free, so the second fails
@@ -115,7 +100,7 @@ fn generator_is_deterministic_and_stays_off_crash_inputs() {
 
 #[test]
 fn blob_parser_reads_our_state_and_the_diff_sees_changes() {
-    let mut o = Ours::new(&llama(64, 2, 64)).unwrap();
+    let mut o = Ours::new(&Config::llama_h16(64, 2, 512, 64)).unwrap();
     o.apply(&Op::Decode(vec![tok(0, &[0, 1]), tok(1, &[1])]), None)
         .unwrap();
     let obs = o.apply(&Op::StateGet { slot: 0 }, None).unwrap();
