@@ -894,18 +894,16 @@ impl KvCache {
                         write_rows_at(l.v.as_mut(), l.v_row, cells, contiguous, &data[r.clone()])?;
                     }
                     VBlock::Transposed { data: r, .. } => {
+                        // the payload holds V as n_embd_v runs of n elements: exactly the
+                        // strided layout of a contiguous cell range (one 2D copy on a device)
                         let v = &data[r.clone()];
-                        let el = lay.v_el;
-                        for j in 0..l.n_embd_v {
-                            let column = &v[j * n * el..(j + 1) * n * el];
-                            if contiguous {
-                                l.v.write((cells[0] + j * lay.size) * el, column)?;
-                            } else {
+                        let (el, pitch) = (lay.v_el, lay.size * lay.v_el);
+                        if contiguous {
+                            l.v.write_2d(cells[0] * el, n * el, pitch, v)?;
+                        } else {
+                            for (j, column) in v.chunks_exact(n * el).enumerate() {
                                 for (k, &c) in cells.iter().enumerate() {
-                                    l.v.write(
-                                        (c + j * lay.size) * el,
-                                        &column[k * el..(k + 1) * el],
-                                    )?;
+                                    l.v.write(c * el + j * pitch, &column[k * el..(k + 1) * el])?;
                                 }
                             }
                         }

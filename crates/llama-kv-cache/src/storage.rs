@@ -247,12 +247,15 @@ impl LayerTensors {
         let row = self.row_size(which);
         let mut out = vec![0u8; row * n];
         if which == Tensor::V && lay.v_trans {
-            let mut column = vec![0u8; n * lay.v_el];
-            for j in 0..self.n_embd_v {
-                self.v
-                    .read((first + j * lay.size) * lay.v_el, &mut column)?;
-                for (c, el) in column.chunks_exact(lay.v_el).enumerate() {
-                    out[c * row + j * lay.v_el..c * row + (j + 1) * lay.v_el].copy_from_slice(el);
+            // one strided read of the n_embd_v element runs (one 2D copy on a device), then a
+            // transpose into rows on the host
+            let el = lay.v_el;
+            let mut columns = vec![0u8; self.n_embd_v * n * el];
+            self.v
+                .read_2d(first * el, n * el, lay.size * el, &mut columns)?;
+            for (j, column) in columns.chunks_exact(n * el).enumerate() {
+                for (c, e) in column.chunks_exact(el).enumerate() {
+                    out[c * row + j * el..c * row + (j + 1) * el].copy_from_slice(e);
                 }
             }
         } else {
@@ -272,13 +275,15 @@ impl LayerTensors {
         let row = self.row_size(which);
         let n = rows.len() / row;
         if which == Tensor::V && lay.v_trans {
-            let mut column = vec![0u8; n * lay.v_el];
-            for j in 0..self.n_embd_v {
-                for (c, el) in column.chunks_exact_mut(lay.v_el).enumerate() {
-                    el.copy_from_slice(&rows[c * row + j * lay.v_el..c * row + (j + 1) * lay.v_el]);
+            let el = lay.v_el;
+            let mut columns = vec![0u8; self.n_embd_v * n * el];
+            for (j, column) in columns.chunks_exact_mut(n * el).enumerate() {
+                for (c, e) in column.chunks_exact_mut(el).enumerate() {
+                    e.copy_from_slice(&rows[c * row + j * el..c * row + (j + 1) * el]);
                 }
-                self.v.write((first + j * lay.size) * lay.v_el, &column)?;
             }
+            self.v
+                .write_2d(first * el, n * el, lay.size * el, &columns)?;
             Ok(())
         } else {
             self.buffer_mut(which).write(first * row, rows)
