@@ -9,12 +9,8 @@ import { fileURLToPath } from 'node:url'
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
 
-/** How to set the peers up, from the repository root. */
-export const SETUP = [
-  'pip install -r interop/requirements.txt',
-  'python3 interop/make_models.py',
-  '(cd interop && NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --omit=optional --no-audit --no-fund)',
-]
+/** How to set the peers up, from the repository root (`npm test` runs it first, as `pretest`). */
+export const SETUP = ['node scripts/setup.mjs']
 
 /** What a set-up checkout has. */
 export const REQUIRED = [

@@ -38,8 +38,7 @@ fn build() -> Result<PathBuf, String> {
     let dir = target.join("differential-llama-0.1.103");
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
 
-    // like the cmake crate, CMAKE names the cmake binary
-    let cmake = env::var("CMAKE").unwrap_or_else(|_| "cmake".into());
+    let cmake = cmake_program(&manifest);
     if Command::new(&cmake)
         .arg("--version")
         .stdout(Stdio::null())
@@ -48,7 +47,7 @@ fn build() -> Result<PathBuf, String> {
     {
         return Err(
             "cmake is not installed; the llama.cpp oracle needs it and a C++ compiler: \
-             apt-get install -y cmake g++"
+             `npm test` installs cmake from PyPI into interop/.venv (or: apt-get install -y cmake g++)"
                 .into(),
         );
     }
@@ -114,6 +113,19 @@ fn build() -> Result<PathBuf, String> {
         ));
     }
     Ok(driver)
+}
+
+/// The cmake to run: `CMAKE` as for the cmake crate, else the one `npm test`'s set-up installs from
+/// PyPI into `interop/.venv` (so no system package is needed), else `cmake` on the PATH.
+fn cmake_program(manifest: &Path) -> String {
+    if let Ok(cmake) = env::var("CMAKE") {
+        return cmake;
+    }
+    let venv = manifest.join("../../interop/.venv/bin/cmake");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "cmake".into()
 }
 
 fn tail(log: &Path) -> String {
