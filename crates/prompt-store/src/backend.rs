@@ -1,0 +1,125 @@
+//! The storage interface every backend implements (memory, dir, and network stores such as
+//! Redis). A backend stores opaque values under 32-byte keys; it knows nothing of blocks,
+//! tokens or caches. The store verifies every value it reads (checksum, fingerprint, key,
+//! tokens), so a backend returns whatever bytes it holds and never has to judge them.
+//!
+//! Composition: a tiered backend (`memory` in front of `dir` in front of `redis`) is itself a
+//! `Backend` holding `Vec<Arc<dyn Backend>>`: `get_many` asks the nearest tier first and
+//! promotes hits with `put_many`, `put_many` writes through, `contains_many` ORs the tiers.
+//! Nothing in the trait assumes a single tier.
+
+use std::fmt;
+
+use crate::error::StoreResult;
+
+/// A 32-byte BLAKE3 chain key (or fingerprint).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(pub [u8; 32]);
+
+impl Key {
+    /// Lower-case hex, 64 characters: the file name in `dir`, the key suffix in Redis.
+    pub fn hex(&self) -> String {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push(DIGITS[(b >> 4) as usize] as char);
+            s.push(DIGITS[(b & 15) as usize] as char);
+        }
+        s
+    }
+
+    /// Parses 64 hex digits (either case).
+    pub fn from_hex(s: &str) -> Option<Key> {
+        let b = s.as_bytes();
+        if b.len() != 64 {
+            return None;
+        }
+        let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (nibble(b[2 * i])? << 4) | nibble(b[2 * i + 1])?;
+        }
+        Some(Key(out))
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key({})", self.hex())
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+/// What a backend holds, as far as it knows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Values stored.
+    pub blocks: u64,
+    /// Bytes of the values stored (not counting file system or protocol overhead).
+    pub bytes: u64,
+    /// Values evicted to keep the byte budget since the store was created (`dir`: over the
+    /// directory's life, all processes together; `memory`: this process).
+    pub evictions: u64,
+    /// The byte budget, if any.
+    pub max_bytes: Option<u64>,
+}
+
+/// A key-value store of immutable values. Every method may be called from several threads at
+/// once (and, for shared backends, from several processes or machines): values are only ever
+/// added whole or removed whole, never modified in place.
+///
+/// Errors are transport errors: [`crate::StoreError::Unavailable`], `Auth`, `Io`, `NoSpace`.
+/// An absent key is never an error, and neither is a value the backend evicted meanwhile:
+/// it is simply absent.
+pub trait Backend: Send + Sync {
+    /// A short name for messages and stats: `"memory"`, `"dir"`, `"redis"`.
+    fn name(&self) -> &'static str;
+
+    /// The values of `keys`, in order, `None` where absent. One round trip for a network
+    /// backend (`MGET` or a pipeline). A read counts as a use for LRU eviction.
+    fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>>;
+
+    /// Whether each key is present, in order, without transferring values. One round trip
+    /// for a network backend (a pipeline of `EXISTS`).
+    fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>>;
+
+    /// How many leading `keys` are present: a lookup along a chain stops at the first absent
+    /// block. The default asks [`Backend::contains_many`] once; a backend may stop early.
+    fn present_prefix(&self, keys: &[Key]) -> StoreResult<usize> {
+        let present = self.contains_many(keys)?;
+        Ok(present.iter().take_while(|&&p| p).count())
+    }
+
+    /// Stores `value` under `key` unless the key is present (Redis `SET NX`). Returns whether
+    /// this call stored it. Idempotent: racing writers of one key store one whole value. The
+    /// value is visible to readers whole or not at all.
+    fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool>;
+
+    /// [`Backend::put_if_absent`] for several entries (one round trip for a network backend).
+    /// Returns, per entry, whether this call stored it. On an error, entries before the failing
+    /// one may have been stored (each whole); the caller's cache is never affected.
+    fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
+        entries
+            .iter()
+            .map(|(k, v)| self.put_if_absent(k, v))
+            .collect()
+    }
+
+    /// Removes `key` if present (the store drops values that fail verification, so that a
+    /// later put can store a good one). Removing an absent key is not an error.
+    fn remove(&self, key: &Key) -> StoreResult<()>;
+
+    /// Counts of what is stored.
+    fn usage(&self) -> StoreResult<Usage>;
+
+    /// Housekeeping: recount what is stored, enforce the byte budget, and remove leftovers of
+    /// interrupted writes. Returns the usage afterwards. The default only reports usage.
+    fn gc(&self) -> StoreResult<Usage> {
+        self.usage()
+    }
+}

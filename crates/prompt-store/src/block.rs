@@ -1,0 +1,291 @@
+//! One block as one self-describing value:
+//!
+//! ```text
+//! "KVPB"  u32 version  [32] fingerprint  [32] chain key  u32 block index
+//! u32 n_tokens  i32 tokens[n_tokens]
+//! geometry: u32 n_layer, per layer i32 k_type, u64 k_row, i32 v_type, u64 v_row
+//! per layer: K rows (n_tokens * k_row), then V rows (n_tokens * v_row, untransposed)
+//! [32] BLAKE3 of everything before
+//! ```
+//!
+//! All integers little-endian. The header repeats the block's own chain key, so a value copied
+//! to another key (even one with the same tokens at the same index under another prefix) is
+//! recognised as foreign.
+
+use crate::backend::Key;
+use crate::error::{StoreError, StoreResult};
+use crate::geometry::{Geometry, FORMAT_VERSION};
+
+/// The magic at the start of every block.
+pub const MAGIC: [u8; 4] = *b"KVPB";
+const CHECKSUM: usize = 32;
+
+/// What identifies a block: the fields its header must carry.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockId<'a> {
+    /// The store's fingerprint (model identity + geometry + format version).
+    pub fingerprint: &'a Key,
+    /// This block's chain key.
+    pub key: &'a Key,
+    /// Index of the block in its prompt.
+    pub index: u32,
+    /// The block's tokens.
+    pub tokens: &'a [i32],
+    /// Shapes of the rows.
+    pub geometry: &'a Geometry,
+}
+
+fn header_len(id: &BlockId<'_>) -> usize {
+    4 + 4 + 32 + 32 + 4 + 4 + 4 * id.tokens.len() + 4 + 24 * id.geometry.layers.len()
+}
+
+/// Total encoded size of a block.
+pub fn encoded_len(id: &BlockId<'_>) -> usize {
+    header_len(id) + id.tokens.len() * id.geometry.bytes_per_token() as usize + CHECKSUM
+}
+
+/// Encodes a block. `rows(out, layer, is_v)` appends the layer's `n_tokens` K (or V) rows, in
+/// token order; the encoder checks that it appended exactly that many bytes.
+pub fn encode(
+    id: &BlockId<'_>,
+    mut rows: impl FnMut(&mut Vec<u8>, usize, bool),
+) -> StoreResult<Vec<u8>> {
+    let total = encoded_len(id);
+    let mut out = Vec::new();
+    out.try_reserve_exact(total).map_err(|_| {
+        StoreError::Cache(llama_kv_cache::KvError::Backend(format!(
+            "cannot allocate {total} bytes for a block"
+        )))
+    })?;
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&id.fingerprint.0);
+    out.extend_from_slice(&id.key.0);
+    out.extend_from_slice(&id.index.to_le_bytes());
+    out.extend_from_slice(&(id.tokens.len() as u32).to_le_bytes());
+    for t in id.tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    id.geometry.encode(&mut out);
+    let n = id.tokens.len();
+    for (il, l) in id.geometry.layers.iter().enumerate() {
+        for (is_v, row) in [(false, l.k_row), (true, l.v_row)] {
+            let start = out.len();
+            rows(&mut out, il, is_v);
+            let want = n * row as usize;
+            if out.len() - start != want {
+                return Err(StoreError::InvalidArg(format!(
+                    "layer {il} {}: {} bytes of rows for {n} tokens of {row} bytes",
+                    if is_v { "V" } else { "K" },
+                    out.len() - start
+                )));
+            }
+        }
+    }
+    let sum = blake3::hash(&out);
+    out.extend_from_slice(sum.as_bytes());
+    debug_assert_eq!(out.len(), total);
+    Ok(out)
+}
+
+/// A verified block: its rows, borrowed from the value.
+#[derive(Debug)]
+pub struct BlockRows<'a> {
+    data: &'a [u8],
+    geometry: &'a Geometry,
+    n_tokens: usize,
+}
+
+impl<'a> BlockRows<'a> {
+    /// K rows of layer `il` (n_tokens rows).
+    pub fn k(&self, il: usize) -> &'a [u8] {
+        self.part(il, false)
+    }
+
+    /// V rows of layer `il` (n_tokens rows, untransposed).
+    pub fn v(&self, il: usize) -> &'a [u8] {
+        self.part(il, true)
+    }
+
+    fn part(&self, il: usize, is_v: bool) -> &'a [u8] {
+        let n = self.n_tokens;
+        let mut off = 0;
+        for l in &self.geometry.layers[..il] {
+            off += n * (l.k_row + l.v_row) as usize;
+        }
+        let l = &self.geometry.layers[il];
+        if is_v {
+            off += n * l.k_row as usize;
+        }
+        let len = n * if is_v { l.v_row } else { l.k_row } as usize;
+        &self.data[off..off + len]
+    }
+}
+
+/// Why a value is not the expected block. Never an error to the caller: a counted miss.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Corrupt(pub String);
+
+/// Verifies `value` as the block `id` and returns its rows: checksum first (a flipped or
+/// truncated value fails here), then every header field against what the caller expects
+/// (a foreign value: another model, geometry, key, index or tokens).
+pub fn decode<'a>(value: &'a [u8], id: &BlockId<'a>) -> Result<BlockRows<'a>, Corrupt> {
+    let bad = |why: String| Err(Corrupt(why));
+    let want = encoded_len(id);
+    if value.len() < CHECKSUM + 8 {
+        return bad(format!("{} bytes is too short for a block", value.len()));
+    }
+    let (body, sum) = value.split_at(value.len() - CHECKSUM);
+    if blake3::hash(body).as_bytes() != sum {
+        return bad("checksum mismatch".into());
+    }
+    if body[..4] != MAGIC {
+        return bad("bad magic".into());
+    }
+    let version = u32::from_le_bytes([body[4], body[5], body[6], body[7]]);
+    if version != FORMAT_VERSION {
+        return bad(format!(
+            "block format version {version}, expected {FORMAT_VERSION}"
+        ));
+    }
+    if value.len() != want {
+        return bad(format!("{} bytes, expected {want}", value.len()));
+    }
+    if body[8..40] != id.fingerprint.0 {
+        return bad("another model or geometry (fingerprint mismatch)".into());
+    }
+    if body[40..72] != id.key.0 {
+        return bad("stored under another key".into());
+    }
+    let index = u32::from_le_bytes([body[72], body[73], body[74], body[75]]);
+    if index != id.index {
+        return bad(format!("block index {index}, expected {}", id.index));
+    }
+    let n = u32::from_le_bytes([body[76], body[77], body[78], body[79]]) as usize;
+    if n != id.tokens.len() {
+        return bad(format!("{n} tokens, expected {}", id.tokens.len()));
+    }
+    let tokens = &body[80..80 + 4 * n];
+    let same = tokens
+        .chunks_exact(4)
+        .zip(id.tokens)
+        .all(|(b, t)| b == t.to_le_bytes());
+    if !same {
+        return bad("tokens differ".into());
+    }
+    let geo_at = 80 + 4 * n;
+    match Geometry::decode(&body[geo_at..]) {
+        Some((g, _)) if &g == id.geometry => {}
+        _ => return bad("geometry differs".into()),
+    }
+    Ok(BlockRows {
+        data: &body[header_len(id)..],
+        geometry: id.geometry,
+        n_tokens: n,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::LayerGeometry;
+    use llama_kv_cache::GgmlType;
+
+    fn geometry() -> Geometry {
+        Geometry {
+            layers: vec![
+                LayerGeometry {
+                    k_type: GgmlType::F16,
+                    k_row: 8,
+                    v_type: GgmlType::F16,
+                    v_row: 4,
+                };
+                2
+            ],
+        }
+    }
+
+    fn sample(key: &Key, fp: &Key, g: &Geometry, tokens: &[i32]) -> Vec<u8> {
+        let id = BlockId {
+            fingerprint: fp,
+            key,
+            index: 3,
+            tokens,
+            geometry: g,
+        };
+        encode(&id, |out, il, is_v| {
+            let row = if is_v { 4 } else { 8 };
+            let fill = (il * 2 + is_v as usize) as u8;
+            out.extend(std::iter::repeat_n(fill, row * tokens.len()));
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_block_round_trips_with_its_rows_in_place() {
+        let g = geometry();
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let tokens = [5, 6, 7];
+        let v = sample(&key, &fp, &g, &tokens);
+        let id = BlockId {
+            fingerprint: &fp,
+            key: &key,
+            index: 3,
+            tokens: &tokens,
+            geometry: &g,
+        };
+        assert_eq!(v.len(), encoded_len(&id));
+        let rows = decode(&v, &id).unwrap();
+        assert_eq!(rows.k(0), &[0; 24]);
+        assert_eq!(rows.v(0), &[1; 12]);
+        assert_eq!(rows.k(1), &[2; 24]);
+        assert_eq!(rows.v(1), &[3; 12]);
+    }
+
+    #[test]
+    fn every_flipped_byte_and_every_truncation_is_corrupt() {
+        let g = geometry();
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let tokens = [5, 6];
+        let v = sample(&key, &fp, &g, &tokens);
+        let id = BlockId {
+            fingerprint: &fp,
+            key: &key,
+            index: 3,
+            tokens: &tokens,
+            geometry: &g,
+        };
+        for i in 0..v.len() {
+            let mut w = v.clone();
+            w[i] ^= 0x40;
+            assert!(decode(&w, &id).is_err(), "flip at {i}");
+            assert!(decode(&v[..i], &id).is_err(), "truncated to {i}");
+        }
+    }
+
+    #[test]
+    fn a_value_under_the_wrong_key_or_with_other_tokens_is_foreign() {
+        let g = geometry();
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let tokens = [5, 6];
+        let v = sample(&key, &fp, &g, &tokens);
+        let mut id = BlockId {
+            fingerprint: &fp,
+            key: &Key([9; 32]),
+            index: 3,
+            tokens: &tokens,
+            geometry: &g,
+        };
+        assert_eq!(decode(&v, &id).unwrap_err().0, "stored under another key");
+        id.key = &key;
+        id.tokens = &[5, 7];
+        assert_eq!(decode(&v, &id).unwrap_err().0, "tokens differ");
+        id.tokens = &tokens;
+        id.index = 4;
+        assert!(decode(&v, &id).is_err());
+        let other_fp = Key([3; 32]);
+        id.index = 3;
+        id.fingerprint = &other_fp;
+        assert!(decode(&v, &id).is_err());
+    }
+}

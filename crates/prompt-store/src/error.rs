@@ -1,0 +1,41 @@
+//! The store's error type. Backends return the transport variants (`Unavailable`, `Auth`,
+//! `Io`, `NoSpace`); the store adds the ones about the caller's input.
+
+use llama_kv_cache::KvError;
+use thiserror::Error;
+
+/// Everything a store operation can refuse. A corrupt or foreign block is never an error: it
+/// is a counted miss (see [`crate::StoreStats::corrupt`]).
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// The backend cannot be reached (a network store that is down, timed out, or dropped the
+    /// connection mid-call). Nothing was changed by the failed call.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The backend refused the credentials.
+    #[error("{0}")]
+    Auth(String),
+    /// A file or directory of the store could not be read or written (e.g. a missing directory).
+    #[error("{0}")]
+    Io(String),
+    /// The backend has no room left (a full disk, a server out of memory without eviction).
+    #[error("{0}")]
+    NoSpace(String),
+    /// The cache's geometry (layers, K/V types, row sizes) is not the one this store's
+    /// fingerprint was made for.
+    #[error("{0}")]
+    Geometry(String),
+    /// The sequence to store does not hold positions `0..n` of one prompt without a pending
+    /// shift, so its rows are not the prompt's prefix blocks.
+    #[error("{0}")]
+    NotPrefix(String),
+    /// A malformed argument (block size, options).
+    #[error("{0}")]
+    InvalidArg(String),
+    /// The cache refused the operation (the core's error, with its own kind).
+    #[error(transparent)]
+    Cache(#[from] KvError),
+}
+
+/// Result with [`StoreError`].
+pub type StoreResult<T> = Result<T, StoreError>;

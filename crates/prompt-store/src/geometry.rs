@@ -1,0 +1,278 @@
+//! What shapes a block's bytes (layer count, per-layer K/V types and row sizes), the
+//! fingerprint made of it and the model identity, and the chain keys rooted in the fingerprint.
+
+use llama_kv_cache::state::{StreamBlock, VBlock};
+use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor};
+
+use crate::backend::Key;
+use crate::error::{StoreError, StoreResult};
+
+/// Version of the block format and of the key derivation. Part of every fingerprint, so a
+/// format change starts a fresh chain instead of misreading old blocks.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// One layer's K and V as stored in a block (V always as rows: untransposed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerGeometry {
+    /// K type.
+    pub k_type: GgmlType,
+    /// Bytes of one K row (one token).
+    pub k_row: u64,
+    /// V type.
+    pub v_type: GgmlType,
+    /// Bytes of one V row (one token).
+    pub v_row: u64,
+}
+
+/// The per-layer shapes of a cache: everything besides the tokens that changes a block's bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// One entry per layer.
+    pub layers: Vec<LayerGeometry>,
+}
+
+impl Geometry {
+    /// The geometry of a (non-recurrent) cache.
+    pub fn of_cache(cache: &KvCache) -> StoreResult<Geometry> {
+        if cache.recurrent() {
+            return Err(StoreError::InvalidArg(
+                "a recurrent cache keeps one state per sequence, not rows per position: it has no prefix blocks"
+                    .into(),
+            ));
+        }
+        let layers = (0..cache.n_layer())
+            .map(|il| {
+                Ok(LayerGeometry {
+                    k_type: cache.type_k(),
+                    k_row: cache.row_size(il, Tensor::K)? as u64,
+                    v_type: cache.type_v(),
+                    v_row: cache.row_size(il, Tensor::V)? as u64,
+                })
+            })
+            .collect::<StoreResult<_>>()?;
+        Ok(Geometry { layers })
+    }
+
+    /// The geometry of a parsed payload stream that holds data.
+    pub fn of_stream(stream: &StreamBlock) -> StoreResult<Geometry> {
+        let ty = |id: i32| {
+            GgmlType::from_id(id).ok_or_else(|| {
+                StoreError::Cache(llama_kv_cache::KvError::InvalidState(format!(
+                    "type id {id} is not a KV type"
+                )))
+            })
+        };
+        let layers = stream
+            .layers
+            .iter()
+            .map(|l| {
+                let (v_type, v_row) = match &l.v {
+                    VBlock::Rows {
+                        ty: t, row_size, ..
+                    } => (ty(*t)?, *row_size),
+                    VBlock::Transposed {
+                        ty: t,
+                        el_size,
+                        n_embd,
+                        ..
+                    } => (ty(*t)?, u64::from(*el_size) * u64::from(*n_embd)),
+                };
+                Ok(LayerGeometry {
+                    k_type: ty(l.k_type)?,
+                    k_row: l.k_row_size,
+                    v_type,
+                    v_row,
+                })
+            })
+            .collect::<StoreResult<_>>()?;
+        Ok(Geometry { layers })
+    }
+
+    /// Bytes of K and V of one token over all layers.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.layers.iter().map(|l| l.k_row + l.v_row).sum()
+    }
+
+    /// Parameters of a one-sequence cache of `size` cells with this geometry (to write llama.cpp
+    /// files). `v_trans` chooses llama.cpp's V layout: transposed without flash attention.
+    pub fn cache_params(&self, size: u32, v_trans: bool) -> StoreResult<CacheParams> {
+        let first = self
+            .layers
+            .first()
+            .ok_or_else(|| StoreError::InvalidArg("a geometry without layers".into()))?;
+        let width = |t: GgmlType, row: u64| -> StoreResult<u32> {
+            let w = row as usize / t.type_size() * t.block_size();
+            if t.row_size(w)? as u64 != row {
+                return Err(StoreError::InvalidArg(format!(
+                    "row size {row} is not whole {t} blocks"
+                )));
+            }
+            Ok(w as u32)
+        };
+        let mut p = CacheParams::new(size.max(1), self.layers.len() as u32, 0, 0);
+        p.type_k = first.k_type;
+        p.type_v = first.v_type;
+        p.n_embd_k_gqa = Vec::with_capacity(self.layers.len());
+        p.n_embd_v_gqa = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            if l.k_type != first.k_type || l.v_type != first.v_type {
+                return Err(StoreError::InvalidArg(
+                    "layers with different K/V types cannot form one cache".into(),
+                ));
+            }
+            p.n_embd_k_gqa.push(width(l.k_type, l.k_row)?);
+            p.n_embd_v_gqa.push(width(l.v_type, l.v_row)?);
+        }
+        p.flash_attn = !v_trans;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Canonical bytes: `u32 n_layer`, then per layer `i32 k_type, u64 k_row, i32 v_type,
+    /// u64 v_row` (little-endian). Used in fingerprints, block headers and model records.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        for l in &self.layers {
+            out.extend_from_slice(&l.k_type.id().to_le_bytes());
+            out.extend_from_slice(&l.k_row.to_le_bytes());
+            out.extend_from_slice(&l.v_type.id().to_le_bytes());
+            out.extend_from_slice(&l.v_row.to_le_bytes());
+        }
+    }
+
+    /// Reads what [`Geometry::encode`] wrote at the start of `bytes`; returns it and the bytes
+    /// consumed, or `None` when malformed.
+    pub fn decode(bytes: &[u8]) -> Option<(Geometry, usize)> {
+        let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        if n == 0 || n > 4096 {
+            return None;
+        }
+        let len = 4 + n * 24;
+        let body = bytes.get(4..len)?;
+        let layers = body
+            .chunks_exact(24)
+            .map(|c| {
+                Some(LayerGeometry {
+                    k_type: GgmlType::from_id(i32::from_le_bytes(c[0..4].try_into().ok()?))?,
+                    k_row: u64::from_le_bytes(c[4..12].try_into().ok()?),
+                    v_type: GgmlType::from_id(i32::from_le_bytes(c[12..16].try_into().ok()?))?,
+                    v_row: u64::from_le_bytes(c[16..24].try_into().ok()?),
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((Geometry { layers }, len))
+    }
+
+    /// `key_{-1}`: BLAKE3 over a domain tag, the format version, the caller's model identity
+    /// (e.g. the GGUF file's sha256) and this geometry.
+    pub fn fingerprint(&self, model: &str) -> Key {
+        let mut h = blake3::Hasher::new();
+        h.update(b"llama-kv-cache prompt-store fingerprint\0");
+        h.update(&FORMAT_VERSION.to_le_bytes());
+        h.update(&(model.len() as u64).to_le_bytes());
+        h.update(model.as_bytes());
+        let mut g = Vec::new();
+        self.encode(&mut g);
+        h.update(&g);
+        Key(*h.finalize().as_bytes())
+    }
+
+    /// A one-line description for messages.
+    pub fn describe(&self) -> String {
+        let first = self.layers.first();
+        format!(
+            "{} layers, K {} / V {}, {} bytes per token",
+            self.layers.len(),
+            first.map_or("?".into(), |l| l.k_type.to_string()),
+            first.map_or("?".into(), |l| l.v_type.to_string()),
+            self.bytes_per_token()
+        )
+    }
+}
+
+/// The chain keys of the full blocks of `tokens`: `key_i = BLAKE3(key_{i-1} || tokens of block
+/// i as i32 LE)`, `key_{-1} = fingerprint`. A trailing partial block has no key.
+pub fn chain_keys(fingerprint: &Key, tokens: &[i32], block_tokens: usize) -> Vec<Key> {
+    let mut keys = Vec::with_capacity(tokens.len() / block_tokens.max(1));
+    let mut prev = *fingerprint;
+    let mut buf = Vec::with_capacity(32 + 4 * block_tokens);
+    for block in tokens.chunks_exact(block_tokens.max(1)) {
+        buf.clear();
+        buf.extend_from_slice(&prev.0);
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        prev = Key(*blake3::hash(&buf).as_bytes());
+        keys.push(prev);
+    }
+    keys
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geo(k: GgmlType, rows: u64) -> Geometry {
+        Geometry {
+            layers: vec![
+                LayerGeometry {
+                    k_type: k,
+                    k_row: rows,
+                    v_type: GgmlType::F16,
+                    v_row: 64,
+                };
+                2
+            ],
+        }
+    }
+
+    #[test]
+    fn chain_keys_of_a_shared_prefix_are_shared_and_diverge_after_it() {
+        let fp = geo(GgmlType::F16, 64).fingerprint("m");
+        let a: Vec<i32> = (0..64).collect();
+        let mut b = a.clone();
+        b[40] = -5;
+        let (ka, kb) = (chain_keys(&fp, &a, 16), chain_keys(&fp, &b, 16));
+        assert_eq!(ka.len(), 4);
+        assert_eq!(ka[..2], kb[..2]);
+        // block 2 differs, and so does every later block even though its tokens are equal
+        assert_ne!(ka[2], kb[2]);
+        assert_ne!(ka[3], kb[3]);
+    }
+
+    #[test]
+    fn a_partial_block_has_no_key() {
+        let fp = geo(GgmlType::F16, 64).fingerprint("m");
+        assert_eq!(chain_keys(&fp, &[1; 31], 16).len(), 1);
+        assert!(chain_keys(&fp, &[1; 15], 16).is_empty());
+    }
+
+    #[test]
+    fn fingerprint_covers_model_types_and_row_sizes() {
+        let base = geo(GgmlType::F16, 64);
+        let fp = base.fingerprint("m");
+        assert_ne!(fp, base.fingerprint("m2"));
+        assert_ne!(fp, geo(GgmlType::Q8_0, 68).fingerprint("m"));
+        assert_ne!(fp, geo(GgmlType::F16, 128).fingerprint("m"));
+        let mut three = base.clone();
+        three.layers.push(three.layers[0]);
+        assert_ne!(fp, three.fingerprint("m"));
+    }
+
+    #[test]
+    fn geometry_encoding_round_trips_and_rejects_garbage() {
+        let g = geo(GgmlType::Q8_0, 68);
+        let mut bytes = Vec::new();
+        g.encode(&mut bytes);
+        assert_eq!(Geometry::decode(&bytes), Some((g, bytes.len())));
+        assert_eq!(Geometry::decode(&bytes[..bytes.len() - 1]), None);
+        assert_eq!(Geometry::decode(&[0, 0, 0, 0]), None);
+    }
+
+    #[test]
+    fn key_hex_round_trips() {
+        let k = geo(GgmlType::F16, 64).fingerprint("x");
+        assert_eq!(Key::from_hex(&k.hex()), Some(k));
+        assert_eq!(Key::from_hex("zz"), None);
+    }
+}

@@ -1,0 +1,28 @@
+//! A prompt store: the KV rows of llama.cpp prompts kept in blocks of `block_tokens` tokens,
+//! deduplicated by prefix and kept across restarts.
+//!
+//! Block `i` of a prompt is stored under a chain key
+//! `key_i = BLAKE3(key_{i-1} || tokens of block i)` whose root `key_{-1}` is the
+//! [fingerprint](Geometry::fingerprint) of the model and the cache geometry, so two prompts share
+//! exactly the blocks of their common prefix, and a key says everything that shaped its bytes.
+//! Each value is one self-describing [block](block) (header, K and V rows of every layer,
+//! checksum), so a backend that evicts values can never leave half a block behind.
+//!
+//! The store uses the core's state format rather than the cache's internals: a block's rows
+//! come from [`llama_kv_cache::KvCache::state_write`] of one sequence, and a restore assembles a
+//! one-sequence payload and loads it with the transactional
+//! [`llama_kv_cache::KvCache::state_read`].
+//!
+//! Storage is behind the [`Backend`] trait: [`MemoryBackend`] (in-process, LRU byte budget) and
+//! [`DirBackend`] (content-addressed files shared by processes, LRU byte budget).
+
+mod backend;
+pub mod block;
+mod error;
+mod geometry;
+mod memory;
+
+pub use backend::{Backend, Key, Usage};
+pub use error::{StoreError, StoreResult};
+pub use geometry::{chain_keys, Geometry, LayerGeometry, FORMAT_VERSION};
+pub use memory::MemoryBackend;
