@@ -39,3 +39,17 @@ pub enum StoreError {
 
 /// Result with [`StoreError`].
 pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Maps an I/O error to the store error a caller can act on: a full disk is `NoSpace`.
+pub(crate) fn io_error(what: String, e: &std::io::Error) -> StoreError {
+    // ENOSPC (28 on Linux and macOS) and EDQUOT (122 on Linux, 69 on macOS); Windows:
+    // ERROR_DISK_FULL (112), ERROR_HANDLE_DISK_FULL (39)
+    let full = matches!(e.kind(), std::io::ErrorKind::StorageFull)
+        || matches!(e.raw_os_error(), Some(28) | Some(122))
+        || (cfg!(windows) && matches!(e.raw_os_error(), Some(112) | Some(39)));
+    if full {
+        StoreError::NoSpace(format!("{what}: {e}"))
+    } else {
+        StoreError::Io(format!("{what}: {e}"))
+    }
+}

@@ -18,11 +18,18 @@
 
 mod backend;
 pub mod block;
+mod dir;
 mod error;
 mod geometry;
 mod memory;
+mod store;
 
 pub use backend::{Backend, Key, Usage};
+pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
 pub use geometry::{chain_keys, Geometry, LayerGeometry, FORMAT_VERSION};
 pub use memory::MemoryBackend;
+pub use store::{
+    PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS, MAX_BLOCK_TOKENS,
+    MIN_BLOCK_TOKENS,
+};

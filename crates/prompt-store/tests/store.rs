@@ -1,0 +1,452 @@
+//! The prompt store against real caches: round trips, prefixes, refusals, corruption,
+//! deduplication, budgets and concurrent writers.
+
+use std::fs;
+use std::path::Path;
+use std::sync::Arc;
+
+use llama_kv_cache::files::inspect_bytes;
+use llama_kv_cache::{CacheParams, FileKind, GgmlType, KvCache, Layout, Tensor, UBatch};
+use prompt_store::{Backend, DirBackend, MemoryBackend, PromptStore, StoreError, WriteFileOptions};
+
+const BT: u32 = 16;
+
+fn params(flash_attn: bool, ty: GgmlType, size: u32) -> CacheParams {
+    let mut p = CacheParams::new(size, 2, 64, 32);
+    p.type_k = ty;
+    p.type_v = if flash_attn { ty } else { GgmlType::F16 };
+    p.flash_attn = flash_attn;
+    p.n_seq_max = 4;
+    p
+}
+
+/// Row bytes of a token depend on its position and a salt: rows of different prompts differ.
+fn row_byte(pos: u32, il: u32, v: bool, salt: u32) -> u8 {
+    (pos.wrapping_mul(31) ^ il.wrapping_mul(7) ^ ((v as u32) * 13) ^ salt) as u8
+}
+
+/// Evaluates `n` tokens into `seq` starting at cell `first`-free slot: rows as `row_byte`.
+fn fill(cache: &mut KvCache, seq: i32, n: u32, salt: u32) {
+    let slot = cache
+        .find_slot(&UBatch::sequence(seq, 0, n))
+        .unwrap()
+        .expect("room");
+    for il in 0..cache.n_layer() {
+        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
+            let row = cache.row_size(il, which).unwrap();
+            let mut rows = Vec::new();
+            for p in 0..n {
+                rows.extend(std::iter::repeat_n(row_byte(p, il, v, salt), row));
+            }
+            // quantized rows are opaque bytes here: any bytes are valid block data for the test
+            cache.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+}
+
+/// Every row of `seq`, by position (for byte-exact comparisons across caches).
+fn rows_by_position(cache: &KvCache, seq: i32) -> Vec<Vec<u8>> {
+    let mut cells: Vec<(i32, u32)> = (0..cache.size())
+        .filter_map(|i| {
+            let c = cache.cells().get(i as usize);
+            c.seqs.contains(seq as usize).then_some((c.pos, i))
+        })
+        .collect();
+    cells.sort();
+    cells
+        .iter()
+        .map(|&(_, i)| {
+            let mut out = Vec::new();
+            for il in 0..cache.n_layer() {
+                out.extend(cache.read_rows(il, Tensor::K, i, 1).unwrap());
+                out.extend(cache.read_rows(il, Tensor::V, i, 1).unwrap());
+            }
+            out
+        })
+        .collect()
+}
+
+fn tokens(n: u32, salt: i32) -> Vec<i32> {
+    (0..n as i32).map(|t| t * 3 + salt).collect()
+}
+
+/// A cache whose sequence 0 holds `n` tokens (positions 0..n), and those tokens.
+fn prompt(n: u32) -> (KvCache, Vec<i32>) {
+    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut c, 0, n, 0);
+    (c, tokens(n, 0))
+}
+
+fn memory_store() -> PromptStore {
+    PromptStore::new(Arc::new(MemoryBackend::new(None)), "model-a", BT).unwrap()
+}
+
+#[test]
+fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
+    for (fa, ty) in [
+        (false, GgmlType::F16),
+        (true, GgmlType::F16),
+        (true, GgmlType::Q8_0),
+        (false, GgmlType::F32),
+    ] {
+        let store = memory_store();
+        let mut src = KvCache::new(params(fa, ty, 128)).unwrap();
+        fill(&mut src, 1, 40, 0);
+        let toks = tokens(40, 0);
+        let r = store.put(&src, 1, &toks, None).unwrap();
+        assert_eq!((r.tokens, r.blocks_written, r.blocks_skipped), (32, 2, 0));
+        let mut dst = KvCache::new(params(fa, ty, 128)).unwrap();
+        fill(&mut dst, 0, 10, 99); // another sequence stays untouched
+        let before = rows_by_position(&dst, 0);
+        assert_eq!(store.restore(&mut dst, 2, &toks, None).unwrap(), 32);
+        assert_eq!(rows_by_position(&dst, 2), rows_by_position(&src, 1)[..32]);
+        assert_eq!(rows_by_position(&dst, 0), before);
+        assert_eq!(dst.seq_pos_max(2).unwrap(), 31);
+    }
+}
+
+#[test]
+fn put_of_a_scattered_sequence_stores_rows_by_position() {
+    // seq 0 interleaved with seq 1 cell by cell: the payload order is not the position order
+    let store = memory_store();
+    let mut src = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    for p in 0..32 {
+        for s in [0, 1] {
+            let slot = src.find_slot(&UBatch::sequence(s, p, 1)).unwrap().unwrap();
+            for il in 0..2 {
+                for (w, v) in [(Tensor::K, false), (Tensor::V, true)] {
+                    let row = src.row_size(il, w).unwrap();
+                    let b = row_byte(p as u32, il, v, s as u32 * 50);
+                    src.write_rows(il, w, slot.head, &vec![b; row]).unwrap();
+                }
+            }
+        }
+    }
+    store.put(&src, 1, &tokens(32, 0), None).unwrap();
+    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    store.restore(&mut dst, 0, &tokens(32, 0), None).unwrap();
+    assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 1));
+}
+
+#[test]
+fn lookup_returns_the_shared_prefix_and_put_skips_stored_blocks() {
+    let store = memory_store();
+    let (a, ta) = prompt(64);
+    store.put(&a, 0, &ta, None).unwrap();
+    let mut tb = ta.clone();
+    tb[40] = -1; // diverges in block 2
+    assert_eq!(store.lookup(&ta).unwrap(), 64);
+    assert_eq!(store.lookup(&tb).unwrap(), 32);
+    assert_eq!(store.lookup(&ta[..20]).unwrap(), 16);
+    let r = store.put(&a, 0, &ta, None).unwrap();
+    assert_eq!((r.blocks_written, r.blocks_skipped), (0, 4));
+    let s = store.stats().unwrap();
+    assert_eq!((s.hits, s.misses), (4 + 2 + 1, 1));
+}
+
+#[test]
+fn a_sequence_that_is_not_positions_0_to_n_is_refused_with_not_prefix() {
+    let store = memory_store();
+    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut c, 0, 32, 0);
+    c.seq_rm(0, 0, 4).unwrap(); // positions 4..32 remain
+    let e = store.put(&c, 0, &tokens(32, 0), None).unwrap_err();
+    assert!(matches!(e, StoreError::NotPrefix(_)), "{e:?}");
+    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut c, 0, 32, 0);
+    c.seq_add(0, 0, -1, 2).unwrap(); // pending K-shift
+    let e = store.put(&c, 0, &tokens(32, 0), None).unwrap_err();
+    assert!(matches!(e, StoreError::NotPrefix(_)), "{e:?}");
+    assert_eq!(store.stats().unwrap().blocks, 0);
+}
+
+#[test]
+fn a_cache_of_another_geometry_is_refused_also_by_a_later_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        PromptStore::new(
+            Arc::new(DirBackend::open(dir.path(), None).unwrap()),
+            "m",
+            BT,
+        )
+        .unwrap()
+    };
+    let store = open();
+    let mut f16 = KvCache::new(params(false, GgmlType::F16, 64)).unwrap();
+    fill(&mut f16, 0, 32, 0);
+    store.put(&f16, 0, &tokens(32, 0), None).unwrap();
+    let mut q8 = KvCache::new(params(true, GgmlType::Q8_0, 64)).unwrap();
+    fill(&mut q8, 0, 32, 0);
+    let again = open(); // a fresh process reads the model record
+    for s in [&store, &again] {
+        let e = s.put(&q8, 0, &tokens(32, 0), None).unwrap_err();
+        assert!(matches!(e, StoreError::Geometry(_)), "{e:?}");
+        let e = s.restore(&mut q8, 1, &tokens(32, 0), None).unwrap_err();
+        assert!(matches!(e, StoreError::Geometry(_)), "{e:?}");
+    }
+    assert_eq!(again.lookup(&tokens(32, 0)).unwrap(), 32);
+}
+
+#[test]
+fn nothing_stored_restores_nothing_and_leaves_the_cache_unchanged() {
+    let store = memory_store();
+    let mut c = KvCache::new(params(false, GgmlType::F16, 64)).unwrap();
+    fill(&mut c, 0, 20, 0);
+    let before = rows_by_position(&c, 0);
+    assert_eq!(store.restore(&mut c, 0, &tokens(32, 0), None).unwrap(), 0);
+    assert_eq!(rows_by_position(&c, 0), before);
+    assert_eq!(store.lookup(&tokens(32, 0)).unwrap(), 0);
+}
+
+/// Writes a prompt of 4 blocks into a dir store and returns the block files in chain order.
+fn dir_with_blocks(dir: &Path) -> (PromptStore, KvCache, Vec<i32>, Vec<std::path::PathBuf>) {
+    let store = PromptStore::new(Arc::new(DirBackend::open(dir, None).unwrap()), "m", BT).unwrap();
+    let (c, toks) = prompt(64);
+    store.put(&c, 0, &toks, None).unwrap();
+    let files = store
+        .keys(&toks)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            dir.join("blocks")
+                .join(&k.hex()[..2])
+                .join(format!("{}.kvb", k.hex()))
+        })
+        .collect();
+    (store, c, toks, files)
+}
+
+#[test]
+fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
+    type Damage = fn(&[std::path::PathBuf]);
+    let cases: [(&str, Damage); 3] = [
+        ("flip", |f| {
+            let mut b = fs::read(&f[2]).unwrap();
+            let at = b.len() / 2;
+            b[at] ^= 1;
+            fs::write(&f[2], b).unwrap();
+        }),
+        ("truncate", |f| {
+            let b = fs::read(&f[2]).unwrap();
+            fs::write(&f[2], &b[..b.len() - 7]).unwrap();
+        }),
+        ("swap", |f| {
+            let (a, b) = (fs::read(&f[2]).unwrap(), fs::read(&f[3]).unwrap());
+            fs::write(&f[2], b).unwrap();
+            fs::write(&f[3], a).unwrap();
+        }),
+    ];
+    for (name, damage) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, src, toks, files) = dir_with_blocks(dir.path());
+        damage(&files);
+        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        assert_eq!(
+            store.restore(&mut dst, 0, &toks, None).unwrap(),
+            32,
+            "{name}"
+        );
+        assert_eq!(
+            rows_by_position(&dst, 0),
+            rows_by_position(&src, 0)[..32],
+            "{name}"
+        );
+        let s = store.stats().unwrap();
+        assert_eq!((s.corrupt, s.misses), (1, 1), "{name}");
+        // the bad block was dropped, so the same prompt can be stored whole again
+        assert!(!files[2].exists(), "{name}");
+        let r = store.put(&src, 0, &toks, None).unwrap();
+        assert_eq!(r.blocks_written, 1, "{name}");
+        let mut again = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let restored = store.restore(&mut again, 0, &toks, None).unwrap();
+        // swap: block 3 still holds block 2's value and is foreign, so the prefix ends there
+        assert_eq!(restored, if name == "swap" { 48 } else { 64 }, "{name}");
+        assert_eq!(
+            rows_by_position(&again, 0),
+            rows_by_position(&src, 0)[..restored as usize]
+        );
+    }
+}
+
+#[test]
+fn a_hundred_conversations_sharing_a_4096_token_prefix_store_it_once() {
+    let bt = 256;
+    let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "m", bt).unwrap();
+    let mut p = CacheParams::new(4096 + 512, 2, 32, 32);
+    p.flash_attn = true;
+    let mut c = KvCache::new(p).unwrap();
+    fill(&mut c, 0, 4096 + 512, 0);
+    let prefix = tokens(4096, 0);
+    let mut unique_tokens = 0u64;
+    for conv in 0..100i32 {
+        let unique = 256 + 256 * (conv as u32 % 2); // 1 or 2 unique blocks
+        let mut t = prefix.clone();
+        t.extend((0..unique as i32).map(|k| 1_000_000 + conv * 1000 + k));
+        store.put(&c, 0, &t, None).unwrap();
+        unique_tokens += unique as u64;
+    }
+    let per_token = 2 * (64 + 64);
+    let ideal = (4096 + unique_tokens) * per_token;
+    let stored = store.stats().unwrap().bytes;
+    let ratio = stored as f64 / ideal as f64;
+    assert!(
+        (1.0..1.05).contains(&ratio),
+        "stored {stored} bytes, ideal {ideal}: {ratio}"
+    );
+}
+
+#[test]
+fn a_small_budget_evicts_and_lookups_stop_at_the_first_evicted_block() {
+    for backend in ["memory", "dir"] {
+        let dir = tempfile::tempdir().unwrap();
+        let max = 3 * 16 * 2 * 192 + 2000; // about three blocks
+        let b: Arc<dyn Backend> = match backend {
+            "memory" => Arc::new(MemoryBackend::new(Some(max))),
+            _ => Arc::new(DirBackend::open(dir.path(), Some(max)).unwrap()),
+        };
+        let store = PromptStore::new(b, "m", BT).unwrap();
+        let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        fill(&mut c, 0, 128, 0);
+        let toks = tokens(128, 0);
+        store.put(&c, 0, &toks, None).unwrap();
+        let s = store.stats().unwrap();
+        assert!(s.bytes <= max && s.evictions > 0, "{backend}: {s:?}");
+        // the oldest blocks went first, so the prefix is gone and nothing fails
+        assert_eq!(store.lookup(&toks).unwrap(), 0, "{backend}");
+        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        assert_eq!(
+            store.restore(&mut dst, 0, &toks, None).unwrap(),
+            0,
+            "{backend}"
+        );
+        // a short prompt fits again
+        store.put(&c, 0, &toks[..32], None).unwrap();
+        assert_eq!(store.lookup(&toks).unwrap(), 32, "{backend}");
+        assert!(store.stats().unwrap().bytes <= max);
+    }
+}
+
+#[test]
+fn writers_in_parallel_on_one_dir_restore_every_prompt_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let threads: Vec<_> = (0..4u32)
+        .map(|w| {
+            let root = root.clone();
+            std::thread::spawn(move || {
+                // each worker opens its own backend, as a separate process would
+                let store =
+                    PromptStore::new(Arc::new(DirBackend::open(&root, None).unwrap()), "m", BT)
+                        .unwrap();
+                let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+                fill(&mut c, 0, 64, 0);
+                // all share 2 blocks; then their own
+                let mut t = tokens(64, 0);
+                for x in &mut t[32..] {
+                    *x += w as i32 * 1000;
+                }
+                for _ in 0..5 {
+                    store.put(&c, 0, &t, None).unwrap();
+                }
+                (c, t)
+            })
+        })
+        .collect();
+    let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let store =
+        PromptStore::new(Arc::new(DirBackend::open(&root, None).unwrap()), "m", BT).unwrap();
+    for (c, t) in &results {
+        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        assert_eq!(store.restore(&mut dst, 0, t, None).unwrap(), 64);
+        assert_eq!(rows_by_position(&dst, 0), rows_by_position(c, 0));
+    }
+    let s = store.stats().unwrap();
+    assert_eq!((s.blocks, s.corrupt), (2 + 4 * 2 + 1, 0)); // + the model record
+    assert_eq!(fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+}
+
+#[test]
+fn write_file_gives_a_llama_cpp_file_of_the_prefix_and_put_bytes_reads_it_back() {
+    let store = memory_store();
+    let (c, toks) = prompt(50);
+    store.put(&c, 0, &toks, None).unwrap();
+    for (kind, version, layout) in [
+        (FileKind::Sequence, 2, Layout::Streams),
+        (FileKind::Sequence, 3, Layout::Streams),
+        (FileKind::Session, 9, Layout::Streams),
+        (FileKind::Session, 9, Layout::Seed),
+    ] {
+        let opts = WriteFileOptions {
+            kind,
+            version: Some(version),
+            layout,
+            ..Default::default()
+        };
+        let (n, bytes) = store.file_bytes(&toks, &opts, None).unwrap().unwrap();
+        assert_eq!(n, 48);
+        let ins = inspect_bytes(&bytes).unwrap();
+        assert_eq!((ins.header.kind, ins.header.version), (kind, version));
+        assert_eq!(ins.header.tokens, toks[..48]);
+        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        match kind {
+            FileKind::Sequence => {
+                dst.load_sequence_bytes(&bytes, 3, Default::default(), None)
+                    .unwrap();
+                assert_eq!(rows_by_position(&dst, 3), rows_by_position(&c, 0)[..48]);
+            }
+            FileKind::Session => {
+                dst.load_session_bytes(&bytes, Default::default(), None)
+                    .unwrap();
+                assert_eq!(rows_by_position(&dst, 0), rows_by_position(&c, 0)[..48]);
+            }
+        }
+        // ingesting the file into a fresh store gives the same blocks
+        let other = memory_store();
+        let r = other.put_bytes(&bytes, None).unwrap();
+        assert_eq!((r.tokens, r.blocks_written), (48, 3));
+        assert_eq!(other.lookup(&toks).unwrap(), 48);
+    }
+    assert!(memory_store()
+        .file_bytes(&toks, &Default::default(), None)
+        .unwrap()
+        .is_none());
+}
+
+#[test]
+fn progress_reports_blocks_and_can_abort_a_put() {
+    let store = memory_store();
+    let mut c = KvCache::new(params(false, GgmlType::F16, 256)).unwrap();
+    fill(&mut c, 0, 256, 0);
+    let toks = tokens(256, 0);
+    let mut seen = Vec::new();
+    let mut record = |d: u64, t: u64| {
+        seen.push((d, t));
+        true
+    };
+    store.put(&c, 0, &toks, Some(&mut record)).unwrap();
+    assert_eq!(seen.first(), Some(&(0, 16)));
+    assert_eq!(seen.last(), Some(&(16, 16)));
+    let other = memory_store();
+    let mut stop = |_: u64, _: u64| false;
+    let e = other.put(&c, 0, &toks, Some(&mut stop)).unwrap_err();
+    assert!(matches!(
+        e,
+        StoreError::Cache(llama_kv_cache::KvError::Aborted(_))
+    ));
+}
+
+#[test]
+fn block_size_and_model_are_validated() {
+    let b: Arc<dyn Backend> = Arc::new(MemoryBackend::new(None));
+    for bt in [0, 15, 4097] {
+        assert!(matches!(
+            PromptStore::new(b.clone(), "m", bt),
+            Err(StoreError::InvalidArg(_))
+        ));
+    }
+    assert!(matches!(
+        PromptStore::new(b, "", 16),
+        Err(StoreError::InvalidArg(_))
+    ));
+}
