@@ -12,9 +12,9 @@ export declare const __napiBindingTarget: 'native' | 'wasm32-wasi' | 'wasm32-was
 /**
  * llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
  *
- * Metadata operations are synchronous. Work that touches tensor data in bulk (`update`) has
- * an async twin that runs on the libuv threadpool; while such a task is pending, synchronous
- * calls throw `ERR_KV_BUSY` and further tasks queue.
+ * Metadata operations are synchronous. Work that touches tensor data in bulk (`update`, state
+ * and file I/O) has an async twin that runs on the libuv threadpool. Async calls on one cache
+ * queue in call order; while any is queued or running, synchronous calls throw `ERR_KV_BUSY`.
  */
 export declare class KvCache {
   /** Creates a cache with zeroed K/V tensors in host memory. */
@@ -147,24 +147,24 @@ export declare class KvCache {
    * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
    * atomically (a failed save leaves the previous file intact), synchronously.
    */
-  saveSequenceFileSync(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  saveSequenceFileSync(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
   /** Saves a sequence file on the threadpool. */
-  saveSequenceFile(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  saveSequenceFile(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
   /**
    * Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
    * returns its tokens. Transactional.
    */
-  loadSequenceFileSync(path: string, destSeqId: number, options?: LoadOptions): LoadedFile
+  loadSequenceFileSync(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): LoadedFile
   /** Loads a sequence file on the threadpool. */
-  loadSequenceFile(path: string, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
+  loadSequenceFile(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
   /** Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically. */
-  saveSessionFileSync(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  saveSessionFileSync(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
   /** Saves a session file on the threadpool. */
-  saveSessionFile(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  saveSessionFile(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
   /** Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional. */
-  loadSessionFileSync(path: string, options?: LoadOptions): LoadedFile
+  loadSessionFileSync(path: string | Uint8Array, options?: LoadOptions): LoadedFile
   /** Loads a session file on the threadpool. */
-  loadSessionFile(path: string, options?: LoadOptions): Promise<LoadedFile>
+  loadSessionFile(path: string | Uint8Array, options?: LoadOptions): Promise<LoadedFile>
 }
 
 /** Byte accounting of a file. */
@@ -254,7 +254,7 @@ export interface ConvertFileOptions {
  * Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
  * writes the result atomically to `output`.
  */
-export declare function convertStateFile(input: string, output: string, options?: ConvertFileOptions): void
+export declare function convertStateFile(input: string | Uint8Array, output: string | Uint8Array, options?: ConvertFileOptions): void
 
 /** A CUDA device. */
 export interface CudaDevice {
@@ -415,7 +415,10 @@ export interface LoadOptions {
   allowScattered?: boolean
   /** Called with `(doneBytes, totalBytes)`. */
   onProgress?: (done: number, total: number) => void
-  /** Aborts the async operation until data starts being written (after that it completes). */
+  /**
+   * Aborts the async operation until data starts being written (after that it completes); the
+   * promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
+   */
   signal?: AbortSignal
 }
 
@@ -475,7 +478,10 @@ export interface SaveOptions {
   arch?: string
   /** Called with `(doneBytes, totalBytes)` while the state is written. */
   onProgress?: (done: number, total: number) => void
-  /** Aborts the async operation (also while it runs). */
+  /**
+   * Aborts the async operation (also while it runs); the promise rejects with
+   * `ERR_KV_ABORTED` (`name` 'AbortError').
+   */
   signal?: AbortSignal
 }
 
@@ -535,7 +541,10 @@ export interface UpdateOptions {
   ropeLayers?: Array<LayerRope>
   /** Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536. */
   maxNodes?: number
-  /** Aborts the async `update` while it is queued. */
+  /**
+   * Aborts the async `update` while it is queued; the promise rejects with `ERR_KV_ABORTED`
+   * (`name` 'AbortError').
+   */
   signal?: AbortSignal
 }
 

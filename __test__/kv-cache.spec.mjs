@@ -225,8 +225,9 @@ test('an aborted signal rejects the task', async (t) => {
   const c = make()
   const ac = new AbortController()
   ac.abort()
-  const e = t.throws(() => c.update({ signal: ac.signal }))
+  const e = await t.throwsAsync(c.update({ signal: ac.signal }))
   t.is(e.code, 'ERR_KV_ABORTED')
+  t.is(e.name, 'AbortError')
   t.true(c.seqRm(0), 'the cache stays usable')
 })
 

@@ -5,7 +5,9 @@
 use napi::bindgen_prelude::*;
 use napi::sys;
 
-use crate::error::{coded_error, err, Code};
+use std::path::PathBuf;
+
+use crate::error::{coded_error, err, Code, JsResult};
 
 fn type_of(env: sys::napi_env, value: sys::napi_value) -> &'static str {
     let mut t = 0;
@@ -151,4 +153,121 @@ impl FromNapiValue for Tokens {
             .map(Tokens)
             .map_err(|e| coded_error(env, e))
     }
+}
+
+fn is_bytes(env: sys::napi_env, value: sys::napi_value) -> bool {
+    let mut is_typed = false;
+    // SAFETY: env and value come straight from napi for this call
+    unsafe { sys::napi_is_typedarray(env, value, &mut is_typed) };
+    is_typed
+}
+
+/// The bytes of a Buffer or Uint8Array, `None` for anything else.
+fn bytes_of(env: sys::napi_env, value: sys::napi_value) -> Option<Vec<u8>> {
+    if !is_bytes(env, value) {
+        return None;
+    }
+    // SAFETY: a typed array of this call's env
+    unsafe { Uint8Array::from_napi_value(env, value) }
+        .ok()
+        .map(|a| a.to_vec())
+}
+
+/// A JS string, or a coded error naming the argument `name`.
+pub fn string(name: &str, value: &Unknown<'_>) -> JsResult<String> {
+    let (env, raw) = (value.value().env, value.raw());
+    if type_of(env, raw) != "string" {
+        return Err(err(
+            Code::InvalidArg,
+            format!("{name} must be a string, got {}", type_of(env, raw)),
+        ));
+    }
+    // SAFETY: a string value of this call's env
+    unsafe { String::from_napi_value(env, raw) }
+        .map_err(|e| err(Code::InvalidArg, format!("{name}: {}", e.reason)))
+}
+
+/// A string or the bytes of a Buffer / Uint8Array; else a coded error saying `expected`.
+fn string_or_bytes(
+    name: &str,
+    value: &Unknown<'_>,
+    expected: &str,
+) -> JsResult<Either<String, Vec<u8>>> {
+    let (env, raw) = (value.value().env, value.raw());
+    if let Some(bytes) = bytes_of(env, raw) {
+        return Ok(Either::B(bytes));
+    }
+    if type_of(env, raw) != "string" {
+        let got = describe(env, raw);
+        return Err(err(
+            Code::InvalidArg,
+            format!("{name} must be {expected}, got {got}"),
+        ));
+    }
+    string(name, value).map(Either::A)
+}
+
+fn path_from_string(name: &str, s: String) -> JsResult<PathBuf> {
+    if s.contains('\0') {
+        return Err(err(
+            Code::InvalidArg,
+            format!("{name} must not contain a NUL byte, got {s:?}"),
+        ));
+    }
+    Ok(PathBuf::from(s))
+}
+
+/// A file path: a string, or a Buffer / Uint8Array of its bytes as `fs` accepts.
+pub fn path(name: &str, value: &Unknown<'_>) -> JsResult<PathBuf> {
+    match string_or_bytes(name, value, "a path string or a Buffer")? {
+        Either::A(s) => path_from_string(name, s),
+        Either::B(bytes) => path_from_bytes(name, bytes),
+    }
+}
+
+#[cfg(unix)]
+fn path_from_bytes(name: &str, bytes: Vec<u8>) -> JsResult<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    if bytes.contains(&0) {
+        return Err(err(
+            Code::InvalidArg,
+            format!("{name} must not contain a NUL byte"),
+        ));
+    }
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(bytes)))
+}
+
+#[cfg(not(unix))]
+fn path_from_bytes(name: &str, bytes: Vec<u8>) -> JsResult<PathBuf> {
+    String::from_utf8(bytes)
+        .map(PathBuf::from)
+        .map_err(|_| err(Code::InvalidArg, format!("{name} is not valid UTF-8")))
+}
+
+/// A state source: a path (as [`path`]) or the bytes of a Buffer / Uint8Array.
+pub enum Source {
+    Path(PathBuf),
+    Bytes(Vec<u8>),
+}
+
+/// Reads `value` as a path string or bytes.
+pub fn source(name: &str, value: &Unknown<'_>) -> JsResult<Source> {
+    match string_or_bytes(name, value, "a path string, a Buffer or a Uint8Array")? {
+        Either::A(s) => path_from_string(name, s).map(Source::Path),
+        Either::B(bytes) => Ok(Source::Bytes(bytes)),
+    }
+}
+
+/// `typeof`, with ArrayBuffer and typed arrays told apart from plain objects.
+fn describe(env: sys::napi_env, value: sys::napi_value) -> String {
+    let mut flag = false;
+    // SAFETY: env and value come straight from napi for this call
+    unsafe { sys::napi_is_arraybuffer(env, value, &mut flag) };
+    if flag {
+        return "an ArrayBuffer (wrap it: new Uint8Array(buffer))".into();
+    }
+    if is_bytes(env, value) {
+        return "a typed array other than Uint8Array".into();
+    }
+    type_of(env, value).into()
 }

@@ -82,11 +82,35 @@ pub fn guard<T>(f: impl FnOnce() -> JsResult<T>) -> JsResult<T> {
     })
 }
 
-/// Converts a coded error into the status-typed error that napi's conversions and async tasks
-/// must return, keeping the code: the JS error object is built here and carried by reference.
-pub fn coded_error(env: napi::sys::napi_env, e: JsErr) -> Error {
+/// Builds the JS error object for `e`: an `Error` with `code`, and for aborts the name
+/// `AbortError` as well, as Node's own APIs do.
+pub fn js_error(env: napi::sys::napi_env, e: JsErr) -> napi::sys::napi_value {
+    let aborted = e.status == Code::Aborted;
     // SAFETY: `env` is the live env of the current call, on its own thread
     let raw = unsafe { JsError::from(e).into_value(env) };
+    if aborted {
+        // SAFETY: as above; `raw` is an object just created on this thread
+        unsafe {
+            let mut name = std::ptr::null_mut();
+            let text = "AbortError";
+            if napi::sys::napi_create_string_utf8(
+                env,
+                text.as_ptr().cast(),
+                text.len() as isize,
+                &mut name,
+            ) == napi::sys::Status::napi_ok
+            {
+                napi::sys::napi_set_named_property(env, raw, c"name".as_ptr(), name);
+            }
+        }
+    }
+    raw
+}
+
+/// Converts a coded error into the status-typed error that napi's conversions must return,
+/// keeping the code: the JS error object is built here and carried by reference.
+pub fn coded_error(env: napi::sys::napi_env, e: JsErr) -> Error {
+    let raw = js_error(env, e);
     // SAFETY: `raw` was just created on this env's thread and is a valid JS value
     match unsafe { Unknown::from_napi_value(env, raw) } {
         Ok(value) => Error::from(value),

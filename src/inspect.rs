@@ -8,6 +8,7 @@ use llama_kv_cache::GgmlType;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
+use crate::args::{self, Source};
 use crate::error::{from_core, guard, Code};
 
 /// Cells of one sequence in a stream.
@@ -104,12 +105,12 @@ fn type_name(id: i32) -> String {
 /// Parses a state file (a path or its bytes) without a cache and describes it.
 #[napi]
 pub fn inspect_state(
-    #[napi(ts_arg_type = "string | Uint8Array")] source: Either<String, Uint8Array>,
+    #[napi(ts_arg_type = "string | Uint8Array")] source: Unknown<'_>,
 ) -> Result<Inspection, Code> {
     guard(|| {
-        let bytes = match &source {
-            Either::A(path) => read_file(path.as_ref()).map_err(from_core)?,
-            Either::B(b) => b.to_vec(),
+        let bytes = match args::source("source", &source)? {
+            Source::Path(path) => read_file(&path).map_err(from_core)?,
+            Source::Bytes(b) => b,
         };
         let ins = inspect_bytes(&bytes).map_err(from_core)?;
         let recurrent = match (&ins.arch, ins.payload.layout) {
@@ -239,14 +240,15 @@ pub struct ConvertFileOptions {
 /// writes the result atomically to `output`.
 #[napi]
 pub fn convert_state_file(
-    input: String,
-    output: String,
+    #[napi(ts_arg_type = "string | Uint8Array")] input: Unknown<'_>,
+    #[napi(ts_arg_type = "string | Uint8Array")] output: Unknown<'_>,
     #[napi(ts_arg_type = "ConvertFileOptions")] options: Option<
         crate::args::Obj<ConvertFileOptions>,
     >,
 ) -> Result<(), Code> {
     use crate::convert::{ggml_type_opt, i32v, u32v};
     guard(|| {
+        let (input, output) = (args::path("input", &input)?, args::path("output", &output)?);
         let o = options.map(|o| o.0);
         let mut opts = llama_kv_cache::ConvertOptions::default();
         if let Some(o) = o {
@@ -274,8 +276,8 @@ pub fn convert_state_file(
                 }
             };
         }
-        let bytes = read_file(input.as_ref()).map_err(from_core)?;
+        let bytes = read_file(&input).map_err(from_core)?;
         let out = llama_kv_cache::files::convert_bytes(&bytes, &opts).map_err(from_core)?;
-        llama_kv_cache::files::write_atomic(output.as_ref(), &out).map_err(from_core)
+        llama_kv_cache::files::write_atomic(&output, &out).map_err(from_core)
     })
 }

@@ -1,6 +1,6 @@
 //! The `KvCache` class: converts arguments, locks the core cache, maps results. No cache logic.
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use llama_kv_cache as core;
@@ -8,17 +8,18 @@ use llama_kv_cache::{CacheParams, Layout, PrepareOptions, ReadOptions, Tensor, W
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{Bytes, Floats, Num, Obj, Signal, Tokens};
+use crate::args::{self, Bytes, Floats, Num, Obj, Signal, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
-use crate::error::{err, from_core, guard, Code, JsResult};
+use crate::error::{err, from_core, guard, js_error, Code, JsResult};
 use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteJob, UpdateJob};
-use crate::tasks::{CacheTask, Control, Job, ProgressFn};
+use crate::queue::{Deferred, JsPromise, Queue};
+use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
 use crate::types::*;
 
-/// The core cache shared with async tasks, plus the count of tasks pending on it.
+/// The core cache shared with async tasks, plus the queue of those tasks.
 pub struct Shared {
     pub cache: Mutex<Option<core::KvCache>>,
-    pub pending: AtomicUsize,
+    pub queue: Queue,
 }
 
 impl Shared {
@@ -30,9 +31,9 @@ impl Shared {
 
 /// llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
 ///
-/// Metadata operations are synchronous. Work that touches tensor data in bulk (`update`) has
-/// an async twin that runs on the libuv threadpool; while such a task is pending, synchronous
-/// calls throw `ERR_KV_BUSY` and further tasks queue.
+/// Metadata operations are synchronous. Work that touches tensor data in bulk (`update`, state
+/// and file I/O) has an async twin that runs on the libuv threadpool. Async calls on one cache
+/// queue in call order; while any is queued or running, synchronous calls throw `ERR_KV_BUSY`.
 #[napi(custom_finalize)]
 pub struct KvCache {
     shared: Arc<Shared>,
@@ -64,7 +65,7 @@ fn slot(s: core::Slot) -> Slot {
 impl KvCache {
     fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
         guard(|| {
-            if self.shared.pending.load(Ordering::SeqCst) > 0 {
+            if self.shared.queue.is_pending() {
                 return Err(err(
                     Code::Busy,
                     "the cache is busy with an async operation; await it first",
@@ -89,31 +90,49 @@ impl KvCache {
         })
     }
 
+    /// Queues `job` behind the cache's pending operations and returns its promise.
     fn run_async<J: Job>(
         &self,
+        env: &Env,
         job: J,
         progress: Option<ProgressFn>,
         signal: Option<Signal>,
-    ) -> JsResult<AsyncTask<CacheTask<J>>> {
-        // refuse now rather than in the promise when the cache is disposed or busy
-        self.with(|_| Ok(()))?;
-        if signal.as_ref().is_some_and(|s| s.aborted) {
-            return Err(err(Code::Aborted, "the signal was already aborted"));
-        }
-        let control = Control {
-            progress,
-            aborted: Default::default(),
-        };
-        if let Some(s) = &signal {
-            let flag = control.aborted.clone();
-            s.signal
-                .on_abort(move || flag.store(true, Ordering::SeqCst));
-        }
-        let task = CacheTask::new(self.shared.clone(), job, control);
-        Ok(AsyncTask::with_optional_signal(
-            task,
-            signal.map(|s| s.signal),
-        ))
+    ) -> JsResult<JsPromise> {
+        guard(|| {
+            // refuse now rather than in the promise when the cache is disposed (while anything
+            // is pending it cannot be)
+            if !self.shared.queue.is_pending() {
+                self.with(|_| Ok(()))?;
+            }
+            let (deferred, promise) =
+                Deferred::new(env.raw()).map_err(|e| err(Code::Internal, e.reason.clone()))?;
+            if signal.as_ref().is_some_and(|s| s.aborted) {
+                deferred.settle(env.raw(), Err(js_error(env.raw(), aborted())));
+                return Ok(JsPromise(promise));
+            }
+            let control = Control {
+                progress,
+                aborted: Default::default(),
+            };
+            let id = self.shared.queue.next_id();
+            if let Some(s) = &signal {
+                let flag = control.aborted.clone();
+                // weak: a signal that outlives the cache must not keep its tensors alive
+                let shared = Arc::downgrade(&self.shared);
+                let raw_env = env.raw();
+                s.signal.on_abort(move || {
+                    flag.store(true, Ordering::SeqCst);
+                    // a task still waiting in the queue is rejected now; a running one stops
+                    // at its next checkpoint (or before it starts) and rejects then
+                    if let Some(shared) = shared.upgrade() {
+                        shared.queue.abort(&Env::from_raw(raw_env), id);
+                    }
+                });
+            }
+            let task = CacheTask::new(self.shared.clone(), job, control, deferred);
+            self.shared.queue.submit(env, id, Box::new(task));
+            Ok(JsPromise(promise))
+        })
     }
 
     fn read(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Buffer, Code> {
@@ -154,10 +173,22 @@ impl KvCache {
     #[napi(constructor)]
     pub fn new(
         env: Env,
+        this: This<Unknown<'_>>,
         #[napi(ts_arg_type = "KvCacheOptions")] options: Obj<KvCacheOptions>,
     ) -> Result<Self, Code> {
         let options = options.0;
         guard(|| {
+            // called as a function (no `new`), `this` is whatever the receiver was: refuse
+            // rather than attach a cache to it
+            // SAFETY: `this` is a value of this call's env
+            if unsafe { <&KvCache as ValidateNapiValue>::validate(env.raw(), this.object.raw()) }
+                .is_err()
+            {
+                return Err(err(
+                    Code::InvalidArg,
+                    "KvCache is a class: call it with `new KvCache(options)`",
+                ));
+            }
             let k = convert::widths("nEmbdKGqa", &options.n_embd_k_gqa)?;
             let v = match &options.n_embd_v_gqa {
                 Some(w) => convert::widths("nEmbdVGqa", w)?,
@@ -192,7 +223,7 @@ impl KvCache {
             Ok(KvCache {
                 shared: Arc::new(Shared {
                     cache: Mutex::new(Some(cache)),
-                    pending: AtomicUsize::new(0),
+                    queue: Queue::default(),
                 }),
                 external_bytes: AtomicI64::new(bytes),
             })
@@ -203,7 +234,7 @@ impl KvCache {
     #[napi]
     pub fn dispose(&self, env: Env) -> Result<(), Code> {
         guard(|| {
-            if self.shared.pending.load(Ordering::SeqCst) > 0 {
+            if self.shared.queue.is_pending() {
                 return Err(err(
                     Code::Busy,
                     "cannot dispose while an async operation is pending",
@@ -385,9 +416,9 @@ impl KvCache {
     pub fn row_size(
         &self,
         #[napi(ts_arg_type = "number")] layer: Num,
-        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+        #[napi(ts_arg_type = "'k' | 'v'")] tensor: Unknown<'_>,
     ) -> Result<u32, Code> {
-        let which = match tensor.as_str() {
+        let which = match args::string("tensor", &tensor)?.as_str() {
             "k" | "K" => Tensor::K,
             "v" | "V" => Tensor::V,
             other => {
@@ -679,10 +710,11 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<UpdateReport>")]
     pub fn update(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
-    ) -> Result<AsyncTask<CacheTask<UpdateJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let (job, signal) = update_job(options)?;
-        self.run_async(job, None, signal)
+        self.run_async(&env, job, None, signal)
     }
 
     /// Bytes `stateWrite(seqId, options)` will produce.
@@ -717,12 +749,13 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<Buffer>")]
     pub fn state_write(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
-    ) -> Result<AsyncTask<CacheTask<StateWriteJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, _, progress, signal) = save_options(options)?;
-        self.run_async(StateWriteJob { seq, opts }, progress, signal)
+        self.run_async(&env, StateWriteJob { seq, opts }, progress, signal)
     }
 
     /// Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
@@ -747,13 +780,15 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<ReadResult>")]
     pub fn state_read(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
-    ) -> Result<AsyncTask<CacheTask<StateReadJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, progress, signal) = load_options(options)?;
         self.run_async(
+            &env,
             StateReadJob {
                 data: data.0.to_vec(),
                 seq,
@@ -769,7 +804,7 @@ impl KvCache {
     #[napi]
     pub fn save_sequence_file_sync(
         &self,
-        path: String,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
@@ -777,7 +812,7 @@ impl KvCache {
         let seq = i32v("seqId", seq_id)?;
         let (opts, arch, ..) = save_options(options)?;
         self.run_sync(SaveFileJob {
-            path: path.into(),
+            path: args::path("path", &path)?,
             seq: Some(seq),
             arch,
             tokens: tokens.0,
@@ -789,16 +824,18 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<void>")]
     pub fn save_sequence_file(
         &self,
-        path: String,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
-    ) -> Result<AsyncTask<CacheTask<SaveFileJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let seq = i32v("seqId", seq_id)?;
         let (opts, arch, progress, signal) = save_options(options)?;
         self.run_async(
+            &env,
             SaveFileJob {
-                path: path.into(),
+                path: args::path("path", &path)?,
                 seq: Some(seq),
                 arch,
                 tokens: tokens.0,
@@ -814,14 +851,14 @@ impl KvCache {
     #[napi]
     pub fn load_sequence_file_sync(
         &self,
-        path: String,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "number")] dest_seq_id: Num,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<LoadedFile, Code> {
         let dest = i32v("destSeqId", dest_seq_id)?;
         let (opts, ..) = load_options(options)?;
         self.run_sync(LoadFileJob {
-            path: path.into(),
+            path: args::path("path", &path)?,
             dest: Some(dest),
             opts,
         })
@@ -831,15 +868,17 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<LoadedFile>")]
     pub fn load_sequence_file(
         &self,
-        path: String,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "number")] dest_seq_id: Num,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
-    ) -> Result<AsyncTask<CacheTask<LoadFileJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let dest = i32v("destSeqId", dest_seq_id)?;
         let (opts, progress, signal) = load_options(options)?;
         self.run_async(
+            &env,
             LoadFileJob {
-                path: path.into(),
+                path: args::path("path", &path)?,
                 dest: Some(dest),
                 opts,
             },
@@ -852,13 +891,13 @@ impl KvCache {
     #[napi]
     pub fn save_session_file_sync(
         &self,
-        path: String,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<(), Code> {
         let (opts, arch, ..) = save_options(options)?;
         self.run_sync(SaveFileJob {
-            path: path.into(),
+            path: args::path("path", &path)?,
             seq: None,
             arch,
             tokens: tokens.0,
@@ -870,14 +909,16 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<void>")]
     pub fn save_session_file(
         &self,
-        path: String,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
-    ) -> Result<AsyncTask<CacheTask<SaveFileJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let (opts, arch, progress, signal) = save_options(options)?;
         self.run_async(
+            &env,
             SaveFileJob {
-                path: path.into(),
+                path: args::path("path", &path)?,
                 seq: None,
                 arch,
                 tokens: tokens.0,
@@ -892,12 +933,12 @@ impl KvCache {
     #[napi]
     pub fn load_session_file_sync(
         &self,
-        path: String,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<LoadedFile, Code> {
         let (opts, ..) = load_options(options)?;
         self.run_sync(LoadFileJob {
-            path: path.into(),
+            path: args::path("path", &path)?,
             dest: None,
             opts,
         })
@@ -907,13 +948,15 @@ impl KvCache {
     #[napi(ts_return_type = "Promise<LoadedFile>")]
     pub fn load_session_file(
         &self,
-        path: String,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
-    ) -> Result<AsyncTask<CacheTask<LoadFileJob>>, Code> {
+    ) -> Result<JsPromise, Code> {
         let (opts, progress, signal) = load_options(options)?;
         self.run_async(
+            &env,
             LoadFileJob {
-                path: path.into(),
+                path: args::path("path", &path)?,
                 dest: None,
                 opts,
             },

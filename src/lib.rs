@@ -12,5 +12,6 @@ mod error;
 mod inspect;
 mod jobs;
 mod kv_cache;
+mod queue;
 mod tasks;
 mod types;

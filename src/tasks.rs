@@ -1,7 +1,8 @@
 //! Async work on the libuv threadpool. Every long operation is a [`Job`] run either directly
 //! (the `...Sync` twin, on the JS thread) or inside a [`CacheTask`] (the Promise twin), so both
-//! share one implementation. A task marks the cache pending from creation to completion;
-//! synchronous calls meanwhile throw `ERR_KV_BUSY`, further tasks queue.
+//! share one implementation. A task keeps the cache pending from its call until its promise
+//! settles; synchronous calls meanwhile throw `ERR_KV_BUSY`, further tasks queue
+//! ([`crate::queue`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,8 +11,11 @@ use llama_kv_cache as core;
 use napi::bindgen_prelude::*;
 use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 
-use crate::error::{coded_error, err, from_core, guard, Code, JsErr, JsResult};
+use napi::sys;
+
+use crate::error::{err, from_core, guard, js_error, Code, JsErr, JsResult};
 use crate::kv_cache::Shared;
+use crate::queue::{Deferred, Queued};
 
 /// JS progress callback `(done, total) => void`, callable from the threadpool.
 pub type ProgressFn =
@@ -60,39 +64,66 @@ impl Control {
     }
 }
 
-/// A [`Job`] on the threadpool.
+/// A [`Job`] on the threadpool, settling its own promise (see [`crate::queue`]).
 pub struct CacheTask<J: Job> {
     shared: Arc<Shared>,
     job: J,
     control: Control,
+    deferred: Option<Deferred>,
     failure: Option<JsErr>,
 }
 
 impl<J: Job> CacheTask<J> {
-    /// Creates the task and marks the cache pending.
-    pub fn new(shared: Arc<Shared>, job: J, control: Control) -> Self {
-        shared.pending.fetch_add(1, Ordering::SeqCst);
+    /// The task for `job`, settling `deferred` when done.
+    pub fn new(shared: Arc<Shared>, job: J, control: Control, deferred: Deferred) -> Self {
         CacheTask {
             shared,
             job,
             control,
+            deferred: Some(deferred),
             failure: None,
+        }
+    }
+
+    /// Settles the promise and lets the next queued operation start. Never fails: napi's own
+    /// promise for this work has no listener, and rejecting it would be an unhandled rejection.
+    fn settle(&mut self, env: &Env, outcome: JsResult<sys::napi_value>) {
+        let outcome = outcome.map_err(|e| js_error(env.raw(), e));
+        if let Some(deferred) = self.deferred.take() {
+            deferred.settle(env.raw(), outcome);
+        }
+        self.shared.queue.finished(env);
+    }
+}
+
+impl<J: Job> Queued for CacheTask<J> {
+    fn start(self: Box<Self>, env: &Env) -> bool {
+        // false: the task was dropped with its promise unsettled; this only happens when
+        // Node-API cannot create or queue work at all (the env is tearing down)
+        env.spawn(*self).is_ok()
+    }
+
+    fn abort(mut self: Box<Self>, env: &Env) {
+        if let Some(deferred) = self.deferred.take() {
+            deferred.settle(env.raw(), Err(js_error(env.raw(), aborted())));
         }
     }
 }
 
-impl<J: Job> Drop for CacheTask<J> {
-    fn drop(&mut self) {
-        self.shared.pending.fetch_sub(1, Ordering::SeqCst);
-    }
+/// The error of an aborted operation.
+pub fn aborted() -> JsErr {
+    err(Code::Aborted, "the operation was aborted")
 }
 
 impl<J: Job> Task for CacheTask<J> {
     type Output = J::Output;
-    type JsValue = J::Js;
+    type JsValue = ();
 
     fn compute(&mut self) -> napi::Result<Self::Output> {
         let result = guard(|| {
+            if self.control.aborted.load(Ordering::SeqCst) {
+                return Err(aborted());
+            }
             let mut lock = self.shared.lock_for_task()?;
             let cache = lock
                 .as_mut()
@@ -107,14 +138,22 @@ impl<J: Job> Task for CacheTask<J> {
         })
     }
 
-    fn resolve(&mut self, env: Env, output: Self::Output) -> napi::Result<Self::JsValue> {
-        J::to_js(output).map_err(|e| coded_error(env.raw(), e))
+    fn resolve(&mut self, env: Env, output: Self::Output) -> napi::Result<()> {
+        let value = J::to_js(output).and_then(|js| {
+            // SAFETY: on the JS thread of `env`, inside the completion callback
+            unsafe { J::Js::to_napi_value(env.raw(), js) }
+                .map_err(|e| err(Code::Internal, e.reason.clone()))
+        });
+        self.settle(&env, value);
+        Ok(())
     }
 
-    fn reject(&mut self, env: Env, e: napi::Error) -> napi::Result<Self::JsValue> {
-        Err(match self.failure.take() {
-            Some(coded) => coded_error(env.raw(), coded),
-            None => e,
-        })
+    fn reject(&mut self, env: Env, e: napi::Error) -> napi::Result<()> {
+        let failure = self
+            .failure
+            .take()
+            .unwrap_or_else(|| err(Code::Internal, e.reason.clone()));
+        self.settle(&env, Err(failure));
+        Ok(())
     }
 }

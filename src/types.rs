@@ -177,7 +177,8 @@ pub struct UpdateOptions {
     pub rope_layers: Option<Vec<LayerRope>>,
     /// Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536.
     pub max_nodes: Option<f64>,
-    /// Aborts the async `update` while it is queued.
+    /// Aborts the async `update` while it is queued; the promise rejects with `ERR_KV_ABORTED`
+    /// (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<crate::args::Signal>,
 }
@@ -251,7 +252,8 @@ pub struct SaveOptions {
     /// Called with `(doneBytes, totalBytes)` while the state is written.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<crate::tasks::ProgressFn>,
-    /// Aborts the async operation (also while it runs).
+    /// Aborts the async operation (also while it runs); the promise rejects with
+    /// `ERR_KV_ABORTED` (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<crate::args::Signal>,
 }
@@ -266,7 +268,8 @@ pub struct LoadOptions {
     /// Called with `(doneBytes, totalBytes)`.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<crate::tasks::ProgressFn>,
-    /// Aborts the async operation until data starts being written (after that it completes).
+    /// Aborts the async operation until data starts being written (after that it completes); the
+    /// promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<crate::args::Signal>,
 }

@@ -1,0 +1,187 @@
+// Regression tests for the broken promises of issue 10, one test (or group) per item, each
+// named after the bug it pins.
+import test from 'ava'
+import crypto from 'node:crypto'
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { createRequire } from 'node:module'
+
+const require = createRequire(import.meta.url)
+const { KvCache, inspectState, convertStateFile } = require('../index.js')
+
+const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-robust-'))
+const make = (o = {}) => new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 4, ...o })
+const seq = (s, p0, n) => ({ pos: Array.from({ length: n }, (_, k) => p0 + k), seqIds: Array(n).fill(s) })
+const code = (t, fn, expected, message) => {
+  const e = t.throws(fn)
+  t.is(e.code, expected, e.message)
+  if (message) t.regex(e.message, message)
+  return e
+}
+const isAbort = (t, e) => {
+  t.is(e.code, 'ERR_KV_ABORTED', e.message)
+  t.is(e.name, 'AbortError')
+  t.true(e instanceof Error)
+}
+
+function filled(o) {
+  const c = make(o)
+  c.findSlot(seq(0, 0, 5))
+  c.findSlot(seq(1, 0, 4))
+  for (let il = 0; il < 2; il++) c.writeKF32(il, 0, Float32Array.from({ length: 9 * 32 }, (_, j) => j / 7))
+  return c
+}
+
+// Occupies every libuv threadpool thread for a while (pbkdf2 runs there), so that work queued
+// now waits for a thread.
+function saturateThreadpool() {
+  const size = Number(process.env.UV_THREADPOOL_SIZE ?? 4)
+  return Promise.all(
+    Array.from({ length: size }, () => new Promise((resolve) => crypto.pbkdf2('x', 'y', 100_000, 32, 'sha256', resolve))),
+  )
+}
+
+// ---- 2. async calls queue per cache --------------------------------------------------------
+
+test('back-to-back async calls queue instead of throwing ERR_KV_BUSY (issue 10.2)', async (t) => {
+  const c = filled()
+  const ps = Array.from({ length: 20 }, () => c.stateWrite())
+  const blobs = await Promise.all(ps)
+  for (const b of blobs) t.deepEqual(b, blobs[0])
+})
+
+test('queued async calls run in call order (issue 10.2)', async (t) => {
+  const a = filled()
+  const other = make()
+  other.findSlot(seq(2, 0, 3))
+  const otherBlob = other.stateWriteSync()
+  const before = a.stateWrite()
+  const read = a.stateRead(otherBlob)
+  const after = a.stateWrite()
+  const [b1, r, b2] = await Promise.all([before, read, after])
+  t.is(b1.length, filled().stateWriteSync().length, 'the first write saw the cache before the read')
+  t.is(r.cells, 3)
+  t.deepEqual(b2, otherBlob, 'the last write saw the cache after the read')
+})
+
+test('Promise.all of two saveSequenceFile calls writes both files (issue 10.2)', async (t) => {
+  const dir = tmp()
+  const c = filled()
+  const [a, b] = [path.join(dir, 'a.ggsq'), path.join(dir, 'b.ggsq')]
+  await Promise.all([c.saveSequenceFile(a, 0, [1, 2, 3, 4, 5]), c.saveSequenceFile(b, 1, [6, 7, 8, 9])])
+  const d = make()
+  t.deepEqual(Array.from((await d.loadSequenceFile(a, 0)).tokens), [1, 2, 3, 4, 5])
+  t.deepEqual(Array.from((await d.loadSequenceFile(b, 1)).tokens), [6, 7, 8, 9])
+  t.is(d.seqCellCount(0), 5)
+  t.is(d.seqCellCount(1), 4)
+})
+
+test('sync calls throw ERR_KV_BUSY while any async call is queued or running (issue 10.2)', async (t) => {
+  const c = filled()
+  const first = c.stateWrite()
+  const second = c.update()
+  code(t, () => c.seqRm(0), 'ERR_KV_BUSY')
+  code(t, () => c.dispose(), 'ERR_KV_BUSY')
+  await first
+  code(t, () => c.usedCells, 'ERR_KV_BUSY', /busy/)
+  await second
+  t.is(c.usedCells, 9)
+})
+
+test('a failed queued call does not stall the ones behind it (issue 10.2)', async (t) => {
+  const c = filled()
+  const bad = c.stateRead(Buffer.from([1, 2, 3]))
+  const good = c.stateWrite()
+  const e = await t.throwsAsync(bad)
+  t.is(e.code, 'ERR_KV_INVALID_STATE')
+  t.true((await good).length > 0)
+  t.is(c.usedCells, 9)
+})
+
+// ---- 3. aborts carry ERR_KV_ABORTED ----------------------------------------------------------
+
+test('an abort while the task waits in the cache queue rejects with ERR_KV_ABORTED at once (issue 10.3)', async (t) => {
+  const c = filled()
+  const ac = new AbortController()
+  const head = c.stateWrite()
+  const queued = c.update({ signal: ac.signal })
+  const tail = c.stateWrite()
+  ac.abort()
+  isAbort(t, await t.throwsAsync(queued))
+  const [a, b] = await Promise.all([head, tail])
+  t.deepEqual(a, b, 'the calls around the aborted one still ran')
+  t.true(c.seqRm(0), 'nothing is left pending')
+})
+
+test('an abort while the task waits for a threadpool thread rejects with ERR_KV_ABORTED, not Cancelled (issue 10.3)', async (t) => {
+  const c = filled()
+  const busy = saturateThreadpool()
+  const ac = new AbortController()
+  const p = c.stateWrite(-1, { signal: ac.signal })
+  ac.abort()
+  isAbort(t, await t.throwsAsync(p))
+  await busy
+  t.is(c.usedCells, 9, 'the cache is usable afterwards')
+})
+
+test('an already aborted signal rejects with ERR_KV_ABORTED and AbortError (issue 10.3)', async (t) => {
+  const c = filled()
+  const ac = new AbortController()
+  ac.abort()
+  for (const p of [c.update({ signal: ac.signal }), c.stateWrite(-1, { signal: ac.signal }),
+    c.saveSessionFile(path.join(tmp(), 's'), [], { signal: ac.signal })]) {
+    isAbort(t, await t.throwsAsync(p))
+  }
+  t.is(c.usedCells, 9)
+})
+
+// ---- 4. every argument error has an ERR_KV_ code ---------------------------------------------
+
+test('non-string paths are ERR_KV_INVALID_ARG naming the argument, not StringExpected (issue 10.4)', async (t) => {
+  const c = filled()
+  for (const bad of [5, {}, null, undefined, true]) {
+    code(t, () => c.saveSequenceFileSync(bad, 0, []), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => c.loadSequenceFileSync(bad, 0), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => c.saveSessionFileSync(bad, []), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => c.loadSessionFileSync(bad), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => c.saveSequenceFile(bad, 0, []), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => c.loadSessionFile(bad), 'ERR_KV_INVALID_ARG', /path/)
+    code(t, () => convertStateFile(bad, 'out'), 'ERR_KV_INVALID_ARG', /input/)
+    code(t, () => convertStateFile('in', bad), 'ERR_KV_INVALID_ARG', /output/)
+  }
+  code(t, () => c.saveSessionFileSync('a\0b', []), 'ERR_KV_INVALID_ARG', /NUL/)
+})
+
+test('a Buffer path is accepted as fs accepts it (issue 10.4)', async (t) => {
+  const file = path.join(tmp(), 'buf.ggsn')
+  const c = filled()
+  c.saveSessionFileSync(Buffer.from(file), [1, 2])
+  t.true(fs.existsSync(file))
+  await c.saveSessionFile(Buffer.from(file), [1, 2, 3])
+  t.deepEqual(Array.from(make().loadSessionFileSync(Buffer.from(file)).tokens), [1, 2, 3])
+  t.is(inspectState(Buffer.from(fs.readFileSync(file))).nTokens, 3)
+})
+
+test('rowSize with a non-string tensor is ERR_KV_INVALID_ARG (issue 10.4)', (t) => {
+  const c = make()
+  code(t, () => c.rowSize(0, 5), 'ERR_KV_INVALID_ARG', /tensor must be a string, got number/)
+  code(t, () => c.rowSize(0, 'q'), 'ERR_KV_INVALID_ARG', /tensor/)
+})
+
+test('inspectState of a number, ArrayBuffer or plain object is ERR_KV_INVALID_ARG (issue 10.4)', (t) => {
+  code(t, () => inspectState(5), 'ERR_KV_INVALID_ARG', /source must be/)
+  code(t, () => inspectState(new ArrayBuffer(8)), 'ERR_KV_INVALID_ARG', /ArrayBuffer/)
+  code(t, () => inspectState({}), 'ERR_KV_INVALID_ARG', /object/)
+  code(t, () => inspectState(new Float32Array(4)), 'ERR_KV_INVALID_ARG', /typed array/)
+})
+
+test('KvCache called without new is ERR_KV_INVALID_ARG and attaches nothing (issue 10.4)', (t) => {
+  const opts = { size: 8, nLayer: 1, nEmbdKGqa: 4 }
+  code(t, () => KvCache(opts), 'ERR_KV_INVALID_ARG', /new KvCache/)
+  const receiver = {}
+  code(t, () => KvCache.call(receiver, opts), 'ERR_KV_INVALID_ARG', /new KvCache/)
+  t.is(Object.getPrototypeOf(receiver), Object.prototype)
+  class Sub extends KvCache {}
+  t.is(new Sub(opts).size, 8, 'subclasses still construct')
+})
