@@ -80,9 +80,15 @@ export declare class KvCache {
   seqCp(src: number, dst: number, p0?: number, p1?: number): void
   /** Frees every cell not owned by `seqId` and drops other sequences from the rest. */
   seqKeep(seqId: number): void
-  /** Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`. */
+  /**
+   * Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+   * `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
+   */
   seqAdd(seqId: number, p0: number, p1: number, delta: number): void
-  /** Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). */
+  /**
+   * Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
+   * changes nothing, as in llama.cpp.
+   */
   seqDiv(seqId: number, p0: number, p1: number, d: number): void
   /** Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era. */
   seqPosMax(seqId: number): number
@@ -105,6 +111,8 @@ export declare class KvCache {
   prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
   /** Metadata of cell `index`. */
   cell(index: number): CellInfo
+  /** Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call. */
+  cells(): CellColumns
   /** A snapshot of every cell, listing at most `nSeqMax` (default 4) sequences per cell. */
   view(nSeqMax?: number): CacheView
   /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */
@@ -197,6 +205,25 @@ export interface CacheView {
   maxContiguous: number
   /** Start of that run, -1 when there is none. */
   maxContiguousIdx: number
+}
+
+/** Every cell's metadata as typed arrays, indexed by cell: one call for a cache of any size. */
+export interface CellColumns {
+  /** Position, -1 when free. */
+  pos: Int32Array
+  /** Position change pending for the K-shift. */
+  delta: Int32Array
+  /** Recurrent: cell this one copies its state from (-1: none). */
+  src: Int32Array
+  /** Recurrent: for cell i, the cell holding sequence i's state (-1: none). */
+  tail: Int32Array
+  /**
+   * `size + 1` offsets into `seqIds`: cell i's sequences are
+   * `seqIds.subarray(seqOffsets[i], seqOffsets[i + 1])`.
+   */
+  seqOffsets: Uint32Array
+  /** Every cell's sequence ids, ascending per cell, concatenated. */
+  seqIds: Int32Array
 }
 
 /** One cell's metadata. */

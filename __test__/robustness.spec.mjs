@@ -185,3 +185,65 @@ test('KvCache called without new is ERR_KV_INVALID_ARG and attaches nothing (iss
   class Sub extends KvCache {}
   t.is(new Sub(opts).size, 8, 'subclasses still construct')
 })
+
+// ---- 9. seqAdd(-1) / seqDiv(-1) as llama.cpp --------------------------------------------------
+
+test('seqAdd(-1) and seqDiv(-1) match no cell instead of throwing ERR_KV_OUT_OF_RANGE; seqAdd resets head (issue 10.9)', (t) => {
+  const c = make()
+  c.prepareBatch(seq(0, 0, 5))
+  c.prepareBatch(seq(1, 0, 3))
+  const head = c.head
+  t.not(head, 0)
+  const before = c.cells()
+  c.seqDiv(-1, 0, -1, 2)
+  t.is(c.head, head, 'seqDiv never moves the head')
+  c.seqAdd(-1, 0, -1, 3)
+  t.is(c.head, 0, 'seqAdd resets the head though it matched nothing')
+  t.deepEqual(c.cells(), before)
+  t.false(c.hasShift)
+  code(t, () => c.seqAdd(-2, 0, -1, 3), 'ERR_KV_OUT_OF_RANGE')
+  code(t, () => c.seqDiv(-1, 0, -1, 0), 'ERR_KV_INVALID_ARG')
+})
+
+// ---- 10. one call for all cell metadata -------------------------------------------------------
+
+test('cells() returns every cell\'s metadata as typed arrays in one call (issue 10.10)', (t) => {
+  const c = make({ size: 8 })
+  c.findSlot({ pos: [0, 1, 2], seqIds: [[0, 1, 3], 0, 2] })
+  c.seqAdd(0, 1, 2, 4)
+  const cols = c.cells()
+  t.true(cols.pos instanceof Int32Array)
+  t.true(cols.seqOffsets instanceof Uint32Array)
+  t.is(cols.pos.length, 8)
+  t.is(cols.seqOffsets.length, 9)
+  for (let i = 0; i < 8; i++) {
+    const one = c.cell(i)
+    t.is(cols.pos[i], one.pos)
+    t.is(cols.delta[i], one.delta)
+    t.is(cols.src[i], one.src)
+    t.is(cols.tail[i], one.tail)
+    t.deepEqual(Array.from(cols.seqIds.subarray(cols.seqOffsets[i], cols.seqOffsets[i + 1])), one.seqIds)
+  }
+  t.deepEqual(Array.from(cols.seqIds), [0, 1, 3, 0, 2])
+  t.is(cols.delta[1], 4)
+})
+
+test('cells() of a recurrent cache carries src and tail (issue 10.10)', (t) => {
+  const c = make({ size: 4, recurrent: true })
+  c.findSlot({ pos: [0, 1], seqIds: [2], nSeqTokens: 2 })
+  const cols = c.cells()
+  for (let i = 0; i < 4; i++) {
+    t.is(cols.src[i], c.cell(i).src)
+    t.is(cols.tail[i], c.cell(i).tail)
+  }
+  t.true(Array.from(cols.tail).some((x) => x >= 0))
+})
+
+test('cells() of a 65,536-cell cache is one call (issue 10.10)', (t) => {
+  const c = new KvCache({ size: 65536, nLayer: 1, nEmbdKGqa: 4, nSeqMax: 8 })
+  for (let s = 0; s < 8; s++) c.findSlot(seq(s, 0, 512))
+  const cols = c.cells()
+  t.is(cols.pos.length, 65536)
+  t.is(cols.seqIds.length, 8 * 512)
+  t.is(cols.seqOffsets[65536], 8 * 512)
+})

@@ -471,6 +471,7 @@ impl KvCache {
     }
 
     /// Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+    /// `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
     #[napi]
     pub fn seq_add(
         &self,
@@ -483,7 +484,8 @@ impl KvCache {
         self.with(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
     }
 
-    /// Divides positions of `seqId` in `[p0, p1)` by `d` (> 0).
+    /// Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
+    /// changes nothing, as in llama.cpp.
     #[napi]
     pub fn seq_div(
         &self,
@@ -584,6 +586,22 @@ impl KvCache {
                 src: cell.src,
                 tail: cell.tail,
                 seq_ids: cell.seqs.iter().map(|s| s as i32).collect(),
+            })
+        })
+    }
+
+    /// Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call.
+    #[napi]
+    pub fn cells(&self) -> Result<CellColumns, Code> {
+        self.with(|c| {
+            let cols = c.cell_columns().map_err(from_core)?;
+            Ok(CellColumns {
+                pos: Int32Array::new(cols.pos),
+                delta: Int32Array::new(cols.delta),
+                src: Int32Array::new(cols.src),
+                tail: Int32Array::new(cols.tail),
+                seq_offsets: Uint32Array::new(cols.seq_offsets),
+                seq_ids: Int32Array::new(cols.seq_ids),
             })
         })
     }

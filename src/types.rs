@@ -112,6 +112,24 @@ pub struct CellInfo {
     pub seq_ids: Vec<i32>,
 }
 
+/// Every cell's metadata as typed arrays, indexed by cell: one call for a cache of any size.
+#[napi(object)]
+pub struct CellColumns {
+    /// Position, -1 when free.
+    pub pos: Int32Array,
+    /// Position change pending for the K-shift.
+    pub delta: Int32Array,
+    /// Recurrent: cell this one copies its state from (-1: none).
+    pub src: Int32Array,
+    /// Recurrent: for cell i, the cell holding sequence i's state (-1: none).
+    pub tail: Int32Array,
+    /// `size + 1` offsets into `seqIds`: cell i's sequences are
+    /// `seqIds.subarray(seqOffsets[i], seqOffsets[i + 1])`.
+    pub seq_offsets: Uint32Array,
+    /// Every cell's sequence ids, ascending per cell, concatenated.
+    pub seq_ids: Int32Array,
+}
+
 /// A snapshot of every cell (llama.cpp's `llama_kv_cache_view`).
 #[napi(object)]
 pub struct CacheView {

@@ -226,6 +226,16 @@ impl Cells {
         &self.delta
     }
 
+    /// Column of recurrent copy sources.
+    pub fn src_column(&self) -> &[i32] {
+        &self.src
+    }
+
+    /// Column of recurrent tails.
+    pub fn tail_column(&self) -> &[i32] {
+        &self.tail
+    }
+
     /// Number of sequences tracked.
     pub fn n_seq(&self) -> usize {
         self.seq_cells.len()

@@ -14,6 +14,7 @@
 //! assert_eq!(cache.seq_pos_max(0).unwrap(), 3);
 //! ```
 
+pub mod alloc;
 mod cache;
 pub mod cells;
 #[cfg(feature = "cuda")]
@@ -46,4 +47,4 @@ pub use slot::{PrepareOptions, Slot};
 pub use state::{Layout, ReadOptions, ReadSummary};
 pub use storage::{Device, Tensor};
 pub use ubatch::UBatch;
-pub use view::CacheView;
+pub use view::{CacheView, CellColumns};

@@ -129,9 +129,14 @@ impl KvCache {
 
     /// Adds `delta` to the positions of `seq` in `[p0, p1)` and records it for the K-shift;
     /// cells pushed below position 0 are freed. The search head moves to the first freed cell,
-    /// or to 0.
+    /// or to 0. `seq` -1 matches no cell, as in the seed (whose cells never hold -1), but
+    /// still moves the head to 0 in a non-recurrent cache.
     pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        let s = self.check_seq("seqAdd", seq)?;
+        let s = if seq == -1 {
+            None
+        } else {
+            Some(self.check_seq("seqAdd", seq)?)
+        };
         if delta == 0 {
             return Ok(());
         }
@@ -139,6 +144,14 @@ impl KvCache {
         if p0 == p1 {
             return Ok(());
         }
+        let Some(s) = s else {
+            // the seed's recurrent branch checks `0 <= seq_id` and returns; the other scans
+            // every cell, matches none and resets the head
+            if !self.params.recurrent {
+                self.head = 0;
+            }
+            return Ok(());
+        };
         if self.params.recurrent {
             let tail = self.cells.tail(s);
             if tail >= 0 {
@@ -167,14 +180,22 @@ impl KvCache {
     }
 
     /// Divides the positions of `seq` in `[p0, p1)` by `d` (integer division, as self-extend
-    /// does) and records the change for the K-shift. `d` must be positive.
+    /// does) and records the change for the K-shift. `d` must be positive. `seq` -1 matches
+    /// no cell and changes nothing, as in the seed (whose `seq_div` never moves the head).
     pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        let s = self.check_seq("seqDiv", seq)?;
+        let s = if seq == -1 {
+            None
+        } else {
+            Some(self.check_seq("seqDiv", seq)?)
+        };
         if d <= 0 {
             return Err(KvError::InvalidArg(format!(
                 "seqDiv: divisor must be a positive integer, got {d}"
             )));
         }
+        let Some(s) = s else {
+            return Ok(());
+        };
         if d == 1 {
             return Ok(());
         }

@@ -1,6 +1,8 @@
 //! The cache view (`llama_kv_cache_view_update`): a snapshot of every cell for debugging and UIs.
 
+use crate::alloc;
 use crate::cache::KvCache;
+use crate::error::Result;
 
 /// A snapshot of the cells, as llama.cpp's `llama_kv_cache_view`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,7 +21,46 @@ pub struct CacheView {
     pub max_contiguous_idx: i32,
 }
 
+/// Every cell's metadata as columns: one call for a view of any cache size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CellColumns {
+    /// Per cell: position, -1 when free.
+    pub pos: Vec<i32>,
+    /// Per cell: position change pending for the K-shift.
+    pub delta: Vec<i32>,
+    /// Per cell: recurrent copy source (-1 when none).
+    pub src: Vec<i32>,
+    /// Per cell: recurrent tail (for cell i, the cell holding sequence i's state; -1 when none).
+    pub tail: Vec<i32>,
+    /// Sequence sets in compressed-row form: cell i's sequence ids are
+    /// `seq_ids[seq_offsets[i]..seq_offsets[i + 1]]`, ascending. `size + 1` entries.
+    pub seq_offsets: Vec<u32>,
+    /// The sequence ids of every cell, concatenated.
+    pub seq_ids: Vec<i32>,
+}
+
 impl KvCache {
+    /// Copies every cell's metadata into [`CellColumns`].
+    pub fn cell_columns(&self) -> Result<CellColumns> {
+        let cells = &self.cells;
+        let size = cells.len();
+        let mut seq_offsets = alloc::with_capacity(size + 1, "the cell columns")?;
+        let mut seq_ids = alloc::with_capacity(cells.n_tokens() as usize, "the cell columns")?;
+        seq_offsets.push(0);
+        for seqs in cells.seqs_column() {
+            seq_ids.extend(seqs.iter().map(|s| s as i32));
+            seq_offsets.push(seq_ids.len() as u32);
+        }
+        Ok(CellColumns {
+            pos: alloc::copy(cells.pos_column(), "the cell columns")?,
+            delta: alloc::copy(cells.delta_column(), "the cell columns")?,
+            src: alloc::copy(cells.src_column(), "the cell columns")?,
+            tail: alloc::copy(cells.tail_column(), "the cell columns")?,
+            seq_offsets,
+            seq_ids,
+        })
+    }
+
     /// Builds the view, listing at most `n_seq_max` sequence ids per cell.
     pub fn view(&self, n_seq_max: usize) -> CacheView {
         let cells = &self.cells;

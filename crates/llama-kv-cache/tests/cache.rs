@@ -136,6 +136,43 @@ fn seq_add_frees_cells_pushed_below_zero_and_moves_head() {
 }
 
 #[test]
+fn regression_seq_add_and_seq_div_of_seq_minus_one_match_no_cell_and_seq_add_resets_head() {
+    // issue 10.9: they threw OutOfRange; llama.cpp's recorded traces call them with -1
+    let mut c = cache(8, 2);
+    place(&mut c, 0, 0, 3);
+    place(&mut c, 1, 0, 2);
+    let head = c.head();
+    assert_ne!(head, 0);
+    let before: Vec<_> = (0..8).map(|i| c.cell(i).unwrap()).collect();
+    c.seq_div(-1, 0, -1, 2).unwrap();
+    assert_eq!(c.head(), head, "the seed's seq_div never moves the head");
+    c.seq_add(-1, 0, -1, 0).unwrap();
+    assert_eq!(c.head(), head, "delta 0 returns before the scan");
+    c.seq_add(-1, 0, -1, -4).unwrap();
+    assert_eq!(c.head(), 0, "the scan matched nothing: head goes to 0");
+    let after: Vec<_> = (0..8).map(|i| c.cell(i).unwrap()).collect();
+    assert_eq!(before, after);
+    assert!(!c.has_shift());
+    assert_eq!(c.used_cells(), 5);
+    assert!(c.seq_div(-1, 0, 1, 0).is_err(), "d <= 0 stays an error");
+    assert!(
+        c.seq_add(-2, 0, 1, 1).is_err(),
+        "other negative ids stay out of range"
+    );
+    // a recurrent cache returns before touching anything, head included
+    let mut p = CacheParams::new(4, 1, 8, 8);
+    p.recurrent = true;
+    p.n_seq_max = 4;
+    let mut r = KvCache::new(p).unwrap();
+    r.find_slot(&UBatch::sequence(0, 0, 1)).unwrap().unwrap();
+    let recurrent_head = r.head();
+    r.seq_add(-1, 0, -1, 3).unwrap();
+    r.seq_div(-1, 0, -1, 2).unwrap();
+    assert_eq!(r.head(), recurrent_head);
+    assert_eq!(r.cell(0).unwrap().pos, 0);
+}
+
+#[test]
 fn seq_add_refuses_position_overflow() {
     let mut c = cache(8, 1);
     place(&mut c, 0, i32::MAX - 2, 2);

@@ -38,8 +38,8 @@ fn transformer_op() -> impl Strategy<Value = Op> {
         2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
         1 => (0..N_SEQ, 0..N_SEQ, range.clone()).prop_map(|(s, d, (a, b))| Op::Cp(s, d, a, b)),
         1 => (0..N_SEQ).prop_map(Op::Keep),
-        2 => (0..N_SEQ, range.clone(), -20..20i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
-        1 => (0..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+        2 => (-1..N_SEQ, range.clone(), -20..20i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        1 => (-1..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
         1 => Just(Op::Clear),
     ]
 }
@@ -78,8 +78,8 @@ fn recurrent_op() -> impl Strategy<Value = Op> {
         2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
         1 => (0..N_SEQ, 0..N_SEQ).prop_map(|(s, d)| Op::Cp(s, d, -1, -1)),
         1 => (0..N_SEQ).prop_map(Op::Keep),
-        1 => (0..N_SEQ, range.clone(), -5..5i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
-        1 => (0..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+        1 => (-1..N_SEQ, range.clone(), -5..5i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        1 => (-1..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
         1 => Just(Op::Clear),
     ]
 }

@@ -170,6 +170,9 @@ impl RefCache {
             return;
         }
         if self.recurrent {
+            if seq < 0 {
+                return;
+            }
             let tail = self.cells[seq as usize].tail;
             if tail >= 0 {
                 let c = &mut self.cells[tail as usize];
@@ -210,6 +213,9 @@ impl RefCache {
             return;
         }
         if self.recurrent {
+            if seq < 0 {
+                return;
+            }
             let tail = self.cells[seq as usize].tail;
             if tail >= 0 {
                 let c = &mut self.cells[tail as usize];

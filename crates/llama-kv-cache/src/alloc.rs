@@ -1,0 +1,110 @@
+//! Fallible allocation for every buffer whose size comes from input (cache geometry, row
+//! counts, state payloads, files). Rust's `vec![..]` and `Vec::with_capacity` abort the process
+//! when memory runs out; inside Node that kills the whole application, so these return
+//! [`KvError::Backend`] instead.
+//!
+//! Zeroed buffers come from `alloc_zeroed` (calloc): the OS hands out zero pages lazily, so a
+//! big cache costs no page faults until its cells are written.
+
+use std::alloc::{alloc_zeroed, Layout};
+
+use crate::error::{KvError, Result};
+
+/// Types whose all-zero bit pattern is a valid value.
+///
+/// # Safety
+/// Implement only for types where every byte being 0 is a valid, initialized value.
+pub unsafe trait Zeroable: Copy {}
+
+// SAFETY: plain integers and floats: all-zero is 0 / 0.0
+unsafe impl Zeroable for u8 {}
+// SAFETY: as above
+unsafe impl Zeroable for i32 {}
+// SAFETY: as above
+unsafe impl Zeroable for u32 {}
+// SAFETY: as above
+unsafe impl Zeroable for u64 {}
+// SAFETY: as above
+unsafe impl Zeroable for f32 {}
+
+fn too_big(n: usize, size: usize, what: &str) -> KvError {
+    KvError::Backend(format!(
+        "cannot allocate {} bytes for {what}",
+        (n as u128) * (size as u128)
+    ))
+}
+
+/// `n` zeroed values, allocated lazily by the OS where it can.
+pub fn zeroed<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
+    if n == 0 || std::mem::size_of::<T>() == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = Layout::array::<T>(n).map_err(|_| too_big(n, std::mem::size_of::<T>(), what))?;
+    // SAFETY: the layout has a non-zero size (n > 0 and T is not zero-sized)
+    let ptr = unsafe { alloc_zeroed(layout) } as *mut T;
+    if ptr.is_null() {
+        return Err(too_big(n, std::mem::size_of::<T>(), what));
+    }
+    // SAFETY: `ptr` comes from the global allocator with exactly the layout `Vec<T>` uses for a
+    // capacity of `n` (Layout::array::<T>(n)), and all `n` values are initialized: zero bytes
+    // are a valid T (Zeroable)
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
+/// `n` copies of `value`.
+pub fn filled<T: Clone>(n: usize, value: T, what: &str) -> Result<Vec<T>> {
+    let mut v = with_capacity(n, what)?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// An empty vector with room for `n` values.
+pub fn with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| too_big(n, std::mem::size_of::<T>(), what))?;
+    Ok(v)
+}
+
+/// A copy of `data`.
+pub fn copy<T: Clone>(data: &[T], what: &str) -> Result<Vec<T>> {
+    let mut v = with_capacity(data.len(), what)?;
+    v.extend_from_slice(data);
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zeroed_buffers_are_zero_and_sized() {
+        let v: Vec<f32> = zeroed(1000, "test").unwrap();
+        assert_eq!(v.len(), 1000);
+        assert!(v.iter().all(|&x| x == 0.0));
+        assert!(zeroed::<u8>(0, "test").unwrap().is_empty());
+    }
+
+    #[test]
+    fn impossible_sizes_are_backend_errors_not_aborts() {
+        let e = zeroed::<u64>(usize::MAX / 4, "huge").unwrap_err();
+        assert!(
+            matches!(e, KvError::Backend(ref m) if m.contains("huge")),
+            "{e}"
+        );
+        assert!(matches!(
+            with_capacity::<u32>(usize::MAX / 2, "x"),
+            Err(KvError::Backend(_))
+        ));
+        assert!(matches!(
+            filled(usize::MAX / 8, 1i32, "x"),
+            Err(KvError::Backend(_))
+        ));
+    }
+
+    #[test]
+    fn copies_and_fills() {
+        assert_eq!(copy(&[1, 2, 3], "x").unwrap(), vec![1, 2, 3]);
+        assert_eq!(filled(3, -1i32, "x").unwrap(), vec![-1, -1, -1]);
+    }
+}
