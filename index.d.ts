@@ -131,9 +131,15 @@ export declare class KvCache {
   writeKF32(layer: number, firstCell: number, values: Float32Array): void
   /** Writes f32 V rows, converted to the cache's type. */
   writeVF32(layer: number, firstCell: number, values: Float32Array): void
-  /** Applies a pending K-shift (given `rope`) and a pending defrag, synchronously. */
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag, synchronously.
+   */
   updateSync(options?: UpdateOptions): UpdateReport
-  /** Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool. */
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag on the threadpool.
+   */
   update(options?: UpdateOptions): Promise<UpdateReport>
   /** Bytes `stateWrite(seqId, options)` will produce. */
   stateSize(seqId?: number, options?: SaveOptions): number
@@ -173,6 +179,13 @@ export declare class KvCache {
   loadSessionFileSync(path: string | Uint8Array, options?: LoadOptions): LoadedFile
   /** Loads a session file on the threadpool. */
   loadSessionFile(path: string | Uint8Array, options?: LoadOptions): Promise<LoadedFile>
+  /**
+   * Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
+   * that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
+   * option. Models with a memory this library does not model (a sliding-window cache,
+   * hybrid attention + recurrent) are refused with ERR_KV_UNSUPPORTED naming what is missing.
+   */
+  static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
 }
 
 /** Byte accounting of a file. */
@@ -250,6 +263,12 @@ export interface CellMove {
   len: number
 }
 
+/**
+ * Whether a state file (a path or its bytes) fits a GGUF model: memory kind, architecture
+ * (session files), recurrence, layer count and every layer's K and V widths.
+ */
+export declare function checkState(state: string | Uint8Array, ggufPath: string | Uint8Array): FitResult
+
 /** Options of `convertStateFile`. */
 export interface ConvertFileOptions {
   /** Output payload layout: 'streams' (default) or 'seed'. */
@@ -317,6 +336,45 @@ export interface DeviceBytes {
   device: string
   /** Bytes of K and V there. */
   bytes: number
+}
+
+/** One reason a state does not fit a model. */
+export interface FitReason {
+  /** What differs: 'memory', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'. */
+  field: string
+  /** The state file's value. */
+  state: string
+  /** The model's value. */
+  model: string
+  /** A sentence naming the field and both values. */
+  message: string
+}
+
+/** The verdict of `checkState`. */
+export interface FitResult {
+  /** True when the state can be loaded into a cache for the model. */
+  fits: boolean
+  /** Every difference found (empty when it fits). */
+  reasons: Array<FitReason>
+}
+
+/** Options of `KvCache.fromModel`. */
+export interface FromModelOptions {
+  /**
+   * Context length in cells, padded like llama.cpp (to 256 with flash attention, else 32).
+   * Default: the model's trained context. Ignored for recurrent models (one cell per sequence).
+   */
+  nCtx?: number
+  /** Number of sequences. Default 1. */
+  nSeqMax?: number
+  /** K type. Default 'f16'. */
+  typeK?: string
+  /** V type (quantized V needs `flashAttn`). Default 'f16'. */
+  typeV?: string
+  /** Flash attention. Default false. */
+  flashAttn?: boolean
+  /** Where the tensors live, as in `new KvCache`. */
+  device?: string | string[]
 }
 
 /** The structure of a llama.cpp state file. */
@@ -447,6 +505,142 @@ export interface LoadOptions {
    * promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
    */
   signal?: AbortSignal
+}
+
+/**
+ * Describes a GGUF model from its header and tensor-info table alone (tensor data is never
+ * read, unless `hashFile` asks for a fingerprint of the whole file).
+ */
+export declare function modelInfo(ggufPath: string | Uint8Array, options?: ModelInfoOptions): ModelInfo
+
+/** What a GGUF model's header says about its KV cache. */
+export interface ModelInfo {
+  /** `general.architecture`. */
+  arch: string
+  /** `general.name`. */
+  name?: string
+  /** Layers. */
+  nLayer: number
+  /** Context length the model was trained with. */
+  nCtxTrain: number
+  /** Embedding width. */
+  nEmbd: number
+  /** K head size. */
+  nEmbdHeadK: number
+  /** V head size. */
+  nEmbdHeadV: number
+  /** Per layer. */
+  layers: Array<ModelLayer>
+  /** Per layer K widths of the cache (`n_embd_k_gqa + n_embd_k_s`). */
+  nEmbdKGqa: Array<number>
+  /** Per layer V widths of the cache (`n_embd_v_gqa + n_embd_v_s`). */
+  nEmbdVGqa: Array<number>
+  /** RoPE. */
+  rope: ModelRope
+  /** Sliding window; absent when the model has none. */
+  swa?: ModelSwa
+  /** Recurrent dimensions of recurrent and hybrid models. */
+  recurrent?: ModelRecurrent
+  /** 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model. */
+  memory: string
+  /** Why `KvCache.fromModel` refuses this model; absent when it accepts it. */
+  unsupported?: string
+  /** K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks. */
+  bytesPerCell: Record<string, number | undefined | null>
+  /** Tensors in the file. */
+  nTensors: number
+  /** File size in bytes. */
+  fileSize: number
+  /** Tensor data in bytes. */
+  dataSize: number
+  /** Header and tensor-info table in bytes. */
+  headerSize: number
+  /** 'blake3:<hex>' of header, tensor-info table and data size; 'blake3-file:<hex>' with `hashFile`. */
+  fingerprint: string
+  /** Bytes read from the file. */
+  bytesRead: number
+}
+
+/** Options of `modelInfo`. */
+export interface ModelInfoOptions {
+  /** Hash every byte of the file for the fingerprint (reads the whole file). Default false. */
+  hashFile?: boolean
+}
+
+/** Geometry of one layer of a model. */
+export interface ModelLayer {
+  /** Query heads. */
+  nHead: number
+  /** K/V heads (`head_count_kv`, per layer when the model gives an array). */
+  nHeadKv: number
+  /** K width (`n_embd_k_gqa` = K head size x K/V heads). */
+  nEmbdKGqa: number
+  /** V width (`n_embd_v_gqa`). */
+  nEmbdVGqa: number
+  /** Whether the layer uses the sliding window. */
+  swa: boolean
+}
+
+/** Recurrent state dimensions (Mamba `ssm_*`, RWKV `wkv`). */
+export interface ModelRecurrent {
+  /** `ssm.conv_kernel`. */
+  ssmDConv: number
+  /** `ssm.inner_size`. */
+  ssmDInner: number
+  /** `ssm.state_size`. */
+  ssmDState: number
+  /** `ssm.time_step_rank`. */
+  ssmDtRank: number
+  /** RWKV `wkv.head_size`. */
+  wkvHeadSize: number
+  /** RWKV `token_shift_count`. */
+  tokenShiftCount: number
+  /** Rolling-state width per layer (`n_embd_k_s`). */
+  nEmbdKS: number
+  /** Recurrent-state width per layer (`n_embd_v_s`). */
+  nEmbdVS: number
+}
+
+/** RoPE as the model was trained. */
+export interface ModelRope {
+  /** 'none' | 'norm' | 'neox' | 'mrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`). */
+  type: string
+  /** Rotated dimensions per head (`n_rot`). */
+  nRot: number
+  /** Base frequency. */
+  freqBase: number
+  /** Frequency scale (1 / scaling factor). */
+  freqScale: number
+  /** 'none' | 'linear' | 'yarn' | 'longrope'. */
+  scalingType: string
+  /** YaRN's original context length. */
+  nCtxOrigYarn: number
+  /** `rope.scaling.attn_factor` (default 1). */
+  attnFactor: number
+  /** `rope.scaling.yarn_log_multiplier` (0 when absent). */
+  yarnLogMul: number
+  /** `rope.scaling.finetuned`. */
+  finetuned: boolean
+  /** Base frequency of the sliding-window layers. */
+  freqBaseSwa: number
+  /** Frequency scale of the sliding-window layers. */
+  freqScaleSwa: number
+  /** M-RoPE sections (empty when absent). */
+  sections: Array<number>
+  /** Tensors holding per-dimension frequency factors (`rope_freqs.weight`, ...). */
+  factorTensors: Array<string>
+}
+
+/** The sliding window. */
+export interface ModelSwa {
+  /** Window size in tokens. */
+  window: number
+  /** Every `pattern`-th layer has full attention (1: no layer uses the window's cache). */
+  pattern: number
+  /** Llama 4's chunked attention. */
+  chunked: boolean
+  /** Indices of the sliding-window layers. */
+  layers: Array<number>
 }
 
 /** Options of `prepareBatch`. */

@@ -836,5 +836,7 @@ function __napiStampBindingTarget(exportsObject, target) {
 module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __napiLoadedBindingTarget)
 module.exports = nativeBinding
 module.exports.KvCache = nativeBinding.KvCache
+module.exports.checkState = nativeBinding.checkState
 module.exports.convertStateFile = nativeBinding.convertStateFile
 module.exports.inspectState = nativeBinding.inspectState
+module.exports.modelInfo = nativeBinding.modelInfo

@@ -38,7 +38,7 @@ import {
 } from '../interop/kshift-lib.mjs'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState } = require('../index.js')
+const { KvCache, inspectState, modelInfo } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
@@ -220,7 +220,7 @@ function registerPeerTests() {
       t.is(sha(path.join(INTEROP, 'models', c.side.model)), c.side.model_sha256, `interop/models/${c.side.model}: rerun python3 interop/make_models.py`)
       t.is(pkg(c.side.peer), c.side.peer_version)
       const { source: _, ...rope } = c.side.kshift.rope
-      t.deepEqual(ropeOfModel(path.join(INTEROP, 'models', c.side.model)), rope, 'the sidecar rope = the GGUF metadata')
+      t.deepEqual(ropeOfModel(path.join(INTEROP, 'models', c.side.model), modelInfo), rope, 'the sidecar rope = the GGUF metadata')
     }
   })
 
@@ -247,7 +247,7 @@ function registerPeerTests() {
       t.is(nKeep, 0, `llama.node 1.7.15 keeps only BOS (n_keep 0${live.nKeep ? `, although completion() got n_keep ${live.nKeep}` : ''})`)
       t.is(nDiscard, (nPast - nKeep - 1) >> 1)
       t.is(nPast, live.side.n_ctx - 1)
-      const rope = ropeOfModel(path.join(INTEROP, 'models', live.model))
+      const rope = ropeOfModel(path.join(INTEROP, 'models', live.model), modelInfo)
       const ops = llamaNodeOps({ nKeep, nDiscard, nPast })
       if (live.side.kshift) {
         const f = live.side.kshift
@@ -357,7 +357,7 @@ function registerPeerTests() {
       t.deepEqual(r.shifted_tokens, r.pre_tokens.filter((_, p) => newPos[p] >= 0), "node-llama-cpp's token list after the erase")
       t.deepEqual(r.post_tokens, [...r.shifted_tokens, r.pending])
       t.deepEqual([inspectState(pre).tokens, inspectState(post).tokens], [r.pre_tokens, r.post_tokens])
-      const rope = ropeOfModel(path.join(INTEROP, 'models', model))
+      const rope = ropeOfModel(path.join(INTEROP, 'models', model), modelInfo)
       await checkShift(t, { preFile: pre, postFile: post, ops, nPast, rope, kvSize: 256, types: n.types })
 
       const files = oursShiftedFrom(`nlc-${n.name}`, { preFile: pre, ops, rope, kvSize: 256, types: n.types, tokens: r.shifted_tokens })

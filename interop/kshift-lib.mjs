@@ -13,87 +13,24 @@ export const PEER = path.join(HERE, 'kshift-peer.mjs')
 export const CONTINUE = path.join(HERE, 'continue.mjs')
 export const BOS = 1
 
-// ---- GGUF metadata (enough of the format to read the key/value section) ------------------------------------
-
-/** The metadata key/values of a GGUF file (arrays are skipped: `null`). */
-export function readGgufMetadata(file) {
-  const b = fs.readFileSync(file)
-  if (b.toString('latin1', 0, 4) !== 'GGUF') throw new Error(`${file}: not a GGUF file`)
-  let o = 4
-  const version = b.readUInt32LE(o)
-  o += 4
-  o += 8 // n_tensors
-  const nKv = Number(b.readBigUInt64LE(o))
-  o += 8
-  const str = () => {
-    const n = Number(b.readBigUInt64LE(o))
-    o += 8
-    const s = b.toString('utf8', o, o + n)
-    o += n
-    return s
-  }
-  const SIZE = { 0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8 }
-  const scalar = (type) => {
-    switch (type) {
-      case 0: return b.readUInt8(o++)
-      case 1: return b.readInt8(o++)
-      case 2: { const v = b.readUInt16LE(o); o += 2; return v }
-      case 3: { const v = b.readInt16LE(o); o += 2; return v }
-      case 4: { const v = b.readUInt32LE(o); o += 4; return v }
-      case 5: { const v = b.readInt32LE(o); o += 4; return v }
-      case 6: { const v = b.readFloatLE(o); o += 4; return v }
-      case 7: return b.readUInt8(o++) !== 0
-      case 8: return str()
-      case 10: { const v = b.readBigUInt64LE(o); o += 8; return Number(v) }
-      case 11: { const v = b.readBigInt64LE(o); o += 8; return Number(v) }
-      case 12: { const v = b.readDoubleLE(o); o += 8; return v }
-      default: throw new Error(`${file}: unknown GGUF type ${type} at ${o}`)
-    }
-  }
-  const meta = { 'GGUF.version': version }
-  for (let i = 0; i < nKv; i++) {
-    const key = str()
-    const type = b.readUInt32LE(o)
-    o += 4
-    if (type === 9) {
-      const et = b.readUInt32LE(o)
-      const n = Number(b.readBigUInt64LE(o + 4))
-      o += 12
-      if (et === 8) for (let j = 0; j < n; j++) str()
-      else if (SIZE[et]) o += SIZE[et] * n
-      else throw new Error(`${file}: nested GGUF array in ${key}`)
-      meta[key] = null
-    } else {
-      meta[key] = scalar(type)
-    }
-  }
-  return meta
-}
+// ---- RoPE of a model ---------------------------------------------------------------------------------------
 
 /**
- * The model's RoPE parameters as our `update({ rope })` takes them, from the GGUF metadata, with llama.cpp's
- * defaults (llama_model_loader / llama_hparams): head_dim = key_length or n_embd / n_head, n_rot =
- * rope.dimension_count or head_dim, freq_base 10000, freq_scale = 1 / rope.scaling.factor (linear) or 1.
- * Rope type: NORM for the llama architecture (llama_model_rope_type).
+ * The K-shift RoPE of a tiny llama model, from the addon's `modelInfo` (passed in, like the KvCache class:
+ * this file loads no native code): the GGUF is read by the same reader the library ships.
  */
-export function ropeOfModel(file) {
-  const m = readGgufMetadata(file)
-  const arch = m['general.architecture']
-  if (arch !== 'llama') throw new Error(`${file}: rope type of architecture ${arch} not known here`)
-  const k = (name) => m[`${arch}.${name}`]
-  const nHeadQ = k('attention.head_count')
-  const headDim = k('attention.key_length') ?? k('embedding_length') / nHeadQ
-  const scalingType = k('rope.scaling.type') ?? 'none'
-  if (!['none', 'linear'].includes(scalingType)) throw new Error(`${file}: rope scaling ${scalingType} not handled here`)
-  const factor = k('rope.scaling.factor') ?? 0
+export function ropeOfModel(file, modelInfo) {
+  const m = modelInfo(file)
+  if (m.rope.type !== 'norm' && m.rope.type !== 'neox') throw new Error(`${file}: rope type ${m.rope.type} not handled here`)
+  if (!['none', 'linear'].includes(m.rope.scalingType)) throw new Error(`${file}: rope scaling ${m.rope.scalingType} not handled here`)
   return {
-    headDim,
-    nHead: k('attention.head_count_kv') ?? nHeadQ,
-    nRot: k('rope.dimension_count') ?? headDim,
-    type: 'norm',
-    freqBase: k('rope.freq_base') ?? 10000,
-    freqScale: scalingType === 'linear' && factor ? 1 / factor : 1,
-    nCtxOrig: k('context_length'),
+    headDim: m.nEmbdHeadK,
+    nHead: m.layers[0].nHeadKv,
+    nRot: m.rope.nRot,
+    type: m.rope.type,
+    freqBase: m.rope.freqBase,
+    freqScale: m.rope.scalingType === 'none' ? 1 : m.rope.freqScale,
+    nCtxOrig: m.rope.nCtxOrigYarn,
   }
 }
 

@@ -38,6 +38,7 @@ impl Shared {
 pub struct KvCache {
     shared: Arc<Shared>,
     external_bytes: AtomicI64,
+    model_shift: Option<core::ShiftParams>,
 }
 
 impl ObjectFinalize for KvCache {
@@ -63,6 +64,36 @@ fn slot(s: core::Slot) -> Slot {
 }
 
 impl KvCache {
+    /// Builds the cache on the requested devices; `model_shift` is the RoPE `update()` applies
+    /// when called without `rope` (caches made by `fromModel`).
+    pub(crate) fn from_params(
+        env: &Env,
+        params: CacheParams,
+        device: &Option<Either<String, Vec<String>>>,
+        model_shift: Option<core::ShiftParams>,
+    ) -> JsResult<Self> {
+        let devices = crate::device::devices(device, params.n_layer)?;
+        let mut alloc = crate::device::allocator(devices)?;
+        let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
+        // V8 is told about host memory only
+        let bytes = cache
+            .bytes_per_device()
+            .iter()
+            .filter(|(d, _)| *d == core::Device::Host)
+            .map(|(_, b)| *b as i64)
+            .sum::<i64>();
+        env.adjust_external_memory(bytes)
+            .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+        Ok(KvCache {
+            shared: Arc::new(Shared {
+                cache: Mutex::new(Some(cache)),
+                queue: Queue::default(),
+            }),
+            external_bytes: AtomicI64::new(bytes),
+            model_shift,
+        })
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
         guard(|| {
             if self.shared.queue.is_pending() {
@@ -208,25 +239,7 @@ impl KvCache {
                 can_shift: options.can_shift.unwrap_or(true),
                 n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
             };
-            let devices = crate::device::devices(&options.device, params.n_layer)?;
-            let mut alloc = crate::device::allocator(devices)?;
-            let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
-            // V8 is told about host memory only
-            let bytes = cache
-                .bytes_per_device()
-                .iter()
-                .filter(|(d, _)| *d == core::Device::Host)
-                .map(|(_, b)| *b as i64)
-                .sum::<i64>();
-            env.adjust_external_memory(bytes)
-                .map_err(|e| err(Code::Internal, e.reason.clone()))?;
-            Ok(KvCache {
-                shared: Arc::new(Shared {
-                    cache: Mutex::new(Some(cache)),
-                    queue: Queue::default(),
-                }),
-                external_bytes: AtomicI64::new(bytes),
-            })
+            KvCache::from_params(&env, params, &options.device, None)
         })
     }
 
@@ -714,24 +727,26 @@ impl KvCache {
         self.write_f32(layer, true, first_cell, &values.0)
     }
 
-    /// Applies a pending K-shift (given `rope`) and a pending defrag, synchronously.
+    /// Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+    /// `fromModel`) and a pending defrag, synchronously.
     #[napi]
     pub fn update_sync(
         &self,
         #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
     ) -> Result<UpdateReport, Code> {
-        let (job, _) = update_job(options)?;
+        let (job, _) = update_job(options, &self.model_shift)?;
         self.run_sync(job)
     }
 
-    /// Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool.
+    /// Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+    /// `fromModel`) and a pending defrag on the threadpool.
     #[napi(ts_return_type = "Promise<UpdateReport>")]
     pub fn update(
         &self,
         env: Env,
         #[napi(ts_arg_type = "UpdateOptions")] options: Option<Obj<UpdateOptions>>,
     ) -> Result<JsPromise, Code> {
-        let (job, signal) = update_job(options)?;
+        let (job, signal) = update_job(options, &self.model_shift)?;
         self.run_async(&env, job, None, signal)
     }
 
@@ -999,10 +1014,15 @@ fn range_args(
     ))
 }
 
-fn update_job(options: Option<Obj<UpdateOptions>>) -> JsResult<(UpdateJob, Option<Signal>)> {
+fn update_job(
+    options: Option<Obj<UpdateOptions>>,
+    model_shift: &Option<core::ShiftParams>,
+) -> JsResult<(UpdateJob, Option<Signal>)> {
     let mut options = options.map(|o| o.0);
     let signal = options.as_mut().and_then(|o| o.signal.take());
     let (shift, max_nodes) = convert::shift(&options)?;
+    // a cache made by fromModel knows its model's RoPE; an explicit `rope` still wins
+    let shift = shift.or_else(|| model_shift.clone());
     Ok((UpdateJob { shift, max_nodes }, signal))
 }
 

@@ -12,6 +12,7 @@ mod error;
 mod inspect;
 mod jobs;
 mod kv_cache;
+mod model;
 mod queue;
 mod tasks;
 mod types;

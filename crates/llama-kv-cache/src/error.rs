@@ -17,6 +17,9 @@ pub enum KvError {
     /// A state blob or file does not parse or does not fit this cache.
     #[error("{0}")]
     InvalidState(String),
+    /// A GGUF model file does not parse, or lacks what its architecture needs.
+    #[error("{0}")]
+    InvalidModel(String),
     /// A file could not be read or written.
     #[error("{0}")]
     Io(String),

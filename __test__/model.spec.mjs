@@ -1,0 +1,278 @@
+// Model-aware API: modelInfo, KvCache.fromModel, checkState and the `model` CLI, against the tiny models of
+// interop/make_models.py and the peer fixtures made from them.
+import test from 'ava'
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { execFileSync, spawnSync } from 'node:child_process'
+import { createRequire } from 'node:module'
+import { fileURLToPath } from 'node:url'
+
+const require = createRequire(import.meta.url)
+const { KvCache, modelInfo, checkState, inspectState } = require('../index.js')
+
+const HERE = path.dirname(fileURLToPath(import.meta.url))
+const ROOT = path.resolve(HERE, '..')
+const MODELS = path.join(ROOT, 'interop', 'models')
+const FIXTURES = path.join(HERE, 'fixtures')
+const CLI = path.join(ROOT, 'bin', 'llama-kv-cache.js')
+const model = (name) => path.join(MODELS, name)
+
+const tmpDir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-model-'))
+test.after.always(() => fs.rmSync(tmpDir, { recursive: true, force: true }))
+const tmp = (name) => path.join(tmpDir, name)
+
+const code = (code, message) => ({ code, ...(message ? { message } : {}) })
+
+// ---- input errors that need no model --------------------------------------------------------------------
+
+test('modelInfo: a missing file is ERR_KV_IO naming the path', (t) => {
+  t.throws(() => modelInfo(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
+})
+
+test('modelInfo: a file that is not GGUF is ERR_KV_INVALID_MODEL naming the magic', (t) => {
+  fs.writeFileSync(tmp('text.gguf'), 'hello, world')
+  t.throws(() => modelInfo(tmp('text.gguf')), code('ERR_KV_INVALID_MODEL', /magic/))
+})
+
+test('modelInfo: a GGUF without general.architecture is ERR_KV_INVALID_MODEL naming the key', (t) => {
+  const b = Buffer.alloc(24)
+  b.write('GGUF', 0, 'latin1')
+  b.writeUInt32LE(3, 4)
+  fs.writeFileSync(tmp('empty.gguf'), b)
+  t.throws(() => modelInfo(tmp('empty.gguf')), code('ERR_KV_INVALID_MODEL', /general\.architecture/))
+})
+
+test('modelInfo: a metadata count past the end of the file is refused before allocating', (t) => {
+  const b = Buffer.alloc(24)
+  b.write('GGUF', 0, 'latin1')
+  b.writeUInt32LE(3, 4)
+  b.writeBigUInt64LE(0xffffffffffffn, 16)
+  fs.writeFileSync(tmp('huge.gguf'), b)
+  t.throws(() => modelInfo(tmp('huge.gguf')), code('ERR_KV_INVALID_MODEL', /metadata count 281474976710655/))
+})
+
+test('modelInfo, fromModel and checkState: a model path that is not a string is ERR_KV_INVALID_ARG', (t) => {
+  t.throws(() => modelInfo(42), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got number/))
+  t.throws(() => KvCache.fromModel(null), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got null/))
+  t.throws(() => checkState(new Uint8Array(4), {}), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got object/))
+})
+
+// ---- the tiny models --------------------------------------------------------------------------------------
+
+const haveModels = ['llama-h16.gguf', 'llama-h32.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf'].every((m) => fs.existsSync(model(m)))
+if (!haveModels && process.env.KV_INTEROP !== '0') {
+  test('model: the tiny models are set up', (t) => {
+    t.fail(`interop/models is incomplete: run python3 interop/make_models.py (with interop/requirements.txt), or set KV_INTEROP=0`)
+  })
+}
+const mtest = haveModels ? test : test.skip
+
+mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba models', (t) => {
+  const h16 = modelInfo(model('llama-h16.gguf'))
+  t.like(h16, { arch: 'llama', nLayer: 2, nEmbdHeadK: 16, nEmbdHeadV: 16, memory: 'unified', unsupported: undefined })
+  t.deepEqual(h16.nEmbdKGqa, [32, 32])
+  t.deepEqual(h16.layers[0], { nHead: 4, nHeadKv: 2, nEmbdKGqa: 32, nEmbdVGqa: 32, swa: false })
+  t.like(h16.rope, { type: 'norm', nRot: 16, freqBase: 10000, freqScale: 1, scalingType: 'linear' })
+  t.is(h16.bytesPerCell.f16, 2 * 2 * 32 * 2)
+  t.is(h16.bytesPerCell.q8_0, 2 * 2 * 34)
+
+  const mamba = modelInfo(model('mamba.gguf'))
+  t.like(mamba, { arch: 'mamba', memory: 'recurrent', unsupported: undefined })
+  t.like(mamba.recurrent, { ssmDConv: 4, ssmDInner: 128, ssmDState: 16, nEmbdKS: 384, nEmbdVS: 2048 })
+  t.deepEqual([mamba.nEmbdKGqa, mamba.nEmbdVGqa], [[384, 384], [2048, 2048]])
+  t.is(mamba.rope.type, 'none')
+
+  const gemma = modelInfo(model('gemma3-swa.gguf'))
+  t.like(gemma, { arch: 'gemma3', memory: 'iswa' })
+  t.like(gemma.swa, { pattern: 6, chunked: false })
+  t.is(gemma.rope.type, 'neox')
+  t.regex(gemma.unsupported, /sliding-window.*iSWA/)
+
+  const jamba = modelInfo(model('jamba.gguf'))
+  t.like(jamba, { arch: 'jamba', memory: 'hybrid' })
+  t.regex(jamba.unsupported, /hybrid/)
+})
+
+mtest('modelInfo reads the header only, and the fingerprint covers header and data size, or the whole file', (t) => {
+  const file = model('llama-h32.gguf')
+  const a = modelInfo(file)
+  t.true(a.bytesRead <= 64 * 1024 && a.bytesRead < a.fileSize, `read ${a.bytesRead} of ${a.fileSize}`)
+  t.regex(a.fingerprint, /^blake3:[0-9a-f]{64}$/)
+  t.is(modelInfo(file).fingerprint, a.fingerprint, 'stable')
+  t.not(modelInfo(model('llama-h16.gguf')).fingerprint, a.fingerprint)
+
+  // another weight: same header fingerprint, another file fingerprint
+  const bytes = fs.readFileSync(file)
+  const copy = tmp('h32-weight.gguf')
+  bytes[bytes.length - 1] ^= 0xff
+  fs.writeFileSync(copy, bytes)
+  t.is(modelInfo(copy).fingerprint, a.fingerprint)
+  const whole = modelInfo(file, { hashFile: true })
+  t.regex(whole.fingerprint, /^blake3-file:[0-9a-f]{64}$/)
+  t.is(whole.bytesRead >= whole.fileSize, true)
+  t.not(modelInfo(copy, { hashFile: true }).fingerprint, whole.fingerprint)
+
+  // another header (general.name's last byte): another fingerprint
+  const renamed = fs.readFileSync(file)
+  const at = renamed.indexOf('llama-h32', 0, 'latin1')
+  renamed[at + 8] = '9'.charCodeAt(0)
+  fs.writeFileSync(tmp('h39.gguf'), renamed)
+  t.not(modelInfo(tmp('h39.gguf')).fingerprint, a.fingerprint)
+})
+
+mtest('modelInfo: every truncation of a real model is ERR_KV_INVALID_MODEL', (t) => {
+  const bytes = fs.readFileSync(model('llama-h16.gguf'))
+  const header = modelInfo(model('llama-h16.gguf')).headerSize
+  const cuts = [0, 3, 4, 20, 24, 100, 1000, header - 1, header, header + 1, bytes.length - 1]
+  for (const n of cuts) {
+    fs.writeFileSync(tmp('cut.gguf'), bytes.subarray(0, n))
+    t.throws(() => modelInfo(tmp('cut.gguf')), code('ERR_KV_INVALID_MODEL'), `cut at ${n}`)
+  }
+})
+
+// ---- fromModel and checkState against the peer fixtures ------------------------------------------------
+
+const sidecar = (name) => JSON.parse(fs.readFileSync(path.join(FIXTURES, `${name}.json`), 'utf8'))
+const FIXTURE_NAMES = fs.readdirSync(FIXTURES).filter((f) => /\.gg(sn|sq)$/.test(f)).sort()
+const ALL_MODELS = ['llama-h16.gguf', 'llama-h32.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf']
+
+for (const name of FIXTURE_NAMES) {
+  mtest(`fromModel builds a cache that loads ${name}, and checkState says it fits its model and why not the others`, (t) => {
+    const side = sidecar(name)
+    const file = path.join(FIXTURES, name)
+    const info = inspectState(file)
+    const c = KvCache.fromModel(model(side.model), {
+      nCtx: side.n_ctx,
+      nSeqMax: Math.max(side.n_seq_max, info.streams.length),
+      typeK: info.layers[0].kType,
+      typeV: info.layers[0].vType,
+      flashAttn: info.vTrans === false,
+    })
+    const loaded = info.format === 'session' ? c.loadSessionFileSync(file) : c.loadSequenceFileSync(file, 0)
+    t.deepEqual(loaded.tokens, info.tokens)
+    t.is(c.usedCells, info.streams.reduce((n, s) => n + s.cellCount, 0))
+    c.dispose()
+
+    t.deepEqual(checkState(file, model(side.model)), { fits: true, reasons: [] })
+    t.deepEqual(checkState(fs.readFileSync(file), model(side.model)), { fits: true, reasons: [] }, 'bytes too')
+    for (const other of ALL_MODELS.filter((m) => m !== side.model)) {
+      const fit = checkState(file, model(other))
+      t.false(fit.fits, `${name} with ${other}`)
+      t.true(fit.reasons.length > 0)
+      for (const r of fit.reasons) {
+        t.true(r.message.includes(r.field) && r.message.includes(r.state) && r.message.includes(r.model), JSON.stringify(r))
+      }
+    }
+  })
+}
+
+mtest('checkState names the field and both values', (t) => {
+  const fit = checkState(path.join(FIXTURES, 'ln-h32-f16.ggsn'), model('llama-h16.gguf'))
+  t.deepEqual(fit.reasons[0], {
+    field: 'layers[0].kWidth',
+    state: '64',
+    model: '32',
+    message: 'layers[0].kWidth: the state has 64, the model has 32 (K row widths differ)',
+  })
+  const mamba = checkState(path.join(FIXTURES, 'ln-mamba.ggsn'), model('llama-h16.gguf'))
+  t.like(mamba.reasons.find((r) => r.field === 'arch'), { state: 'mamba', model: 'llama' })
+  t.like(mamba.reasons.find((r) => r.field === 'recurrent'), { state: 'true', model: 'false' })
+  const gemma = checkState(path.join(FIXTURES, 'ln-h16-f16.ggsn'), model('gemma3-swa.gguf'))
+  t.like(gemma.reasons.find((r) => r.field === 'memory'), { state: 'unified', model: 'iswa' })
+})
+
+mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad model ERR_KV_INVALID_MODEL', (t) => {
+  t.throws(() => checkState(new Uint8Array([1, 2, 3]), model('llama-h16.gguf')), code('ERR_KV_INVALID_STATE'))
+  fs.writeFileSync(tmp('bad.gguf'), 'GGUF')
+  t.throws(() => checkState(path.join(FIXTURES, 'ln-h16-f16.ggsn'), tmp('bad.gguf')), code('ERR_KV_INVALID_MODEL'))
+})
+
+mtest('fromModel refuses iSWA and hybrid models naming what is missing, and bad options with coded errors', (t) => {
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf')), code('ERR_KV_UNSUPPORTED', /sliding-window attention on 2 of 2 layers.*second cache \(iSWA\)/))
+  t.throws(() => KvCache.fromModel(model('jamba.gguf')), code('ERR_KV_UNSUPPORTED', /hybrid model/))
+  t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
+  t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))
+  t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeV: 'q8_0' }), code('ERR_KV_INVALID_ARG', /flash attention/))
+  t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 1.5 }), code('ERR_KV_INVALID_ARG', /nCtx/))
+})
+
+mtest('fromModel pads the context like llama.cpp, defaults to the trained one, and gives Mamba a cell per sequence', (t) => {
+  const a = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 100 })
+  t.like(a, { size: 128, nLayer: 2, vTrans: true })
+  t.is(a.rowSize(1, 'k'), 64)
+  const b = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 100, flashAttn: true })
+  t.is(b.size, 256)
+  t.is(KvCache.fromModel(model('llama-h16.gguf')).size, modelInfo(model('llama-h16.gguf')).nCtxTrain)
+  const m = KvCache.fromModel(model('mamba.gguf'), { nCtx: 4096, nSeqMax: 3, typeK: 'f32', typeV: 'f32' })
+  t.like(m, { size: 3, recurrent: true, canShift: false })
+  t.is(m.rowSize(0, 'v'), 2048 * 4)
+})
+
+mtest('fromModel remembers the RoPE: update() shifts K exactly as update({ rope }) from the GGUF does', async (t) => {
+  const info = modelInfo(model('llama-h32.gguf'))
+  const rope = { headDim: info.nEmbdHeadK, nHead: info.layers[0].nHeadKv, nRot: info.rope.nRot, type: info.rope.type, freqBase: info.rope.freqBase }
+  const made = () => {
+    const c = KvCache.fromModel(model('llama-h32.gguf'), { nCtx: 64 })
+    c.prepareBatch({ pos: [0, 1, 2, 3, 4, 5], seqIds: [0, 0, 0, 0, 0, 0] })
+    const k = new Float32Array(6 * 64).map((_, i) => Math.sin(i * 0.37))
+    for (const layer of [0, 1]) c.writeKF32(layer, 0, k)
+    c.seqRm(0, 0, 2)
+    c.seqAdd(0, 2, -1, -2)
+    return c
+  }
+  const a = made()
+  const b = made()
+  const ra = await a.update()
+  const rb = b.updateSync({ rope })
+  t.like(ra, { shiftedCells: 4, shiftPending: false })
+  t.like(rb, { shiftedCells: 4, shiftPending: false })
+  for (const layer of [0, 1]) t.deepEqual(a.readK(layer, 0, 6), b.readK(layer, 0, 6))
+  t.notDeepEqual(a.readKF32(0, 2, 1), new Float32Array(64).map((_, i) => Math.sin((2 * 64 + i) * 0.37)), 'K was rotated')
+
+  // a plain cache still needs `rope`
+  const plain = new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 64 })
+  plain.prepareBatch({ pos: [0, 1], seqIds: [0, 0] })
+  plain.seqAdd(0, 0, -1, 3)
+  t.true(plain.updateSync().shiftPending)
+})
+
+// ---- CLI ----------------------------------------------------------------------------------------------
+
+const cli = (...args) => spawnSync(process.execPath, [CLI, ...args], { encoding: 'utf8' })
+
+mtest('CLI model: geometry and a KV memory table at 4k/8k/32k/128k and the trained context', (t) => {
+  const r = cli('model', model('llama-h32.gguf'), '--n-seq-max', '2')
+  t.is(r.status, 0, r.stderr)
+  t.regex(r.stdout, /arch +llama \(llama-h32\), 2 layers/)
+  t.regex(r.stdout, /KV heads 2, K width 64, V width 64/)
+  t.regex(r.stdout, /rope +norm, n_rot 32, base 10000/)
+  // f16: 2 layers x (64 + 64) x 2 bytes = 512 B per cell; 4096 cells = 2 MiB, 2 sequences = 4 MiB
+  t.regex(r.stdout, /4096 +2\.00 MiB \/ 4\.00 MiB/)
+  t.regex(r.stdout, /131072 +64\.0 MiB \/ 128 MiB/)
+  t.regex(r.stdout, /256 .*\(trained\)/)
+
+  const json = JSON.parse(execFileSync(process.execPath, [CLI, 'model', model('mamba.gguf'), '--json'], { encoding: 'utf8' }))
+  t.is(json.memory, 'recurrent')
+  t.is(json.nSeqMax, 4)
+  const row = json.kvMemory.find((x) => x.nCtx === 131072)
+  t.deepEqual(row.f16, { one: json.bytesPerCell.f16, all: 4 * json.bytesPerCell.f16 }, 'a recurrent state does not grow with the context')
+})
+
+mtest('CLI inspect --model adds the fit verdict and exits 3 when the state does not fit', (t) => {
+  const file = path.join(FIXTURES, 'ln-h16-f16.ggsn')
+  const ok = cli('inspect', file, '--model', model('llama-h16.gguf'))
+  t.is(ok.status, 0, ok.stderr)
+  t.regex(ok.stdout, /fits +yes/)
+  const bad = cli('inspect', file, '--model', model('llama-h32.gguf'), '--json')
+  t.is(bad.status, 3)
+  const json = JSON.parse(bad.stdout)
+  t.false(json.fits)
+  t.is(json.reasons[0].field, 'layers[0].kWidth')
+  const missing = cli('model')
+  t.is(missing.status, 2)
+  t.regex(missing.stderr, /model needs a GGUF file/)
+  const notGguf = cli('model', file)
+  t.is(notGguf.status, 1)
+  t.regex(notGguf.stderr, /ERR_KV_INVALID_MODEL/)
+})

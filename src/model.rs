@@ -1,0 +1,370 @@
+//! `modelInfo`, `checkState` and `KvCache.fromModel`: the model-aware surface. Converts the
+//! core's `ModelInfo` and `Fit` to JS objects; the knowledge of GGUF and llama.cpp's hparams
+//! lives in the core (`gguf`, `model`, `fit`).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use llama_kv_cache as core;
+use llama_kv_cache::files::{inspect_bytes, read_file};
+use llama_kv_cache::gguf;
+use llama_kv_cache::GgmlType;
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use crate::args::{self, Obj, Source};
+use crate::convert::{self, u32v};
+use crate::error::{from_core, guard, Code, JsResult};
+use crate::kv_cache::KvCache;
+
+/// Geometry of one layer of a model.
+#[napi(object)]
+pub struct ModelLayer {
+    /// Query heads.
+    pub n_head: u32,
+    /// K/V heads (`head_count_kv`, per layer when the model gives an array).
+    pub n_head_kv: u32,
+    /// K width (`n_embd_k_gqa` = K head size x K/V heads).
+    pub n_embd_k_gqa: u32,
+    /// V width (`n_embd_v_gqa`).
+    pub n_embd_v_gqa: u32,
+    /// Whether the layer uses the sliding window.
+    pub swa: bool,
+}
+
+/// RoPE as the model was trained.
+#[napi(object)]
+pub struct ModelRope {
+    /// 'none' | 'norm' | 'neox' | 'mrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`).
+    #[napi(js_name = "type")]
+    pub rope_type: String,
+    /// Rotated dimensions per head (`n_rot`).
+    pub n_rot: u32,
+    /// Base frequency.
+    pub freq_base: f64,
+    /// Frequency scale (1 / scaling factor).
+    pub freq_scale: f64,
+    /// 'none' | 'linear' | 'yarn' | 'longrope'.
+    pub scaling_type: String,
+    /// YaRN's original context length.
+    pub n_ctx_orig_yarn: u32,
+    /// `rope.scaling.attn_factor` (default 1).
+    pub attn_factor: f64,
+    /// `rope.scaling.yarn_log_multiplier` (0 when absent).
+    pub yarn_log_mul: f64,
+    /// `rope.scaling.finetuned`.
+    pub finetuned: bool,
+    /// Base frequency of the sliding-window layers.
+    pub freq_base_swa: f64,
+    /// Frequency scale of the sliding-window layers.
+    pub freq_scale_swa: f64,
+    /// M-RoPE sections (empty when absent).
+    pub sections: Vec<i32>,
+    /// Tensors holding per-dimension frequency factors (`rope_freqs.weight`, ...).
+    pub factor_tensors: Vec<String>,
+}
+
+/// The sliding window.
+#[napi(object)]
+pub struct ModelSwa {
+    /// Window size in tokens.
+    pub window: u32,
+    /// Every `pattern`-th layer has full attention (1: no layer uses the window's cache).
+    pub pattern: u32,
+    /// Llama 4's chunked attention.
+    pub chunked: bool,
+    /// Indices of the sliding-window layers.
+    pub layers: Vec<u32>,
+}
+
+/// Recurrent state dimensions (Mamba `ssm_*`, RWKV `wkv`).
+#[napi(object)]
+pub struct ModelRecurrent {
+    /// `ssm.conv_kernel`.
+    pub ssm_d_conv: u32,
+    /// `ssm.inner_size`.
+    pub ssm_d_inner: u32,
+    /// `ssm.state_size`.
+    pub ssm_d_state: u32,
+    /// `ssm.time_step_rank`.
+    pub ssm_dt_rank: u32,
+    /// RWKV `wkv.head_size`.
+    pub wkv_head_size: u32,
+    /// RWKV `token_shift_count`.
+    pub token_shift_count: u32,
+    /// Rolling-state width per layer (`n_embd_k_s`).
+    #[napi(js_name = "nEmbdKS")]
+    pub n_embd_k_s: u32,
+    /// Recurrent-state width per layer (`n_embd_v_s`).
+    #[napi(js_name = "nEmbdVS")]
+    pub n_embd_v_s: u32,
+}
+
+/// What a GGUF model's header says about its KV cache.
+#[napi(object)]
+pub struct ModelInfo {
+    /// `general.architecture`.
+    pub arch: String,
+    /// `general.name`.
+    pub name: Option<String>,
+    /// Layers.
+    pub n_layer: u32,
+    /// Context length the model was trained with.
+    pub n_ctx_train: u32,
+    /// Embedding width.
+    pub n_embd: u32,
+    /// K head size.
+    pub n_embd_head_k: u32,
+    /// V head size.
+    pub n_embd_head_v: u32,
+    /// Per layer.
+    pub layers: Vec<ModelLayer>,
+    /// Per layer K widths of the cache (`n_embd_k_gqa + n_embd_k_s`).
+    pub n_embd_k_gqa: Vec<u32>,
+    /// Per layer V widths of the cache (`n_embd_v_gqa + n_embd_v_s`).
+    pub n_embd_v_gqa: Vec<u32>,
+    /// RoPE.
+    pub rope: ModelRope,
+    /// Sliding window; absent when the model has none.
+    pub swa: Option<ModelSwa>,
+    /// Recurrent dimensions of recurrent and hybrid models.
+    pub recurrent: Option<ModelRecurrent>,
+    /// 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model.
+    pub memory: String,
+    /// Why `KvCache.fromModel` refuses this model; absent when it accepts it.
+    pub unsupported: Option<String>,
+    /// K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks.
+    pub bytes_per_cell: HashMap<String, Option<f64>>,
+    /// Tensors in the file.
+    pub n_tensors: f64,
+    /// File size in bytes.
+    pub file_size: f64,
+    /// Tensor data in bytes.
+    pub data_size: f64,
+    /// Header and tensor-info table in bytes.
+    pub header_size: f64,
+    /// 'blake3:<hex>' of header, tensor-info table and data size; 'blake3-file:<hex>' with `hashFile`.
+    pub fingerprint: String,
+    /// Bytes read from the file.
+    pub bytes_read: f64,
+}
+
+/// Options of `modelInfo`.
+#[napi(object, object_to_js = false)]
+pub struct ModelInfoOptions {
+    /// Hash every byte of the file for the fingerprint (reads the whole file). Default false.
+    pub hash_file: Option<bool>,
+}
+
+fn to_js(m: &core::ModelInfo) -> ModelInfo {
+    let r = &m.rope;
+    let bytes_per_cell = GgmlType::ALL
+        .iter()
+        .map(|t| {
+            (
+                t.name().to_string(),
+                m.kv_bytes(1, *t, *t).map(|b| b as f64),
+            )
+        })
+        .collect();
+    ModelInfo {
+        arch: m.arch.clone(),
+        name: m.name.clone(),
+        n_layer: m.n_layer,
+        n_ctx_train: m.n_ctx_train,
+        n_embd: m.n_embd,
+        n_embd_head_k: m.n_embd_head_k,
+        n_embd_head_v: m.n_embd_head_v,
+        layers: m
+            .layers
+            .iter()
+            .map(|l| ModelLayer {
+                n_head: l.n_head,
+                n_head_kv: l.n_head_kv,
+                n_embd_k_gqa: l.n_embd_k_gqa,
+                n_embd_v_gqa: l.n_embd_v_gqa,
+                swa: l.swa,
+            })
+            .collect(),
+        n_embd_k_gqa: (0..m.layers.len())
+            .map(|il| m.cache_k_width(il).min(u32::MAX as u64) as u32)
+            .collect(),
+        n_embd_v_gqa: (0..m.layers.len())
+            .map(|il| m.cache_v_width(il).min(u32::MAX as u64) as u32)
+            .collect(),
+        rope: ModelRope {
+            rope_type: r.kind.name().into(),
+            n_rot: r.n_rot,
+            freq_base: r.freq_base.into(),
+            freq_scale: r.freq_scale.into(),
+            scaling_type: r.scaling_type.clone(),
+            n_ctx_orig_yarn: r.n_ctx_orig_yarn,
+            attn_factor: r.attn_factor.into(),
+            yarn_log_mul: r.yarn_log_mul.into(),
+            finetuned: r.finetuned,
+            freq_base_swa: r.freq_base_swa.into(),
+            freq_scale_swa: r.freq_scale_swa.into(),
+            sections: r.sections.clone(),
+            factor_tensors: r.factor_tensors.clone(),
+        },
+        swa: m.swa.as_ref().map(|s| ModelSwa {
+            window: s.window,
+            pattern: s.pattern,
+            chunked: s.chunked,
+            layers: (0..m.n_layer)
+                .filter(|&il| m.layers[il as usize].swa)
+                .collect(),
+        }),
+        recurrent: m.recurrent.as_ref().map(|x| ModelRecurrent {
+            ssm_d_conv: x.ssm_d_conv,
+            ssm_d_inner: x.ssm_d_inner,
+            ssm_d_state: x.ssm_d_state,
+            ssm_dt_rank: x.ssm_dt_rank,
+            wkv_head_size: x.wkv_head_size,
+            token_shift_count: x.token_shift_count,
+            n_embd_k_s: x.n_embd_k_s,
+            n_embd_v_s: x.n_embd_v_s,
+        }),
+        memory: m.memory.name().into(),
+        unsupported: m.check_supported().err().map(|e| e.to_string()),
+        bytes_per_cell,
+        n_tensors: m.n_tensors as f64,
+        file_size: m.file_size as f64,
+        data_size: m.data_size as f64,
+        header_size: m.header_size as f64,
+        fingerprint: m.fingerprint.clone(),
+        bytes_read: m.bytes_read as f64,
+    }
+}
+
+fn read_model(path: &Path, hash_file: bool) -> JsResult<core::ModelInfo> {
+    core::ModelInfo::from_file(path, hash_file).map_err(from_core)
+}
+
+/// Describes a GGUF model from its header and tensor-info table alone (tensor data is never
+/// read, unless `hashFile` asks for a fingerprint of the whole file).
+#[napi]
+pub fn model_info(
+    #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
+    #[napi(ts_arg_type = "ModelInfoOptions")] options: Option<Obj<ModelInfoOptions>>,
+) -> Result<ModelInfo, Code> {
+    guard(|| {
+        let path = args::path("ggufPath", &gguf_path)?;
+        let hash_file = options.and_then(|o| o.0.hash_file).unwrap_or(false);
+        Ok(to_js(&read_model(&path, hash_file)?))
+    })
+}
+
+/// One reason a state does not fit a model.
+#[napi(object)]
+pub struct FitReason {
+    /// What differs: 'memory', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'.
+    pub field: String,
+    /// The state file's value.
+    pub state: String,
+    /// The model's value.
+    pub model: String,
+    /// A sentence naming the field and both values.
+    pub message: String,
+}
+
+/// The verdict of `checkState`.
+#[napi(object)]
+pub struct FitResult {
+    /// True when the state can be loaded into a cache for the model.
+    pub fits: bool,
+    /// Every difference found (empty when it fits).
+    pub reasons: Vec<FitReason>,
+}
+
+/// Whether a state file (a path or its bytes) fits a GGUF model: memory kind, architecture
+/// (session files), recurrence, layer count and every layer's K and V widths.
+#[napi]
+pub fn check_state(
+    #[napi(ts_arg_type = "string | Uint8Array")] state: Unknown<'_>,
+    #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
+) -> Result<FitResult, Code> {
+    guard(|| {
+        let bytes = match args::source("state", &state)? {
+            Source::Path(path) => read_file(&path).map_err(from_core)?,
+            Source::Bytes(b) => b,
+        };
+        let model = read_model(&args::path("ggufPath", &gguf_path)?, false)?;
+        let ins = inspect_bytes(&bytes).map_err(from_core)?;
+        let fit = core::check_state(&ins, &model);
+        Ok(FitResult {
+            fits: fit.fits,
+            reasons: fit
+                .reasons
+                .into_iter()
+                .map(|r| FitReason {
+                    field: r.field,
+                    state: r.state,
+                    model: r.model,
+                    message: r.message,
+                })
+                .collect(),
+        })
+    })
+}
+
+/// Options of `KvCache.fromModel`.
+#[napi(object, object_to_js = false)]
+pub struct FromModelOptions {
+    /// Context length in cells, padded like llama.cpp (to 256 with flash attention, else 32).
+    /// Default: the model's trained context. Ignored for recurrent models (one cell per sequence).
+    pub n_ctx: Option<f64>,
+    /// Number of sequences. Default 1.
+    pub n_seq_max: Option<f64>,
+    /// K type. Default 'f16'.
+    pub type_k: Option<String>,
+    /// V type (quantized V needs `flashAttn`). Default 'f16'.
+    pub type_v: Option<String>,
+    /// Flash attention. Default false.
+    pub flash_attn: Option<bool>,
+    /// Where the tensors live, as in `new KvCache`.
+    #[napi(ts_type = "string | string[]")]
+    pub device: Option<Either<String, Vec<String>>>,
+}
+
+#[napi]
+impl KvCache {
+    /// Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
+    /// that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
+    /// option. Models with a memory this library does not model (a sliding-window cache,
+    /// hybrid attention + recurrent) are refused with ERR_KV_UNSUPPORTED naming what is missing.
+    #[napi(factory)]
+    pub fn from_model(
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
+        #[napi(ts_arg_type = "FromModelOptions")] options: Option<Obj<FromModelOptions>>,
+    ) -> Result<KvCache, Code> {
+        guard(|| {
+            let path = args::path("ggufPath", &gguf_path)?;
+            let o = options.map(|o| o.0);
+            let get = |f: fn(&FromModelOptions) -> Option<f64>| o.as_ref().and_then(f);
+            let n_ctx = get(|o| o.n_ctx).map_or(Ok(0), |n| u32v("nCtx", n))?;
+            let n_seq_max = get(|o| o.n_seq_max).map_or(Ok(1), |n| u32v("nSeqMax", n))?;
+            let ty = |name, v: Option<String>| convert::ggml_type(name, v, GgmlType::F16);
+            let type_k = ty("typeK", o.as_ref().and_then(|o| o.type_k.clone()))?;
+            let type_v = ty("typeV", o.as_ref().and_then(|o| o.type_v.clone()))?;
+            let flash_attn = o.as_ref().and_then(|o| o.flash_attn).unwrap_or(false);
+            let device = o.and_then(|o| o.device);
+
+            let read = gguf::read_file(&path, false).map_err(from_core)?;
+            let model = core::ModelInfo::from_header(&read.header).map_err(from_core)?;
+            let params = model
+                .cache_params(n_ctx, n_seq_max, type_k, type_v, flash_attn)
+                .map_err(from_core)?;
+            let per_seq = params.size / n_seq_max.max(1);
+            let factors = match model.factor_tensor(per_seq) {
+                Some(name) => {
+                    Some(gguf::read_f32_tensor(&path, &read.header, name).map_err(from_core)?)
+                }
+                None => None,
+            };
+            let shift = model.shift_params(factors);
+            KvCache::from_params(&env, params, &device, shift)
+        })
+    }
+}
