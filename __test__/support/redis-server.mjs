@@ -1,0 +1,149 @@
+// A real redis-server for the ava specs: each test starts its own on a free loopback port, in a
+// temporary directory, with no persistence, and stops it afterwards (`t.teardown`). Kill and
+// restart helpers serve the fault tests. A missing redis-server fails the test with the command
+// that installs it: Redis tests never skip.
+import fs from 'node:fs'
+import net from 'node:net'
+import os from 'node:os'
+import path from 'node:path'
+import { spawn, spawnSync } from 'node:child_process'
+
+/** The command that provides redis-server on Debian and Ubuntu (what `npm test`'s set-up runs). */
+export const INSTALL_HINT = 'apt-get install -y redis-server'
+
+function findBinary(name) {
+  if (name === 'redis-server' && process.env.REDIS_SERVER) return process.env.REDIS_SERVER
+  for (const dir of (process.env.PATH ?? '').split(path.delimiter)) {
+    const candidate = path.join(dir, name)
+    if (dir && fs.existsSync(candidate)) return candidate
+  }
+  return null
+}
+
+/** The redis-server binary, or throws naming the install command. */
+export function redisServerBinary() {
+  const binary = findBinary('redis-server')
+  if (!binary) throw new Error(`redis-server is not installed; the Redis tests need it: run \`${INSTALL_HINT}\` (as root)`)
+  return binary
+}
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer()
+    server.once('error', reject)
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address()
+      server.close(() => resolve(port))
+    })
+  })
+}
+
+/** Resolves once the port answers PING with +PONG or -NOAUTH; false if not by the deadline. */
+async function waitReady(port, child, ms = 10_000) {
+  const deadline = Date.now() + ms
+  while (Date.now() < deadline) {
+    if (child.exitCode !== null || child.signalCode !== null) return false
+    const ok = await new Promise((resolve) => {
+      const socket = net.connect(port, '127.0.0.1')
+      socket.setTimeout(500)
+      socket.once('connect', () => socket.write('PING\r\n'))
+      socket.once('data', (data) => {
+        socket.destroy()
+        resolve(/^(\+PONG|-NOAUTH)/.test(data.toString()))
+      })
+      socket.once('error', () => resolve(false))
+      socket.once('timeout', () => {
+        socket.destroy()
+        resolve(false)
+      })
+    })
+    if (ok) return true
+    await new Promise((resolve) => setTimeout(resolve, 20))
+  }
+  return false
+}
+
+/**
+ * Starts a redis-server. Options: `requirepass`, `users: [{ name, password }]` (ACL users with full
+ * access), `maxmemory` (bytes) with `maxmemoryPolicy` (default `allkeys-lru`).
+ * Returns `{ port, url, urlWith(user, password), dir, kill(), restart(), stop(), cli(...args) }`.
+ */
+export async function startRedis(options = {}) {
+  const binary = redisServerBinary()
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-redis-test-'))
+  let child = null
+  let port = 0
+
+  const args = () => {
+    const list = ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--save', '', '--appendonly', 'no',
+      '--daemonize', 'no', '--logfile', 'redis.log']
+    if (options.requirepass) list.push('--requirepass', options.requirepass)
+    for (const user of options.users ?? []) list.push('--user', user.name, 'on', `>${user.password}`, '~*', '&*', '+@all')
+    if (options.maxmemory) {
+      // sampling every key makes a tiny test server evict in true LRU order
+      list.push('--maxmemory', String(options.maxmemory), '--maxmemory-policy', options.maxmemoryPolicy ?? 'allkeys-lru',
+        '--maxmemory-samples', '64')
+    }
+    return list
+  }
+  const spawnServer = async () => {
+    child = spawn(binary, args(), { cwd: dir, stdio: 'ignore' })
+    child.on('error', () => {})
+    return waitReady(port, child)
+  }
+  const kill = async () => {
+    if (!child || child.exitCode !== null || child.signalCode !== null) return
+    const exited = new Promise((resolve) => child.once('exit', resolve))
+    child.kill('SIGKILL')
+    await exited
+  }
+
+  let started = false
+  // a port picked this way can be taken by someone else before redis binds it: retry
+  for (let attempt = 0; attempt < 5 && !started; attempt++) {
+    port = await freePort()
+    started = await spawnServer()
+    if (!started) await kill()
+  }
+  if (!started) {
+    const log = fs.existsSync(path.join(dir, 'redis.log')) ? fs.readFileSync(path.join(dir, 'redis.log'), 'utf8') : ''
+    fs.rmSync(dir, { recursive: true, force: true })
+    throw new Error(`redis-server did not start; its log:\n${log}`)
+  }
+
+  const auth = options.requirepass ? ['--user', 'default', '--pass', options.requirepass, '--no-auth-warning'] : []
+  return {
+    port,
+    dir,
+    url: `redis://127.0.0.1:${port}`,
+    urlWith: (user, password) => `redis://${user}:${encodeURIComponent(password)}@127.0.0.1:${port}`,
+    /** SIGKILL: the server vanishes mid-call, as a crashed machine would. */
+    kill,
+    /** Starts again on the same port, empty (persistence is off). */
+    async restart() {
+      await kill()
+      if (!(await spawnServer())) throw new Error(`redis-server did not restart on port ${port}`)
+    },
+    async stop() {
+      await kill()
+      fs.rmSync(dir, { recursive: true, force: true })
+    },
+    /** Runs redis-cli against this server; `input` (a Buffer) is sent with -x as the last argument. */
+    cli(args, input) {
+      const cli = findBinary('redis-cli')
+      if (!cli) throw new Error(`redis-cli is not installed: run \`${INSTALL_HINT}\` (as root)`)
+      const result = spawnSync(cli, ['-h', '127.0.0.1', '-p', String(port), ...auth, ...(input ? ['-x'] : []), ...args], {
+        input,
+      })
+      if (result.status !== 0) throw new Error(`redis-cli ${args.join(' ')}: ${result.stderr}`)
+      return result.stdout.toString().trim()
+    },
+  }
+}
+
+/** `startRedis` for an ava test: the server is stopped when the test ends. */
+export async function redisForTest(t, options) {
+  const server = await startRedis(options)
+  t.teardown(() => server.stop())
+  return server
+}
