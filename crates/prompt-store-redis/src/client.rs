@@ -193,8 +193,9 @@ impl RedisClient {
         Ok(out)
     }
 
-    /// `SET key value NX [EX ttl]` for every entry, pipelined in one round trip. Returns, per
-    /// entry, whether it was written (`false`: the key already existed).
+    /// `SET key value NX [PX ttl]` for every entry, pipelined in one round trip. Returns, per
+    /// entry, whether it was written (`false`: the key already existed). With a TTL, an entry
+    /// that existed gets its expiry set again (`PEXPIRE`): a block that is put again stays.
     pub fn set_nx_many(
         &self,
         entries: &[(&[u8], &[u8])],
@@ -203,7 +204,8 @@ impl RedisClient {
         self.set_many(entries, ttl, true)
     }
 
-    /// Plain pipelined `SET` (overwrites): the raw baseline the benchmarks compare with.
+    /// Pipelined `SET`, `NX` when `only_if_absent` (else the plain overwriting `SET` that the
+    /// benchmarks use as the raw baseline).
     pub fn set_many(
         &self,
         entries: &[(&[u8], &[u8])],
@@ -213,14 +215,19 @@ impl RedisClient {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
+        let ttl_ms = ttl.map(|ttl| ttl.as_millis().clamp(1, u64::MAX as u128) as u64);
+        let refresh = only_if_absent && ttl_ms.is_some();
         let mut pipeline = redis::pipe();
         for (key, value) in entries {
             let command = pipeline.cmd("SET").arg(*key).arg(*value);
             if only_if_absent {
                 command.arg("NX");
             }
-            if let Some(ttl) = ttl {
-                command.arg("PX").arg(ttl.as_millis().max(1) as u64);
+            if let Some(ms) = ttl_ms {
+                command.arg("PX").arg(ms);
+                if refresh {
+                    pipeline.cmd("PEXPIRE").arg(*key).arg(ms).ignore();
+                }
             }
         }
         let replies: Vec<Value> = self.call(|mut connection| {
@@ -233,6 +240,67 @@ impl RedisClient {
             .collect())
     }
 
+    /// One command per key, built by `build`, pipelined in one round trip; the raw replies in
+    /// order.
+    pub fn pipeline_each<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        build: impl Fn(&mut redis::Pipeline, &[u8]),
+    ) -> Result<Vec<Value>, ClientError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipeline = redis::pipe();
+        for key in keys {
+            build(&mut pipeline, key.as_ref());
+        }
+        self.call(|mut connection| {
+            let pipeline = &pipeline;
+            async move { pipeline.query_async(&mut connection).await }
+        })
+    }
+
+    /// The number of keys matching `pattern` and the sum of their value lengths: `SCAN` in
+    /// pages of 1,000 keys with a pipelined `STRLEN` per page.
+    pub fn scan_sizes(&self, pattern: &[u8]) -> Result<(u64, u64), ClientError> {
+        let (mut keys, mut bytes) = (0u64, 0u64);
+        let mut cursor = 0u64;
+        loop {
+            let mut command = redis::cmd("SCAN");
+            command
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000);
+            let (next, page): (u64, Vec<Vec<u8>>) = self.call(|mut connection| {
+                let command = &command;
+                async move { command.query_async(&mut connection).await }
+            })?;
+            for reply in self.pipeline_each(&page, |pipe, key| {
+                pipe.cmd("STRLEN").arg(key);
+            })? {
+                if let Value::Int(len) = reply {
+                    keys += 1;
+                    bytes += u64::try_from(len).unwrap_or(0);
+                }
+            }
+            if next == 0 {
+                return Ok((keys, bytes));
+            }
+            cursor = next;
+        }
+    }
+
+    /// The server's `INFO` text.
+    pub fn info(&self) -> Result<String, ClientError> {
+        let command = redis::cmd("INFO");
+        self.call(|mut connection| {
+            let command = &command;
+            async move { command.query_async(&mut connection).await }
+        })
+    }
+
     /// Runs any command: for tests and tools, not for the store's data path.
     pub fn command(&self, command: redis::Cmd) -> Result<Value, ClientError> {
         self.call(|mut connection| {
@@ -242,16 +310,24 @@ impl RedisClient {
     }
 }
 
+/// The server error codes in `err`: its own, or those of the failed commands of a pipeline.
+fn server_codes(err: &RedisError) -> Vec<String> {
+    let mut codes: Vec<String> = err.code().map(str::to_string).into_iter().collect();
+    if let Some(items) = err.clone().into_server_errors() {
+        codes.extend(items.iter().map(|(_, item)| item.code().to_string()));
+    }
+    codes
+}
+
 /// Sorts a client error into the store's failure kinds.
 fn classify(address: &str, err: &RedisError) -> ClientError {
     let reason = err.to_string();
     let address = address.to_string();
-    let code = err.code().unwrap_or("");
-    if err.kind() == ErrorKind::AuthenticationFailed
-        || matches!(code, "NOAUTH" | "WRONGPASS" | "NOPERM")
-    {
+    let codes = server_codes(err);
+    let has = |wanted: &[&str]| codes.iter().any(|code| wanted.contains(&code.as_str()));
+    if err.kind() == ErrorKind::AuthenticationFailed || has(&["NOAUTH", "WRONGPASS", "NOPERM"]) {
         ClientError::Auth { address, reason }
-    } else if code == "OOM" {
+    } else if has(&["OOM"]) {
         ClientError::OutOfMemory { address, reason }
     } else {
         // I/O errors, timeouts, dropped connections, a server still loading, a replica that

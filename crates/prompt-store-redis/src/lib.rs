@@ -1,7 +1,9 @@
 //! The prompt store's Redis (and Valkey) backend: one prefix cache shared by a fleet of
 //! machines. Pure Rust, no Node.
 
+mod backend;
 mod client;
 mod runtime;
 
+pub use backend::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 pub use client::{redact_url, ClientError, RedisClient};

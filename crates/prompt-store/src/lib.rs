@@ -14,7 +14,9 @@
 //! [`llama_kv_cache::KvCache::state_read`].
 //!
 //! Storage is behind the [`Backend`] trait: [`MemoryBackend`] (in-process, LRU byte budget) and
-//! [`DirBackend`] (content-addressed files shared by processes, LRU byte budget).
+//! [`DirBackend`] (content-addressed files shared by processes, LRU byte budget);
+//! [`TieredBackend`] puts several in front of each other (the Redis backend lives in the
+//! `prompt-store-redis` crate).
 
 mod backend;
 pub mod block;
@@ -23,6 +25,7 @@ mod error;
 mod geometry;
 mod memory;
 mod store;
+mod tiered;
 
 pub use backend::{Backend, Key, Usage};
 pub use dir::DirBackend;
@@ -33,3 +36,4 @@ pub use store::{
     PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS, MAX_BLOCK_TOKENS,
     MIN_BLOCK_TOKENS,
 };
+pub use tiered::TieredBackend;

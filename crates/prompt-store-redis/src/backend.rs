@@ -1,0 +1,192 @@
+//! [`RedisBackend`]: the prompt store's [`Backend`] on Redis or Valkey.
+//!
+//! One Redis string per block under `{prefix}{hex chain key}`: a block is never split over two
+//! keys, so an eviction removes a block whole. Every trait call is one round trip: `MGET` (or
+//! pipelined `GETEX` when a TTL is set), pipelined `EXISTS`, pipelined `SET NX`.
+
+use std::time::Duration;
+
+use prompt_store::{Backend, Key, StoreError, StoreResult, Usage};
+use redis::Value;
+
+use crate::client::{ClientError, RedisClient};
+
+/// The key prefix used when none is given.
+pub const DEFAULT_PREFIX: &str = "llama-kv:";
+/// How long one call may take (connecting included) when no timeout is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How to reach and use a Redis server.
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `redis://[user[:password]@]host[:port][/db]`.
+    pub url: String,
+    /// Namespace: every key starts with it, so several apps or models share one server.
+    pub prefix: String,
+    /// Expiry of a block, counted from its last write or read (`None`: kept until evicted).
+    pub ttl: Option<Duration>,
+    /// Bound on each call, connecting included.
+    pub timeout: Duration,
+}
+
+impl RedisOptions {
+    /// Options with the default prefix, no TTL and the default timeout.
+    pub fn new(url: impl Into<String>) -> RedisOptions {
+        RedisOptions {
+            url: url.into(),
+            prefix: DEFAULT_PREFIX.into(),
+            ttl: None,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl From<ClientError> for StoreError {
+    fn from(err: ClientError) -> StoreError {
+        let message = err.to_string();
+        match err {
+            ClientError::InvalidUrl { .. } => StoreError::InvalidArg(message),
+            ClientError::Unavailable { .. } => StoreError::Unavailable(message),
+            ClientError::Auth { .. } => StoreError::Auth(message),
+            ClientError::OutOfMemory { .. } => StoreError::NoSpace(message),
+        }
+    }
+}
+
+/// A [`Backend`] on a Redis (or Valkey) server shared by any number of processes and machines.
+///
+/// Created without connecting: a backend made while the server is down works once it is up.
+/// A server that evicts blocks (`maxmemory` with an `allkeys-*` policy) or expires them (TTL)
+/// just makes them absent: misses, never errors.
+pub struct RedisBackend {
+    client: RedisClient,
+    prefix: Vec<u8>,
+    ttl: Option<Duration>,
+}
+
+impl RedisBackend {
+    /// Parses the URL and sets up the (lazy) connection. Fails only on a malformed URL or
+    /// options.
+    pub fn new(options: RedisOptions) -> StoreResult<RedisBackend> {
+        if options.timeout.is_zero() {
+            return Err(StoreError::InvalidArg(
+                "the Redis timeout must be positive".into(),
+            ));
+        }
+        if options.ttl.is_some_and(|ttl| ttl.as_millis() == 0) {
+            return Err(StoreError::InvalidArg(
+                "the Redis TTL must be at least 1 ms".into(),
+            ));
+        }
+        Ok(RedisBackend {
+            client: RedisClient::new(&options.url, options.timeout)?,
+            prefix: options.prefix.into_bytes(),
+            ttl: options.ttl,
+        })
+    }
+
+    /// The client, for tools and tests that talk to the same server.
+    pub fn client(&self) -> &RedisClient {
+        &self.client
+    }
+
+    /// The Redis key of a block: the prefix, then the chain key in hex.
+    pub fn redis_key(&self, key: &Key) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.prefix.len() + 64);
+        out.extend_from_slice(&self.prefix);
+        out.extend_from_slice(key.hex().as_bytes());
+        out
+    }
+
+    fn redis_keys(&self, keys: &[Key]) -> Vec<Vec<u8>> {
+        keys.iter().map(|key| self.redis_key(key)).collect()
+    }
+
+    fn ttl_ms(&self) -> Option<u64> {
+        self.ttl
+            .map(|ttl| ttl.as_millis().min(u64::MAX as u128) as u64)
+    }
+}
+
+impl Backend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>> {
+        let redis_keys = self.redis_keys(keys);
+        match self.ttl_ms() {
+            None => Ok(self.client.get_many(&redis_keys)?),
+            // a read keeps a block alive: GETEX sets the expiry again
+            Some(ttl) => Ok(self
+                .client
+                .pipeline_each(&redis_keys, |pipe, key| {
+                    pipe.cmd("GETEX").arg(key).arg("PX").arg(ttl);
+                })?
+                .into_iter()
+                .map(|reply| match reply {
+                    Value::BulkString(bytes) => Some(bytes),
+                    _ => None,
+                })
+                .collect()),
+        }
+    }
+
+    fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
+        let redis_keys = self.redis_keys(keys);
+        Ok(self
+            .client
+            .pipeline_each(&redis_keys, |pipe, key| {
+                pipe.cmd("EXISTS").arg(key);
+            })?
+            .into_iter()
+            .map(|reply| matches!(reply, Value::Int(1)))
+            .collect())
+    }
+
+    fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool> {
+        Ok(self
+            .put_many(&[(*key, value)])?
+            .first()
+            .copied()
+            .unwrap_or(false))
+    }
+
+    fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
+        let redis_keys: Vec<Vec<u8>> = entries.iter().map(|(k, _)| self.redis_key(k)).collect();
+        let pairs: Vec<(&[u8], &[u8])> = redis_keys
+            .iter()
+            .zip(entries)
+            .map(|(key, (_, value))| (key.as_slice(), *value))
+            .collect();
+        Ok(self.client.set_nx_many(&pairs, self.ttl)?)
+    }
+
+    fn remove(&self, key: &Key) -> StoreResult<()> {
+        let mut command = redis::cmd("DEL");
+        command.arg(self.redis_key(key));
+        self.client.command(command)?;
+        Ok(())
+    }
+
+    /// Counts the keys under the prefix (a `SCAN`: several round trips, proportional to the
+    /// keys in the database) and reads the server's eviction count and `maxmemory`, which
+    /// cover the whole server, not only this prefix.
+    fn usage(&self) -> StoreResult<Usage> {
+        let mut pattern = self.prefix.clone();
+        pattern.push(b'*');
+        let (blocks, bytes) = self.client.scan_sizes(&pattern)?;
+        let info = self.client.info()?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .and_then(|value| value.trim().parse::<u64>().ok())
+        };
+        Ok(Usage {
+            blocks,
+            bytes,
+            evictions: field("evicted_keys").unwrap_or(0),
+            max_bytes: field("maxmemory").filter(|&max| max > 0),
+        })
+    }
+}

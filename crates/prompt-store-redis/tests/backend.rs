@@ -1,0 +1,348 @@
+//! `RedisBackend` against a real redis-server: the Backend contract, namespaces, TTL,
+//! eviction as misses, typed failures, faults mid-call.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::server::{AclUser, RedisServer, ServerOptions};
+use prompt_store::{Backend, Key, MemoryBackend, StoreError, TieredBackend};
+use prompt_store_redis::{RedisBackend, RedisOptions};
+
+fn backend(url: &str) -> RedisBackend {
+    RedisBackend::new(RedisOptions {
+        timeout: Duration::from_secs(2),
+        ..RedisOptions::new(url)
+    })
+    .unwrap()
+}
+
+fn key(i: u32) -> Key {
+    let mut k = [0u8; 32];
+    k[..4].copy_from_slice(&i.to_le_bytes());
+    k[31] = 0xab;
+    Key(k)
+}
+
+fn value(i: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+}
+
+#[test]
+fn values_round_trip_under_prefixed_hex_keys_and_set_nx_keeps_the_first() {
+    let server = RedisServer::start();
+    let store = backend(&server.url());
+    assert_eq!(store.name(), "redis");
+    assert!(store.put_if_absent(&key(1), b"first").unwrap());
+    assert!(!store.put_if_absent(&key(1), b"second").unwrap());
+    assert_eq!(
+        store.put_many(&[(key(1), b"x"), (key(2), b"two")]).unwrap(),
+        [false, true]
+    );
+    assert_eq!(
+        store.get_many(&[key(1), key(3), key(2)]).unwrap(),
+        [Some(b"first".to_vec()), None, Some(b"two".to_vec())]
+    );
+    assert_eq!(
+        store.contains_many(&[key(2), key(3), key(1)]).unwrap(),
+        [true, false, true]
+    );
+    assert_eq!(
+        store
+            .present_prefix(&[key(1), key(2), key(3), key(1)])
+            .unwrap(),
+        2
+    );
+    let mut raw = server.connection();
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(format!("llama-kv:{}", key(1).hex()))
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(
+        stored, b"first",
+        "one plain string per block, under prefix + hex key"
+    );
+    store.remove(&key(1)).unwrap();
+    store.remove(&key(1)).unwrap();
+    assert_eq!(store.contains_many(&[key(1)]).unwrap(), [false]);
+    let usage = store.usage().unwrap();
+    assert_eq!((usage.blocks, usage.bytes), (1, 3));
+}
+
+#[test]
+fn prefixes_keep_apps_apart_on_one_server() {
+    let server = RedisServer::start();
+    let a = RedisBackend::new(RedisOptions {
+        prefix: "app-a:".into(),
+        ..RedisOptions::new(server.url())
+    })
+    .unwrap();
+    let b = RedisBackend::new(RedisOptions {
+        prefix: "app-b:".into(),
+        ..RedisOptions::new(server.url())
+    })
+    .unwrap();
+    a.put_if_absent(&key(1), b"from a").unwrap();
+    assert_eq!(b.get_many(&[key(1)]).unwrap(), [None]);
+    assert!(b.put_if_absent(&key(1), b"from b").unwrap());
+    assert_eq!(a.get_many(&[key(1)]).unwrap(), [Some(b"from a".to_vec())]);
+    assert_eq!(a.usage().unwrap().blocks, 1);
+}
+
+#[test]
+fn ttl_expires_unused_blocks_and_a_read_keeps_a_block_alive() {
+    let server = RedisServer::start();
+    let store = RedisBackend::new(RedisOptions {
+        ttl: Some(Duration::from_millis(400)),
+        ..RedisOptions::new(server.url())
+    })
+    .unwrap();
+    store
+        .put_many(&[(key(1), b"read"), (key(2), b"idle")])
+        .unwrap();
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(store.get_many(&[key(1)]).unwrap(), [Some(b"read".to_vec())]);
+    }
+    // 600 ms after the put: the unread block is gone, the read one is not
+    assert_eq!(
+        store.contains_many(&[key(1), key(2)]).unwrap(),
+        [true, false]
+    );
+}
+
+#[test]
+fn evicted_blocks_are_misses_never_errors() {
+    let server = RedisServer::start_with(ServerOptions {
+        maxmemory: Some(4 << 20),
+        ..Default::default()
+    });
+    let store = backend(&server.url());
+    let keys: Vec<Key> = (0..48).map(key).collect();
+    for (i, k) in keys.iter().enumerate() {
+        store.put_if_absent(k, &value(i as u32, 256 << 10)).unwrap();
+    }
+    let present = store.contains_many(&keys).unwrap();
+    let kept = present.iter().filter(|&&p| p).count();
+    assert!(
+        kept > 0 && kept < keys.len(),
+        "kept {kept} of {}",
+        keys.len()
+    );
+    assert!(!present[0], "the least recently used block went first");
+    assert_eq!(store.present_prefix(&keys).unwrap(), 0);
+    let values = store.get_many(&keys).unwrap();
+    for (i, v) in values.iter().enumerate() {
+        if let Some(v) = v {
+            assert_eq!(v, &value(i as u32, 256 << 10), "a kept block is whole");
+        }
+    }
+    let usage = store.usage().unwrap();
+    assert!(usage.evictions > 0);
+    assert_eq!(usage.max_bytes, Some(4 << 20));
+}
+
+#[test]
+fn no_eviction_policy_refuses_puts_as_no_space() {
+    let server = RedisServer::start_with(ServerOptions {
+        maxmemory: Some(2 << 20),
+        maxmemory_policy: Some("noeviction".into()),
+        ..Default::default()
+    });
+    let store = backend(&server.url());
+    let mut refused = None;
+    for i in 0..64 {
+        if let Err(err) = store.put_if_absent(&key(i), &value(i, 256 << 10)) {
+            refused = Some(err);
+            break;
+        }
+    }
+    assert!(
+        matches!(refused, Some(StoreError::NoSpace(_))),
+        "{refused:?}"
+    );
+}
+
+#[test]
+fn down_at_start_is_unavailable_then_works_once_redis_is_back() {
+    let mut server = RedisServer::start();
+    server.kill();
+    let store = backend(&server.url());
+    assert!(matches!(
+        store.get_many(&[key(1)]),
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.put_if_absent(&key(1), b"v"),
+        Err(StoreError::Unavailable(_))
+    ));
+    server.restart();
+    assert!(store.put_if_absent(&key(1), b"v").unwrap());
+    assert_eq!(store.get_many(&[key(1)]).unwrap(), [Some(b"v".to_vec())]);
+}
+
+#[test]
+fn requirepass_and_acl_users_wrong_credentials_are_auth_errors() {
+    let server = RedisServer::start_with(ServerOptions {
+        requirepass: Some("fleet-pass".into()),
+        users: vec![AclUser {
+            name: "worker".into(),
+            password: "worker-pass".into(),
+        }],
+        ..Default::default()
+    });
+    for url in [
+        server.url_with("", "fleet-pass"),
+        server.url_with("worker", "worker-pass"),
+    ] {
+        let store = backend(&url);
+        store.put_if_absent(&key(1), b"v").unwrap();
+        assert_eq!(store.contains_many(&[key(1)]).unwrap(), [true], "{url}");
+    }
+    for url in [
+        server.url(),
+        server.url_with("", "nope"),
+        server.url_with("worker", "nope"),
+        server.url_with("nobody", "worker-pass"),
+    ] {
+        let err = backend(&url).get_many(&[key(1)]).unwrap_err();
+        assert!(matches!(err, StoreError::Auth(_)), "{url}: {err:?}");
+        assert!(!err.to_string().contains("nope"), "no password in: {err}");
+    }
+}
+
+#[test]
+fn racing_writers_store_each_block_exactly_once() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let keys: Vec<Key> = (0..32).map(key).collect();
+    let stored: Vec<Vec<bool>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let (url, keys) = (&url, &keys);
+                scope.spawn(move || {
+                    let store = backend(url);
+                    let values: Vec<Vec<u8>> =
+                        keys.iter().map(|k| value(k.0[0] as u32, 4096)).collect();
+                    let entries: Vec<(Key, &[u8])> = keys
+                        .iter()
+                        .zip(&values)
+                        .map(|(k, v)| (*k, v.as_slice()))
+                        .collect();
+                    store.put_many(&entries).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for i in 0..keys.len() {
+        assert_eq!(stored.iter().filter(|s| s[i]).count(), 1, "block {i}");
+    }
+}
+
+/// A put cut off mid-pipeline (its connection killed by the server) fails as unavailable and
+/// leaves every block either absent or whole.
+#[test]
+fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block() {
+    let server = RedisServer::start();
+    let store = RedisBackend::new(RedisOptions {
+        timeout: Duration::from_secs(10),
+        ..RedisOptions::new(server.url())
+    })
+    .unwrap();
+    store.put_if_absent(&key(999), b"warm").unwrap();
+    let keys: Vec<Key> = (0..96).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..96).map(|i| value(i, 1 << 20)).collect();
+    let entries: Vec<(Key, &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (*k, v.as_slice()))
+        .collect();
+    let mut admin = server.connection();
+    let result = std::thread::scope(|scope| {
+        let put = scope.spawn(|| store.put_many(&entries));
+        // kill every other client connection while the 96 MiB pipeline is in flight, twice
+        // (the first put may be retried on a fresh connection)
+        for _ in 0..40 {
+            std::thread::sleep(Duration::from_millis(15));
+            let _: redis::Value = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("normal")
+                .arg("SKIPME")
+                .arg("yes")
+                .query(&mut admin)
+                .unwrap();
+            if put.is_finished() {
+                break;
+            }
+        }
+        put.join().unwrap()
+    });
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{:?}",
+        result.map(|r| r.len())
+    );
+    let got = store.get_many(&keys).unwrap();
+    for (i, v) in got.iter().enumerate() {
+        if let Some(v) = v {
+            assert_eq!(v, &values[i], "block {i} is whole");
+        }
+    }
+}
+
+#[test]
+fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
+    let mut server = RedisServer::start();
+    let store = backend(&server.url());
+    let keys: Vec<Key> = (0..64).map(key).collect();
+    let values: Vec<Vec<u8>> = (0..64).map(|i| value(i, 1 << 20)).collect();
+    let entries: Vec<(Key, &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (*k, v.as_slice()))
+        .collect();
+    store.put_many(&entries).unwrap();
+    let result = std::thread::scope(|scope| {
+        let read = scope.spawn(|| store.get_many(&keys));
+        std::thread::sleep(Duration::from_millis(20));
+        server.kill();
+        read.join().unwrap()
+    });
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{:?}",
+        result.map(|r| r.len())
+    );
+    server.restart();
+    assert_eq!(
+        store.get_many(&keys[..1]).unwrap(),
+        [None],
+        "restarted empty"
+    );
+    store.put_if_absent(&keys[0], &values[0]).unwrap();
+}
+
+#[test]
+fn memory_in_front_of_redis_promotes_hits_and_writes_through() {
+    let server = RedisServer::start();
+    let redis = Arc::new(backend(&server.url()));
+    let near = Arc::new(MemoryBackend::new(None));
+    let tiered = TieredBackend::new(vec![near.clone(), redis.clone()]).unwrap();
+    tiered.put_if_absent(&key(1), b"both").unwrap();
+    assert_eq!(redis.contains_many(&[key(1)]).unwrap(), [true]);
+    assert_eq!(near.contains_many(&[key(1)]).unwrap(), [true]);
+    // another machine's block is only in Redis until read here
+    redis.put_if_absent(&key(2), b"remote").unwrap();
+    assert_eq!(near.contains_many(&[key(2)]).unwrap(), [false]);
+    assert_eq!(
+        tiered.get_many(&[key(1), key(2)]).unwrap(),
+        [Some(b"both".to_vec()), Some(b"remote".to_vec())]
+    );
+    assert_eq!(
+        near.get_many(&[key(2)]).unwrap(),
+        [Some(b"remote".to_vec())]
+    );
+}
