@@ -1,5 +1,7 @@
-//! Redis backend on loopback against baselines measured in the same run through the same
-//! client: one `PING` (latency), raw pipelined `SET` / `MGET` of the same bytes (throughput).
+//! The prompt store on Redis (loopback) against baselines measured in the same run through the
+//! same client: `lookup` of a 128-block chain against one `PING`; `put` and `restore` of a
+//! 128-block prompt against a raw pipelined `SET` / `MGET` of the very same block values; and 8
+//! restores at once.
 //!
 //! Run: `cargo bench -p prompt-store-redis` (starts its own redis-server).
 
@@ -8,13 +10,42 @@ mod server;
 
 use std::time::{Duration, Instant};
 
-use prompt_store_redis::RedisClient;
+use std::sync::Arc;
+
+use llama_kv_cache::{CacheParams, KvCache, Layout, Tensor, UBatch};
+use prompt_store::PromptStore;
+use prompt_store_redis::{RedisBackend, RedisClient, RedisOptions};
 use server::RedisServer;
 
-/// Blocks per measured batch and bytes per block (a 256-token block of a small model).
-const BLOCKS: usize = 32;
-const BLOCK_BYTES: usize = 1 << 20;
-const REPS: usize = 7;
+/// 128 blocks of 16 tokens; 4 layers of 1,024 f16 K and V values: 16 KiB per token, 256 KiB
+/// per block, 32 MiB per prompt.
+const BLOCKS: usize = 128;
+const BLOCK_TOKENS: u32 = 16;
+const TOKENS: u32 = BLOCKS as u32 * BLOCK_TOKENS;
+const REPS: usize = 5;
+const CONCURRENT: usize = 8;
+
+fn params() -> CacheParams {
+    CacheParams::new(TOKENS, 4, 1024, 1024)
+}
+
+fn evaluated(tokens: &[i32]) -> KvCache {
+    let mut cache = KvCache::new(params()).unwrap();
+    let slot = cache
+        .find_slot(&UBatch::sequence(0, 0, tokens.len() as u32))
+        .unwrap()
+        .unwrap();
+    for il in 0..cache.n_layer() {
+        for which in [Tensor::K, Tensor::V] {
+            let row = cache.row_size(il, which).unwrap();
+            let rows: Vec<u8> = (0..row * tokens.len())
+                .map(|i| (i * 7 + il as usize) as u8)
+                .collect();
+            cache.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+    cache
+}
 
 fn median(mut samples: Vec<f64>) -> f64 {
     samples.sort_by(f64::total_cmp);
@@ -38,9 +69,22 @@ fn mbps(bytes: usize, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e6
 }
 
+fn flush(client: &RedisClient) {
+    client.command(redis::cmd("FLUSHDB")).unwrap();
+}
+
 fn main() {
     let server = RedisServer::start();
-    let client = RedisClient::new(&server.url(), Duration::from_secs(30)).unwrap();
+    let url = server.url();
+    let backend = Arc::new(
+        RedisBackend::new(RedisOptions {
+            timeout: Duration::from_secs(60),
+            ..RedisOptions::new(url.clone())
+        })
+        .unwrap(),
+    );
+    let client = backend.client().clone();
+    let store = PromptStore::new(backend.clone(), "bench-model", BLOCK_TOKENS).unwrap();
     client.ping().unwrap();
 
     let ping = median(
@@ -53,39 +97,160 @@ fn main() {
             .collect(),
     );
 
-    let keys: Vec<Vec<u8>> = (0..BLOCKS)
+    let tokens: Vec<i32> = (0..TOKENS as i32).collect();
+    let source = evaluated(&tokens);
+
+    // put: each rep on an empty server (the flush is not timed)
+    let mut put_samples = Vec::new();
+    for _ in 0..=REPS {
+        flush(&client);
+        let t = Instant::now();
+        let report = store.put(&source, 0, &tokens, None).unwrap();
+        put_samples.push(t.elapsed().as_secs_f64());
+        assert_eq!(report.blocks_written, BLOCKS as u64);
+    }
+    put_samples.remove(0);
+    let put = median(put_samples);
+
+    // the very values the store wrote, for the raw baselines
+    let keys: Vec<Vec<u8>> = store
+        .keys(&tokens)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|key| backend.redis_key(key))
+        .collect();
+    let values: Vec<Vec<u8>> = client
+        .get_many(&keys)
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    let total: usize = values.iter().map(Vec::len).sum();
+    let raw_keys: Vec<Vec<u8>> = (0..BLOCKS)
         .map(|i| format!("raw:{i}").into_bytes())
         .collect();
-    let values: Vec<Vec<u8>> = (0..BLOCKS).map(|i| vec![i as u8; BLOCK_BYTES]).collect();
-    let entries: Vec<(&[u8], &[u8])> = keys
+    let entries: Vec<(&[u8], &[u8])> = raw_keys
         .iter()
         .zip(&values)
         .map(|(k, v)| (k.as_slice(), v.as_slice()))
         .collect();
-    let total = BLOCKS * BLOCK_BYTES;
-    let raw_set = time(|| {
+    // on an empty database, as the put was (the DEL is not timed)
+    let mut raw_samples = Vec::new();
+    for _ in 0..=REPS {
+        let mut del = redis::cmd("DEL");
+        for key in &raw_keys {
+            del.arg(key.as_slice());
+        }
+        client.command(del).unwrap();
+        let t = Instant::now();
         client.set_many(&entries, None, false).unwrap();
-    });
+        raw_samples.push(t.elapsed().as_secs_f64());
+    }
+    raw_samples.remove(0);
+    let raw_set = median(raw_samples);
     let raw_get = time(|| {
-        let got = client.get_many(&keys).unwrap();
-        assert_eq!(got.len(), BLOCKS);
+        assert_eq!(client.get_many(&raw_keys).unwrap().len(), BLOCKS);
+    });
+
+    let lookup = median(
+        (0..200)
+            .map(|_| {
+                let t = Instant::now();
+                assert_eq!(store.lookup(&tokens).unwrap(), TOKENS as u64);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    );
+
+    let mut target = KvCache::new(params()).unwrap();
+    let restore = time(|| {
+        assert_eq!(
+            store.restore(&mut target, 0, &tokens, None).unwrap(),
+            TOKENS as u64
+        );
+    });
+    assert_eq!(
+        target.state_write(0, Layout::Streams, 1, None).unwrap(),
+        source.state_write(0, Layout::Streams, 1, None).unwrap()
+    );
+
+    // the same restore from the in-process memory backend: the store's own share of the time
+    let memory = PromptStore::new(
+        Arc::new(prompt_store::MemoryBackend::new(None)),
+        "bench-model",
+        BLOCK_TOKENS,
+    )
+    .unwrap();
+    memory.put(&source, 0, &tokens, None).unwrap();
+    let memory_restore = time(|| {
+        assert_eq!(
+            memory.restore(&mut target, 0, &tokens, None).unwrap(),
+            TOKENS as u64
+        );
+    });
+
+    let mut targets: Vec<KvCache> = (0..CONCURRENT)
+        .map(|_| KvCache::new(params()).unwrap())
+        .collect();
+    let concurrent = time(|| {
+        std::thread::scope(|scope| {
+            for target in targets.iter_mut() {
+                let store = &store;
+                let tokens = &tokens;
+                scope.spawn(move || {
+                    assert_eq!(
+                        store.restore(target, 0, tokens, None).unwrap(),
+                        TOKENS as u64
+                    );
+                });
+            }
+        });
     });
 
     println!(
-        "redis loopback, {BLOCKS} blocks x {} KiB",
-        BLOCK_BYTES / 1024
+        "redis loopback: {BLOCKS} blocks x {BLOCK_TOKENS} tokens, {:.1} MiB per prompt",
+        total as f64 / (1 << 20) as f64
     );
-    println!("| measurement | time | throughput |");
-    println!("|---|---|---|");
-    println!("| PING (median of 1000) | {:.1} us | |", ping * 1e6);
+    println!("| measurement | time | throughput | vs baseline |");
+    println!("|---|---|---|---|");
+    println!("| PING (median of 1000) | {:.1} us | | |", ping * 1e6);
     println!(
-        "| raw pipelined SET | {:.1} ms | {:.0} MB/s |",
+        "| lookup, {BLOCKS}-block chain (median of 200) | {:.1} us | | {:.1}x PING |",
+        lookup * 1e6,
+        lookup / ping
+    );
+    println!(
+        "| raw pipelined SET of the block values | {:.1} ms | {:.0} MB/s | |",
         raw_set * 1e3,
         mbps(total, raw_set)
     );
     println!(
-        "| raw MGET | {:.1} ms | {:.0} MB/s |",
+        "| put (encode + SET NX) | {:.1} ms | {:.0} MB/s | {:.2}x raw SET |",
+        put * 1e3,
+        mbps(total, put),
+        raw_set / put
+    );
+    println!(
+        "| raw MGET of the block values | {:.1} ms | {:.0} MB/s | |",
         raw_get * 1e3,
         mbps(total, raw_get)
+    );
+    println!(
+        "| restore (EXISTS + MGET + verify + load) | {:.1} ms | {:.0} MB/s | {:.2}x raw MGET |",
+        restore * 1e3,
+        mbps(total, restore),
+        raw_get / restore
+    );
+    println!(
+        "| restore from the memory backend (no network) | {:.1} ms | {:.0} MB/s | |",
+        memory_restore * 1e3,
+        mbps(total, memory_restore)
+    );
+    println!(
+        "| {CONCURRENT} restores at once | {:.1} ms | {:.0} MB/s total | {:.2}x raw MGET |",
+        concurrent * 1e3,
+        mbps(total * CONCURRENT, concurrent),
+        mbps(total * CONCURRENT, concurrent) / mbps(total, raw_get)
     );
 }

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::server::{AclUser, RedisServer, ServerOptions};
+use common::server::{cut_client_connections, AclUser, RedisServer, ServerOptions};
 use prompt_store::{Backend, Key, MemoryBackend, StoreError, TieredBackend};
 use prompt_store_redis::{RedisBackend, RedisOptions};
 
@@ -27,6 +27,21 @@ fn key(i: u32) -> Key {
 
 fn value(i: u32, len: usize) -> Vec<u8> {
     (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+}
+
+/// `n` keys and values of `len` bytes each.
+fn blocks(n: u32, len: usize) -> (Vec<Key>, Vec<Vec<u8>>) {
+    (
+        (0..n).map(key).collect(),
+        (0..n).map(|i| value(i, len)).collect(),
+    )
+}
+
+fn entries<'a>(keys: &[Key], values: &'a [Vec<u8>]) -> Vec<(Key, &'a [u8])> {
+    keys.iter()
+        .zip(values)
+        .map(|(k, v)| (*k, v.as_slice()))
+        .collect()
 }
 
 #[test]
@@ -225,12 +240,7 @@ fn racing_writers_store_each_block_exactly_once() {
                     let store = backend(url);
                     let values: Vec<Vec<u8>> =
                         keys.iter().map(|k| value(k.0[0] as u32, 4096)).collect();
-                    let entries: Vec<(Key, &[u8])> = keys
-                        .iter()
-                        .zip(&values)
-                        .map(|(k, v)| (*k, v.as_slice()))
-                        .collect();
-                    store.put_many(&entries).unwrap()
+                    store.put_many(&entries(keys, &values)).unwrap()
                 })
             })
             .collect();
@@ -252,13 +262,8 @@ fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block
     })
     .unwrap();
     store.put_if_absent(&key(999), b"warm").unwrap();
-    let keys: Vec<Key> = (0..96).map(key).collect();
-    let values: Vec<Vec<u8>> = (0..96).map(|i| value(i, 1 << 20)).collect();
-    let entries: Vec<(Key, &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (*k, v.as_slice()))
-        .collect();
+    let (keys, values) = blocks(96, 1 << 20);
+    let entries = entries(&keys, &values);
     let mut admin = server.connection();
     let result = std::thread::scope(|scope| {
         let put = scope.spawn(|| store.put_many(&entries));
@@ -266,14 +271,7 @@ fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block
         // (the first put may be retried on a fresh connection)
         for _ in 0..40 {
             std::thread::sleep(Duration::from_millis(15));
-            let _: redis::Value = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("TYPE")
-                .arg("normal")
-                .arg("SKIPME")
-                .arg("yes")
-                .query(&mut admin)
-                .unwrap();
+            cut_client_connections(&mut admin);
             if put.is_finished() {
                 break;
             }
@@ -297,14 +295,8 @@ fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block
 fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
     let mut server = RedisServer::start();
     let store = backend(&server.url());
-    let keys: Vec<Key> = (0..64).map(key).collect();
-    let values: Vec<Vec<u8>> = (0..64).map(|i| value(i, 1 << 20)).collect();
-    let entries: Vec<(Key, &[u8])> = keys
-        .iter()
-        .zip(&values)
-        .map(|(k, v)| (*k, v.as_slice()))
-        .collect();
-    store.put_many(&entries).unwrap();
+    let (keys, values) = blocks(64, 1 << 20);
+    store.put_many(&entries(&keys, &values)).unwrap();
     let result = std::thread::scope(|scope| {
         let read = scope.spawn(|| store.get_many(&keys));
         std::thread::sleep(Duration::from_millis(20));

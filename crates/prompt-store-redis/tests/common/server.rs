@@ -246,6 +246,19 @@ impl RedisServer {
     }
 }
 
+/// Closes every client connection except `admin`'s: calls in flight see the connection drop
+/// while the server and its data stay.
+pub fn cut_client_connections(admin: &mut redis::Connection) {
+    let _: redis::Value = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(admin)
+        .expect("CLIENT KILL");
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();

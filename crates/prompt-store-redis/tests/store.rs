@@ -1,0 +1,366 @@
+//! The prompt store through Redis with real caches: a fleet sharing one server, concurrent
+//! writers, eviction, faults mid-call, bad data, a client that started while Redis was down.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::server::{cut_client_connections, RedisServer, ServerOptions};
+use llama_kv_cache::{CacheParams, KvCache, Tensor, UBatch};
+use prompt_store::{PromptStore, StoreError};
+use prompt_store_redis::{RedisBackend, RedisOptions};
+
+const BT: u32 = 16;
+const MODEL: &str = "model-under-test";
+
+fn params() -> CacheParams {
+    let mut p = CacheParams::new(256, 2, 256, 64);
+    p.n_seq_max = 4;
+    p
+}
+
+fn store_at(url: &str) -> PromptStore {
+    let backend = RedisBackend::new(RedisOptions {
+        timeout: Duration::from_secs(2),
+        ..RedisOptions::new(url)
+    })
+    .unwrap();
+    PromptStore::new(Arc::new(backend), MODEL, BT).unwrap()
+}
+
+/// A token's rows depend on every token up to it (as real KV does), so prompts that share a
+/// prefix have equal rows exactly on that prefix.
+fn row_byte(prefix_hash: u32, il: u32, v: bool) -> u8 {
+    (prefix_hash ^ il.wrapping_mul(7) ^ ((v as u32) * 13)) as u8
+}
+
+fn prefix_hashes(tokens: &[i32]) -> Vec<u32> {
+    let mut h = 17u32;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = h.wrapping_mul(31).wrapping_add(t as u32);
+            h
+        })
+        .collect()
+}
+
+/// A cache whose sequence `seq` holds `tokens` evaluated at positions 0..n.
+fn evaluated(tokens: &[i32], seq: i32) -> KvCache {
+    let mut cache = KvCache::new(params()).unwrap();
+    let n = tokens.len() as u32;
+    if n == 0 {
+        return cache;
+    }
+    let slot = cache
+        .find_slot(&UBatch::sequence(seq, 0, n))
+        .unwrap()
+        .expect("room");
+    let hashes = prefix_hashes(tokens);
+    for il in 0..cache.n_layer() {
+        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
+            let row = cache.row_size(il, which).unwrap();
+            let mut rows = Vec::with_capacity(row * tokens.len());
+            for &h in &hashes {
+                rows.extend(std::iter::repeat_n(row_byte(h, il, v), row));
+            }
+            cache.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+    cache
+}
+
+/// Sequence 0's one-sequence state: cells, positions and every row. Restores here go into an
+/// empty cache, so they are byte-exact exactly when this equals the state of a cache that
+/// evaluated the restored tokens itself.
+fn seq0_state(cache: &KvCache) -> Vec<u8> {
+    cache
+        .state_write(0, llama_kv_cache::Layout::Streams, 1, None)
+        .unwrap()
+}
+
+/// The state a cold evaluation of `tokens` has.
+fn cold_state(tokens: &[i32]) -> Vec<u8> {
+    seq0_state(&evaluated(tokens, 0))
+}
+
+fn prompt(shared: usize, unique: usize, salt: i32) -> Vec<i32> {
+    (0..shared as i32)
+        .chain((0..unique as i32).map(|t| 1000 * (salt + 1) + t))
+        .collect()
+}
+
+fn snapshot(cache: &KvCache) -> Vec<u8> {
+    cache
+        .state_write(-1, llama_kv_cache::Layout::Streams, 1, None)
+        .unwrap()
+}
+
+#[test]
+fn a_fleet_shares_blocks_a_puts_b_restores_c_looks_up_a_longer_prompt() {
+    let server = RedisServer::start();
+    let (a, b, c) = (
+        store_at(&server.url()),
+        store_at(&server.url()),
+        store_at(&server.url()),
+    );
+    let tokens = prompt(64, 0, 0);
+    let source = evaluated(&tokens, 0);
+    let report = a.put(&source, 0, &tokens, None).unwrap();
+    assert_eq!((report.blocks_written, report.tokens), (4, 64));
+
+    let mut restored = KvCache::new(params()).unwrap();
+    assert_eq!(b.restore(&mut restored, 0, &tokens, None).unwrap(), 64);
+    assert_eq!(seq0_state(&restored), seq0_state(&source), "byte-exact");
+
+    let longer: Vec<i32> = tokens.iter().copied().chain(500..540).collect();
+    assert_eq!(c.lookup(&longer).unwrap(), 64);
+    let again = b.put(&source, 0, &tokens, None).unwrap();
+    assert_eq!((again.blocks_written, again.blocks_skipped), (0, 4));
+}
+
+#[test]
+fn concurrent_machines_put_overlapping_prompts_then_each_restores_every_prompt_exactly() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let prompts: Vec<Vec<i32>> = (0..6)
+        .map(|i| prompt(48, 16 + 16 * (i % 3), i as i32))
+        .collect();
+    std::thread::scope(|scope| {
+        for (i, tokens) in prompts.iter().enumerate() {
+            let url = &url;
+            scope.spawn(move || {
+                let store = store_at(url);
+                store.put(&evaluated(tokens, 0), 0, tokens, None).unwrap();
+                let _ = i;
+            });
+        }
+    });
+    std::thread::scope(|scope| {
+        for _ in 0..3 {
+            let (url, prompts) = (&url, &prompts);
+            scope.spawn(move || {
+                let store = store_at(url);
+                for tokens in prompts {
+                    let mut cache = KvCache::new(params()).unwrap();
+                    let n = store.restore(&mut cache, 0, tokens, None).unwrap();
+                    assert_eq!(n, tokens.len() as u64);
+                    assert_eq!(seq0_state(&cache), cold_state(tokens));
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn evicted_blocks_shorten_lookups_and_restores_without_errors() {
+    let server = RedisServer::start_with(ServerOptions {
+        maxmemory: Some(1_600_000),
+        ..Default::default()
+    });
+    let store = store_at(&server.url());
+    // 16 blocks of 16 tokens x 1,280 bytes (320 KiB per prompt) fit; ten more prompts push the
+    // server (about 1 MB when empty) past maxmemory: the least recently used blocks go first
+    let first = prompt(256, 0, 0);
+    store.put(&evaluated(&first, 0), 0, &first, None).unwrap();
+    assert_eq!(store.lookup(&first).unwrap(), 256);
+    for salt in 1..11 {
+        let other: Vec<i32> = (0..256).map(|t| salt * 10_000 + t).collect();
+        store.put(&evaluated(&other, 0), 0, &other, None).unwrap();
+    }
+    let found = store.lookup(&first).unwrap();
+    assert!(
+        found < 256,
+        "some of the first prompt's blocks were evicted"
+    );
+    let mut cache = KvCache::new(params()).unwrap();
+    let restored = store.restore(&mut cache, 0, &first, None).unwrap();
+    assert!(restored <= found);
+    assert_eq!(seq0_state(&cache), cold_state(&first[..restored as usize]));
+    let stats = store.stats().unwrap();
+    assert!(stats.evictions > 0 && stats.misses > 0, "{stats:?}");
+    assert_eq!(stats.corrupt, 0);
+}
+
+#[test]
+fn a_store_made_while_redis_is_down_fails_typed_then_works_when_it_is_back() {
+    let mut server = RedisServer::start();
+    server.kill();
+    let store = store_at(&server.url());
+    let tokens = prompt(32, 0, 0);
+    let source = evaluated(&tokens, 0);
+    assert!(matches!(
+        store.put(&source, 0, &tokens, None),
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.lookup(&tokens),
+        Err(StoreError::Unavailable(_))
+    ));
+    server.restart();
+    assert_eq!(
+        store.put(&source, 0, &tokens, None).unwrap().blocks_written,
+        2
+    );
+    assert_eq!(store.lookup(&tokens).unwrap(), 32);
+}
+
+/// The restore is in flight (the server holds its reply: `CLIENT PAUSE`) when the server is
+/// killed: the call fails as unavailable, and the cache is exactly as it was.
+#[test]
+fn killing_redis_during_a_restore_is_unavailable_and_the_cache_is_unchanged() {
+    let mut server = RedisServer::start();
+    let store = store_at(&server.url());
+    let tokens = prompt(256, 0, 0);
+    store.put(&evaluated(&tokens, 0), 0, &tokens, None).unwrap();
+    let mut cache = evaluated(&prompt(20, 0, 3), 1);
+    let before = snapshot(&cache);
+    let mut admin = server.connection();
+    let result = std::thread::scope(|scope| {
+        let restore = scope.spawn(|| store.restore(&mut cache, 0, &tokens, None));
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(10_000)
+            .arg("ALL")
+            .query(&mut admin)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        server.kill();
+        restore.join().unwrap()
+    });
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{result:?}"
+    );
+    assert_eq!(snapshot(&cache), before, "the cache is exactly as it was");
+    server.restart();
+    let mut fresh = KvCache::new(params()).unwrap();
+    assert_eq!(
+        store.restore(&mut fresh, 0, &tokens, None).unwrap(),
+        0,
+        "restarted empty, and the same store works again"
+    );
+}
+
+/// Redis dies after the put's first batch of blocks: the put fails as unavailable, the cache is
+/// untouched, and every block that made it is whole (checked on a server whose data survives:
+/// the batch's connection is killed instead of the server).
+#[test]
+fn killing_redis_during_a_put_is_unavailable_and_leaves_no_half_block() {
+    let tokens = prompt(256, 0, 0);
+    let source = evaluated(&tokens, 0);
+    let before = snapshot(&source);
+
+    let mut server = RedisServer::start();
+    let store = store_at(&server.url());
+    let mut kill_after_first_batch = |done: u64, _total: u64| {
+        if done > 0 {
+            server.kill();
+        }
+        true
+    };
+    let result = store.put(&source, 0, &tokens, Some(&mut kill_after_first_batch));
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{result:?}"
+    );
+    assert_eq!(snapshot(&source), before);
+    server.restart();
+    assert_eq!(
+        store.put(&source, 0, &tokens, None).unwrap().blocks_written,
+        16
+    );
+
+    // connections cut after the first batch while the server keeps its data
+    let server = RedisServer::start();
+    let store = store_at(&server.url());
+    let mut admin = server.connection();
+    let mut cut_after_first_batch = |done: u64, _total: u64| {
+        if done > 0 {
+            let _: redis::Value = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxclients")
+                .arg(1)
+                .query(&mut admin)
+                .unwrap();
+            cut_client_connections(&mut admin);
+        }
+        true
+    };
+    let result = store.put(&source, 0, &tokens, Some(&mut cut_after_first_batch));
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{result:?}"
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(100)
+        .query(&mut admin)
+        .unwrap();
+    // what is stored is a whole prefix of blocks: a restore loads it exactly, no block is
+    // counted corrupt
+    let mut cache = KvCache::new(params()).unwrap();
+    let restored = store.restore(&mut cache, 0, &tokens, None).unwrap();
+    assert_eq!(restored, 8 * BT as u64, "the first batch, whole");
+    assert_eq!(seq0_state(&cache), cold_state(&tokens[..restored as usize]));
+    assert_eq!(store.stats().unwrap().corrupt, 0);
+}
+
+/// Values tampered with by hand in Redis are counted misses, never loaded.
+#[test]
+fn garbage_truncated_and_copied_blocks_are_counted_misses_never_loaded() {
+    let server = RedisServer::start();
+    let store = store_at(&server.url());
+    let tokens = prompt(64, 0, 0);
+    let source = evaluated(&tokens, 0);
+    store.put(&source, 0, &tokens, None).unwrap();
+    let keys = store.keys(&tokens).unwrap().unwrap();
+    let redis_key = |i: usize| format!("llama-kv:{}", keys[i].hex());
+    let mut admin = server.connection();
+    let good: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            redis::cmd("GET")
+                .arg(redis_key(i))
+                .query(&mut admin)
+                .unwrap()
+        })
+        .collect();
+    let tamperings: [(&str, usize, Vec<u8>); 3] = [
+        ("garbage", 2, b"not a block at all".to_vec()),
+        ("truncated", 1, good[1][..good[1].len() - 100].to_vec()),
+        ("copied from another key", 3, good[2].clone()),
+    ];
+    for (what, at, bad) in tamperings {
+        let _: () = redis::cmd("SET")
+            .arg(redis_key(at))
+            .arg(bad)
+            .query(&mut admin)
+            .unwrap();
+        let corrupt_before = store.stats().unwrap().corrupt;
+        let mut cache = KvCache::new(params()).unwrap();
+        let restored = store.restore(&mut cache, 0, &tokens, None).unwrap();
+        assert_eq!(
+            restored,
+            at as u64 * BT as u64,
+            "{what}: stops before the bad block"
+        );
+        assert_eq!(
+            seq0_state(&cache),
+            cold_state(&tokens[..restored as usize]),
+            "{what}"
+        );
+        assert_eq!(
+            store.stats().unwrap().corrupt,
+            corrupt_before + 1,
+            "{what}: counted"
+        );
+        // put it back for the next case
+        let _: () = redis::cmd("SET")
+            .arg(redis_key(at))
+            .arg(&good[at])
+            .query(&mut admin)
+            .unwrap();
+    }
+}
