@@ -247,3 +247,55 @@ test('cells() of a 65,536-cell cache is one call (issue 10.10)', (t) => {
   t.is(cols.seqIds.length, 8 * 512)
   t.is(cols.seqOffsets[65536], 8 * 512)
 })
+
+// ---- 6. a truncated session is refused --------------------------------------------------------
+
+const SAMPLE_SESSION = path.join(path.dirname(new URL(import.meta.url).pathname), '..', 'samples', 'llama-node-session.ggsn')
+// the llama.node sample: 2 layers, 32 wide, f16, 256 cells, 7 tokens, arch 'llama' ending at byte 0x31
+const sampleCache = () => new KvCache({ size: 256, nLayer: 2, nEmbdKGqa: 32 })
+const u32 = (...xs) => Buffer.from(new Uint32Array(xs).buffer)
+const u64 = (x) => { const b = Buffer.alloc(8); b.writeBigUInt64LE(BigInt(x)); return b }
+
+function refusedAndUnchanged(t, bytes) {
+  const file = path.join(tmp(), 'bad.ggsn')
+  fs.writeFileSync(file, bytes)
+  const c = sampleCache()
+  c.loadSessionFileSync(SAMPLE_SESSION)
+  c.findSlot(seq(0, 7, 4))
+  const before = [c.usedCells, c.stateWriteSync()]
+  const e = code(t, () => c.loadSessionFileSync(file), 'ERR_KV_INVALID_STATE')
+  t.deepEqual([c.usedCells, c.stateWriteSync()], before, 'the cache is unchanged')
+  t.is(c.usedCells, 11)
+  return e
+}
+
+test('a truncated session whose remains parse as an outputs block and an empty stream is refused (issue 10.6)', (t) => {
+  const head = fs.readFileSync(SAMPLE_SESSION).subarray(0, 0x31)
+  const emptyStream = u32(1, 0)
+  // output id 7 of a 7-token session: outside the batch, as llama.cpp's reader refuses
+  refusedAndUnchanged(t, Buffer.concat([head, u32(1, 7), u64(0), u64(0), emptyStream]))
+  // more outputs than tokens
+  refusedAndUnchanged(t, Buffer.concat([head, u32(8, 0, 1, 2, 3, 4, 5, 6, 6), u64(0), u64(0), emptyStream]))
+  // the same output twice
+  refusedAndUnchanged(t, Buffer.concat([head, u32(2, 3, 3), u64(0), u64(0), emptyStream]))
+  // logits that are not whole rows for the outputs, and logits without outputs
+  refusedAndUnchanged(t, Buffer.concat([head, u32(2, 0, 1), u64(3), Buffer.alloc(12), u64(0), emptyStream]))
+  refusedAndUnchanged(t, Buffer.concat([head, u32(0), u64(2), Buffer.alloc(8), u64(0), emptyStream]))
+  refusedAndUnchanged(t, Buffer.concat([head, u32(0), u64(0), u64(1), Buffer.alloc(4), emptyStream]))
+})
+
+test('the first 125 bytes of the llama.node session are refused and the cache kept (issue 10.6)', (t) => {
+  refusedAndUnchanged(t, fs.readFileSync(SAMPLE_SESSION).subarray(0, 125))
+})
+
+test('a consistent outputs block with an empty stream still loads (issue 10.6)', (t) => {
+  const head = fs.readFileSync(SAMPLE_SESSION).subarray(0, 0x31)
+  const file = path.join(tmp(), 'ok.ggsn')
+  // 2 outputs (batch indices 5 and 6) of a 3-token vocabulary
+  fs.writeFileSync(file, Buffer.concat([head, u32(2, 5, 6), u64(6), Buffer.from(new Float32Array([1, 2, 3, 4, 5, 6]).buffer), u64(0), u32(1, 0)]))
+  const c = sampleCache()
+  const r = c.loadSessionFileSync(file)
+  t.deepEqual(r.outputs.outputPos, [5, 6])
+  t.deepEqual(Array.from(r.outputs.logits), [1, 2, 3, 4, 5, 6])
+  t.is(c.usedCells, 0)
+})

@@ -143,8 +143,43 @@ fn read_f32s(c: &mut Cursor<'_>, n: u64, what: &str) -> Result<Vec<f32>> {
         .collect())
 }
 
-/// The possible splits of a session body: with and without the outputs block.
-pub fn session_splits(bytes: &[u8], body: usize) -> Result<Vec<SessionBody>> {
+/// llama.cpp's reader refuses output ids outside the batch; a batch holds at most the
+/// session's tokens, and its writer maps each output to one distinct batch index.
+fn check_output_ids(ids: &[i32], n_tokens: usize) -> Result<()> {
+    if ids.len() > n_tokens {
+        return Err(KvError::InvalidState(format!(
+            "n_outputs {} exceeds the token count {n_tokens}",
+            ids.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, &id) in ids.iter().enumerate() {
+        if id < 0 || id as usize >= n_tokens || !seen.insert(id) {
+            return Err(KvError::InvalidState(format!(
+                "output id {i} is {id}: not a distinct index below the token count {n_tokens}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Logits and embeddings are `n_outputs` rows of one width (vocabulary, embedding size).
+fn check_outputs_size(size: u64, n_outputs: u32, what: &str) -> Result<()> {
+    let fits = match n_outputs {
+        0 => size == 0,
+        n => size.is_multiple_of(n as u64),
+    };
+    if fits {
+        return Ok(());
+    }
+    Err(KvError::InvalidState(format!(
+        "{what} size {size} is not a whole number of rows for {n_outputs} outputs"
+    )))
+}
+
+/// The possible splits of a session body: with and without the outputs block. `n_tokens` is
+/// the header's token count, which bounds the outputs block's ids.
+pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<SessionBody>> {
     let mut c = Cursor::new(bytes);
     c.pos = body;
     let len = c.u32("arch length")?;
@@ -172,9 +207,12 @@ pub fn session_splits(bytes: &[u8], body: usize) -> Result<Vec<SessionBody>> {
         for i in 0..n {
             output_pos.push(c.i32(&format!("output_pos {i}"))?);
         }
+        check_output_ids(&output_pos, n_tokens)?;
         let n_logits = c.u64("logits size")?;
+        check_outputs_size(n_logits, n, "logits")?;
         let logits = read_f32s(&mut c, n_logits, "logits")?;
         let n_embd = c.u64("embeddings size")?;
+        check_outputs_size(n_embd, n, "embeddings")?;
         let embeddings = read_f32s(&mut c, n_embd, "embeddings")?;
         Ok((
             Outputs {
@@ -348,7 +386,7 @@ impl KvCache {
         }
         let mut fits: Vec<(SessionBody, ParsedPayload)> = Vec::new();
         let mut errors = Vec::new();
-        for split in session_splits(bytes, header.body)? {
+        for split in session_splits(bytes, header.body, header.tokens.len())? {
             match self.detect_payload(&bytes[split.payload.clone()], None, opts.layout) {
                 Ok(p) => fits.push((split, p)),
                 Err(e) => errors.push(e),
@@ -404,7 +442,7 @@ pub struct Inspection {
 pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
     let header = parse_header(bytes)?;
     let splits = match header.kind {
-        FileKind::Session => session_splits(bytes, header.body)?,
+        FileKind::Session => session_splits(bytes, header.body, header.tokens.len())?,
         FileKind::Sequence => vec![SessionBody {
             arch: String::new(),
             outputs: None,
