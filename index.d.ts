@@ -188,6 +188,70 @@ export declare class KvCache {
   static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
 }
 
+/**
+ * A prompt store: the KV rows of prompts in blocks of `blockTokens` tokens, keyed by a BLAKE3
+ * chain over the tokens rooted in the model and cache geometry, so prompts share the blocks of
+ * their common prefix. Blocks live in a directory (`path`, shared by processes) or in memory.
+ *
+ * The first cache or file stored fixes the model's geometry (layers, K/V types, row sizes);
+ * caches of another geometry are refused with `ERR_KV_STORE_GEOMETRY`. A block that fails
+ * verification (checksum, model, key, tokens) is a counted miss (`stats().corrupt`), never
+ * loaded.
+ */
+export declare class PromptStore {
+  /** Opens a store: a directory with `path` (created if missing), else in-process memory. */
+  constructor(options: PromptStoreOptions)
+  /** Tokens per block. */
+  get blockTokens(): number
+  /**
+   * Stores the full blocks of sequence `seqId` of `cache` that the store lacks. The sequence
+   * must hold positions 0..n-1 with no pending shift (else `ERR_KV_STORE_NOT_PREFIX`);
+   * `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens).
+   */
+  put(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<StorePutResult>
+  /** `put` on the calling thread. */
+  putSync(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array): StorePutResult
+  /**
+   * The length in tokens of the longest stored prefix of `tokens` (a multiple of
+   * `blockTokens`), in one pass over the chain without reading blocks.
+   */
+  lookup(tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<number>
+  /** `lookup` on the calling thread (cheap: no block is read). */
+  lookupSync(tokens: ArrayLike<number> | Int32Array): number
+  /**
+   * Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and
+   * returns its length in tokens. Transactional: on any error the cache is unchanged. When
+   * nothing is stored, returns 0 and leaves the cache unchanged.
+   */
+  restore(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<number>
+  /** `restore` on the calling thread. */
+  restoreSync(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array): number
+  /**
+   * Ingests a llama.cpp session or sequence file (any version and layout this package reads)
+   * holding one sequence, with the file's tokens: for apps whose llama.cpp owns its cache.
+   */
+  putFile(path: string, options?: StoreCallOptions): Promise<StorePutResult>
+  /** `putFile` on the calling thread. */
+  putFileSync(path: string): StorePutResult
+  /**
+   * Writes the longest stored prefix of `tokens` to `path` (atomically) as a llama.cpp file
+   * that llama.node and node-llama-cpp load, with that prefix as the file's tokens, and
+   * returns its length in tokens. When nothing is stored, writes nothing and returns 0.
+   */
+  writeFile(tokens: ArrayLike<number> | Int32Array, path: string, options?: StoreWriteFileOptions): Promise<number>
+  /** `writeFile` on the calling thread. */
+  writeFileSync(tokens: ArrayLike<number> | Int32Array, path: string, options?: StoreWriteFileOptions): number
+  /** Blocks, bytes, budget, evictions, and this object's hits, misses and corrupt blocks. */
+  stats(): Promise<StoreStats>
+  /** `stats` on the calling thread. */
+  statsSync(): StoreStats
+  /**
+   * Housekeeping, then stats: recounts what is stored, enforces the byte budget and removes
+   * leftovers of interrupted writes (dir: temporary files older than an hour).
+   */
+  gc(): Promise<StoreStats>
+}
+
 /** Byte accounting of a file. */
 export interface ByteInfo {
   /** File size. */
@@ -649,6 +713,26 @@ export interface PrepareBatchOptions {
   advanceHead?: boolean
 }
 
+/** Options of `new PromptStore(options)`. */
+export interface PromptStoreOptions {
+  /**
+   * Identity of the model weights (e.g. the GGUF file's sha256): part of every block key, so
+   * stores of different models never mix.
+   */
+  model: string
+  /**
+   * A directory for the embedded `dir` backend (created if missing), shared safely by several
+   * processes. Without `path` (and `url`), blocks live in this process's memory.
+   */
+  path?: string
+  /** A network store URL (`redis://…`), not supported by this build. */
+  url?: string
+  /** Tokens per block, 16 to 4096. Default 256. */
+  blockTokens?: number
+  /** Byte budget: least recently used blocks are evicted beyond it. Default: unbounded. */
+  maxBytes?: number
+}
+
 /** What a state read did. */
 export interface ReadResult {
   /** The layout detected: 'seed' or 'streams'. */
@@ -734,6 +818,71 @@ export interface Slot {
   len: number
   /** Cells the attention should look at. */
   n: number
+}
+
+/** Options of the async store operations. */
+export interface StoreCallOptions {
+  /** Called with `(doneBlocks, totalBlocks)` (`restore`: bytes loaded). */
+  onProgress?: (done: number, total: number) => void
+  /**
+   * Aborts the operation while queued or between batches (a restore that has started
+   * writing tensor data completes).
+   */
+  signal?: AbortSignal
+}
+
+/** What `put` / `putFile` stored. */
+export interface StorePutResult {
+  /** Tokens covered by full blocks: the prefix the store now holds for this prompt. */
+  tokens: number
+  /** Blocks this call stored. */
+  blocksWritten: number
+  /** Bytes this call stored. */
+  bytesWritten: number
+  /** Blocks already stored (by anyone), not written again. */
+  blocksSkipped: number
+  /** Bytes of the skipped blocks. */
+  bytesSkipped: number
+}
+
+/** Counts of a store. */
+export interface StoreStats {
+  /** 'memory' or 'dir'. */
+  backend: string
+  /** Tokens per block. */
+  blockTokens: number
+  /** Values stored: blocks, plus one small model record per model. */
+  blocks: number
+  /** Bytes stored. */
+  bytes: number
+  /** The byte budget, if any. */
+  maxBytes?: number
+  /** Blocks evicted to keep the budget (dir: over the directory's life, all processes). */
+  evictions: number
+  /** Blocks found by this object's lookups, restores and writeFile calls. */
+  hits: number
+  /** This object's lookups, restores and writeFile calls that stopped before the prompt's last full block. */
+  misses: number
+  /** Blocks that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed. */
+  corrupt: number
+}
+
+/** Options of `writeFile`. */
+export interface StoreWriteFileOptions {
+  /** 'sequence' (ggsq, default) or 'session' (ggsn). */
+  kind?: string
+  /** File version: sequence 2 (default, llama.node) or 3 (node-llama-cpp); session 9 (default) or 10. */
+  version?: number
+  /** Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944). */
+  layout?: string
+  /** Whether the reader runs with flash attention (V untransposed). Default false. */
+  flashAttn?: boolean
+  /** Session files: the architecture name. Default 'llama'. */
+  arch?: string
+  /** Called with `(doneBytes, totalBytes)` while the file is written. */
+  onProgress?: (done: number, total: number) => void
+  /** Aborts the operation. */
+  signal?: AbortSignal
 }
 
 /** One stream of the payload. */

@@ -21,6 +21,12 @@ pub enum Code {
     NoSpace,
     Aborted,
     Internal,
+    StoreNotPrefix,
+    StoreGeometry,
+    StoreIo,
+    StoreFull,
+    StoreUnavailable,
+    StoreAuth,
 }
 
 impl AsRef<str> for Code {
@@ -39,6 +45,12 @@ impl AsRef<str> for Code {
             Code::NoSpace => "ERR_KV_NO_SPACE",
             Code::Aborted => "ERR_KV_ABORTED",
             Code::Internal => "ERR_KV_INTERNAL",
+            Code::StoreNotPrefix => "ERR_KV_STORE_NOT_PREFIX",
+            Code::StoreGeometry => "ERR_KV_STORE_GEOMETRY",
+            Code::StoreIo => "ERR_KV_STORE_IO",
+            Code::StoreFull => "ERR_KV_STORE_FULL",
+            Code::StoreUnavailable => "ERR_KV_STORE_UNAVAILABLE",
+            Code::StoreAuth => "ERR_KV_STORE_AUTH",
         }
     }
 }
@@ -66,6 +78,22 @@ pub fn from_core(e: KvError) -> JsErr {
         KvError::Backend(_) => Code::Backend,
         KvError::NoSpace(_) => Code::NoSpace,
         KvError::Aborted(_) => Code::Aborted,
+    };
+    err(code, e.to_string())
+}
+
+/// Maps a prompt store error to its code (the cache's own errors keep theirs).
+pub fn from_store(e: prompt_store::StoreError) -> JsErr {
+    use prompt_store::StoreError as S;
+    let code = match &e {
+        S::Cache(core) => return from_core(core.clone()),
+        S::NotPrefix(_) => Code::StoreNotPrefix,
+        S::Geometry(_) => Code::StoreGeometry,
+        S::Io(_) => Code::StoreIo,
+        S::NoSpace(_) => Code::StoreFull,
+        S::Unavailable(_) => Code::StoreUnavailable,
+        S::Auth(_) => Code::StoreAuth,
+        S::InvalidArg(_) => Code::InvalidArg,
     };
     err(code, e.to_string())
 }

@@ -7,7 +7,7 @@ use llama_kv_cache::files::{read_file, write_atomic};
 use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
 use napi::bindgen_prelude::*;
 
-use crate::error::JsResult;
+use crate::error::{from_core, JsResult};
 use crate::tasks::Job;
 use crate::types::{LoadedFile, ReadResult, SessionOutputs, UpdateReport};
 
@@ -24,8 +24,9 @@ impl Job for UpdateJob {
         &mut self,
         c: &mut core::KvCache,
         _: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<Self::Output> {
+    ) -> JsResult<Self::Output> {
         c.update(self.shift.as_ref(), self.max_nodes)
+            .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<Self::Js> {
         Ok(o.into())
@@ -45,8 +46,9 @@ impl Job for StateWriteJob {
         &mut self,
         c: &mut core::KvCache,
         p: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<Vec<u8>> {
+    ) -> JsResult<Vec<u8>> {
         c.state_write(self.seq, self.opts.layout, self.opts.n_stream, Some(p))
+            .map_err(from_core)
     }
     fn to_js(o: Vec<u8>) -> JsResult<Buffer> {
         Ok(o.into())
@@ -75,8 +77,9 @@ impl Job for StateReadJob {
         &mut self,
         c: &mut core::KvCache,
         p: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<Self::Output> {
+    ) -> JsResult<Self::Output> {
         c.state_read(&self.data, self.seq, self.opts, Some(p))
+            .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<ReadResult> {
         Ok(read_result(o))
@@ -96,16 +99,14 @@ pub struct SaveFileJob {
 impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
-    fn run(
-        &mut self,
-        c: &mut core::KvCache,
-        p: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<()> {
+    fn run(&mut self, c: &mut core::KvCache, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
         let bytes = match self.seq {
-            Some(seq) => c.sequence_file_bytes(seq, &self.tokens, self.opts, Some(p))?,
-            None => c.session_file_bytes(&self.tokens, &self.arch, None, self.opts, Some(p))?,
+            Some(seq) => c.sequence_file_bytes(seq, &self.tokens, self.opts, Some(p)),
+            None => c.session_file_bytes(&self.tokens, &self.arch, None, self.opts, Some(p)),
         };
-        write_atomic(&self.path, &bytes)
+        bytes
+            .and_then(|b| write_atomic(&self.path, &b))
+            .map_err(from_core)
     }
     fn to_js(_: ()) -> JsResult<()> {
         Ok(())
@@ -127,12 +128,13 @@ impl Job for LoadFileJob {
         &mut self,
         c: &mut core::KvCache,
         p: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<Self::Output> {
-        let bytes = read_file(&self.path)?;
+    ) -> JsResult<Self::Output> {
+        let bytes = read_file(&self.path).map_err(from_core)?;
         match self.dest {
             Some(dest) => c.load_sequence_bytes(&bytes, dest, self.opts, Some(p)),
             None => c.load_session_bytes(&bytes, self.opts, Some(p)),
         }
+        .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<LoadedFile> {
         Ok(LoadedFile {

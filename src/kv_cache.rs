@@ -114,15 +114,16 @@ impl KvCache {
         })
     }
 
-    fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
+    /// Runs `job` on the calling thread (refused while the cache is busy).
+    pub(crate) fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
         self.with(|c| {
-            let output = job.run(c, &mut |_, _| true).map_err(from_core)?;
+            let output = job.run(c, &mut |_, _| true)?;
             J::to_js(output)
         })
     }
 
     /// Queues `job` behind the cache's pending operations and returns its promise.
-    fn run_async<J: Job>(
+    pub(crate) fn run_async<J: Job>(
         &self,
         env: &Env,
         job: J,

@@ -13,7 +13,7 @@ use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 
 use napi::sys;
 
-use crate::error::{err, from_core, guard, js_error, Code, JsErr, JsResult};
+use crate::error::{err, guard, js_error, Code, JsErr, JsResult};
 use crate::kv_cache::Shared;
 use crate::queue::{Deferred, Queued};
 
@@ -27,12 +27,13 @@ pub trait Job: Send + 'static {
     type Output: Send + 'static;
     /// What JS receives.
     type Js: ToNapiValue + TypeName;
-    /// Does the work. `progress(done, total)` returns false when the caller aborted.
+    /// Does the work. `progress(done, total)` returns false when the caller aborted. Errors
+    /// are already coded, so that jobs of other modules (the prompt store) keep their codes.
     fn run(
         &mut self,
         cache: &mut core::KvCache,
         progress: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> core::Result<Self::Output>;
+    ) -> JsResult<Self::Output>;
     /// Converts the output for JS.
     fn to_js(output: Self::Output) -> JsResult<Self::Js>;
 }
@@ -129,7 +130,7 @@ impl<J: Job> Task for CacheTask<J> {
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
             let mut poll = self.control.poll();
-            self.job.run(cache, &mut poll).map_err(from_core)
+            self.job.run(cache, &mut poll)
         });
         result.map_err(|e| {
             let reason = e.reason.clone();

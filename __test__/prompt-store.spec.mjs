@@ -1,0 +1,233 @@
+import test from 'ava'
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { spawn } from 'node:child_process'
+import { createRequire } from 'node:module'
+import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
+
+const require = createRequire(import.meta.url)
+const { KvCache, PromptStore, inspectState } = require('../index.js')
+const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
+
+const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-'))
+const emptyCache = (o = {}) => new KvCache({ size: 128, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 2, ...o })
+const rows = (c, n, from = 0) =>
+  [0, 1].flatMap((il) => [Buffer.from(c.readK(il, from, n)), Buffer.from(c.readV(il, from, n))])
+
+test('put then restore into another cache is byte-exact, async and sync', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const put = await store.put(cache, 0, tokens)
+  t.like(put, { tokens: 96, blocksWritten: 6, blocksSkipped: 0 })
+  t.true(put.bytesWritten > 96 * 2 * 2 * 64)
+  const dst = emptyCache()
+  t.is(await store.restore(dst, 1, tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  t.is(dst.seqPosMax(1), 95)
+  const sync = emptyCache()
+  t.is(store.restoreSync(sync, 0, tokens.slice(0, 40)), 32)
+  t.deepEqual(rows(sync, 32), rows(cache, 32))
+  t.like(store.putSync(cache, 0, tokens), { blocksWritten: 0, blocksSkipped: 6 })
+})
+
+test('lookup returns the stored prefix of a diverging prompt in tokens', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const a = promptCache(KvCache, 0)
+  await store.put(a.cache, 0, a.tokens)
+  t.is(await store.lookup(a.tokens), 96)
+  t.is(store.lookupSync(promptTokens(1)), 48) // shares the first 48 tokens
+  t.is(store.lookupSync(Int32Array.from(a.tokens.slice(0, 20))), 16)
+  t.is(store.lookupSync([]), 0)
+  const s = store.statsSync()
+  t.like(s, { backend: 'memory', blockTokens: 16, hits: 6 + 3 + 1, misses: 1, corrupt: 0, evictions: 0 })
+})
+
+test('a sequence that is not positions 0..n-1 is refused with ERR_KV_STORE_NOT_PREFIX', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  cache.seqRm(0, 0, 16)
+  await t.throwsAsync(store.put(cache, 0, tokens), { code: 'ERR_KV_STORE_NOT_PREFIX', message: /80 cells must hold positions 0\.\.80/ })
+  const shifted = promptCache(KvCache, 0)
+  shifted.cache.seqAdd(0, 0, -1, 3)
+  t.throws(() => store.putSync(shifted.cache, 0, tokens), { code: 'ERR_KV_STORE_NOT_PREFIX', message: /K-shift/ })
+})
+
+test('a cache of another geometry is refused with ERR_KV_STORE_GEOMETRY, also by a later process', async (t) => {
+  const dir = tmp()
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await new PromptStore({ model: 'm', path: dir, blockTokens: 16 }).put(cache, 0, tokens)
+  const later = new PromptStore({ model: 'm', path: dir, blockTokens: 16 })
+  t.is(later.lookupSync(tokens), 96)
+  const q8 = emptyCache({ typeK: 'q8_0', typeV: 'q8_0', flashAttn: true })
+  await t.throwsAsync(later.restore(q8, 0, tokens), { code: 'ERR_KV_STORE_GEOMETRY', message: /q8_0/ })
+  const other = promptCache(KvCache, 0, { typeK: 'f32', typeV: 'f32' })
+  t.throws(() => later.putSync(other.cache, 0, tokens), { code: 'ERR_KV_STORE_GEOMETRY' })
+  // another model string is another store
+  t.is(new PromptStore({ model: 'm2', path: dir, blockTokens: 16 }).putSync(other.cache, 0, tokens).blocksWritten, 6)
+})
+
+test('bad arguments are ERR_KV_INVALID_ARG naming the value', (t) => {
+  t.throws(() => new PromptStore({ model: 'm', blockTokens: 8 }), { code: 'ERR_KV_INVALID_ARG', message: /blockTokens .* 8/ })
+  t.throws(() => new PromptStore({ model: '' }), { code: 'ERR_KV_INVALID_ARG', message: /model/ })
+  t.throws(() => new PromptStore({ model: 'm', maxBytes: -1 }), { code: 'ERR_KV_INVALID_ARG', message: /maxBytes/ })
+  t.throws(() => new PromptStore({ model: 'm', url: 'redis://localhost' }), { code: 'ERR_KV_UNSUPPORTED' })
+  const store = new PromptStore({ model: 'm' })
+  t.throws(() => store.putSync({}, 0, [1]), { code: 'ERR_KV_INVALID_ARG', message: /KvCache/ })
+  t.throws(() => store.lookupSync([1.5]), { code: 'ERR_KV_INVALID_ARG', message: /tokens\[0\]/ })
+  t.throws(() => store.restoreSync(emptyCache(), 5, [1]), { code: 'ERR_KV_OUT_OF_RANGE' })
+  t.throws(() => store.writeFileSync([1], '/tmp/x', { kind: 'slot' }), { code: 'ERR_KV_INVALID_ARG', message: /slot/ })
+})
+
+test('a store directory that cannot be created is ERR_KV_STORE_IO', (t) => {
+  const file = path.join(tmp(), 'file')
+  fs.writeFileSync(file, 'x')
+  t.throws(() => new PromptStore({ model: 'm', path: path.join(file, 'store') }), { code: 'ERR_KV_STORE_IO', message: /file/ })
+})
+
+test('a store directory removed underneath fails a put with ERR_KV_STORE_IO and leaves the cache as it was', async (t) => {
+  const dir = path.join(tmp(), 'store')
+  const store = new PromptStore({ model: 'm', path: dir, blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const before = rows(cache, 96)
+  fs.rmSync(dir, { recursive: true })
+  await t.throwsAsync(store.put(cache, 0, tokens), { code: 'ERR_KV_STORE_IO' })
+  t.deepEqual(rows(cache, 96), before)
+  t.is(cache.seqCellCount(0), 96)
+})
+
+test('the cache is busy while a store task holds it, and store tasks queue behind each other', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const pending = store.put(cache, 0, tokens)
+  t.throws(() => cache.seqRm(0, 90, -1), { code: 'ERR_KV_BUSY' })
+  t.throws(() => store.restoreSync(cache, 1, tokens), { code: 'ERR_KV_BUSY' })
+  const queued = store.restore(cache, 1, tokens.slice(0, 32))
+  t.like(await pending, { blocksWritten: 6 })
+  t.is(await queued, 32)
+  t.is(cache.seqCellCount(1), 32)
+})
+
+// a prompt large enough (64 MB in 256 blocks, 32 batches) that progress reaches JS while the put
+// runs; serial, so that no other test keeps the event loop busy meanwhile
+test.serial('an abort signal rejects with ERR_KV_ABORTED: already aborted, or running', async (t) => {
+  const cache = new KvCache({ size: 4096, nLayer: 8, nEmbdKGqa: 256, typeK: 'f32', typeV: 'f32', flashAttn: true })
+  const tokens = Array.from({ length: 4096 }, (_, i) => i)
+  cache.findSlot({ pos: tokens, seqIds: tokens.map(() => 0) })
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const done = new AbortController()
+  done.abort()
+  await t.throwsAsync(store.restore(cache, 0, tokens, { signal: done.signal }), { code: 'ERR_KV_ABORTED' })
+  await t.throwsAsync(store.lookup(tokens, { signal: done.signal }), { code: 'ERR_KV_ABORTED' })
+  const running = new AbortController()
+  const reports = []
+  const onProgress = (d, n) => {
+    reports.push([d, n])
+    running.abort()
+  }
+  const e = await t.throwsAsync(store.put(cache, 0, tokens, { signal: running.signal, onProgress }))
+  t.is(e.code, 'ERR_KV_ABORTED', e.message)
+  t.deepEqual(reports[0], [0, 256])
+  t.true(store.statsSync().blocks < 256, 'stopped before the end')
+  cache.dispose()
+})
+
+test('an abort signal rejects a store task queued behind another with ERR_KV_ABORTED', async (t) => {
+  // the first put takes long enough (8 MB) that the others are still queued at abort()
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const cache = new KvCache({ size: 4096, nLayer: 4, nEmbdKGqa: 128, typeK: 'f32', typeV: 'f32', nSeqMax: 2 })
+  const tokens = Array.from({ length: 2048 }, (_, i) => i)
+  cache.findSlot({ pos: tokens, seqIds: tokens.map(() => 0) })
+  const first = store.put(cache, 0, tokens)
+  const queued = new AbortController()
+  const settled = Promise.allSettled([
+    store.restore(cache, 1, tokens.slice(0, 32), { signal: queued.signal }),
+    store.put(cache, 0, tokens, { signal: queued.signal }),
+  ])
+  queued.abort()
+  t.like(await first, { tokens: 2048 })
+  for (const r of await settled) t.is(r.reason?.code, 'ERR_KV_ABORTED')
+  t.is(cache.seqCellCount(1), 0, 'the aborted restore changed nothing')
+})
+
+test('writeFile writes the stored prefix as a sequence or session file that loads, and putFile ingests it', async (t) => {
+  const dir = tmp()
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens.slice(0, 80))
+  const seqFile = path.join(dir, 'a.ggsq')
+  t.is(await store.writeFile(tokens, seqFile), 80)
+  t.like(inspectState(seqFile), { format: 'sequence', version: 2, nTokens: 80, layout: 'streams', vTrans: true })
+  const loaded = emptyCache()
+  t.deepEqual(loaded.loadSequenceFileSync(seqFile, 1).tokens, tokens.slice(0, 80))
+  t.deepEqual(rows(loaded, 80), rows(cache, 80))
+  const session = path.join(dir, 'a.ggsn')
+  t.is(store.writeFileSync(tokens, session, { kind: 'session', version: 9, flashAttn: true }), 80)
+  t.like(inspectState(session), { format: 'session', nTokens: 80, vTrans: false })
+  const fresh = new PromptStore({ model: 'm', blockTokens: 16 })
+  t.like(await fresh.putFile(seqFile), { tokens: 80, blocksWritten: 5 })
+  t.like(fresh.putFileSync(session), { tokens: 80, blocksWritten: 0, blocksSkipped: 5 })
+  t.is(fresh.lookupSync(tokens), 80)
+  // nothing stored: nothing written
+  const none = path.join(dir, 'none.ggsq')
+  t.is(await new PromptStore({ model: 'm' }).writeFile(tokens, none), 0)
+  t.false(fs.existsSync(none))
+})
+
+test('a flipped byte in a stored block is a counted miss, never loaded', async (t) => {
+  const dir = tmp()
+  const store = new PromptStore({ model: 'm', path: dir, blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  // the block files hold their tokens: find block 3 (tokens 48..63) by its header
+  const files = fs.readdirSync(path.join(dir, 'blocks'), { recursive: true }).filter((f) => f.endsWith('.kvb'))
+  const third = files.map((f) => path.join(dir, 'blocks', f)).find((f) => fs.readFileSync(f).readUInt32LE(72) === 3)
+  const bytes = fs.readFileSync(third)
+  bytes[bytes.length - 100] ^= 0x10
+  fs.writeFileSync(third, bytes)
+  const dst = emptyCache()
+  t.is(await store.restore(dst, 0, tokens), 48)
+  t.deepEqual(rows(dst, 48), rows(cache, 48))
+  t.like(await store.stats(), { corrupt: 1, misses: 1 })
+})
+
+test('a byte budget keeps the directory under it and the evicted prefix is a plain miss', async (t) => {
+  const dir = tmp()
+  const store = new PromptStore({ model: 'm', path: dir, blockTokens: 16, maxBytes: 20_000 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens) // 6 blocks of ~9 KB
+  const s = await store.gc()
+  t.true(s.bytes <= 20_000 && s.evictions > 0, JSON.stringify(s))
+  t.is(store.lookupSync(tokens), 0)
+  t.is(store.restoreSync(emptyCache(), 0, tokens), 0)
+})
+
+function runWorker(dir, w, n) {
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [path.join(HERE, 'helpers', 'store-worker.mjs'), dir, String(w), String(n)], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+    })
+    let out = ''
+    let err = ''
+    child.stdout.on('data', (d) => (out += d))
+    child.stderr.on('data', (d) => (err += d))
+    child.on('close', (code) => {
+      const line = out.split('\n').find((l) => l.startsWith('@@RESULT '))
+      if (code === 0 && line) resolve(JSON.parse(line.slice(9)))
+      else reject(new Error(`worker ${w} exited ${code}: ${err}`))
+    })
+  })
+}
+
+test('four processes putting and restoring overlapping prompts in one directory: every restore exact', async (t) => {
+  const dir = tmp()
+  const results = await Promise.all([0, 1, 2, 3].map((w) => runWorker(dir, w, 4)))
+  for (const r of results) t.is(r.corrupt, 0)
+  // each worker's own prompt is restored whole at least in the rounds after its put
+  t.true(results.every((r) => r.restored >= 96 * 2))
+  const store = new PromptStore({ model: 'h16-test', path: dir, blockTokens: 16 })
+  for (let w = 0; w < 4; w++) t.is(store.lookupSync(promptTokens(w)), 96)
+  // 3 shared blocks + 3 own per prompt, + the model record
+  t.is(store.statsSync().blocks, 3 + 4 * 3 + 1)
+  t.deepEqual(fs.readdirSync(path.join(dir, 'tmp')), [])
+})

@@ -1,0 +1,637 @@
+//! The `PromptStore` class: converts arguments, picks the backend, schedules the core
+//! `prompt_store::PromptStore` operations on the threadpool and maps their errors. No store
+//! logic lives here.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use llama_kv_cache as core;
+use llama_kv_cache::state::Progress;
+use llama_kv_cache::{FileKind, Layout};
+use napi::bindgen_prelude::*;
+use napi::sys;
+use napi_derive::napi;
+use prompt_store as store;
+
+use crate::args::{self, Num, Obj, Signal, Tokens};
+use crate::convert::{i32v, u32v};
+use crate::error::{coded_error, err, from_store, guard, Code, JsErr, JsResult};
+use crate::kv_cache::KvCache;
+use crate::queue::JsPromise;
+use crate::tasks::{aborted, Control, Job, ProgressFn};
+
+/// Options of `new PromptStore(options)`.
+#[napi(object, object_to_js = false)]
+pub struct PromptStoreOptions {
+    /// Identity of the model weights (e.g. the GGUF file's sha256): part of every block key, so
+    /// stores of different models never mix.
+    pub model: String,
+    /// A directory for the embedded `dir` backend (created if missing), shared safely by several
+    /// processes. Without `path` (and `url`), blocks live in this process's memory.
+    pub path: Option<String>,
+    /// A network store URL (`redis://…`), not supported by this build.
+    pub url: Option<String>,
+    /// Tokens per block, 16 to 4096. Default 256.
+    pub block_tokens: Option<f64>,
+    /// Byte budget: least recently used blocks are evicted beyond it. Default: unbounded.
+    pub max_bytes: Option<f64>,
+}
+
+/// Options of the async store operations.
+#[napi(object, object_to_js = false)]
+pub struct StoreCallOptions {
+    /// Called with `(doneBlocks, totalBlocks)` (`restore`: bytes loaded).
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<ProgressFn>,
+    /// Aborts the operation while queued or between batches (a restore that has started
+    /// writing tensor data completes).
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+/// Options of `writeFile`.
+#[napi(object, object_to_js = false)]
+pub struct StoreWriteFileOptions {
+    /// 'sequence' (ggsq, default) or 'session' (ggsn).
+    pub kind: Option<String>,
+    /// File version: sequence 2 (default, llama.node) or 3 (node-llama-cpp); session 9 (default) or 10.
+    pub version: Option<f64>,
+    /// Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944).
+    pub layout: Option<String>,
+    /// Whether the reader runs with flash attention (V untransposed). Default false.
+    pub flash_attn: Option<bool>,
+    /// Session files: the architecture name. Default 'llama'.
+    pub arch: Option<String>,
+    /// Called with `(doneBytes, totalBytes)` while the file is written.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<ProgressFn>,
+    /// Aborts the operation.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+/// What `put` / `putFile` stored.
+#[napi(object)]
+pub struct StorePutResult {
+    /// Tokens covered by full blocks: the prefix the store now holds for this prompt.
+    pub tokens: f64,
+    /// Blocks this call stored.
+    pub blocks_written: f64,
+    /// Bytes this call stored.
+    pub bytes_written: f64,
+    /// Blocks already stored (by anyone), not written again.
+    pub blocks_skipped: f64,
+    /// Bytes of the skipped blocks.
+    pub bytes_skipped: f64,
+}
+
+/// Counts of a store.
+#[napi(object)]
+pub struct StoreStats {
+    /// 'memory' or 'dir'.
+    pub backend: String,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Values stored: blocks, plus one small model record per model.
+    pub blocks: f64,
+    /// Bytes stored.
+    pub bytes: f64,
+    /// The byte budget, if any.
+    pub max_bytes: Option<f64>,
+    /// Blocks evicted to keep the budget (dir: over the directory's life, all processes).
+    pub evictions: f64,
+    /// Blocks found by this object's lookups, restores and writeFile calls.
+    pub hits: f64,
+    /// This object's lookups, restores and writeFile calls that stopped before the prompt's last full block.
+    pub misses: f64,
+    /// Blocks that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed.
+    pub corrupt: f64,
+}
+
+impl From<store::PutReport> for StorePutResult {
+    fn from(r: store::PutReport) -> Self {
+        StorePutResult {
+            tokens: r.tokens as f64,
+            blocks_written: r.blocks_written as f64,
+            bytes_written: r.bytes_written as f64,
+            blocks_skipped: r.blocks_skipped as f64,
+            bytes_skipped: r.bytes_skipped as f64,
+        }
+    }
+}
+
+impl From<store::StoreStats> for StoreStats {
+    fn from(s: store::StoreStats) -> Self {
+        StoreStats {
+            backend: s.backend.into(),
+            block_tokens: s.block_tokens,
+            blocks: s.blocks as f64,
+            bytes: s.bytes as f64,
+            max_bytes: s.max_bytes.map(|m| m as f64),
+            evictions: s.evictions as f64,
+            hits: s.hits as f64,
+            misses: s.misses as f64,
+            corrupt: s.corrupt as f64,
+        }
+    }
+}
+
+/// A `KvCache` argument, with a coded error for anything else.
+pub struct CacheArg(&'static KvCache);
+
+impl FromNapiValue for CacheArg {
+    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
+        KvCache::from_napi_ref(env, value)
+            .map(CacheArg)
+            .map_err(|_| coded_error(env, err(Code::InvalidArg, "expected a KvCache instance")))
+    }
+}
+
+/// A store operation that needs no cache, shared by the sync twin and the async task.
+pub trait StoreJob: Send + 'static {
+    /// What the work produces.
+    type Output: Send + 'static;
+    /// What JS receives.
+    type Js: ToNapiValue + TypeName;
+    /// Does the work.
+    fn run(
+        &mut self,
+        store: &store::PromptStore,
+        progress: Progress<'_>,
+    ) -> store::StoreResult<Self::Output>;
+    /// Converts the output for JS.
+    fn to_js(output: Self::Output) -> Self::Js;
+}
+
+/// Store operations on one sequence of a cache (`put`, `restore`): cache jobs, queued behind
+/// the cache's other async calls like its own.
+pub trait SeqJob: Job {
+    /// The job for sequence `seq` and its prompt `tokens`.
+    fn new(store: Arc<store::PromptStore>, seq: i32, tokens: Vec<i32>) -> Self;
+}
+
+/// `put`.
+pub struct PutJob {
+    store: Arc<store::PromptStore>,
+    seq: i32,
+    tokens: Vec<i32>,
+}
+
+impl Job for PutJob {
+    type Output = store::PutReport;
+    type Js = StorePutResult;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<Self::Output> {
+        let store = &self.store;
+        store
+            .put(c, self.seq, &self.tokens, Some(p))
+            .map_err(from_store)
+    }
+    fn to_js(o: Self::Output) -> JsResult<StorePutResult> {
+        Ok(o.into())
+    }
+}
+
+impl SeqJob for PutJob {
+    fn new(store: Arc<store::PromptStore>, seq: i32, tokens: Vec<i32>) -> Self {
+        PutJob { store, seq, tokens }
+    }
+}
+
+/// `restore`.
+pub struct RestoreJob {
+    store: Arc<store::PromptStore>,
+    seq: i32,
+    tokens: Vec<i32>,
+}
+
+impl Job for RestoreJob {
+    type Output = u64;
+    type Js = f64;
+    fn run(&mut self, c: &mut core::KvCache, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<u64> {
+        let store = &self.store;
+        store
+            .restore(c, self.seq, &self.tokens, Some(p))
+            .map_err(from_store)
+    }
+    fn to_js(o: u64) -> JsResult<f64> {
+        Ok(o as f64)
+    }
+}
+
+impl SeqJob for RestoreJob {
+    fn new(store: Arc<store::PromptStore>, seq: i32, tokens: Vec<i32>) -> Self {
+        RestoreJob { store, seq, tokens }
+    }
+}
+
+/// `lookup`.
+pub struct LookupJob {
+    tokens: Vec<i32>,
+}
+
+impl StoreJob for LookupJob {
+    type Output = u64;
+    type Js = f64;
+    fn run(&mut self, s: &store::PromptStore, _: Progress<'_>) -> store::StoreResult<u64> {
+        s.lookup(&self.tokens)
+    }
+    fn to_js(o: u64) -> f64 {
+        o as f64
+    }
+}
+
+/// `putFile`.
+pub struct PutFileJob {
+    path: PathBuf,
+}
+
+impl StoreJob for PutFileJob {
+    type Output = store::PutReport;
+    type Js = StorePutResult;
+    fn run(&mut self, s: &store::PromptStore, p: Progress<'_>) -> store::StoreResult<Self::Output> {
+        s.put_file(&self.path, Some(p))
+    }
+    fn to_js(o: Self::Output) -> StorePutResult {
+        o.into()
+    }
+}
+
+/// `writeFile`.
+pub struct WriteFileJob {
+    tokens: Vec<i32>,
+    path: PathBuf,
+    opts: store::WriteFileOptions,
+}
+
+impl StoreJob for WriteFileJob {
+    type Output = u64;
+    type Js = f64;
+    fn run(&mut self, s: &store::PromptStore, p: Progress<'_>) -> store::StoreResult<u64> {
+        s.write_file(&self.tokens, &self.path, &self.opts, Some(p))
+    }
+    fn to_js(o: u64) -> f64 {
+        o as f64
+    }
+}
+
+/// `stats` (`gc`: housekeeping first).
+pub struct StatsJob {
+    gc: bool,
+}
+
+impl StoreJob for StatsJob {
+    type Output = store::StoreStats;
+    type Js = StoreStats;
+    fn run(&mut self, s: &store::PromptStore, _: Progress<'_>) -> store::StoreResult<Self::Output> {
+        if self.gc {
+            s.backend().gc()?;
+        }
+        s.stats()
+    }
+    fn to_js(o: Self::Output) -> StoreStats {
+        o.into()
+    }
+}
+
+/// A [`StoreJob`] on the threadpool. Store operations without a cache do not queue: the
+/// backends take concurrent calls. The signal only sets the flag the task checks when it
+/// starts and between batches, so every abort rejects with `ERR_KV_ABORTED`.
+pub struct StoreTask<J: StoreJob> {
+    store: Arc<store::PromptStore>,
+    job: J,
+    control: Control,
+    failure: Option<JsErr>,
+}
+
+impl<J: StoreJob> Task for StoreTask<J> {
+    type Output = J::Output;
+    type JsValue = J::Js;
+
+    fn compute(&mut self) -> napi::Result<Self::Output> {
+        let result = guard(|| {
+            if self.control.aborted.load(Ordering::SeqCst) {
+                return Err(aborted());
+            }
+            let mut poll = self.control.poll();
+            self.job.run(&self.store, &mut poll).map_err(from_store)
+        });
+        result.map_err(|e| {
+            let reason = e.reason.clone();
+            self.failure = Some(e);
+            napi::Error::new(Status::GenericFailure, reason)
+        })
+    }
+
+    fn resolve(&mut self, _: Env, output: Self::Output) -> napi::Result<Self::JsValue> {
+        Ok(J::to_js(output))
+    }
+
+    fn reject(&mut self, env: Env, e: napi::Error) -> napi::Result<Self::JsValue> {
+        Err(match self.failure.take() {
+            Some(coded) => coded_error(env.raw(), coded),
+            None => e,
+        })
+    }
+}
+
+/// A prompt store: the KV rows of prompts in blocks of `blockTokens` tokens, keyed by a BLAKE3
+/// chain over the tokens rooted in the model and cache geometry, so prompts share the blocks of
+/// their common prefix. Blocks live in a directory (`path`, shared by processes) or in memory.
+///
+/// The first cache or file stored fixes the model's geometry (layers, K/V types, row sizes);
+/// caches of another geometry are refused with `ERR_KV_STORE_GEOMETRY`. A block that fails
+/// verification (checksum, model, key, tokens) is a counted miss (`stats().corrupt`), never
+/// loaded.
+#[napi]
+pub struct PromptStore {
+    inner: Arc<store::PromptStore>,
+}
+
+fn backend(o: &PromptStoreOptions) -> JsResult<Arc<dyn store::Backend>> {
+    let max_bytes = match o.max_bytes {
+        Some(m) if !(m.is_finite() && m >= 0.0 && m.fract() == 0.0) => {
+            return Err(err(
+                Code::InvalidArg,
+                format!("maxBytes must be a non-negative integer, got {m}"),
+            ))
+        }
+        m => m.map(|m| m as u64),
+    };
+    match (&o.path, &o.url) {
+        (Some(_), Some(_)) => Err(err(Code::InvalidArg, "give either path or url, not both")),
+        (None, Some(url)) => Err(err(
+            Code::Unsupported,
+            format!("url {url:?}: network stores are not supported by this build"),
+        )),
+        (Some(path), None) => Ok(Arc::new(
+            store::DirBackend::open(path, max_bytes).map_err(from_store)?,
+        )),
+        (None, None) => Ok(Arc::new(store::MemoryBackend::new(max_bytes))),
+    }
+}
+
+fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option<Signal>) {
+    o.map_or((None, None), |Obj(o)| (o.on_progress, o.signal))
+}
+
+impl PromptStore {
+    fn run_sync<J: StoreJob>(&self, mut job: J) -> JsResult<J::Js> {
+        guard(|| {
+            let out = job.run(&self.inner, &mut |_, _| true).map_err(from_store)?;
+            Ok(J::to_js(out))
+        })
+    }
+
+    fn run_async<J: StoreJob>(
+        &self,
+        job: J,
+        progress: Option<ProgressFn>,
+        signal: Option<Signal>,
+    ) -> AsyncTask<StoreTask<J>> {
+        let control = Control {
+            progress,
+            aborted: Default::default(),
+        };
+        if let Some(s) = &signal {
+            // an already aborted signal rejects the promise when the task starts
+            control.aborted.store(s.aborted, Ordering::SeqCst);
+            let flag = control.aborted.clone();
+            s.signal
+                .on_abort(move || flag.store(true, Ordering::SeqCst));
+        }
+        AsyncTask::new(StoreTask {
+            store: self.inner.clone(),
+            job,
+            control,
+            failure: None,
+        })
+    }
+
+    fn seq_sync<J: SeqJob>(&self, cache: CacheArg, seq_id: Num, tokens: Tokens) -> JsResult<J::Js> {
+        let job = J::new(self.inner.clone(), i32v("seqId", seq_id)?, tokens.0);
+        cache.0.run_sync(job)
+    }
+
+    fn seq_async<J: SeqJob>(
+        &self,
+        env: &Env,
+        cache: CacheArg,
+        seq_id: Num,
+        tokens: Tokens,
+        options: Option<Obj<StoreCallOptions>>,
+    ) -> JsResult<JsPromise> {
+        let job = J::new(self.inner.clone(), i32v("seqId", seq_id)?, tokens.0);
+        let (progress, signal) = call_options(options);
+        cache.0.run_async(env, job, progress, signal)
+    }
+}
+
+fn write_file_job(
+    tokens: Tokens,
+    path: &Unknown<'_>,
+    options: Option<Obj<StoreWriteFileOptions>>,
+) -> JsResult<(WriteFileJob, Option<ProgressFn>, Option<Signal>)> {
+    let mut opts = store::WriteFileOptions::default();
+    let (mut progress, mut signal) = (None, None);
+    if let Some(Obj(o)) = options {
+        opts.kind = match o.kind.as_deref() {
+            None | Some("sequence") => FileKind::Sequence,
+            Some("session") => FileKind::Session,
+            Some(k) => {
+                return Err(err(
+                    Code::InvalidArg,
+                    format!("kind must be 'sequence' or 'session', got {k:?}"),
+                ))
+            }
+        };
+        opts.version = o.version.map(|v| u32v("version", v)).transpose()?;
+        opts.layout = crate::jobs::layout(o.layout.as_deref())?.unwrap_or(Layout::Streams);
+        opts.flash_attn = o.flash_attn.unwrap_or(false);
+        if let Some(arch) = o.arch {
+            opts.arch = arch;
+        }
+        progress = o.on_progress;
+        signal = o.signal;
+    }
+    let job = WriteFileJob {
+        tokens: tokens.0,
+        path: args::path("path", path)?,
+        opts,
+    };
+    Ok((job, progress, signal))
+}
+
+#[napi]
+impl PromptStore {
+    /// Opens a store: a directory with `path` (created if missing), else in-process memory.
+    #[napi(constructor)]
+    pub fn new(
+        #[napi(ts_arg_type = "PromptStoreOptions")] options: Obj<PromptStoreOptions>,
+    ) -> Result<Self, Code> {
+        guard(|| {
+            let o = options.0;
+            let block_tokens = match o.block_tokens {
+                Some(b) => u32v("blockTokens", Num(b))?,
+                None => store::DEFAULT_BLOCK_TOKENS,
+            };
+            let backend = backend(&o)?;
+            let inner =
+                store::PromptStore::new(backend, &o.model, block_tokens).map_err(from_store)?;
+            Ok(PromptStore {
+                inner: Arc::new(inner),
+            })
+        })
+    }
+
+    /// Tokens per block.
+    #[napi(getter)]
+    pub fn block_tokens(&self) -> u32 {
+        self.inner.block_tokens()
+    }
+
+    /// Stores the full blocks of sequence `seqId` of `cache` that the store lacks. The sequence
+    /// must hold positions 0..n-1 with no pending shift (else `ERR_KV_STORE_NOT_PREFIX`);
+    /// `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens).
+    #[napi(ts_return_type = "Promise<StorePutResult>")]
+    pub fn put(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+    ) -> Result<JsPromise, Code> {
+        self.seq_async::<PutJob>(&env, cache, seq_id, tokens, options)
+    }
+
+    /// `put` on the calling thread.
+    #[napi]
+    pub fn put_sync(
+        &self,
+        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+    ) -> Result<StorePutResult, Code> {
+        self.seq_sync::<PutJob>(cache, seq_id, tokens)
+    }
+
+    /// The length in tokens of the longest stored prefix of `tokens` (a multiple of
+    /// `blockTokens`), in one pass over the chain without reading blocks.
+    #[napi(ts_return_type = "Promise<number>")]
+    pub fn lookup(
+        &self,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+    ) -> Result<AsyncTask<StoreTask<LookupJob>>, Code> {
+        let (progress, signal) = call_options(options);
+        Ok(self.run_async(LookupJob { tokens: tokens.0 }, progress, signal))
+    }
+
+    /// `lookup` on the calling thread (cheap: no block is read).
+    #[napi]
+    pub fn lookup_sync(
+        &self,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+    ) -> Result<f64, Code> {
+        self.run_sync(LookupJob { tokens: tokens.0 })
+    }
+
+    /// Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and
+    /// returns its length in tokens. Transactional: on any error the cache is unchanged. When
+    /// nothing is stored, returns 0 and leaves the cache unchanged.
+    #[napi(ts_return_type = "Promise<number>")]
+    pub fn restore(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+    ) -> Result<JsPromise, Code> {
+        self.seq_async::<RestoreJob>(&env, cache, seq_id, tokens, options)
+    }
+
+    /// `restore` on the calling thread.
+    #[napi]
+    pub fn restore_sync(
+        &self,
+        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+    ) -> Result<f64, Code> {
+        self.seq_sync::<RestoreJob>(cache, seq_id, tokens)
+    }
+
+    /// Ingests a llama.cpp session or sequence file (any version and layout this package reads)
+    /// holding one sequence, with the file's tokens: for apps whose llama.cpp owns its cache.
+    #[napi(ts_return_type = "Promise<StorePutResult>")]
+    pub fn put_file(
+        &self,
+        #[napi(ts_arg_type = "string")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+    ) -> Result<AsyncTask<StoreTask<PutFileJob>>, Code> {
+        let (progress, signal) = call_options(options);
+        let path = args::path("path", &path)?;
+        Ok(self.run_async(PutFileJob { path }, progress, signal))
+    }
+
+    /// `putFile` on the calling thread.
+    #[napi]
+    pub fn put_file_sync(
+        &self,
+        #[napi(ts_arg_type = "string")] path: Unknown<'_>,
+    ) -> Result<StorePutResult, Code> {
+        let path = args::path("path", &path)?;
+        self.run_sync(PutFileJob { path })
+    }
+
+    /// Writes the longest stored prefix of `tokens` to `path` (atomically) as a llama.cpp file
+    /// that llama.node and node-llama-cpp load, with that prefix as the file's tokens, and
+    /// returns its length in tokens. When nothing is stored, writes nothing and returns 0.
+    #[napi(ts_return_type = "Promise<number>")]
+    pub fn write_file(
+        &self,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "string")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "StoreWriteFileOptions")] options: Option<Obj<StoreWriteFileOptions>>,
+    ) -> Result<AsyncTask<StoreTask<WriteFileJob>>, Code> {
+        let (job, progress, signal) = write_file_job(tokens, &path, options)?;
+        Ok(self.run_async(job, progress, signal))
+    }
+
+    /// `writeFile` on the calling thread.
+    #[napi]
+    pub fn write_file_sync(
+        &self,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "string")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "StoreWriteFileOptions")] options: Option<Obj<StoreWriteFileOptions>>,
+    ) -> Result<f64, Code> {
+        let (job, ..) = write_file_job(tokens, &path, options)?;
+        self.run_sync(job)
+    }
+
+    /// Blocks, bytes, budget, evictions, and this object's hits, misses and corrupt blocks.
+    #[napi(ts_return_type = "Promise<StoreStats>")]
+    pub fn stats(&self) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
+        Ok(self.run_async(StatsJob { gc: false }, None, None))
+    }
+
+    /// `stats` on the calling thread.
+    #[napi]
+    pub fn stats_sync(&self) -> Result<StoreStats, Code> {
+        self.run_sync(StatsJob { gc: false })
+    }
+
+    /// Housekeeping, then stats: recounts what is stored, enforces the byte budget and removes
+    /// leftovers of interrupted writes (dir: temporary files older than an hour).
+    #[napi(ts_return_type = "Promise<StoreStats>")]
+    pub fn gc(&self) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
+        Ok(self.run_async(StatsJob { gc: true }, None, None))
+    }
+}
