@@ -2,7 +2,7 @@ import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
 
@@ -230,4 +230,38 @@ test('four processes putting and restoring overlapping prompts in one directory:
   // 3 shared blocks + 3 own per prompt, + the model record
   t.is(store.statsSync().blocks, 3 + 4 * 3 + 1)
   t.deepEqual(fs.readdirSync(path.join(dir, 'tmp')), [])
+})
+
+test('the store CLI ingests files, looks up, writes, reports and collects, with no progress bar off a terminal', (t) => {
+  const dir = tmp()
+  const storeDir = path.join(dir, 'store')
+  const cli = (...args) => spawnSync(process.execPath, [path.join(HERE, '..', 'bin', 'llama-kv-cache.js'), 'store', ...args], { encoding: 'utf8' })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const file = path.join(dir, 'a.ggsq')
+  cache.saveSequenceFileSync(file, 0, tokens)
+  const common = ['--store', storeDir, '--model', 'm', '--block-tokens', '16']
+  const put = cli('put', file, ...common)
+  t.is(put.status, 0, put.stderr)
+  t.regex(put.stdout, /96 tokens, 6 blocks written \(\d+ bytes\), 0 already stored/)
+  t.is(put.stderr, '', 'no progress bar when stderr is not a terminal')
+  const other = path.join(dir, 'b.json')
+  fs.writeFileSync(other, JSON.stringify(promptTokens(1)))
+  t.is(cli('lookup', other, ...common).stdout, '48\n')
+  t.is(cli('lookup', file, ...common).stdout, '96\n') // tokens taken from the state file
+  const out = path.join(dir, 'b.ggsn')
+  const write = cli('write', other, out, ...common, '--kind', 'session', '--flash-attn')
+  t.is(write.stdout, '48\n', write.stderr)
+  t.like(inspectState(out), { format: 'session', nTokens: 48, vTrans: false })
+  const stats = JSON.parse(cli('stats', '--store', storeDir, '--json').stdout)
+  t.like(stats, { backend: 'dir', blocks: 7, evictions: 0 })
+  t.regex(cli('gc', '--store', storeDir, '--max-bytes', '20000').stdout, /blocks, \d+ bytes of 20000, [1-9]\d* evictions/)
+  const none = cli('write', other, path.join(dir, 'none.ggsq'), '--store', path.join(dir, 'empty'), '--model', 'm')
+  t.is(none.status, 3)
+  t.false(fs.existsSync(path.join(dir, 'none.ggsq')))
+  const noModel = cli('lookup', other, '--store', storeDir)
+  t.is(noModel.status, 2)
+  t.regex(noModel.stderr, /--model/)
+  const bad = cli('put', path.join(dir, 'missing.ggsq'), ...common)
+  t.is(bad.status, 1)
+  t.regex(bad.stderr, /ERR_KV_IO: .*missing\.ggsq/)
 })

@@ -1,9 +1,11 @@
 #!/usr/bin/env node
-// llama-kv-cache CLI: inspect and convert llama.cpp KV state files, describe GGUF models.
+// llama-kv-cache CLI: inspect and convert llama.cpp KV state files, describe GGUF models, manage prompt
+// stores.
 'use strict'
 
 const path = require('node:path')
-const { inspectState, convertStateFile, modelInfo, checkState } = require('..')
+const fs = require('node:fs')
+const { inspectState, convertStateFile, modelInfo, checkState, PromptStore } = require('..')
 
 const SAMPLE = path.join(__dirname, '..', 'samples', 'llama-node-session.ggsn')
 const USAGE = `usage:
@@ -25,7 +27,18 @@ const USAGE = `usage:
       --arch NAME             session output from a sequence file: the architecture (default llama)
       --type-k T, --type-v T  re-type K/V (f32, f16, bf16, q8_0, ...)
       --recurrent             the input sequence file holds a recurrent (Mamba/RWKV) state
-      --transformer           the input sequence file holds a transformer state`
+      --transformer           the input sequence file holds a transformer state
+  llama-kv-cache store <command> --store DIR [options]   a prompt store directory
+      put <file>...           ingest llama.cpp session/sequence files (one sequence each)
+      lookup <tokens>         print the stored prefix length in tokens
+      write <tokens> <out>    write the stored prefix as a llama.cpp file (--kind, --version,
+                              --layout, --flash-attn, --arch as for convert); prints its length
+      stats [--json]          blocks, bytes, budget and evictions
+      gc                      recount, enforce --max-bytes, remove leftovers of interrupted writes
+      --model ID              the model identity the blocks were stored under (put/lookup/write)
+      --block-tokens N        tokens per block (default 256)
+      --max-bytes N           byte budget (LRU eviction)
+    <tokens>: a JSON file of token ids, or a state file whose tokens are taken`
 
 function fail(message, code = 2) {
   process.stderr.write(`llama-kv-cache: ${message}\n`)
@@ -182,8 +195,96 @@ function main(argv) {
         recurrent: flags.recurrent ? true : flags.transformer ? false : undefined,
       })
       process.stdout.write(`${output}\n`)
+    } else if (command === 'store') {
+      return storeCommand(rest)
     } else {
       fail(`unknown command ${command}\n${USAGE}`)
+    }
+  } catch (e) {
+    fail(`${e.code ?? 'error'}: ${e.message}`, 1)
+  }
+}
+
+/** A progress bar on stderr, drawn only when stderr is a terminal. */
+function progressBar(label) {
+  if (!process.stderr.isTTY) return { onProgress: undefined, done() {} }
+  let drawn = false
+  return {
+    onProgress(done, total) {
+      const width = 30
+      const filled = total > 0 ? Math.round((done / total) * width) : width
+      process.stderr.write(`\r${label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${done}/${total}`)
+      drawn = true
+    },
+    done() {
+      if (drawn) process.stderr.write('\n')
+    },
+  }
+}
+
+/** Token ids from a JSON array file, or the tokens of a llama.cpp state file. */
+function readTokens(file) {
+  const bytes = fs.readFileSync(file)
+  const text = bytes.subarray(0, 1).toString() === '[' ? bytes.toString('utf8') : null
+  if (text === null) return inspectState(file).tokens
+  let tokens
+  try {
+    tokens = JSON.parse(text)
+  } catch (e) {
+    fail(`${file}: not a JSON array of token ids (${e.message})`)
+  }
+  if (!Array.isArray(tokens) || !tokens.every(Number.isInteger)) fail(`${file}: not a JSON array of token ids`)
+  return tokens
+}
+
+async function storeCommand(args) {
+  const [sub, ...rest] = args
+  const flags = parseFlags(rest, {
+    store: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool',
+    kind: 'str', version: 'int', layout: 'str', 'flash-attn': 'bool', arch: 'str',
+  })
+  if (!flags.store) fail(`store ${sub ?? ''} needs --store DIR\n${USAGE}`)
+  const needsModel = ['put', 'lookup', 'write'].includes(sub)
+  if (needsModel && !flags.model) fail(`store ${sub} needs --model ID (the identity the blocks are stored under)`)
+  try {
+    const store = new PromptStore({
+      // stats and gc concern the directory, not one model
+      model: flags.model ?? 'llama-kv-cache-cli',
+      path: flags.store,
+      blockTokens: flags['block-tokens'],
+      maxBytes: flags['max-bytes'],
+    })
+    if (sub === 'put') {
+      if (flags.positional.length === 0) fail('store put needs at least one file')
+      for (const file of flags.positional) {
+        const bar = progressBar(path.basename(file))
+        const r = await store.putFile(file, { onProgress: bar.onProgress })
+        bar.done()
+        process.stdout.write(`${file}: ${r.tokens} tokens, ${r.blocksWritten} blocks written (${r.bytesWritten} bytes), ${r.blocksSkipped} already stored\n`)
+      }
+    } else if (sub === 'lookup') {
+      const [tokensFile] = flags.positional
+      if (!tokensFile) fail('store lookup needs a tokens file')
+      process.stdout.write(`${await store.lookup(readTokens(tokensFile))}\n`)
+    } else if (sub === 'write') {
+      const [tokensFile, out] = flags.positional
+      if (!tokensFile || !out) fail('store write needs a tokens file and an output file')
+      const bar = progressBar(path.basename(out))
+      const n = await store.writeFile(readTokens(tokensFile), out, {
+        kind: flags.kind, version: flags.version, layout: flags.layout, flashAttn: flags['flash-attn'], arch: flags.arch,
+        onProgress: bar.onProgress,
+      })
+      bar.done()
+      if (n === 0) process.stderr.write('llama-kv-cache: nothing stored for these tokens; no file written\n')
+      process.stdout.write(`${n}\n`)
+      if (n === 0) process.exitCode = 3
+    } else if (sub === 'stats' || sub === 'gc') {
+      const s = sub === 'gc' ? await store.gc() : await store.stats()
+      const { hits: _h, misses: _m, corrupt: _c, ...dir } = s
+      process.stdout.write(flags.json ? `${JSON.stringify(dir, null, 2)}\n`
+        : `${flags.store}: ${dir.blocks} blocks, ${dir.bytes} bytes${dir.maxBytes == null ? '' : ` of ${dir.maxBytes}`}, ${dir.evictions} evictions\n`)
+    } else {
+      fail(`unknown store command ${sub ?? ''}\n${USAGE}`)
     }
   } catch (e) {
     fail(`${e.code ?? 'error'}: ${e.message}`, 1)

@@ -1,0 +1,79 @@
+// The prompt store with the real llama.cpp peers: conversation A is saved by the peer and ingested;
+// conversation B shares A's first blocks; `writeFile` writes them as a file the peer loads; the peer
+// evaluates only B's suffix and its next greedy tokens equal those of a cold evaluation of B.
+import test from 'ava'
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { createRequire } from 'node:module'
+import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
+
+const require = createRequire(import.meta.url)
+const { PromptStore, inspectState } = require('../index.js')
+const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
+const INTEROP = path.join(HERE, '..', 'interop')
+const MODEL = 'llama-h16.gguf'
+const BLOCK = 16
+
+const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-peer-'))
+const shared = 'the cat sat on the mat and the dog ran to the red house by the sea '.repeat(3)
+const PROMPT_A = `${shared}then it rained all day`
+const PROMPT_B = `${shared}but a bird flew over the hill`
+
+const commonPrefix = (a, b) => {
+  let i = 0
+  while (i < a.length && i < b.length && a[i] === b[i]) i++
+  return i
+}
+
+registerPeerSuite(test, 'prompt store interop', () => {
+  test('llama.node: B restored from A\'s blocks evaluates only its suffix and continues like a cold run', async (t) => {
+    const dir = tmp()
+    const [fileA, fileBCold, fileB] = ['a.ggsn', 'b-cold.ggsn', 'b.ggsn'].map((f) => path.join(dir, f))
+    const log = (m) => t.log(m)
+    await runPeerScript(path.join(INTEROP, 'store-peer.mjs'), ['llama-node', MODEL, JSON.stringify([
+      { prompt: PROMPT_A, out: fileA },
+      { prompt: PROMPT_B, out: fileBCold }, // only for B's token ids as llama.node evaluates them
+    ])], log)
+    const tokensA = inspectState(fileA).tokens
+    const tokensB = inspectState(fileBCold).tokens
+    const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
+    const put = await store.putFile(fileA)
+    t.true(put.blocksWritten >= 3, JSON.stringify(put))
+    const expected = Math.floor(Math.min(commonPrefix(tokensA, tokensB), put.tokens) / BLOCK) * BLOCK
+    t.true(expected >= 2 * BLOCK, `A and B share ${expected} tokens of full blocks`)
+    t.is(await store.lookup(tokensB), expected)
+    t.is(await store.writeFile(tokensB, fileB, { kind: 'session' }), expected)
+    t.is(inspectState(fileB).nTokens, expected)
+    const r = await runPeerScript(path.join(INTEROP, 'continue.mjs'), ['llama-node', MODEL, fileB, JSON.stringify({
+      prompt: PROMPT_B, n_predict: 3, also: ['-'],
+    })], log)
+    const [warm, cold] = r.runs
+    t.log(`warm: ${JSON.stringify(warm.tokens)} prompt_n ${warm.prompt_n}; cold: ${JSON.stringify(cold.tokens)} prompt_n ${cold.prompt_n}`)
+    t.deepEqual(warm.tokens, cold.tokens)
+    t.is(warm.prompt_n, cold.prompt_n - expected, 'the peer evaluated only the tokens after the restored prefix')
+  })
+
+  test('node-llama-cpp: B restored from A\'s blocks continues from its suffix like a cold run', async (t) => {
+    const dir = tmp()
+    const [fileA, fileB] = ['a.ggsq', 'b.ggsq'].map((f) => path.join(dir, f))
+    const log = (m) => t.log(m)
+    const saved = await runPeerScript(path.join(INTEROP, 'store-peer.mjs'), ['node-llama-cpp', MODEL, JSON.stringify([
+      { prompt: PROMPT_A, out: fileA },
+      { prompt: PROMPT_B },
+    ])], log)
+    const tokensB = saved.runs[1].tokens
+    const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
+    const put = await store.putFile(fileA)
+    const expected = Math.floor(Math.min(commonPrefix(saved.runs[0].tokens, tokensB), put.tokens) / BLOCK) * BLOCK
+    t.true(expected >= 2 * BLOCK, `A and B share ${expected} tokens of full blocks`)
+    t.is(await store.writeFile(tokensB, fileB, { kind: 'sequence', version: 3 }), expected)
+    const r = await runPeerScript(path.join(INTEROP, 'continue.mjs'), ['node-llama-cpp', MODEL, fileB, JSON.stringify({
+      evaluate: tokensB.slice(expected), n: 3, also: [{ file: '-', evaluate: tokensB }],
+    })], log)
+    const [warm, cold] = r.runs
+    t.log(`warm: loaded ${warm.loaded_tokens}, then ${tokensB.length - expected} evaluated: ${JSON.stringify(warm.tokens)}; cold: ${JSON.stringify(cold.tokens)}`)
+    t.is(warm.loaded_tokens, expected, "the peer's context holds the restored prefix")
+    t.deepEqual(warm.tokens, cold.tokens)
+  })
+})
