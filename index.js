@@ -836,6 +836,7 @@ function __napiStampBindingTarget(exportsObject, target) {
 module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __napiLoadedBindingTarget)
 module.exports = nativeBinding
 module.exports.KvCache = nativeBinding.KvCache
+module.exports.PromptStore = nativeBinding.PromptStore
 module.exports.checkState = nativeBinding.checkState
 module.exports.convertStateFile = nativeBinding.convertStateFile
 module.exports.inspectState = nativeBinding.inspectState
