@@ -6,6 +6,8 @@ import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
+import { spawn } from 'node:child_process'
+import { once } from 'node:events'
 
 const require = createRequire(import.meta.url)
 const { KvCache, inspectState, convertStateFile } = require('../index.js')
@@ -298,4 +300,47 @@ test('a consistent outputs block with an empty stream still loads (issue 10.6)',
   t.deepEqual(r.outputs.outputPos, [5, 6])
   t.deepEqual(Array.from(r.outputs.logits), [1, 2, 3, 4, 5, 6])
   t.is(c.usedCells, 0)
+})
+
+// ---- 7. no temp files left behind -------------------------------------------------------------
+
+const ADDON = path.join(path.dirname(new URL(import.meta.url).pathname), '..', 'index.js')
+// saves a 16 MiB session to argv[1] forever, so that a kill lands inside a save
+const SAVER = `
+const { KvCache } = require(${JSON.stringify(ADDON)})
+const c = new KvCache({ size: 4096, nLayer: 4, nEmbdKGqa: 256 })
+c.findSlot({ pos: Array.from({ length: 4096 }, (_, i) => i), seqIds: Array(4096).fill(0) })
+for (;;) c.saveSessionFileSync(process.argv[1], [1, 2, 3])
+`
+const tempsOf = (dir, name) => fs.readdirSync(dir).filter((n) => n.startsWith(`.${name}.tmp-`))
+
+/** Kills a saving child with SIGKILL while its temp file exists; true when one was left behind. */
+async function killMidSave(dir, file) {
+  const child = spawn(process.execPath, ['-e', SAVER, file], { stdio: 'ignore' })
+  const exited = once(child, 'exit')
+  const deadline = Date.now() + 30_000
+  while (Date.now() < deadline && child.exitCode === null) {
+    if (tempsOf(dir, path.basename(file)).length > 0) break
+    await new Promise((resolve) => setImmediate(resolve))
+  }
+  child.kill('SIGKILL')
+  await exited
+  return tempsOf(dir, path.basename(file)).length > 0
+}
+
+test('temp files of a save killed with SIGKILL are removed by the next save to the path (issue 10.7)', async (t) => {
+  const dir = tmp()
+  const file = path.join(dir, 'big.ggsn')
+  let left = false
+  for (let attempt = 0; attempt < 8 && !left; attempt++) left = await killMidSave(dir, file)
+  t.true(left, 'a kill inside a save left a temp file (the state the issue reports)')
+  const c = make()
+  c.findSlot(seq(0, 0, 3))
+  await c.saveSessionFile(file, [4, 5, 6])
+  t.deepEqual(tempsOf(dir, 'big.ggsn'), [], 'the next save removed the dead writer\'s temp file')
+  t.deepEqual(Array.from(make().loadSessionFileSync(file).tokens), [4, 5, 6])
+  // a sync save cleans up too
+  fs.writeFileSync(path.join(dir, '.big.ggsn.tmp-1-2'), 'stale')
+  c.saveSessionFileSync(file, [7])
+  t.deepEqual(tempsOf(dir, 'big.ggsn'), [])
 })

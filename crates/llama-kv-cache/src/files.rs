@@ -3,9 +3,10 @@
 //! saving.
 
 use std::fs;
-use std::io::Write;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+pub use crate::atomic_write::write_atomic;
 
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
@@ -513,43 +514,6 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
                 .join(" and ")
         ))),
     }
-}
-
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, flushed and
-/// synced, then renamed over the target. On any failure the previous file is left intact and
-/// the temporary file removed.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| KvError::InvalidArg(format!("{} is not a file path", path.display())))?;
-    let tmp: PathBuf = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        name.to_string_lossy(),
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    let io = |what: &str, e: std::io::Error| KvError::Io(format!("{what} {}: {e}", path.display()));
-    let result = (|| -> Result<()> {
-        let mut f =
-            fs::File::create(&tmp).map_err(|e| io("cannot create a temporary file next to", e))?;
-        f.write_all(bytes).map_err(|e| io("cannot write", e))?;
-        f.sync_all().map_err(|e| io("cannot sync", e))?;
-        fs::rename(&tmp, path).map_err(|e| io("cannot replace", e))?;
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
 }
 
 /// Reads a whole file, with an error naming the path.

@@ -15,6 +15,7 @@
 //! ```
 
 pub mod alloc;
+mod atomic_write;
 mod cache;
 pub mod cells;
 #[cfg(feature = "cuda")]
