@@ -8,6 +8,12 @@ Models
   llama-h16.gguf  llama, 2 layers, n_embd 64,  n_head 4, n_head_kv 2 (head_dim 16), n_ff 128
   llama-h32.gguf  llama, 2 layers, n_embd 128, n_head 4, n_head_kv 2 (head_dim 32), n_ff 128
   mamba.gguf      mamba, 2 layers, n_embd 64, d_inner 128, d_state 16, d_conv 4, dt_rank 4
+  llama-h64.gguf  llama, 2 layers, n_embd 128, n_head 2, n_head_kv 1 (head_dim 64): quantized
+                  K/V of llama.cpp 0.1.161 are Hadamard-rotated (n_rot 64)
+  gemma3-swa.gguf gemma3, 2 layers, n_embd 128, n_head 2, n_head_kv 1 (head_dim 64), window 4,
+                  pattern 2 (layer 0 SWA, layer 1 full): an iSWA memory (base + SWA caches)
+  jamba.gguf      jamba, 2 layers, n_embd 64: layer 0 Mamba (d_inner 128, d_state 16), layer 1
+                  attention (n_head 4, n_head_kv 2): a hybrid memory (attention + recurrent)
 
 Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
   0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
@@ -168,6 +174,103 @@ def write_mamba(path, n_embd, d_inner, d_state, d_conv, dt_rank, n_layer, seed):
     finish(w)
 
 
+def write_gemma3_swa(path, n_embd, n_head, n_head_kv, n_ff, n_layer, window, pattern, seed):
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_name("gemma3-swa")
+    w.add_context_length(CTX)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)
+    w.add_uint32("gemma3.attention.sliding_window_pattern", pattern)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = add_tokenizer(w)
+    w.add_vocab_size(n_vocab)
+
+    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        # gemma's (1 + w) norm weights are stored with the 1 added, as convert_hf_to_gguf does
+        for norm in ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"]:
+            w.add_tensor(p + norm + ".weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
+        w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+        w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+        w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+    finish(w)
+
+
+def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank, seed):
+    """Layer 0 is Mamba (n_head_kv 0), layer 1 attention: jamba's layer filter."""
+    rng = np.random.default_rng(seed)
+    d_inner = 2 * n_embd
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = gguf.GGUFWriter(path, "jamba")
+    w.add_name("jamba")
+    w.add_context_length(CTX)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(2)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv([0, n_head_kv])
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = add_tokenizer(w)
+    w.add_vocab_size(n_vocab)
+
+    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    for i in range(2):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if i == 0:
+            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner, n_embd), 0.1))
+            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (d_inner, d_conv), 0.3))
+            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (d_inner,), 0.05))
+            w.add_tensor(p + "ssm_x.weight", rnd(rng, (dt_rank + 2 * d_state, d_inner), 0.1))
+            w.add_tensor(p + "ssm_dt_norm.weight", np.ones(dt_rank, dtype=np.float32))
+            w.add_tensor(p + "ssm_dt.weight", rnd(rng, (d_inner, dt_rank), 0.3))
+            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (d_inner,), 0.1) - 2.0)
+            w.add_tensor(p + "ssm_b_norm.weight", np.ones(d_state, dtype=np.float32))
+            w.add_tensor(p + "ssm_c_norm.weight", np.ones(d_state, dtype=np.float32))
+            a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
+            w.add_tensor(p + "ssm_a", a.astype(np.float32))
+            w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        else:
+            w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
+            w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+            w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+            w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
+        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -181,6 +284,9 @@ def main():
     write_llama(os.path.join(out, "llama-h16.gguf"), 64, 4, 2, 128, 2, seed=16)
     write_llama(os.path.join(out, "llama-h32.gguf"), 128, 4, 2, 128, 2, seed=32)
     write_mamba(os.path.join(out, "mamba.gguf"), 64, 128, 16, 4, 4, 2, seed=64)
+    write_llama(os.path.join(out, "llama-h64.gguf"), 128, 2, 1, 128, 2, seed=6464)
+    write_gemma3_swa(os.path.join(out, "gemma3-swa.gguf"), 128, 2, 1, 128, 2, 4, 2, seed=3)
+    write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

@@ -3,8 +3,9 @@
 use std::collections::HashMap;
 
 use llama_kv_cache::files::{inspect_bytes, read_file};
-use llama_kv_cache::state::VBlock;
-use llama_kv_cache::GgmlType;
+use llama_kv_cache::parts::Part;
+use llama_kv_cache::state::{ParsedPayload, VBlock};
+use llama_kv_cache::{GgmlType, Layout};
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
@@ -61,6 +62,31 @@ pub struct ByteInfo {
     pub v: f64,
 }
 
+/// One memory of a payload of several (iSWA: base then SWA; hybrid: attention then
+/// recurrent).
+#[napi(object)]
+pub struct PartInfo {
+    /// 'kv' (a unified KV cache) or 'recurrent'.
+    pub kind: String,
+    /// 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid).
+    pub role: String,
+    /// The streams (a recurrent part has one).
+    pub streams: Vec<StreamInfo>,
+    /// Layers written (0 when every stream is empty). A hybrid's recurrent part writes only its
+    /// recurrent layers.
+    pub n_layer: u32,
+    /// Whether V is transposed (null when every stream is empty).
+    pub v_trans: Option<bool>,
+    /// Per-layer types and row sizes (a recurrent part: R as K, S as V).
+    pub layers: Vec<LayerInfo>,
+    /// KV parts of session v11 / sequence v4: the K rotation block size (0: not rotated).
+    pub n_rot_k: Option<u32>,
+    /// KV parts of session v11 / sequence v4: the V rotation block size.
+    pub n_rot_v: Option<u32>,
+    /// Payload bytes of this part.
+    pub bytes: f64,
+}
+
 /// The structure of a llama.cpp state file.
 #[napi(object)]
 pub struct Inspection {
@@ -92,6 +118,17 @@ pub struct Inspection {
     pub v_trans: Option<bool>,
     /// Per-layer types and row sizes.
     pub layers: Vec<LayerInfo>,
+    /// Session v11 / sequence v4: the K rotation block size (0: not rotated); null for layouts
+    /// that do not record it.
+    pub n_rot_k: Option<u32>,
+    /// Session v11 / sequence v4: the V rotation block size.
+    pub n_rot_v: Option<u32>,
+    /// The memory that wrote the payload: 'single', 'iswa' or 'hybrid'.
+    pub memory: String,
+    /// Payloads of several memories (iSWA, hybrid): each part in payload order. The top-level
+    /// `streams`, `layers`, `nLayer`, `vTrans` and rotation describe the first part. Absent for
+    /// a single memory.
+    pub parts: Option<Vec<PartInfo>>,
     /// File size in bytes.
     pub bytes: f64,
     /// Where the bytes go.
@@ -100,6 +137,106 @@ pub struct Inspection {
 
 fn type_name(id: i32) -> String {
     GgmlType::from_id(id).map_or(format!("type {id}"), |t| t.name().to_string())
+}
+
+/// What inspection shows of one memory's payload.
+struct Described {
+    streams: Vec<(u32, HashMap<String, (u32, i32, i32)>)>,
+    layers: Vec<(i32, f64, i32, f64)>,
+    v_trans: Option<bool>,
+    n_rot: Option<(u32, u32)>,
+    meta: usize,
+    k: usize,
+    v: usize,
+}
+
+impl Described {
+    fn streams(&self) -> Vec<StreamInfo> {
+        self.streams
+            .iter()
+            .map(|(cell_count, seqs)| StreamInfo {
+                cell_count: *cell_count,
+                seqs: seqs
+                    .iter()
+                    .map(|(id, &(cells, pos_min, pos_max))| {
+                        (
+                            id.clone(),
+                            SeqStat {
+                                cells,
+                                pos_min,
+                                pos_max,
+                            },
+                        )
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn layers(&self) -> Vec<LayerInfo> {
+        self.layers
+            .iter()
+            .map(|&(k, k_row_size, v, v_row_size)| LayerInfo {
+                k_type: type_name(k),
+                k_row_size,
+                v_type: type_name(v),
+                v_row_size,
+            })
+            .collect()
+    }
+}
+
+fn describe(payload: &ParsedPayload) -> Described {
+    let (mut meta, mut k, mut v) = (0usize, 0usize, 0usize);
+    let mut streams = Vec::new();
+    for s in &payload.streams {
+        let mut seqs: HashMap<String, (u32, i32, i32)> = HashMap::new();
+        for c in &s.cells {
+            meta += 8 + 4 * c.seq_ids.len();
+            let ids: Vec<i32> = if c.seq_ids.is_empty() {
+                vec![-1]
+            } else {
+                c.seq_ids.clone()
+            };
+            for id in ids {
+                let e = seqs.entry(id.to_string()).or_insert((0, i32::MAX, i32::MIN));
+                e.0 += 1;
+                e.1 = e.1.min(c.pos);
+                e.2 = e.2.max(c.pos);
+            }
+        }
+        for l in &s.layers {
+            k += l.k_data.len();
+            v += match &l.v {
+                VBlock::Rows { data, .. } | VBlock::Transposed { data, .. } => data.len(),
+            };
+        }
+        streams.push((s.cells.len() as u32, seqs));
+    }
+    let first = payload.streams.iter().find(|s| !s.layers.is_empty());
+    let layers = first.map_or_else(Vec::new, |s| {
+        s.layers
+            .iter()
+            .map(|l| {
+                let (v_type, v_row_size) = match &l.v {
+                    VBlock::Rows { ty, row_size, .. } => (*ty, *row_size as f64),
+                    VBlock::Transposed {
+                        ty, el_size, n_embd, ..
+                    } => (*ty, (*el_size as f64) * (*n_embd as f64)),
+                };
+                (l.k_type, l.k_row_size as f64, v_type, v_row_size)
+            })
+            .collect()
+    });
+    Described {
+        streams,
+        layers,
+        v_trans: first.and_then(|s| s.v_trans),
+        n_rot: first.and_then(|s| s.n_rot),
+        meta,
+        k,
+        v,
+    }
 }
 
 /// Parses a state file (a path or its bytes) without a cache and describes it.
@@ -115,66 +252,33 @@ pub fn inspect_state(
         let ins = inspect_bytes(&bytes).map_err(from_core)?;
         let recurrent = match (&ins.arch, ins.payload.layout) {
             (Some(arch), _) => Some(llama_kv_cache::files::is_recurrent_arch(arch)),
-            (None, llama_kv_cache::Layout::Streams) => Some(false),
-            (None, llama_kv_cache::Layout::Seed) => None,
+            (None, Layout::Streams | Layout::StreamsRot) => Some(false),
+            (None, Layout::Seed) => None,
         };
         let header = ins.header.clone();
-        let mut streams = Vec::new();
-        let (mut meta, mut k, mut v) = (0usize, 0usize, 0usize);
-        let first = ins.payload.streams.iter().find(|s| !s.layers.is_empty());
-        for s in &ins.payload.streams {
-            let mut seqs: HashMap<String, SeqStat> = HashMap::new();
-            for c in &s.cells {
-                meta += 8 + 4 * c.seq_ids.len();
-                let ids: Vec<i32> = if c.seq_ids.is_empty() {
-                    vec![-1]
-                } else {
-                    c.seq_ids.clone()
-                };
-                for id in ids {
-                    let e = seqs.entry(id.to_string()).or_insert(SeqStat {
-                        cells: 0,
-                        pos_min: i32::MAX,
-                        pos_max: i32::MIN,
-                    });
-                    e.cells += 1;
-                    e.pos_min = e.pos_min.min(c.pos);
-                    e.pos_max = e.pos_max.max(c.pos);
-                }
-            }
-            for l in &s.layers {
-                k += l.k_data.len();
-                v += match &l.v {
-                    VBlock::Rows { data, .. } | VBlock::Transposed { data, .. } => data.len(),
-                };
-            }
-            streams.push(StreamInfo {
-                cell_count: s.cells.len() as u32,
-                seqs,
-            });
-        }
-        let layers = first.map_or_else(Vec::new, |s| {
-            s.layers
+        let described: Vec<(&Part, Described)> =
+            ins.parts.iter().map(|p| (p, describe(&p.payload))).collect();
+        let (meta, k, v) = described.iter().fold((0, 0, 0), |acc, (_, d)| {
+            (acc.0 + d.meta, acc.1 + d.k, acc.2 + d.v)
+        });
+        let parts = (ins.parts.len() > 1).then(|| {
+            described
                 .iter()
-                .map(|l| {
-                    let (v_type, v_row_size) = match &l.v {
-                        VBlock::Rows { ty, row_size, .. } => (*ty, *row_size as f64),
-                        VBlock::Transposed {
-                            ty,
-                            el_size,
-                            n_embd,
-                            ..
-                        } => (*ty, (*el_size as f64) * (*n_embd as f64)),
-                    };
-                    LayerInfo {
-                        k_type: type_name(l.k_type),
-                        k_row_size: l.k_row_size as f64,
-                        v_type: type_name(v_type),
-                        v_row_size,
-                    }
+                .map(|(p, d)| PartInfo {
+                    kind: p.kind.name().into(),
+                    role: p.role.name().into(),
+                    streams: d.streams(),
+                    n_layer: d.layers.len() as u32,
+                    v_trans: d.v_trans,
+                    layers: d.layers(),
+                    n_rot_k: d.n_rot.map(|r| r.0),
+                    n_rot_v: d.n_rot.map(|r| r.1),
+                    bytes: p.range.len() as f64,
                 })
                 .collect()
         });
+        let first = &described[0].1;
+        let (streams, layers) = (first.streams(), first.layers());
         Ok(Inspection {
             format: header.kind.name().into(),
             magic: if header.kind.name() == "session" {
@@ -193,7 +297,11 @@ pub fn inspect_state(
             recurrent,
             has_outputs: ins.outputs.is_some(),
             n_layer: layers.len() as u32,
-            v_trans: first.and_then(|s| s.v_trans),
+            v_trans: first.v_trans,
+            n_rot_k: first.n_rot.map(|r| r.0),
+            n_rot_v: first.n_rot.map(|r| r.1),
+            memory: ins.memory.name().into(),
+            parts,
             layers,
             streams,
             bytes: ins.bytes as f64,
@@ -213,9 +321,10 @@ pub fn inspect_state(
 /// Options of `convertStateFile`.
 #[napi(object, object_to_js = false)]
 pub struct ConvertFileOptions {
-    /// Output payload layout: 'streams' (default) or 'seed'.
+    /// Output payload layout: 'streams' (default), 'seed' or 'streams-rot' (versions 11 / 4).
     pub layout: Option<String>,
-    /// Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads).
+    /// Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads; 'streams-rot':
+    /// ggsq 4 / ggsn 11, llama.cpp 0.1.161).
     pub version: Option<f64>,
     /// Streams to write (today's layout): 1 (default) or one per sequence.
     pub n_stream: Option<f64>,
@@ -234,6 +343,9 @@ pub struct ConvertFileOptions {
     pub as_seq_id: Option<f64>,
     /// Session output: the architecture when the input has none. Default 'llama'.
     pub arch: Option<String>,
+    /// Of an iSWA or hybrid file, write only this part ('base', 'swa', 'attention',
+    /// 'recurrent') as a file of a single memory. Default: every part.
+    pub part: Option<String>,
 }
 
 /// Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
@@ -263,6 +375,7 @@ pub fn convert_state_file(
             opts.type_v = ggml_type_opt("typeV", o.type_v)?;
             opts.recurrent = o.recurrent;
             opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
+            opts.part = crate::jobs::part(o.part.as_deref())?;
             opts.arch = o.arch;
             opts.to = match o.to.as_deref() {
                 None => None,

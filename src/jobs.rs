@@ -159,9 +159,24 @@ pub fn layout(name: Option<&str>) -> JsResult<Option<Layout>> {
         None => Ok(None),
         Some("seed") => Ok(Some(Layout::Seed)),
         Some("streams") => Ok(Some(Layout::Streams)),
+        Some("streams-rot") => Ok(Some(Layout::StreamsRot)),
         Some(other) => Err(crate::error::err(
             crate::error::Code::InvalidArg,
-            format!("layout must be 'seed' or 'streams', got {other:?}"),
+            format!("layout must be 'seed', 'streams' or 'streams-rot', got {other:?}"),
         )),
+    }
+}
+
+/// Parses a part name (a memory of an iSWA or hybrid payload).
+pub fn part(name: Option<&str>) -> JsResult<Option<core::PartRole>> {
+    match name {
+        None => Ok(None),
+        Some(n) => match core::PartRole::from_name(n) {
+            Some(r) if r != core::PartRole::Whole => Ok(Some(r)),
+            _ => Err(crate::error::err(
+                crate::error::Code::InvalidArg,
+                format!("part must be 'base', 'swa', 'attention' or 'recurrent', got {n:?}"),
+            )),
+        },
     }
 }

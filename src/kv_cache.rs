@@ -239,6 +239,8 @@ impl KvCache {
                 recurrent: options.recurrent.unwrap_or(false),
                 can_shift: options.can_shift.unwrap_or(true),
                 n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
+                n_rot_k: options.n_rot_k.map_or(Ok(0), |x| u32v("nRotK", x))?,
+                n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
             };
             KvCache::from_params(&env, params, &options.device, None)
         })
@@ -1055,6 +1057,7 @@ fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
     let opts = ReadOptions {
         layout: jobs::layout(o.layout.as_deref())?,
         allow_scattered: o.allow_scattered.unwrap_or(false),
+        part: jobs::part(o.part.as_deref())?,
     };
     Ok((opts, o.on_progress, o.signal))
 }

@@ -32,6 +32,14 @@ pub struct KvCacheOptions {
     pub can_shift: Option<bool>,
     /// Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1.
     pub n_seq_max: Option<f64>,
+    /// Hadamard rotation of K, as llama.cpp 0.1.161 stores quantized K (its `n_rot_k`: 0, or
+    /// a power of two dividing the K width; llama.cpp uses the largest power of two >= 64 that
+    /// divides the head dimension). Recorded in session v11 / sequence v4 files and checked
+    /// on load; a K-shift and a re-typing undo and redo it. Default 0 (not rotated).
+    pub n_rot_k: Option<f64>,
+    /// Hadamard rotation of V (llama.cpp 0.1.161's `n_rot_v`: 64 for quantized V when the
+    /// head dimension is a multiple of 64). Default 0.
+    pub n_rot_v: Option<f64>,
     /// Where the tensors live: 'cpu' (default), 'cuda' or 'cuda:N' for every layer, or one entry
     /// per layer (llama.cpp's per-layer offload). CUDA needs an NVIDIA driver at run time;
     /// without one, construction fails with ERR_KV_CUDA_UNAVAILABLE.
@@ -259,9 +267,12 @@ impl From<llama_kv_cache::UpdateReport> for UpdateReport {
 /// Options of `stateWrite` and the file savers.
 #[napi(object, object_to_js = false)]
 pub struct SaveOptions {
-    /// Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944, llama.node 0.3.x).
+    /// Payload layout: 'streams' (default), 'seed' (b4944, llama.node 0.3.x) or 'streams-rot'
+    /// (llama.cpp 0.1.161: records the rotation; the only layout a rotated cache can write).
     pub layout: Option<String>,
-    /// File version: sequence files 2 (default, llama.node) or 3 (node-llama-cpp); session files 9 (default) or 10.
+    /// File version: sequence files 2 (default, llama.node), 3 (node-llama-cpp) or 4
+    /// (llama.cpp 0.1.161); session files 9 (default), 10 or 11. Versions 4 and 11 write the
+    /// 'streams-rot' layout; without a version, 'streams-rot' writes 4 / 11.
     pub version: Option<f64>,
     /// Streams to write with today's layout: 1 (unified context, default) or nSeqMax (one per sequence, as a non-unified context).
     pub n_stream: Option<f64>,
@@ -279,8 +290,14 @@ pub struct SaveOptions {
 /// Options of `stateRead` and the file loaders.
 #[napi(object, object_to_js = false)]
 pub struct LoadOptions {
-    /// Force 'seed' or 'streams' instead of detecting the layout.
+    /// Force 'seed', 'streams' or 'streams-rot' (session v11 / sequence v4) instead of
+    /// detecting the layout.
     pub layout: Option<String>,
+    /// Of a payload of several memories, the part to load: 'base' or 'swa' (iSWA: sliding-window
+    /// models), 'attention' or 'recurrent' (hybrid models). Files without it load the one part
+    /// that fits this cache (ERR_KV_INVALID_STATE naming the parts when none or several do);
+    /// `stateRead` without it reads a single memory.
+    pub part: Option<String>,
     /// One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule).
     pub allow_scattered: Option<bool>,
     /// Called with `(doneBytes, totalBytes)`.
@@ -295,7 +312,7 @@ pub struct LoadOptions {
 /// What a state read did.
 #[napi(object)]
 pub struct ReadResult {
-    /// The layout detected: 'seed' or 'streams'.
+    /// The layout detected: 'seed', 'streams' or 'streams-rot'.
     pub layout: String,
     /// Cells restored.
     pub cells: u32,

@@ -30,7 +30,7 @@ fuzz_target!(|data: &[u8]| {
     let ty = if selector & 2 == 2 { GgmlType::Q8_0 } else { GgmlType::F16 };
     let mut c = cache(flash, ty);
     let before = c.state_write(-1, Layout::Seed, 1, None).unwrap();
-    let opts = ReadOptions { layout: None, allow_scattered: selector & 4 == 4 };
+    let opts = ReadOptions { layout: None, allow_scattered: selector & 4 == 4, part: None };
     let seq = i32::from(selector >> 4 & 3) - 1;
     let result = match selector >> 6 {
         0 => c.state_read(body, seq, opts, None).map(|_| ()),

@@ -429,6 +429,7 @@ impl Ours {
                 let opts = ReadOptions {
                     layout: Some(Layout::Seed),
                     allow_scattered: false,
+                    part: None,
                 };
                 self.cache.state_read(&data, -1, opts, None).map_err(e)?;
                 // 0.1.103 does not commit here: stale pending ranges survive a whole restore
@@ -724,6 +725,7 @@ impl Ours {
         let opts = ReadOptions {
             layout: Some(Layout::Seed),
             allow_scattered: false,
+            part: None,
         };
         match self.cache.state_read(&data, dst, opts, None) {
             Ok(summary) => {

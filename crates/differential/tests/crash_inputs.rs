@@ -82,6 +82,7 @@ fn crash1_llama_cpp_zero_cell_blob_does_not_touch_the_cache() {
     let opts = ReadOptions {
         layout: Some(Layout::Seed),
         allow_scattered: false,
+        part: None,
     };
     // accepted (empties seq 0) or refused (divergence D1): either way no crash, and a refusal
     // changes nothing

@@ -316,6 +316,16 @@ impl KvCache {
     /// (dequantized and requantized with the reference quantizers as needed). Cell metadata is
     /// copied as is.
     pub fn retyped(&self, type_k: GgmlType, type_v: GgmlType) -> Result<KvCache> {
+        for (name, n_rot, from, to) in [
+            ("K", self.params.n_rot_k, self.params.type_k, type_k),
+            ("V", self.params.n_rot_v, self.params.type_v, type_v),
+        ] {
+            if n_rot != 0 && from != to {
+                return Err(KvError::Unsupported(format!(
+                    "{name} is stored Hadamard-rotated (nRot{name} {n_rot}); re-typing it from {from} to {to} is not supported"
+                )));
+            }
+        }
         let mut params = self.params.clone();
         params.type_k = type_k;
         params.type_v = type_v;

@@ -1,6 +1,7 @@
-//! llama.cpp's state files: sequence files (`ggsq`, versions 2 and 3) and session files
-//! (`ggsn`, versions 9 and 10, with or without the seed era's outputs block), plus atomic
-//! saving.
+//! llama.cpp's state files: sequence files (`ggsq`, versions 2, 3 and 4) and session files
+//! (`ggsn`, versions 9, 10 and 11, with or without the seed era's outputs block), plus atomic
+//! saving. Versions 4 and 11 (llama.cpp 0.1.161) record the K/V rotation in each stream's data
+//! header; their payloads may hold several memories (iSWA, hybrid: see [`crate::parts`]).
 
 use std::fs;
 use std::ops::Range;
@@ -10,9 +11,8 @@ pub use crate::atomic_write::write_atomic;
 
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
-use crate::state::{
-    parse_payload, Cursor, Layout, ParsedPayload, Progress, ReadOptions, ReadSummary,
-};
+use crate::parts::{layouts_for_version, parse_parts, MemoryKind, Part, PartKind, PartRole};
+use crate::state::{Cursor, Layout, ParsedPayload, Progress, ReadOptions, ReadSummary};
 
 /// `'ggsn'`: session file magic.
 pub const SESSION_MAGIC: u32 = 0x6767_736E;
@@ -46,11 +46,22 @@ impl FileKind {
     }
 
     /// Versions llama.cpp has written for this kind.
-    pub fn versions(self) -> [u32; 2] {
+    pub fn versions(self) -> [u32; 3] {
         match self {
-            FileKind::Session => [9, 10],
-            FileKind::Sequence => [2, 3],
+            FileKind::Session => [9, 10, 11],
+            FileKind::Sequence => [2, 3, 4],
         }
+    }
+
+    /// The version llama.cpp 0.1.161 writes (session 11, sequence 4): the first whose KV
+    /// payloads record the rotation (the streams-rot layout).
+    pub fn rotation_version(self) -> u32 {
+        self.versions()[2]
+    }
+
+    /// Whether files of this kind and `version` write KV caches in the streams-rot layout.
+    pub fn records_rotation(self, version: u32) -> bool {
+        version >= self.rotation_version()
     }
 
     /// The version today's llama.node writes and reads.
@@ -269,8 +280,15 @@ impl Default for WriteOptions {
     }
 }
 
-fn header_bytes(kind: FileKind, version: Option<u32>, tokens: &[i32]) -> Result<Vec<u8>> {
-    let version = version.unwrap_or(kind.default_version());
+/// The version and payload layout a file is written with: versions 11 / 4 write the
+/// streams-rot layout, older ones the seed's or the streams layout. Without a version, the
+/// streams-rot layout picks 11 / 4 and the others today's llama.node default (9 / 2).
+pub fn resolve_version(kind: FileKind, opts: &WriteOptions) -> Result<(u32, Layout)> {
+    let version = match opts.version {
+        Some(v) => v,
+        None if opts.layout == Layout::StreamsRot => kind.rotation_version(),
+        None => kind.default_version(),
+    };
     if !kind.versions().contains(&version) {
         return Err(KvError::InvalidArg(format!(
             "{} files have versions {:?}, got {version}",
@@ -278,6 +296,23 @@ fn header_bytes(kind: FileKind, version: Option<u32>, tokens: &[i32]) -> Result<
             kind.versions()
         )));
     }
+    match (kind.records_rotation(version), opts.layout) {
+        (true, Layout::Seed) => Err(KvError::InvalidArg(format!(
+            "{} version {version} has no seed layout (layout 'seed' needs version {})",
+            kind.name(),
+            kind.default_version()
+        ))),
+        (true, _) => Ok((version, Layout::StreamsRot)),
+        (false, Layout::StreamsRot) => Err(KvError::InvalidArg(format!(
+            "{} version {version} cannot record the rotation (layout 'streams-rot' needs version {})",
+            kind.name(),
+            kind.rotation_version()
+        ))),
+        (false, layout) => Ok((version, layout)),
+    }
+}
+
+fn header_bytes(kind: FileKind, version: u32, tokens: &[i32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + 4 * tokens.len());
     out.extend_from_slice(&kind.magic().to_le_bytes());
     out.extend_from_slice(&version.to_le_bytes());
@@ -285,7 +320,7 @@ fn header_bytes(kind: FileKind, version: Option<u32>, tokens: &[i32]) -> Result<
     for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
-    Ok(out)
+    out
 }
 
 /// Bytes of a session body's prefix: the arch string and, for the seed layout, the outputs
@@ -323,8 +358,9 @@ impl KvCache {
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
         self.check_seq("saveSequenceFile", seq)?;
-        let mut out = header_bytes(FileKind::Sequence, opts.version, tokens)?;
-        out.extend(self.state_write(seq, opts.layout, opts.n_stream, progress)?);
+        let (version, layout) = resolve_version(FileKind::Sequence, &opts)?;
+        let mut out = header_bytes(FileKind::Sequence, version, tokens);
+        out.extend(self.state_write(seq, layout, opts.n_stream, progress)?);
         Ok(out)
     }
 
@@ -338,13 +374,17 @@ impl KvCache {
         opts: WriteOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
-        let mut out = header_bytes(FileKind::Session, opts.version, tokens)?;
-        out.extend(session_prefix(arch, outputs, opts.layout));
-        out.extend(self.state_write(-1, opts.layout, opts.n_stream, progress)?);
+        let (version, layout) = resolve_version(FileKind::Session, &opts)?;
+        let mut out = header_bytes(FileKind::Session, version, tokens);
+        out.extend(session_prefix(arch, outputs, layout));
+        out.extend(self.state_write(-1, layout, opts.n_stream, progress)?);
         Ok(out)
     }
 
-    /// Loads a sequence file's bytes into `dest` (transactional, as `state_read`).
+    /// Loads a sequence file's bytes into `dest` (transactional, as `state_read`). Of a file
+    /// of several memories (iSWA: `base` / `swa`; hybrid: `attention` / `recurrent`) it loads
+    /// `opts.part`, or without it the one part that fits this cache; none or several is an
+    /// error naming the parts.
     pub fn load_sequence_bytes(
         &mut self,
         bytes: &[u8],
@@ -360,18 +400,13 @@ impl KvCache {
                 header.kind.name()
             )));
         }
-        let summary = self.state_read(&bytes[header.body..], dest, opts, progress)?;
-        Ok(LoadedFile {
-            header,
-            arch: None,
-            outputs: None,
-            summary,
-        })
+        self.load_file_part(bytes, header, Some(dest), opts, progress)
     }
 
     /// Loads a session file's bytes into the whole cache (transactional). The body is tried
-    /// with and without the seed era's outputs block and under each payload layout; exactly
-    /// one reading must fit.
+    /// with and without the seed era's outputs block, under each payload layout and memory its
+    /// version allows; exactly one reading must fit (parts as in
+    /// [`KvCache::load_sequence_bytes`]).
     pub fn load_session_bytes(
         &mut self,
         bytes: &[u8],
@@ -385,40 +420,182 @@ impl KvCache {
                 header.kind.name()
             )));
         }
-        let mut fits: Vec<(SessionBody, ParsedPayload)> = Vec::new();
+        self.load_file_part(bytes, header, None, opts, progress)
+    }
+
+    fn load_file_part(
+        &mut self,
+        bytes: &[u8],
+        header: FileHeader,
+        dest: Option<i32>,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        let layouts = file_layouts(&header, opts.layout)?;
+        let splits = body_splits(bytes, &header)?;
+        let (split, summary) = self.load_body_part(bytes, splits, &layouts, dest, opts, progress)?;
+        Ok(LoadedFile {
+            arch: (header.kind == FileKind::Session).then_some(split.arch),
+            header,
+            outputs: split.outputs,
+            summary,
+        })
+    }
+
+    /// `state_read` of `opts.part` of a payload of several memories (see
+    /// [`KvCache::load_sequence_bytes`]) into `seq` (-1: the whole cache).
+    pub(crate) fn state_read_part(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        let dest = if seq == -1 {
+            None
+        } else {
+            Some(self.check_seq("stateRead", seq)? as i32)
+        };
+        let all = [Layout::Seed, Layout::Streams, Layout::StreamsRot];
+        let layouts: Vec<Layout> = match opts.layout {
+            Some(l) => vec![l],
+            None => all.to_vec(),
+        };
+        let whole = SessionBody {
+            arch: String::new(),
+            outputs: None,
+            payload: 0..data.len(),
+        };
+        let (_, summary) =
+            self.load_body_part(data, vec![whole], &layouts, dest, opts, progress)?;
+        Ok(summary)
+    }
+
+    /// Finds the one part of the candidate bodies that fits this cache (only `part`'s when
+    /// given) and applies it.
+    #[allow(clippy::too_many_arguments)]
+    fn load_body_part(
+        &mut self,
+        bytes: &[u8],
+        splits: Vec<SessionBody>,
+        layouts: &[Layout],
+        dest: Option<i32>,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<(SessionBody, ReadSummary)> {
+        let part = opts.part;
+        let mut fits: Vec<(SessionBody, Part)> = Vec::new();
         let mut errors = Vec::new();
-        for split in session_splits(bytes, header.body, header.tokens.len())? {
-            match self.detect_payload(&bytes[split.payload.clone()], None, opts.layout) {
-                Ok(p) => fits.push((split, p)),
-                Err(e) => errors.push(e),
+        let mut parts_seen = Vec::new();
+        for split in splits {
+            let body = &bytes[split.payload.clone()];
+            let (shapes, shape_errors) = parse_parts(body, layouts);
+            errors.extend(shape_errors);
+            for shape in shapes {
+                for p in shape.parts {
+                    if part.is_some_and(|want| want != p.role) {
+                        parts_seen.push(p.role.name());
+                        continue;
+                    }
+                    let data = &body[p.range.clone()];
+                    let recurrent = self.params().recurrent;
+                    let checked = if (p.kind == PartKind::Recurrent) != recurrent
+                        && p.role != PartRole::Whole
+                    {
+                        Err(KvError::InvalidState(format!(
+                            "a {} part does not load into a {} cache",
+                            p.kind.name(),
+                            if recurrent { "recurrent" } else { "KV" }
+                        )))
+                    } else if p.kind == PartKind::Recurrent || recurrent {
+                        self.check_payload(&p.payload, dest)
+                    } else {
+                        // re-parse under the cache's own view (a recurrent cache reads stream-less)
+                        self.detect_payload_among(data, dest, &[p.payload.layout])
+                            .map(|_| ())
+                    };
+                    match checked {
+                        Ok(()) => fits.push((split.clone(), p)),
+                        Err(e) => errors.push(format!("{} part: {e}", p.role)),
+                    }
+                }
             }
         }
         match fits.len() {
             1 => {
-                let (split, parsed) = fits.remove(0);
-                let summary = self.apply_payload(
-                    &bytes[split.payload.clone()],
-                    &parsed,
-                    None,
-                    opts,
-                    progress,
-                )?;
-                Ok(LoadedFile {
-                    header,
-                    arch: Some(split.arch),
-                    outputs: split.outputs,
-                    summary,
-                })
+                let (split, p) = fits.remove(0);
+                let body = &bytes[split.payload.clone()];
+                let summary =
+                    self.apply_payload(&body[p.range.clone()], &p.payload, dest, opts, progress)?;
+                Ok((split, summary))
             }
-            0 => Err(errors.into_iter().next().unwrap_or_else(|| {
-                KvError::InvalidState("the session body does not parse".into())
-            })),
-            _ => Err(KvError::InvalidState(
-                "the session body is ambiguous: it parses both with and without an outputs block"
-                    .into(),
-            )),
+            0 => {
+                if let (Some(want), false) = (part, parts_seen.is_empty()) {
+                    if errors.is_empty() {
+                        parts_seen.dedup();
+                        return Err(KvError::InvalidState(format!(
+                            "part '{want}' is not in this file (it holds {})",
+                            parts_seen.join(", ")
+                        )));
+                    }
+                }
+                // a capacity problem is the real answer when the structure itself parsed
+                if let Some(e) = errors.iter().find(|e| e.contains("cache only")) {
+                    return Err(KvError::NoSpace(e.clone()));
+                }
+                Err(KvError::InvalidState(if errors.len() == 1 {
+                    errors.remove(0)
+                } else {
+                    format!("the payload fits no reading: {}", errors.join("; "))
+                }))
+            }
+            _ => Err(KvError::InvalidState(format!(
+                "the file is ambiguous for this cache: {} fit; pass the part (or the layout)",
+                fits.iter()
+                    .map(|(s, p)| format!(
+                        "{} part ({}{})",
+                        p.role,
+                        p.payload.layout,
+                        if s.outputs.is_some() { ", with outputs" } else { "" }
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            ))),
         }
     }
+}
+
+/// The KV layouts a file's version allows (or the one forced).
+fn file_layouts(header: &FileHeader, forced: Option<Layout>) -> Result<Vec<Layout>> {
+    let allowed = layouts_for_version(header.kind.records_rotation(header.version));
+    match forced {
+        None => Ok(allowed.to_vec()),
+        Some(l) if allowed.contains(&l) => Ok(vec![l]),
+        Some(l) => Err(KvError::InvalidArg(format!(
+            "layout '{l}' does not exist in {} version {}",
+            header.kind.name(),
+            header.version
+        ))),
+    }
+}
+
+/// The possible bodies of a file: a sequence file's one, a session's with and (seed era
+/// versions only) without the outputs block.
+fn body_splits(bytes: &[u8], header: &FileHeader) -> Result<Vec<SessionBody>> {
+    Ok(match header.kind {
+        FileKind::Session => {
+            let mut splits = session_splits(bytes, header.body, header.tokens.len())?;
+            if header.kind.records_rotation(header.version) {
+                splits.retain(|s| s.outputs.is_none());
+            }
+            splits
+        }
+        FileKind::Sequence => vec![SessionBody {
+            arch: String::new(),
+            outputs: None,
+            payload: header.body..bytes.len(),
+        }],
+    })
 }
 
 /// Structure of a file or payload found without a cache: for inspection.
@@ -430,65 +607,59 @@ pub struct Inspection {
     pub arch: Option<String>,
     /// Session: outputs block.
     pub outputs: Option<Outputs>,
-    /// The payload parsed structurally.
+    /// The first (for a single memory: the only) part's payload.
     pub payload: ParsedPayload,
+    /// Which memory wrote the payload.
+    pub memory: MemoryKind,
+    /// The memories of the payload in payload order (one for a single memory); their ranges
+    /// are relative to `payload_offset`.
+    pub parts: Vec<Part>,
     /// Total bytes.
     pub bytes: usize,
     /// Byte offset of the payload.
     pub payload_offset: usize,
 }
 
-/// Inspects a state file's bytes without a cache: every layout that parses exactly is tried;
-/// more than one is reported as ambiguous.
+/// Whether a part's cells carry the seq ids a one-sequence save of its layout writes.
+fn one_sequence_cells(p: &Part) -> bool {
+    let want = match (p.kind, p.payload.layout) {
+        (PartKind::Recurrent, _) | (_, Layout::Seed) => 0,
+        _ => 1,
+    };
+    p.payload
+        .streams
+        .iter()
+        .flat_map(|s| &s.cells)
+        .all(|c| c.seq_ids.len() == want)
+}
+
+/// Inspects a state file's bytes without a cache: every reading its version allows (layouts,
+/// memories, outputs block) is tried; more than one is reported as ambiguous.
 pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
     let header = parse_header(bytes)?;
-    let splits = match header.kind {
-        FileKind::Session => session_splits(bytes, header.body, header.tokens.len())?,
-        FileKind::Sequence => vec![SessionBody {
-            arch: String::new(),
-            outputs: None,
-            payload: header.body..bytes.len(),
-        }],
-    };
+    let layouts = file_layouts(&header, None)?;
     let mut fits = Vec::new();
     let mut errors = Vec::new();
-    for split in splits {
-        for layout in [Layout::Seed, Layout::Streams] {
-            match parse_payload(&bytes[split.payload.clone()], layout, true) {
-                Ok(p) => fits.push((split.clone(), p)),
-                Err(e) => errors.push(format!(
-                    "{layout}{}: {e}",
-                    if split.outputs.is_some() {
-                        " with outputs"
-                    } else {
-                        ""
-                    }
-                )),
-            }
-        }
+    for split in body_splits(bytes, &header)? {
+        let (shapes, shape_errors) = parse_parts(&bytes[split.payload.clone()], &layouts);
+        let with = if split.outputs.is_some() { " with outputs" } else { "" };
+        errors.extend(shape_errors.into_iter().map(|e| format!("{e}{with}")));
+        fits.extend(shapes.into_iter().map(|p| (split.clone(), p)));
     }
-    if fits.len() > 1 {
-        // the seed layout of a one-sequence save has n_seq_id 0 everywhere, the streams layout 1:
-        // prefer the reading whose cells are consistent with the file kind
-        let seq_ok = |p: &ParsedPayload| {
-            header.kind == FileKind::Session
-                || p.streams
-                    .iter()
-                    .flat_map(|s| &s.cells)
-                    .all(|c| match p.layout {
-                        Layout::Seed => c.seq_ids.is_empty(),
-                        Layout::Streams => c.seq_ids.len() == 1,
-                    })
-        };
-        fits.retain(|(_, p)| seq_ok(p));
+    if fits.len() > 1 && header.kind == FileKind::Sequence {
+        // the seed layout of a one-sequence save has n_seq_id 0 everywhere, the streams layouts
+        // 1: prefer the reading whose cells are consistent with the file kind
+        fits.retain(|(_, p)| p.parts.iter().all(one_sequence_cells));
     }
     match fits.len() {
         1 => {
-            let (split, payload) = fits.remove(0);
+            let (split, shape) = fits.remove(0);
             Ok(Inspection {
                 arch: (header.kind == FileKind::Session).then_some(split.arch),
                 outputs: split.outputs,
-                payload,
+                payload: shape.parts[0].payload.clone(),
+                memory: shape.memory,
+                parts: shape.parts,
                 bytes: bytes.len(),
                 payload_offset: split.payload.start,
                 header,
@@ -502,8 +673,13 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
             "the file is ambiguous: it parses as {}",
             fits.iter()
                 .map(|(s, p)| format!(
-                    "{}{}",
-                    p.layout,
+                    "{} ({}){}",
+                    p.memory.name(),
+                    p.parts
+                        .iter()
+                        .map(|x| x.payload.layout.name())
+                        .collect::<Vec<_>>()
+                        .join(" + "),
                     if s.outputs.is_some() {
                         " with outputs"
                     } else {
@@ -539,10 +715,15 @@ pub fn is_recurrent_arch(arch: &str) -> bool {
 
 /// Parameters of a cache that can hold exactly what an inspected file holds.
 pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParams> {
+    params_for_payload(&ins.payload, recurrent)
+}
+
+/// Parameters of a cache that can hold exactly what one memory's payload holds (one part of
+/// an iSWA or hybrid payload), rotation included.
+pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<crate::CacheParams> {
     use crate::state::VBlock;
     use crate::GgmlType;
-    let stream = ins
-        .payload
+    let stream = payload
         .streams
         .iter()
         .find(|s| !s.layers.is_empty())
@@ -583,16 +764,15 @@ pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParam
             }
         }
     }
-    let cells: usize = ins.payload.streams.iter().map(|s| s.cells.len()).sum();
-    let max_seq = ins
-        .payload
+    let cells: usize = payload.streams.iter().map(|s| s.cells.len()).sum();
+    let max_seq = payload
         .streams
         .iter()
         .flat_map(|s| s.cells.iter().flat_map(|c| c.seq_ids.iter()))
         .copied()
         .max()
         .unwrap_or(0)
-        .max(ins.payload.streams.len() as i32 - 1);
+        .max(payload.streams.len() as i32 - 1);
     let n_seq_max = (max_seq + 1).clamp(1, crate::MAX_SEQ as i32) as u32;
     let size = if recurrent {
         n_seq_max.max(cells as u32)
@@ -607,6 +787,7 @@ pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParam
     p.flash_attn = stream.v_trans == Some(false);
     p.recurrent = recurrent;
     p.n_seq_max = n_seq_max;
+    (p.n_rot_k, p.n_rot_v) = stream.n_rot.unwrap_or((0, 0));
     Ok(p)
 }
 
@@ -617,6 +798,9 @@ pub struct ConvertOptions {
     pub write: WriteOptions,
     /// Output kind; default: the input's kind, or a sequence file when `extract_seq` is set.
     pub to: Option<FileKind>,
+    /// Write only this part of an iSWA or hybrid payload (e.g. the base cache, or the
+    /// attention cache), as a file of a single memory. Default: every part.
+    pub part: Option<PartRole>,
     /// The sequence to write into a sequence file (from a session or a sequence file).
     pub extract_seq: Option<i32>,
     /// Rename the written sequence to this id (e.g. to target a slot of a non-unified context).
@@ -634,53 +818,118 @@ pub struct ConvertOptions {
 }
 
 /// Converts a state file: layout or version change, session <-> sequence, sequence renaming,
-/// K/V re-typing.
+/// K/V re-typing, and (payloads of several memories) extraction of one part. Each part is
+/// loaded into a cache of its own and written back in the target format; the parts are
+/// written in their order, so an iSWA or hybrid file stays one.
 pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
     let ins = inspect_bytes(bytes)?;
-    let recurrent = match (opts.recurrent, ins.arch.as_deref()) {
-        (Some(r), _) => r,
-        (None, Some(arch)) => is_recurrent_arch(arch),
-        (None, None) if ins.payload.layout == Layout::Streams => false,
-        (None, None) if opts.write.layout == Layout::Seed => false,
-        (None, None) => {
-            return Err(KvError::InvalidArg(
-                "this sequence file has no stream prefix: it is either a seed-era transformer state or a recurrent (Mamba/RWKV) state; say which (recurrent: true or false) to write today's layout".into(),
+    let parts: Vec<&Part> = match opts.part {
+        None => ins.parts.iter().collect(),
+        Some(want) => vec![ins.parts.iter().find(|p| p.role == want).ok_or_else(|| {
+            KvError::InvalidArg(format!(
+                "part '{want}' is not in this file (it holds {})",
+                ins.parts
+                    .iter()
+                    .map(|p| p.role.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ))
-        }
+        })?],
     };
-    let mut params = params_for(&ins, recurrent)?;
+    let to = opts
+        .to
+        .unwrap_or(match (ins.header.kind, opts.extract_seq) {
+            (_, Some(_)) => FileKind::Sequence,
+            (kind, None) => kind,
+        });
+    let (version, layout) = resolve_version(to, &opts.write)?;
+    // the sequence a sequence file holds: from the first part whose cells name it
+    let seq_in_file = parts
+        .iter()
+        .flat_map(|p| p.payload.streams.iter().enumerate())
+        .find(|(_, s)| !s.cells.is_empty())
+        .map(|(i, s)| s.cells[0].seq_ids.first().copied().unwrap_or(i as i32))
+        .unwrap_or(0);
+    let seq = opts.as_seq.or(opts.extract_seq).unwrap_or(seq_in_file);
+    let mut payload = Vec::new();
+    for part in &parts {
+        let recurrent = match (part.kind, opts.recurrent, ins.arch.as_deref()) {
+            (PartKind::Recurrent, _, _) => true,
+            _ if part.role != PartRole::Whole => false,
+            (_, Some(r), _) => r,
+            (_, None, Some(arch)) => is_recurrent_arch(arch),
+            (_, None, None) if part.payload.layout.has_stream_prefix() => false,
+            (_, None, None) if layout == Layout::Seed => false,
+            (_, None, None) => {
+                return Err(KvError::InvalidArg(
+                    "this sequence file has no stream prefix: it is either a seed-era transformer state or a recurrent (Mamba/RWKV) state; say which (recurrent: true or false) to write today's layout".into(),
+                ))
+            }
+        };
+        let body = &bytes[ins.payload_offset + part.range.start..ins.payload_offset + part.range.end];
+        let written = convert_part(
+            body,
+            part,
+            recurrent,
+            seq_in_file,
+            seq,
+            (ins.header.kind, to),
+            layout,
+            opts,
+        )?;
+        payload.extend(written);
+    }
+    let mut out = header_bytes(to, version, &ins.header.tokens);
+    if to == FileKind::Session {
+        let arch = ins
+            .arch
+            .as_deref()
+            .or(opts.arch.as_deref())
+            .unwrap_or("llama");
+        out.extend(session_prefix(arch, ins.outputs.as_ref(), layout));
+    }
+    out.extend(payload);
+    Ok(out)
+}
+
+/// One part of [`convert_bytes`]: loaded into a cache shaped like it, re-typed, renamed, and
+/// written back as a session's or a sequence's payload.
+#[allow(clippy::too_many_arguments)]
+fn convert_part(
+    body: &[u8],
+    part: &Part,
+    recurrent: bool,
+    seq_in_file: i32,
+    seq: i32,
+    (from, to): (FileKind, FileKind),
+    layout: Layout,
+    opts: &ConvertOptions,
+) -> Result<Vec<u8>> {
+    let mut params = params_for_payload(&part.payload, recurrent)?;
     let wanted = opts
         .write
         .n_stream
-        .max(opts.as_seq.map_or(0, |s| s.max(0) as u32 + 1))
-        .max(opts.extract_seq.map_or(0, |s| s.max(0) as u32 + 1));
+        .max(seq.max(0) as u32 + 1)
+        .max(seq_in_file.max(0) as u32 + 1);
     if wanted > params.n_seq_max {
         params.n_seq_max = wanted.min(crate::MAX_SEQ as u32);
-        if recurrent {
-            params.size = params.size.max(params.n_seq_max);
-        }
+    }
+    if recurrent {
+        params.size = params.size.max(params.n_seq_max);
     }
     let mut cache = KvCache::new(params)?;
     let read = ReadOptions {
-        layout: Some(ins.payload.layout),
-        allow_scattered: false,
+        layout: Some(part.payload.layout),
+        ..ReadOptions::default()
     };
-    let seq_in_file = ins
-        .payload
-        .streams
-        .iter()
-        .position(|s| !s.cells.is_empty())
-        .map(|s| {
-            ins.payload.streams[s].cells[0]
-                .seq_ids
-                .first()
-                .copied()
-                .unwrap_or(s as i32)
-        })
-        .unwrap_or(0);
-    let loaded = match ins.header.kind {
-        FileKind::Session => cache.load_session_bytes(bytes, read, None)?,
-        FileKind::Sequence => cache.load_sequence_bytes(bytes, seq_in_file, read, None)?,
+    let loaded_seq = if from == FileKind::Session {
+        cache.check_payload(&part.payload, None)?;
+        cache.apply_payload(body, &part.payload, None, read, None)?;
+        None
+    } else {
+        cache.check_payload(&part.payload, Some(seq_in_file))?;
+        cache.apply_payload(body, &part.payload, Some(seq_in_file), read, None)?;
+        Some(seq_in_file)
     };
     if opts.type_k.is_some() || opts.type_v.is_some() {
         cache = cache.retyped(
@@ -688,30 +937,34 @@ pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
             opts.type_v.unwrap_or(cache.type_v()),
         )?;
     }
-    let mut seq = opts.extract_seq.unwrap_or(seq_in_file);
-    if let Some(target) = opts.as_seq {
-        if target != seq {
-            cache.seq_cp(seq, target, -1, -1)?;
-            cache.seq_rm(seq, -1, -1)?;
-            seq = target;
-        }
+    let source = opts.extract_seq.or(loaded_seq).unwrap_or(seq_in_file);
+    if source != seq {
+        cache.seq_cp(source, seq, -1, -1)?;
+        cache.seq_rm(source, -1, -1)?;
     }
-    let tokens = &loaded.header.tokens;
-    let to = opts
-        .to
-        .unwrap_or(match (ins.header.kind, opts.extract_seq) {
-            (_, Some(_)) => FileKind::Sequence,
-            (kind, None) => kind,
-        });
-    match to {
-        FileKind::Session => {
-            let arch = loaded
-                .arch
-                .as_deref()
-                .or(opts.arch.as_deref())
-                .unwrap_or("llama");
-            cache.session_file_bytes(tokens, arch, loaded.outputs.as_ref(), opts.write, None)
-        }
-        FileKind::Sequence => cache.sequence_file_bytes(seq, tokens, opts.write, None),
+    let mut out = match to {
+        FileKind::Session => cache.state_write(-1, layout, opts.write.n_stream, None)?,
+        FileKind::Sequence => cache.state_write(seq, layout, opts.write.n_stream, None)?,
+    };
+    if part.kind == PartKind::Recurrent && part.role == PartRole::Recurrent {
+        let declared = part.payload.streams[0].n_layer_declared;
+        patch_declared_layers(&mut out, declared)?;
     }
+    Ok(out)
+}
+
+/// A hybrid's recurrent memory declares every model layer in its data header but writes only
+/// the recurrent ones: put the declared count back into a payload our cache wrote.
+fn patch_declared_layers(payload: &mut [u8], declared: u32) -> Result<()> {
+    let mut c = Cursor::new(payload);
+    let n = c.u32("cell_count")?;
+    for i in 0..n {
+        c.i32("pos")?;
+        let ids = c.u32("n_seq_id")?;
+        c.take(4 * ids as usize, &format!("cell {i} seq ids"))?;
+    }
+    c.u32("s_trans")?;
+    let at = c.pos;
+    payload[at..at + 4].copy_from_slice(&declared.to_le_bytes());
+    Ok(())
 }

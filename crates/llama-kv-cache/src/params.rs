@@ -31,6 +31,14 @@ pub struct CacheParams {
     pub can_shift: bool,
     /// Largest number of sequences (seq ids `0..n_seq_max`).
     pub n_seq_max: u32,
+    /// Size of the Hadamard blocks K is stored rotated by (llama.cpp 0.1.161's `n_rot_k`: 64 or
+    /// more, a power of two, for quantized K with a head dimension that is a multiple of 64);
+    /// 0 = K is not rotated. Recorded in the streams-rot layout, and undone and redone around
+    /// a K-shift and a re-typing.
+    pub n_rot_k: u32,
+    /// Size of the Hadamard blocks V is stored rotated by (`n_rot_v`, 64 for quantized V with
+    /// a head dimension that is a multiple of 64); 0 = V is not rotated.
+    pub n_rot_v: u32,
 }
 
 impl CacheParams {
@@ -49,6 +57,8 @@ impl CacheParams {
             recurrent: false,
             can_shift: true,
             n_seq_max: 1,
+            n_rot_k: 0,
+            n_rot_v: 0,
         }
     }
 
@@ -115,7 +125,22 @@ impl CacheParams {
                 self.type_v
             ));
         }
+        for (name, n_rot) in [("nRotK", self.n_rot_k), ("nRotV", self.n_rot_v)] {
+            if n_rot != 0 && !n_rot.is_power_of_two() {
+                return bad(format!("{name} must be 0 or a power of two, got {n_rot}"));
+            }
+        }
         for il in 0..self.n_layer as usize {
+            for (name, n_rot, width) in [
+                ("nRotK", self.n_rot_k, self.n_embd_k(il)),
+                ("nRotV", self.n_rot_v, self.n_embd_v(il)),
+            ] {
+                if n_rot != 0 && width % n_rot as usize != 0 {
+                    return bad(format!(
+                        "layer {il}: {name} {n_rot} does not divide the width {width}"
+                    ));
+                }
+            }
             for (name, width, ty) in [
                 ("K", self.n_embd_k(il), self.type_k),
                 ("V", self.n_embd_v(il), self.type_v),

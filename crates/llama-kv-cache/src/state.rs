@@ -1,6 +1,7 @@
-//! llama.cpp's KV state payload, byte for byte: the seed's layout (b4944) and today's (an
-//! `n_stream` prefix, one seq id per cell in single-sequence saves). Reading parses the whole
-//! input and validates it against the cache before anything is touched, so a failed load
+//! llama.cpp's KV state payload, byte for byte: the seed's layout (b4944), the streams layout
+//! (an `n_stream` prefix, one seq id per cell in single-sequence saves) and llama.cpp 0.1.161's
+//! (the streams layout whose data header also records the K/V rotation). Reading parses the
+//! whole input and validates it against the cache before anything is touched, so a failed load
 //! leaves cells and tensors exactly as they were.
 
 use std::fmt;
@@ -23,6 +24,10 @@ pub enum Layout {
     /// block per stream; single-sequence cells carry `n_seq_id = 1` and the id. Recurrent
     /// caches have no stream prefix in either era.
     Streams,
+    /// llama.cpp 0.1.161 (session v11, sequence v4): the streams layout, plus `n_rot_k` and
+    /// `n_rot_v` after `v_trans` and `n_layer` in each stream's data header (the Hadamard
+    /// rotation of quantized K/V; 0 = not rotated).
+    StreamsRot,
 }
 
 impl Layout {
@@ -31,7 +36,18 @@ impl Layout {
         match self {
             Layout::Seed => "seed",
             Layout::Streams => "streams",
+            Layout::StreamsRot => "streams-rot",
         }
+    }
+
+    /// Whether the payload starts with `n_stream`.
+    pub fn has_stream_prefix(self) -> bool {
+        self != Layout::Seed
+    }
+
+    /// Whether each stream's data header records `n_rot_k` / `n_rot_v`.
+    pub fn records_rotation(self) -> bool {
+        self == Layout::StreamsRot
     }
 }
 
@@ -52,6 +68,9 @@ pub struct ReadOptions {
     /// For a one-sequence restore, use free cells anywhere when no contiguous run is free
     /// (today's llama.cpp does; the seed requires a contiguous run).
     pub allow_scattered: bool,
+    /// Of a payload of several memories (iSWA, hybrid), load this part. Without it, files
+    /// load the one part that fits the cache, and `state_read` reads a single memory.
+    pub part: Option<crate::parts::PartRole>,
 }
 
 /// What a read did.
@@ -166,6 +185,12 @@ pub struct StreamBlock {
     pub v_trans: Option<bool>,
     /// Layers (empty for an empty stream).
     pub layers: Vec<LayerBlock>,
+    /// `(n_rot_k, n_rot_v)` from the data header of the streams-rot layout.
+    pub n_rot: Option<(u32, u32)>,
+    /// The `n_layer` the data header declares. It equals `layers.len()` except in the
+    /// recurrent part of a hybrid memory, which declares every model layer but writes only the
+    /// recurrent ones.
+    pub n_layer_declared: u32,
 }
 
 /// A payload parsed structurally, without a cache.
@@ -184,7 +209,18 @@ const MAX_LAYERS: u32 = 4096;
 /// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
 /// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
 /// stream of today's layout ends after a 0 `cell_count`.
-fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result<StreamBlock> {
+fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool, rot: bool) -> Result<StreamBlock> {
+    parse_stream_with(c, s, header_when_empty, rot, None)
+}
+
+/// [`parse_stream`], with `blocks` layer blocks instead of the declared `n_layer` when given.
+pub(crate) fn parse_stream_with(
+    c: &mut Cursor<'_>,
+    s: usize,
+    header_when_empty: bool,
+    rot: bool,
+    blocks: Option<u32>,
+) -> Result<StreamBlock> {
     let cell_count = c.u32(&format!("stream {s} cell_count"))?;
     // each cell takes at least 8 bytes: refuse absurd counts before allocating
     if cell_count as usize > c.remaining() / 8 {
@@ -213,6 +249,8 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result
             cells,
             v_trans: None,
             layers: Vec::new(),
+            n_rot: None,
+            n_layer_declared: 0,
         });
     }
     let v_trans = match c.u32("v_trans")? {
@@ -230,9 +268,23 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result
             "n_layer {n_layer} is implausible"
         )));
     }
+    let n_rot = if rot {
+        Some((c.u32("n_rot_k")?, c.u32("n_rot_v")?))
+    } else {
+        None
+    };
+    let n_blocks = match blocks {
+        Some(b) if b <= n_layer => b,
+        Some(b) => {
+            return Err(KvError::InvalidState(format!(
+                "{b} layer blocks exceed the declared n_layer {n_layer}"
+            )))
+        }
+        None => n_layer,
+    };
     let n = cell_count as usize;
-    let mut k_blocks = Vec::with_capacity(n_layer as usize);
-    for il in 0..n_layer {
+    let mut k_blocks = Vec::with_capacity(n_blocks as usize);
+    for il in 0..n_blocks {
         let ty = c.i32(&format!("layer {il} k_type"))?;
         let row = c.u64(&format!("layer {il} k_row_size"))?;
         let len = (row as usize)
@@ -241,7 +293,7 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result
         let data = c.range(len, &format!("layer {il} K rows"))?;
         k_blocks.push((ty, row, data));
     }
-    let mut layers = Vec::with_capacity(n_layer as usize);
+    let mut layers = Vec::with_capacity(n_blocks as usize);
     for (il, (k_type, k_row_size, k_data)) in k_blocks.into_iter().enumerate() {
         let ty = c.i32(&format!("layer {il} v_type"))?;
         let v = if v_trans {
@@ -279,6 +331,8 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result
         cells,
         v_trans: Some(v_trans),
         layers,
+        n_rot,
+        n_layer_declared: n_layer,
     })
 }
 
@@ -287,8 +341,8 @@ fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool) -> Result
 pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<ParsedPayload> {
     let mut c = Cursor::new(bytes);
     let streams = match layout {
-        Layout::Seed => vec![parse_stream(&mut c, 0, true)?],
-        Layout::Streams => {
+        Layout::Seed => vec![parse_stream(&mut c, 0, true, false)?],
+        Layout::Streams | Layout::StreamsRot => {
             let n_stream = c.u32("n_stream")?;
             if n_stream == 0 || n_stream as usize > MAX_SEQ.max(256) {
                 return Err(KvError::InvalidState(format!(
@@ -296,7 +350,7 @@ pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<Parsed
                 )));
             }
             (0..n_stream as usize)
-                .map(|s| parse_stream(&mut c, s, false))
+                .map(|s| parse_stream(&mut c, s, false, layout.records_rotation()))
                 .collect::<Result<_>>()?
         }
     };
@@ -319,7 +373,7 @@ fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool, n_seq_max: u
     let single_ids = match (seq, p.layout, recurrent) {
         (None, _, _) => None,
         (Some(_), Layout::Seed, _) | (Some(_), _, true) => Some(0),
-        (Some(_), Layout::Streams, false) => Some(1),
+        (Some(_), Layout::Streams | Layout::StreamsRot, false) => Some(1),
     };
     for (s, stream) in p.streams.iter().enumerate() {
         for (i, cell) in stream.cells.iter().enumerate() {
@@ -423,11 +477,24 @@ impl KvCache {
         }
     }
 
+    /// The layout to write: a rotated cache's K/V mean nothing to a reader that does not know
+    /// the rotation, so only the streams-rot layout may carry them.
+    fn write_layout(&self, layout: Layout) -> Result<Layout> {
+        let layout = self.effective_layout(layout);
+        let (k, v) = (self.params.n_rot_k, self.params.n_rot_v);
+        if (k != 0 || v != 0) && !layout.records_rotation() && !self.params.recurrent {
+            return Err(KvError::Unsupported(format!(
+                "the cache's K/V are rotated (nRotK {k}, nRotV {v}); the {layout} layout cannot record that: write 'streams-rot' (session v11 / sequence v4), or re-type to an unrotated cache first"
+            )));
+        }
+        Ok(layout)
+    }
+
     fn meta_ids(&self, cell: usize, seq: i32, layout: Layout) -> Vec<i32> {
         match (seq, layout) {
             (-1, _) => self.cells.seqs(cell).iter().map(|s| s as i32).collect(),
             (_, Layout::Seed) => Vec::new(),
-            (s, Layout::Streams) => vec![s],
+            (s, Layout::Streams | Layout::StreamsRot) => vec![s],
         }
     }
 
@@ -440,7 +507,7 @@ impl KvCache {
             }
         }
         if n > 0 || layout == Layout::Seed {
-            size += 8;
+            size += if layout.records_rotation() { 16 } else { 8 };
             for l in &self.layers {
                 size += 12 + n * l.k_row + 12 + n * l.v_row;
             }
@@ -450,9 +517,9 @@ impl KvCache {
 
     /// Size in bytes of `state_write(seq, layout, n_stream)`.
     pub fn state_size(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<usize> {
-        let layout = self.effective_layout(layout);
+        let layout = self.write_layout(layout)?;
         let plan = self.stream_plan(seq, layout, n_stream)?;
-        let prefix = if layout == Layout::Streams { 4 } else { 0 };
+        let prefix = if layout.has_stream_prefix() { 4 } else { 0 };
         Ok(prefix
             + plan
                 .iter()
@@ -471,14 +538,14 @@ impl KvCache {
         n_stream: u32,
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
-        let layout = self.effective_layout(layout);
+        let layout = self.write_layout(layout)?;
         let plan = self.stream_plan(seq, layout, n_stream)?;
         let total = self.state_size(seq, layout, n_stream)?;
         let mut out = Vec::new();
         out.try_reserve_exact(total).map_err(|_| {
             KvError::Backend(format!("cannot allocate {total} bytes for the state"))
         })?;
-        if layout == Layout::Streams {
+        if layout.has_stream_prefix() {
             out.extend_from_slice(&(plan.len() as u32).to_le_bytes());
         }
         let mut tick = progress;
@@ -522,6 +589,10 @@ impl KvCache {
         }
         put32(out, self.v_trans() as u32);
         put32(out, self.params.n_layer);
+        if layout.records_rotation() {
+            put32(out, self.params.n_rot_k);
+            put32(out, self.params.n_rot_v);
+        }
         let copy =
             |out: &mut Vec<u8>, buf: &dyn KvBuffer, offset: usize, len: usize| -> Result<()> {
                 let start = out.len();
@@ -584,6 +655,21 @@ impl KvCache {
                     if v_trans { "" } else { "not " },
                     if self.v_trans() { "" } else { "not " }
                 )));
+            }
+            match stream.n_rot {
+                Some((k, v)) if (k, v) != (self.params.n_rot_k, self.params.n_rot_v) => {
+                    return Err(KvError::InvalidState(format!(
+                        "stream {s}: rotation is n_rot_k {k} / n_rot_v {v} in the payload, {} / {} in the cache",
+                        self.params.n_rot_k, self.params.n_rot_v
+                    )));
+                }
+                None if self.params.n_rot_k != 0 || self.params.n_rot_v != 0 => {
+                    return Err(KvError::InvalidState(format!(
+                        "stream {s}: the {} layout records no rotation (its K/V are not rotated), the cache rotates K/V (n_rot_k {} / n_rot_v {})",
+                        p.layout, self.params.n_rot_k, self.params.n_rot_v
+                    )));
+                }
+                _ => {}
             }
             if stream.layers.len() != self.layers.len() {
                 return Err(KvError::InvalidState(format!(
@@ -648,6 +734,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// Validates a payload parsed structurally against this cache: cells (for one sequence
+    /// when `seq` is given) and data blocks.
+    pub fn check_payload(&self, p: &ParsedPayload, seq: Option<i32>) -> Result<()> {
+        check_meta(p, seq, self.params.recurrent, self.params.n_seq_max)?;
+        self.check_data(p)
+    }
+
     /// Parses and validates `data` for this cache under every candidate layout; exactly one
     /// must fit.
     pub fn detect_payload(
@@ -657,10 +750,26 @@ impl KvCache {
         layout: Option<Layout>,
     ) -> Result<ParsedPayload> {
         let candidates: Vec<Layout> = match layout {
-            Some(l) => vec![self.effective_layout(l)],
-            None if self.params.recurrent => vec![Layout::Seed],
-            None => vec![Layout::Seed, Layout::Streams],
+            Some(l) => vec![l],
+            None => vec![Layout::Seed, Layout::Streams, Layout::StreamsRot],
         };
+        self.detect_payload_among(data, seq, &candidates)
+    }
+
+    /// [`KvCache::detect_payload`] among the given layouts (a file's version allows only some).
+    pub fn detect_payload_among(
+        &self,
+        data: &[u8],
+        seq: Option<i32>,
+        layouts: &[Layout],
+    ) -> Result<ParsedPayload> {
+        let mut candidates: Vec<Layout> = Vec::new();
+        for &l in layouts {
+            let l = self.effective_layout(l);
+            if !candidates.contains(&l) {
+                candidates.push(l);
+            }
+        }
         let mut fits = Vec::new();
         let mut errors = Vec::new();
         for l in candidates {
@@ -715,6 +824,9 @@ impl KvCache {
         opts: ReadOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<ReadSummary> {
+        if opts.part.is_some() {
+            return self.state_read_part(data, seq, opts, progress);
+        }
         let dest = if seq == -1 {
             None
         } else {

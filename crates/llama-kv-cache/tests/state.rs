@@ -225,6 +225,7 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
             ReadOptions {
                 allow_scattered: true,
                 layout: None,
+                part: None,
             },
             None,
         )
@@ -238,7 +239,8 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
             0,
             ReadOptions {
                 allow_scattered: true,
-                layout: None
+                layout: None,
+                part: None,
             },
             None
         ),
@@ -275,6 +277,8 @@ fn fixtures() -> Vec<PathBuf> {
                 Some("ggsn" | "ggsq")
             )
         })
+        // llama.cpp 0.1.161's fixtures have one sidecar per spec: crates/today tests them
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("t161-")))
         .collect();
     out.sort();
     assert!(out.len() >= 10, "fixtures missing in {}", dir.display());

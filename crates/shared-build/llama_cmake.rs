@@ -1,0 +1,178 @@
+// Builds a small C++ driver against llama.cpp from a `llama-cpp-sys-2` crate's source with
+// cmake, CPU only, into `<target>/<dir>/` (built once, reused by every profile and by every
+// checkout sharing the target directory: the driver's sources are copied into `<dir>/driver-src`
+// so cmake's cache never names a checkout). Included by build scripts (`include!`). Never
+// fails the build: the caller turns an error into an env var the tests report.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// One driver to build.
+struct LlamaDriver<'a> {
+    /// `llama-cpp-sys-2-<version>`: the registry folder whose `llama.cpp/` is built.
+    krate: &'a str,
+    /// Folder under the target directory.
+    dir: &'a str,
+    /// The cmake target (and binary name) of the driver.
+    target: &'a str,
+    /// The manifest `cargo fetch` downloads the crate with when it is not in the registry.
+    fetch_manifest: PathBuf,
+    /// cmake options beyond the shared ones.
+    extra: &'a [&'a str],
+}
+
+fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
+    let src = llama_src(d)?;
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+    let out = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    // OUT_DIR is <target>/[<triple>/]<profile>/build/<pkg>-<hash>/out
+    let target = out.ancestors().nth(4).unwrap_or(&out).to_path_buf();
+    let dir = target.join(d.dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let driver_src = dir.join("driver-src");
+    std::fs::create_dir_all(&driver_src)
+        .map_err(|e| format!("cannot create {}: {e}", driver_src.display()))?;
+    for file in ["CMakeLists.txt", "driver.cpp"] {
+        let from = manifest.join("driver").join(file);
+        let to = driver_src.join(file);
+        // copy only on change, so an unchanged driver is not rebuilt
+        if std::fs::read(&from).ok() != std::fs::read(&to).ok() {
+            std::fs::copy(&from, &to)
+                .map_err(|e| format!("cannot copy {}: {e}", from.display()))?;
+        }
+    }
+    let cmake = cmake_program(&manifest);
+    if Command::new(&cmake)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_err()
+    {
+        return Err(
+            "cmake is not installed; building llama.cpp needs it and a C++ compiler: \
+             `npm test` installs cmake from PyPI into interop/.venv (or: apt-get install -y cmake g++)"
+                .into(),
+        );
+    }
+    let log = dir.join("build.log");
+    let run = |args: &[String], what: &str| -> Result<(), String> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(|e| e.to_string())?;
+        let status = Command::new(&cmake)
+            .args(args)
+            .stdout(file.try_clone().map_err(|e| e.to_string())?)
+            .stderr(file)
+            .status()
+            .map_err(|e| format!("cmake {what}: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "cmake {what} failed ({status}); see {}: {}",
+                log.display(),
+                tail(&log)
+            ))
+        }
+    };
+    let _ = std::fs::remove_file(&log);
+    run(
+        &[
+            "-S".into(),
+            driver_src.display().to_string(),
+            "-B".into(),
+            dir.display().to_string(),
+            format!("-DLLAMA_CPP_SRC={}", src.display()),
+            "-DCMAKE_BUILD_TYPE=Release".into(),
+            "-DGGML_NATIVE=OFF".into(),
+            "-DGGML_OPENMP=OFF".into(),
+            "-DLLAMA_CURL=OFF".into(),
+            "-DLLAMA_BUILD_TESTS=OFF".into(),
+            "-DLLAMA_BUILD_EXAMPLES=OFF".into(),
+            "-DLLAMA_BUILD_SERVER=OFF".into(),
+            "-DBUILD_SHARED_LIBS=OFF".into(),
+        ]
+        .into_iter()
+        .chain(d.extra.iter().map(|s| s.to_string()))
+        .collect::<Vec<_>>(),
+        "configure",
+    )?;
+    let jobs = env::var("NUM_JOBS").unwrap_or_else(|_| "2".into());
+    run(
+        &[
+            "--build".into(),
+            dir.display().to_string(),
+            "--target".into(),
+            d.target.into(),
+            "-j".into(),
+            jobs,
+        ],
+        "build",
+    )?;
+    let driver = dir.join(d.target);
+    if !driver.exists() {
+        return Err(format!(
+            "cmake finished but {} is missing",
+            driver.display()
+        ));
+    }
+    Ok(driver)
+}
+
+/// The cmake to run: `CMAKE` as for the cmake crate, else the one `npm test`'s set-up installs
+/// from PyPI into `interop/.venv` (so no system package is needed), else `cmake` on the PATH.
+fn cmake_program(manifest: &Path) -> String {
+    if let Ok(cmake) = env::var("CMAKE") {
+        return cmake;
+    }
+    let venv = manifest.join("../../interop/.venv/bin/cmake");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "cmake".into()
+}
+
+fn tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(8)..].join(" | ")
+}
+
+/// The crate's `llama.cpp/` folder in cargo's registry, fetched with `cargo fetch` when it is
+/// not there yet.
+fn llama_src(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
+    if let Some(p) = find_in_registry(d.krate) {
+        return Ok(p);
+    }
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["fetch", "--manifest-path"])
+        .arg(&d.fetch_manifest)
+        .status()
+        .map_err(|e| format!("cargo fetch: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "cargo fetch failed ({status}): {} is needed for llama.cpp's source; run `cargo fetch` with network access",
+            d.krate
+        ));
+    }
+    find_in_registry(d.krate)
+        .ok_or_else(|| format!("{} is not in cargo's registry after `cargo fetch`", d.krate))
+}
+
+fn find_in_registry(krate: &str) -> Option<PathBuf> {
+    let home = env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))?;
+    let src = home.join("registry").join("src");
+    for entry in std::fs::read_dir(src).ok()?.flatten() {
+        let p = entry.path().join(krate).join("llama.cpp");
+        if p.join("CMakeLists.txt").exists() {
+            return Some(p);
+        }
+    }
+    None
+}

@@ -1,0 +1,251 @@
+// today-driver: llama.cpp 0.1.161 (crates.io llama-cpp-sys-2) as a peer for the llama-kv-cache crate.
+//
+// One action per run, options as key=value arguments; prints one JSON line on stdout.
+//
+//   today-driver gen  model=M [context options] prompts=1,2,3[;4,5] [session=F] [seq_file=F seq=S]
+//                     [shift=P0:P1:D] [post_session=F]
+//       decodes prompt i into sequence i (all in one batch), takes the greedy next token of each
+//       sequence (`next`), saves the requested files, then decodes `next` of every sequence at
+//       its next position and reports the greedy token after it (`next2`).
+//       shift=P0:P1:D (after saving): seq_rm(0, P0, P1), seq_add(0, P1, -1, -D), then the
+//       decode of `next` at the shifted position applies the K-shift; post_session= saves after it.
+//   today-driver cont model=M [context options] (session=F | seq_file=F dest=S) token=T pos=P
+//       loads the file (a session into the whole context, a sequence file into sequence `dest`),
+//       decodes token T at position P of that sequence (0 for a session) and reports the greedy
+//       next token (`next`). `pos_max` is the sequence's largest position after the load.
+//
+// context options: ctx=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
+// Failures print {"error": "..."} and exit 1.
+
+#include "llama.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+static std::map<std::string, std::string> g_args;
+
+static void quiet_log(ggml_log_level level, const char * text, void *) {
+    if (getenv("TODAY_DRIVER_VERBOSE") || level == GGML_LOG_LEVEL_ERROR) {
+        fputs(text, stderr);
+    }
+}
+
+[[noreturn]] static void die(const std::string & msg) {
+    printf("{\"error\":\"%s\"}\n", msg.c_str());
+    exit(1);
+}
+
+static std::string arg(const char * key, const char * def = nullptr) {
+    auto it = g_args.find(key);
+    if (it != g_args.end()) {
+        return it->second;
+    }
+    if (!def) {
+        die(std::string("missing argument ") + key);
+    }
+    return def;
+}
+
+static int iarg(const char * key, const char * def = nullptr) { return atoi(arg(key, def).c_str()); }
+
+static std::vector<int> ints(const std::string & s, char sep) {
+    std::vector<int> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, sep)) {
+        if (!item.empty()) {
+            out.push_back(atoi(item.c_str()));
+        }
+    }
+    return out;
+}
+
+static llama_context * make_context(llama_model * model) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx           = iarg("ctx", "64");
+    cp.n_batch         = cp.n_ctx;
+    cp.n_ubatch        = cp.n_ctx;
+    cp.n_seq_max       = iarg("seqs", "1");
+    cp.n_threads       = 1;
+    cp.n_threads_batch = 1;
+    cp.flash_attn_type = iarg("fa", "0") ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k          = (ggml_type) iarg("type_k", "1");
+    cp.type_v          = (ggml_type) iarg("type_v", "1");
+    cp.kv_unified      = iarg("unified", "1") != 0;
+    cp.swa_full        = iarg("swa_full", "0") != 0;
+    cp.no_perf         = true;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) {
+        die("cannot create the context");
+    }
+    return ctx;
+}
+
+static int argmax(llama_context * ctx, int i, int n_vocab) {
+    const float * logits = llama_get_logits_ith(ctx, i);
+    if (!logits) {
+        die("no logits");
+    }
+    int best = 0;
+    for (int t = 1; t < n_vocab; t++) {
+        if (logits[t] > logits[best]) {
+            best = t;
+        }
+    }
+    return best;
+}
+
+// decodes one token per entry (token, pos, seq); returns the greedy next token of each entry
+static std::vector<int> decode(llama_context * ctx, int n_vocab, const std::vector<int> & tok,
+                               const std::vector<int> & pos, const std::vector<int> & seq) {
+    llama_batch b = llama_batch_init((int32_t) tok.size(), 0, 1);
+    for (size_t i = 0; i < tok.size(); i++) {
+        b.token[i]     = tok[i];
+        b.pos[i]       = pos[i];
+        b.n_seq_id[i]  = 1;
+        b.seq_id[i][0] = seq[i];
+        b.logits[i]    = 1;
+    }
+    b.n_tokens = (int32_t) tok.size();
+    if (llama_decode(ctx, b) != 0) {
+        llama_batch_free(b);
+        die("llama_decode failed");
+    }
+    std::vector<int> out;
+    for (size_t i = 0; i < tok.size(); i++) {
+        out.push_back(argmax(ctx, (int) i, n_vocab));
+    }
+    llama_batch_free(b);
+    return out;
+}
+
+static std::string json_list(const std::vector<int> & v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); i++) {
+        s += (i ? "," : "") + std::to_string(v[i]);
+    }
+    return s + "]";
+}
+
+static void gen(llama_model * model, llama_context * ctx, int n_vocab) {
+    std::vector<std::vector<int>> prompts;
+    std::stringstream ss(arg("prompts"));
+    std::string item;
+    while (std::getline(ss, item, ';')) {
+        prompts.push_back(ints(item, ','));
+    }
+    std::vector<int> tok, pos, seq, last;
+    std::vector<int> all_tokens;
+    for (size_t s = 0; s < prompts.size(); s++) {
+        for (size_t i = 0; i < prompts[s].size(); i++) {
+            tok.push_back(prompts[s][i]);
+            pos.push_back((int) i);
+            seq.push_back((int) s);
+            all_tokens.push_back(prompts[s][i]);
+        }
+        last.push_back((int) tok.size() - 1);
+    }
+    std::vector<int> greedy = decode(ctx, n_vocab, tok, pos, seq);
+    std::vector<int> next;
+    for (int i : last) {
+        next.push_back(greedy[i]);
+    }
+    if (g_args.count("session")) {
+        if (!llama_state_save_file(ctx, arg("session").c_str(), all_tokens.data(), all_tokens.size())) {
+            die("llama_state_save_file failed");
+        }
+    }
+    if (g_args.count("seq_file")) {
+        const int s = iarg("seq");
+        const auto & p = prompts.at(s);
+        if (!llama_state_seq_save_file(ctx, arg("seq_file").c_str(), s, p.data(), p.size())) {
+            die("llama_state_seq_save_file failed");
+        }
+    }
+    llama_memory_t mem = llama_get_memory(ctx);
+    std::vector<int> next_pos;
+    for (size_t s = 0; s < prompts.size(); s++) {
+        next_pos.push_back((int) prompts[s].size());
+    }
+    if (g_args.count("shift")) {
+        std::vector<int> sh = ints(arg("shift"), ':');
+        if (sh.size() != 3) {
+            die("shift=P0:P1:D");
+        }
+        llama_memory_seq_rm(mem, 0, sh[0], sh[1]);
+        llama_memory_seq_add(mem, 0, sh[1], -1, -sh[2]);
+        next_pos[0] -= sh[2];
+    }
+    std::vector<int> s_ids;
+    for (size_t s = 0; s < prompts.size(); s++) {
+        s_ids.push_back((int) s);
+    }
+    std::vector<int> next2 = decode(ctx, n_vocab, next, next_pos, s_ids);
+    if (g_args.count("post_session")) {
+        std::vector<int> t = all_tokens;
+        if (!llama_state_save_file(ctx, arg("post_session").c_str(), t.data(), t.size())) {
+            die("llama_state_save_file (post) failed");
+        }
+    }
+    printf("{\"next\":%s,\"next2\":%s,\"n_vocab\":%d,\"arch_swa\":%d}\n", json_list(next).c_str(),
+           json_list(next2).c_str(), n_vocab, (int) llama_model_n_swa(model));
+}
+
+static void cont(llama_context * ctx, int n_vocab) {
+    std::vector<llama_token> tokens(65536);
+    size_t n = 0;
+    int dest = 0;
+    if (g_args.count("session")) {
+        if (!llama_state_load_file(ctx, arg("session").c_str(), tokens.data(), tokens.size(), &n)) {
+            die("llama_state_load_file failed");
+        }
+    } else {
+        dest = iarg("dest", "0");
+        if (!llama_state_seq_load_file(ctx, arg("seq_file").c_str(), dest, tokens.data(), tokens.size(), &n)) {
+            die("llama_state_seq_load_file failed");
+        }
+    }
+    const int pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx), dest);
+    std::vector<int> next = decode(ctx, n_vocab, {iarg("token")}, {iarg("pos")}, {dest});
+    printf("{\"next\":%d,\"pos_max\":%d,\"n_tokens\":%zu}\n", next[0], pos_max, n);
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 2) {
+        die("usage: today-driver gen|cont key=value...");
+    }
+    for (int i = 2; i < argc; i++) {
+        const char * eq = strchr(argv[i], '=');
+        if (!eq) {
+            die(std::string("not key=value: ") + argv[i]);
+        }
+        g_args[std::string(argv[i], eq - argv[i])] = eq + 1;
+    }
+    llama_log_set(quiet_log, nullptr);
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model * model = llama_model_load_from_file(arg("model").c_str(), mp);
+    if (!model) {
+        die("cannot load the model");
+    }
+    llama_context * ctx = make_context(model);
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const std::string action = argv[1];
+    if (action == "gen") {
+        gen(model, ctx, n_vocab);
+    } else if (action == "cont") {
+        cont(ctx, n_vocab);
+    } else {
+        die("unknown action " + action);
+    }
+    fflush(stdout);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}

@@ -1,0 +1,128 @@
+//! llama.cpp 0.1.161's files (`__test__/fixtures/t161-*`) without the peer: each inspects as
+//! its spec says (version, memory, parts, rotation, cells), each part loads into a cache shaped
+//! like it and writes back byte for byte, and malformed copies are refused with the cache left
+//! as it was.
+
+use llama_kv_cache::files::{inspect_bytes, params_for_payload, Inspection};
+use llama_kv_cache::parts::{Part, PartKind};
+use llama_kv_cache::{KvCache, Layout, PartRole, ReadOptions};
+use today_peer::{specs, Spec};
+
+fn read(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn inspect(spec: &Spec, session: bool) -> (Vec<u8>, Inspection) {
+    let path = if session {
+        spec.session_path()
+    } else {
+        spec.sequence_path()
+    };
+    let bytes = read(&path);
+    let ins = inspect_bytes(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (bytes, ins)
+}
+
+fn part_bytes<'a>(bytes: &'a [u8], ins: &Inspection, part: &Part) -> &'a [u8] {
+    &bytes[ins.payload_offset + part.range.start..ins.payload_offset + part.range.end]
+}
+
+/// A cache shaped like one part (as many sequences as the spec decodes).
+fn cache_for(spec: &Spec, part: &Part) -> KvCache {
+    let mut p = params_for_payload(&part.payload, part.kind == PartKind::Recurrent).unwrap();
+    p.n_seq_max = p.n_seq_max.max(spec.prompts.len() as u32);
+    p.size = p.size.max(p.n_seq_max).max(today_peer::CTX);
+    KvCache::new(p).unwrap_or_else(|e| panic!("t161-{} {}: {e}", spec.name, part.role))
+}
+
+#[test]
+fn every_t161_fixture_inspects_as_its_spec_says() {
+    for spec in specs() {
+        for session in [true, false] {
+            let (_, ins) = inspect(&spec, session);
+            let what = format!("t161-{} ({})", spec.name, ins.header.kind.name());
+            assert_eq!(ins.header.version, if session { 11 } else { 4 }, "{what}");
+            assert_eq!(ins.memory.name(), spec.memory, "{what}");
+            let tokens: Vec<i32> = if session {
+                spec.prompts.concat()
+            } else {
+                spec.prompts[spec.seq as usize].clone()
+            };
+            assert_eq!(ins.header.tokens, tokens, "{what}");
+            let roles: Vec<PartRole> = ins.parts.iter().map(|p| p.role).collect();
+            let expected_roles = match spec.memory {
+                "iswa" => vec![PartRole::Base, PartRole::Swa],
+                "hybrid" => vec![PartRole::Attention, PartRole::Recurrent],
+                _ => vec![PartRole::Whole],
+            };
+            assert_eq!(roles, expected_roles, "{what}");
+            for part in &ins.parts {
+                let cells: usize = part.payload.streams.iter().map(|s| s.cells.len()).sum();
+                match part.kind {
+                    PartKind::Kv => {
+                        assert_eq!(part.payload.layout, Layout::StreamsRot, "{what}");
+                        let streams = if spec.unified { 1 } else { spec.prompts.len() };
+                        assert_eq!(part.payload.streams.len(), streams, "{what}");
+                        for s in part.payload.streams.iter().filter(|s| !s.cells.is_empty()) {
+                            assert_eq!(s.n_rot, Some(spec.n_rot), "{what} {}", part.role);
+                            assert_eq!(s.v_trans, Some(!spec.fa), "{what}");
+                        }
+                        // the SWA cache of a one-sequence save drops the cells outside the window
+                        let expected = if part.role == PartRole::Swa && !session {
+                            4
+                        } else {
+                            tokens.len()
+                        };
+                        assert_eq!(cells, expected, "{what} {} cells", part.role);
+                    }
+                    PartKind::Recurrent => {
+                        assert_eq!(cells, if session { spec.prompts.len() } else { 1 }, "{what}");
+                        let s = &part.payload.streams[0];
+                        // jamba declares both layers, writes the Mamba one
+                        assert_eq!((s.n_layer_declared, s.layers.len()), (2, 1), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_t161_part_loads_and_writes_back_byte_for_byte() {
+    for spec in specs() {
+        for session in [true, false] {
+            let (bytes, ins) = inspect(&spec, session);
+            for part in &ins.parts {
+                let what = format!("t161-{} ({}) {}", spec.name, ins.header.kind.name(), part.role);
+                let mut cache = cache_for(&spec, part);
+                let n_stream = part.payload.streams.len() as u32;
+                let opts = ReadOptions {
+                    part: (ins.parts.len() > 1).then_some(part.role),
+                    ..ReadOptions::default()
+                };
+                let seq = if session { -1 } else { spec.seq };
+                let loaded = if session {
+                    cache.load_session_bytes(&bytes, opts, None)
+                } else {
+                    cache.load_sequence_bytes(&bytes, seq, opts, None)
+                };
+                loaded.unwrap_or_else(|e| panic!("{what}: {e}"));
+                let written = cache
+                    .state_write(seq, Layout::StreamsRot, n_stream, None)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let original = part_bytes(&bytes, &ins, part);
+                if part.kind == PartKind::Recurrent {
+                    // a one-memory cache declares its own layer count (1, not jamba's 2): that
+                    // one byte of n_layer is the only difference
+                    assert_eq!(written.len(), original.len(), "{what}");
+                    let diff: Vec<usize> =
+                        (0..original.len()).filter(|&i| written[i] != original[i]).collect();
+                    assert_eq!(diff.len(), 1, "{what}: bytes differ at {diff:?}");
+                    assert_eq!((written[diff[0]], original[diff[0]]), (1, 2), "{what}");
+                } else {
+                    assert!(written == original, "{what}: written back differently");
+                }
+            }
+        }
+    }
+}
