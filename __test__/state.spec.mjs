@@ -109,7 +109,7 @@ test('sequence and session files save atomically and load back', async (t) => {
   const e = t.throws(() => a.saveSequenceFileSync(seqFile, 1, [1.5]))
   t.is(e.code, 'ERR_KV_INVALID_ARG')
   await t.throwsAsync(a.saveSequenceFile(path.join(dir, 'missing', 'x.ggsq'), 1, []), { code: 'ERR_KV_IO' })
-  t.is(t.throws(() => a.saveSequenceFileSync(seqFile, 1, [], { version: 4 })).code, 'ERR_KV_INVALID_ARG')
+  t.is(t.throws(() => a.saveSequenceFileSync(seqFile, 1, [], { version: 5 })).code, 'ERR_KV_INVALID_ARG')
   t.deepEqual(fs.readFileSync(seqFile), good)
   t.deepEqual(fs.readdirSync(dir).sort(), ['s.ggsn', 's.ggsq'])
   await t.throwsAsync(b.loadSequenceFile(sessFile, 0), { code: 'ERR_KV_INVALID_STATE' })

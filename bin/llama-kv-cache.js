@@ -18,8 +18,11 @@ const USAGE = `usage:
                                                recurrent state and KV memory at common contexts
                                                (one sequence and N sequences, default 4)
   llama-kv-cache convert <in> <out> [options]  rewrite a state file
-      --layout seed|streams   payload layout (default streams: today's llama.cpp)
-      --version N             file version (ggsq 2|3, ggsn 9|10; default 2 / 9)
+      --layout seed|streams|streams-rot
+                              payload layout (default streams; streams-rot: llama.cpp 0.1.161)
+      --version N             file version (ggsq 2|3|4, ggsn 9|10|11; default 2 / 9, 4 / 11
+                              with streams-rot)
+      --part NAME             of an iSWA / hybrid file, only this memory: base|swa|attention|recurrent
       --n-stream N            streams to write (1 = unified context)
       --seq ID                extract one sequence into a sequence file
       --to session|sequence   output kind (default: the input's; sequence with --seq)
@@ -66,22 +69,38 @@ function parseFlags(args, spec) {
   return out
 }
 
+function rotation(m) {
+  return m.nRotK == null ? '' : `, rotation K ${m.nRotK || 'none'} / V ${m.nRotV || 'none'}`
+}
+
+function memoryLines(lines, m, indent) {
+  m.streams.forEach((s, i) => {
+    const seqs = Object.entries(s.seqs)
+      .map(([id, st]) => `seq ${id === '-1' ? '(saved)' : id}: ${st.cells} cells, pos ${st.posMin}..${st.posMax}`)
+      .join('; ')
+    lines.push(`${indent}stream ${i} ${s.cellCount} cells${seqs ? ` (${seqs})` : ''}`)
+  })
+  lines.push(`${indent}layers   ${m.nLayer}, V ${m.vTrans == null ? 'n/a' : m.vTrans ? 'transposed' : 'rows'}${rotation(m)}`)
+  m.layers.forEach((l, i) => {
+    lines.push(`${indent}  ${String(i).padStart(3)}  K ${l.kType} ${l.kRowSize} B/row   V ${l.vType} ${l.vRowSize} B/row`)
+  })
+}
+
 function human(file, info) {
   const lines = []
   lines.push(`${file}`)
   lines.push(`  format   ${info.format} ('${info.magic}') version ${info.version}, ${info.layout} layout${info.hasOutputs ? ', with outputs block' : ''}`)
   if (info.arch) lines.push(`  arch     ${info.arch}`)
   lines.push(`  tokens   ${info.nTokens}: [${info.tokens.slice(0, 16).join(', ')}${info.nTokens > 16 ? ', ...' : ''}]`)
-  info.streams.forEach((s, i) => {
-    const seqs = Object.entries(s.seqs)
-      .map(([id, st]) => `seq ${id === '-1' ? '(saved)' : id}: ${st.cells} cells, pos ${st.posMin}..${st.posMax}`)
-      .join('; ')
-    lines.push(`  stream ${i} ${s.cellCount} cells${seqs ? ` (${seqs})` : ''}`)
-  })
-  lines.push(`  layers   ${info.nLayer}, V ${info.vTrans === null ? 'n/a' : info.vTrans ? 'transposed' : 'rows'}`)
-  info.layers.forEach((l, i) => {
-    lines.push(`    ${String(i).padStart(3)}  K ${l.kType} ${l.kRowSize} B/row   V ${l.vType} ${l.vRowSize} B/row`)
-  })
+  if (info.parts) {
+    lines.push(`  memory   ${info.memory}: ${info.parts.length} parts`)
+    info.parts.forEach((p, i) => {
+      lines.push(`  part ${i}   ${p.role} (${p.kind}), ${p.bytes} bytes`)
+      memoryLines(lines, p, '    ')
+    })
+  } else {
+    memoryLines(lines, info, '  ')
+  }
   const b = info.byteAccounting
   lines.push(`  bytes    ${b.total} = header ${b.header} + session ${b.session} + meta ${b.meta} + K ${b.k} + V ${b.v} + framing ${b.total - b.header - b.session - b.meta - b.k - b.v}`)
   return lines.join('\n')
@@ -169,6 +188,14 @@ function main(argv) {
         tokens: info.tokens,
         ...(fit ? { model: flags.model, fits: fit.fits, reasons: fit.reasons } : {}),
       }
+      if (info.nRotK != null) Object.assign(json, { nRotK: info.nRotK, nRotV: info.nRotV })
+      if (info.parts) {
+        json.memory = info.memory
+        json.parts = info.parts.map((p) => ({
+          kind: p.kind, role: p.role, streams: p.streams, nLayer: p.nLayer, vTrans: p.vTrans ?? null, layers: p.layers,
+          ...(p.kind === 'kv' ? { nRotK: p.nRotK ?? null, nRotV: p.nRotV ?? null } : {}), bytes: p.bytes,
+        }))
+      }
       const text = human(file, info) + (fit ? `\n${humanFit(flags.model, fit)}` : '')
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${text}\n`)
       if (fit && !fit.fits) process.exitCode = 3
@@ -184,7 +211,7 @@ function main(argv) {
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {
         layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str',
-        recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str',
+        recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str', part: 'str',
       })
       if (flags.recurrent && flags.transformer) fail('--recurrent and --transformer exclude each other')
       const [input, output] = flags.positional
@@ -192,7 +219,7 @@ function main(argv) {
       convertStateFile(input, output, {
         layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
         typeK: flags['type-k'], typeV: flags['type-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
-        recurrent: flags.recurrent ? true : flags.transformer ? false : undefined,
+        recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,
       })
       process.stdout.write(`${output}\n`)
     } else if (command === 'store') {

@@ -90,6 +90,7 @@ def add_tokenizer(w):
 
 
 def rnd(rng, shape, std):
+    # numpy shape is (rows, cols) = ggml ne reversed
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
@@ -99,92 +100,107 @@ def out_weight(rng, n_vocab, n_embd):
     return o
 
 
-def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
-    rng = np.random.default_rng(seed)
-    head_dim = n_embd // n_head
-    n_embd_gqa = head_dim * n_head_kv
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_name(os.path.splitext(os.path.basename(path))[0])
+def begin(path, arch, name, n_embd, n_layer, n_ff, n_head):
+    """A writer with the metadata every model starts with (in the order the first models were
+    written with, so they stay byte-identical)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
     w.add_context_length(CTX)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n_vocab = add_tokenizer(w)
-    w.add_vocab_size(n_vocab)
-
-    # numpy shape is (rows, cols) = ggml ne reversed
-    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
-        w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-        w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-        w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
-    finish(w)
+    return w
 
 
-def write_mamba(path, n_embd, d_inner, d_state, d_conv, dt_rank, n_layer, seed):
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "mamba")
-    w.add_name("mamba")
-    w.add_context_length(CTX)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
+def add_ssm_hparams(w, d_conv, d_inner, d_state, dt_rank):
     w.add_ssm_conv_kernel(d_conv)
     w.add_ssm_inner_size(d_inner)
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
-    w.add_layer_norm_rms_eps(1e-5)
+
+
+def add_vocab_and_io(w, rng, n_embd):
+    """File type, tokenizer, and the embedding and output tensors."""
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     n_vocab = add_tokenizer(w)
     w.add_vocab_size(n_vocab)
-
     w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+
+
+def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = begin(path, "llama", os.path.splitext(os.path.basename(path))[0], n_embd, n_layer, n_ff, n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    add_vocab_and_io(w, rng, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner, n_embd), 0.1))
-        w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (d_inner, d_conv), 0.3))
-        w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (d_inner,), 0.05))
-        w.add_tensor(p + "ssm_x.weight", rnd(rng, (dt_rank + 2 * d_state, d_inner), 0.1))
-        w.add_tensor(p + "ssm_dt.weight", rnd(rng, (d_inner, dt_rank), 0.3))
-        w.add_tensor(p + "ssm_dt.bias", rnd(rng, (d_inner,), 0.1) - 2.0)
-        # A = -exp(A_log), A_log = log(1..d_state) as in Mamba's init
-        a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
-        w.add_tensor(p + "ssm_a", a.astype(np.float32))
-        w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
-        w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        add_attention(w, rng, p, n_embd, n_embd_gqa)
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_ffn(w, rng, p, n_embd, n_ff)
     finish(w)
+
+
+def add_attention(w, rng, p, n_embd, n_embd_gqa):
+    w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
+    w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+    w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+    w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+
+
+def add_ffn(w, rng, p, n_embd, n_ff):
+    w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
+    w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
+    w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+
+
+def write_mamba(path, n_embd, d_inner, d_state, d_conv, dt_rank, n_layer, seed):
+    rng = np.random.default_rng(seed)
+    w = begin(path, "mamba", "mamba", n_embd, n_layer, 0, 0)
+    add_ssm_hparams(w, d_conv, d_inner, d_state, dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_mamba_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, dt_rank)
+    finish(w)
+
+
+def add_mamba_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, dt_rank, jamba_norms=False):
+    """One Mamba layer's mixer; jamba adds RMS norms of dt, B and C (no random draws, so the
+    draws, and mamba.gguf, are the same either way)."""
+    w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner, n_embd), 0.1))
+    w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (d_inner, d_conv), 0.3))
+    w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (d_inner,), 0.05))
+    w.add_tensor(p + "ssm_x.weight", rnd(rng, (dt_rank + 2 * d_state, d_inner), 0.1))
+    if jamba_norms:
+        w.add_tensor(p + "ssm_dt_norm.weight", np.ones(dt_rank, dtype=np.float32))
+    w.add_tensor(p + "ssm_dt.weight", rnd(rng, (d_inner, dt_rank), 0.3))
+    w.add_tensor(p + "ssm_dt.bias", rnd(rng, (d_inner,), 0.1) - 2.0)
+    if jamba_norms:
+        w.add_tensor(p + "ssm_b_norm.weight", np.ones(d_state, dtype=np.float32))
+        w.add_tensor(p + "ssm_c_norm.weight", np.ones(d_state, dtype=np.float32))
+    # A = -exp(A_log), A_log = log(1..d_state) as in Mamba's init
+    a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
+    w.add_tensor(p + "ssm_a", a.astype(np.float32))
+    w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+    w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
 
 
 def write_gemma3_swa(path, n_embd, n_head, n_head_kv, n_ff, n_layer, window, pattern, seed):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    w = gguf.GGUFWriter(path, "gemma3")
-    w.add_name("gemma3-swa")
-    w.add_context_length(CTX)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
+    w = begin(path, "gemma3", "gemma3-swa", n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -192,13 +208,7 @@ def write_gemma3_swa(path, n_embd, n_head, n_head_kv, n_ff, n_layer, window, pat
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(window)
     w.add_uint32("gemma3.attention.sliding_window_pattern", pattern)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n_vocab = add_tokenizer(w)
-    w.add_vocab_size(n_vocab)
-
-    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    add_vocab_and_io(w, rng, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
         # gemma's (1 + w) norm weights are stored with the 1 added, as convert_hf_to_gguf does
@@ -206,13 +216,8 @@ def write_gemma3_swa(path, n_embd, n_head, n_head_kv, n_ff, n_layer, window, pat
             w.add_tensor(p + norm + ".weight", np.ones(n_embd, dtype=np.float32))
         w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
         w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
-        w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-        w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-        w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
-        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+        add_attention(w, rng, p, n_embd, n_embd_gqa)
+        add_ffn(w, rng, p, n_embd, n_ff)
     finish(w)
 
 
@@ -222,52 +227,20 @@ def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank,
     d_inner = 2 * n_embd
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    w = gguf.GGUFWriter(path, "jamba")
-    w.add_name("jamba")
-    w.add_context_length(CTX)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(2)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
+    w = begin(path, "jamba", "jamba", n_embd, 2, n_ff, n_head)
     w.add_head_count_kv([0, n_head_kv])
-    w.add_ssm_conv_kernel(d_conv)
-    w.add_ssm_inner_size(d_inner)
-    w.add_ssm_state_size(d_state)
-    w.add_ssm_time_step_rank(dt_rank)
+    add_ssm_hparams(w, d_conv, d_inner, d_state, dt_rank)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n_vocab = add_tokenizer(w)
-    w.add_vocab_size(n_vocab)
-
-    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    add_vocab_and_io(w, rng, n_embd)
     for i in range(2):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         if i == 0:
-            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner, n_embd), 0.1))
-            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (d_inner, d_conv), 0.3))
-            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (d_inner,), 0.05))
-            w.add_tensor(p + "ssm_x.weight", rnd(rng, (dt_rank + 2 * d_state, d_inner), 0.1))
-            w.add_tensor(p + "ssm_dt_norm.weight", np.ones(dt_rank, dtype=np.float32))
-            w.add_tensor(p + "ssm_dt.weight", rnd(rng, (d_inner, dt_rank), 0.3))
-            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (d_inner,), 0.1) - 2.0)
-            w.add_tensor(p + "ssm_b_norm.weight", np.ones(d_state, dtype=np.float32))
-            w.add_tensor(p + "ssm_c_norm.weight", np.ones(d_state, dtype=np.float32))
-            a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
-            w.add_tensor(p + "ssm_a", a.astype(np.float32))
-            w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
-            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+            add_mamba_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, dt_rank, jamba_norms=True)
         else:
-            w.add_tensor(p + "attn_q.weight", rnd(rng, (n_embd, n_embd), 0.2))
-            w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-            w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
-            w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+            add_attention(w, rng, p, n_embd, n_embd_gqa)
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
-        w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+        add_ffn(w, rng, p, n_embd, n_ff)
     finish(w)
 
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use llama_kv_cache::files::{inspect_bytes, read_file};
-use llama_kv_cache::parts::Part;
+use llama_kv_cache::parts::{Part, PartKind};
 use llama_kv_cache::state::{ParsedPayload, VBlock};
 use llama_kv_cache::{GgmlType, Layout};
 use napi::bindgen_prelude::*;
@@ -139,9 +139,12 @@ fn type_name(id: i32) -> String {
     GgmlType::from_id(id).map_or(format!("type {id}"), |t| t.name().to_string())
 }
 
+/// Per sequence id: cells, smallest and largest position.
+type SeqStats = HashMap<String, (u32, i32, i32)>;
+
 /// What inspection shows of one memory's payload.
 struct Described {
-    streams: Vec<(u32, HashMap<String, (u32, i32, i32)>)>,
+    streams: Vec<(u32, SeqStats)>,
     layers: Vec<(i32, f64, i32, f64)>,
     v_trans: Option<bool>,
     n_rot: Option<(u32, u32)>,
@@ -190,7 +193,7 @@ fn describe(payload: &ParsedPayload) -> Described {
     let (mut meta, mut k, mut v) = (0usize, 0usize, 0usize);
     let mut streams = Vec::new();
     for s in &payload.streams {
-        let mut seqs: HashMap<String, (u32, i32, i32)> = HashMap::new();
+        let mut seqs = SeqStats::new();
         for c in &s.cells {
             meta += 8 + 4 * c.seq_ids.len();
             let ids: Vec<i32> = if c.seq_ids.is_empty() {
@@ -199,7 +202,9 @@ fn describe(payload: &ParsedPayload) -> Described {
                 c.seq_ids.clone()
             };
             for id in ids {
-                let e = seqs.entry(id.to_string()).or_insert((0, i32::MAX, i32::MIN));
+                let e = seqs
+                    .entry(id.to_string())
+                    .or_insert((0, i32::MAX, i32::MIN));
                 e.0 += 1;
                 e.1 = e.1.min(c.pos);
                 e.2 = e.2.max(c.pos);
@@ -221,7 +226,10 @@ fn describe(payload: &ParsedPayload) -> Described {
                 let (v_type, v_row_size) = match &l.v {
                     VBlock::Rows { ty, row_size, .. } => (*ty, *row_size as f64),
                     VBlock::Transposed {
-                        ty, el_size, n_embd, ..
+                        ty,
+                        el_size,
+                        n_embd,
+                        ..
                     } => (*ty, (*el_size as f64) * (*n_embd as f64)),
                 };
                 (l.k_type, l.k_row_size as f64, v_type, v_row_size)
@@ -251,13 +259,18 @@ pub fn inspect_state(
         };
         let ins = inspect_bytes(&bytes).map_err(from_core)?;
         let recurrent = match (&ins.arch, ins.payload.layout) {
+            // several memories: the top level describes the first part
+            _ if ins.parts.len() > 1 => Some(ins.parts[0].kind == PartKind::Recurrent),
             (Some(arch), _) => Some(llama_kv_cache::files::is_recurrent_arch(arch)),
             (None, Layout::Streams | Layout::StreamsRot) => Some(false),
             (None, Layout::Seed) => None,
         };
         let header = ins.header.clone();
-        let described: Vec<(&Part, Described)> =
-            ins.parts.iter().map(|p| (p, describe(&p.payload))).collect();
+        let described: Vec<(&Part, Described)> = ins
+            .parts
+            .iter()
+            .map(|p| (p, describe(&p.payload)))
+            .collect();
         let (meta, k, v) = described.iter().fold((0, 0, 0), |acc, (_, d)| {
             (acc.0 + d.meta, acc.1 + d.k, acc.2 + d.v)
         });

@@ -22,6 +22,39 @@ struct LlamaDriver<'a> {
     extra: &'a [&'a str],
 }
 
+/// The whole build script: builds the driver unless `<ENV>_SKIP_BUILD` is set, and hands its
+/// path to the crate as `<ENV>_DRIVER` (or why there is none as `<ENV>_DRIVER_ERROR`).
+fn run_build_script(env_prefix: &str, what: &str, driver: &LlamaDriver<'_>) {
+    for file in [
+        "build.rs",
+        "../shared-build/llama_cmake.rs",
+        "driver/driver.cpp",
+        "driver/CMakeLists.txt",
+    ] {
+        println!("cargo:rerun-if-changed={file}");
+    }
+    println!("cargo:rerun-if-env-changed={env_prefix}_SKIP_BUILD");
+    println!("cargo:rerun-if-env-changed=CMAKE");
+    let built = if env::var_os(format!("{env_prefix}_SKIP_BUILD")).is_some() {
+        Err(format!("{what} was not built ({env_prefix}_SKIP_BUILD is set)"))
+    } else {
+        build_driver(driver)
+    };
+    match built {
+        Ok(path) => println!("cargo:rustc-env={env_prefix}_DRIVER={}", path.display()),
+        Err(msg) => {
+            let msg = msg.replace(['\n', '\r'], " | ");
+            println!("cargo:warning={what}: {msg}");
+            println!("cargo:rustc-env={env_prefix}_DRIVER_ERROR={msg}");
+        }
+    }
+}
+
+/// The package's own folder.
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_default())
+}
+
 fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
     let src = llama_src(d)?;
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);

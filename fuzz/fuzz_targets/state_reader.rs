@@ -1,24 +1,44 @@
 //! Fuzzes every reader of untrusted bytes: payload detection and restore (whole cache and one
-//! sequence), sequence and session files, and inspection. A failed load must leave the cache
-//! exactly as it was; a successful one must write back without error.
+//! sequence, one part of a payload of several memories), sequence and session files of every
+//! version (v11 / v4 with the rotation, iSWA and hybrid parts), inspection and conversion. A
+//! failed load must leave the cache exactly as it was; a successful one must write back without
+//! error.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use llama_kv_cache::files::inspect_bytes;
-use llama_kv_cache::{CacheParams, GgmlType, KvCache, Layout, ReadOptions, UBatch};
+use llama_kv_cache::files::{convert_bytes, inspect_bytes};
+use llama_kv_cache::{
+    CacheParams, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, UBatch,
+};
 
-fn cache(flash: bool, ty: GgmlType) -> KvCache {
-    let mut p = CacheParams::new(16, 2, 32, 32);
+fn cache(flash: bool, ty: GgmlType, rotated: bool) -> KvCache {
+    // the rotated cache is shaped like the t161 h64 fixtures (head_dim 64, one KV head)
+    let width = if rotated { 64 } else { 32 };
+    let mut p = CacheParams::new(16, 2, width, width);
     p.n_seq_max = 4;
     p.flash_attn = flash;
     p.type_k = ty;
     p.type_v = if flash { ty } else { GgmlType::F16 };
+    if rotated {
+        p.n_rot_k = 64;
+        p.n_rot_v = if flash { 64 } else { 0 };
+    }
     let mut c = KvCache::new(p).unwrap();
-    c.find_slot(&UBatch::per_token(vec![0, 1, 2], vec![vec![0, 1], vec![1], vec![2]]))
-        .unwrap()
-        .unwrap();
+    c.find_slot(&UBatch::per_token(
+        vec![0, 1, 2],
+        vec![vec![0, 1], vec![1], vec![2]],
+    ))
+    .unwrap()
+    .unwrap();
     c
 }
+
+const PARTS: [Option<PartRole>; 4] = [
+    None,
+    Some(PartRole::Base),
+    Some(PartRole::Swa),
+    Some(PartRole::Attention),
+];
 
 fuzz_target!(|data: &[u8]| {
     let _ = inspect_bytes(data);
@@ -26,22 +46,56 @@ fuzz_target!(|data: &[u8]| {
         Some((s, b)) => (*s, b),
         None => return,
     };
+    if selector == 0xff {
+        let _ = convert_bytes(body, &ConvertOptions::default());
+        return;
+    }
     let flash = selector & 1 == 1;
-    let ty = if selector & 2 == 2 { GgmlType::Q8_0 } else { GgmlType::F16 };
-    let mut c = cache(flash, ty);
-    let before = c.state_write(-1, Layout::Seed, 1, None).unwrap();
-    let opts = ReadOptions { layout: None, allow_scattered: selector & 4 == 4, part: None };
+    let quantized = selector & 2 == 2;
+    let ty = if quantized {
+        GgmlType::Q8_0
+    } else {
+        GgmlType::F16
+    };
+    let mut c = cache(flash, ty, quantized && selector & 8 == 8);
+    let layout = if c.params().n_rot_k != 0 {
+        Layout::StreamsRot
+    } else {
+        Layout::Seed
+    };
+    let before = c.state_write(-1, layout, 1, None).unwrap();
+    let opts = ReadOptions {
+        layout: None,
+        allow_scattered: selector & 4 == 4,
+        part: PARTS[usize::from(selector >> 4 & 3)],
+    };
     let seq = i32::from(selector >> 4 & 3) - 1;
     let result = match selector >> 6 {
         0 => c.state_read(body, seq, opts, None).map(|_| ()),
-        1 => c.load_sequence_bytes(body, seq.max(0), opts, None).map(|_| ()),
+        1 => c
+            .load_sequence_bytes(body, seq.max(0), opts, None)
+            .map(|_| ()),
         _ => c.load_session_bytes(body, opts, None).map(|_| ()),
     };
     match result {
-        Err(_) => assert_eq!(c.state_write(-1, Layout::Seed, 1, None).unwrap(), before, "a failed load changed the cache"),
+        Err(_) => assert_eq!(
+            c.state_write(-1, layout, 1, None).unwrap(),
+            before,
+            "a failed load changed the cache"
+        ),
         Ok(()) => {
             c.cells().check_consistency().unwrap();
-            c.state_write(-1, Layout::Streams, 1, None).unwrap();
+            c.state_write(
+                -1,
+                if layout == Layout::Seed {
+                    Layout::Streams
+                } else {
+                    layout
+                },
+                1,
+                None,
+            )
+            .unwrap();
         }
     }
 });

@@ -433,7 +433,8 @@ impl KvCache {
     ) -> Result<LoadedFile> {
         let layouts = file_layouts(&header, opts.layout)?;
         let splits = body_splits(bytes, &header)?;
-        let (split, summary) = self.load_body_part(bytes, splits, &layouts, dest, opts, progress)?;
+        let (split, summary) =
+            self.load_body_part(bytes, splits, &layouts, dest, opts, progress)?;
         Ok(LoadedFile {
             arch: (header.kind == FileKind::Session).then_some(split.arch),
             header,
@@ -493,8 +494,8 @@ impl KvCache {
             errors.extend(shape_errors);
             for shape in shapes {
                 for p in shape.parts {
+                    parts_seen.push(p.role);
                     if part.is_some_and(|want| want != p.role) {
-                        parts_seen.push(p.role.name());
                         continue;
                     }
                     let data = &body[p.range.clone()];
@@ -530,14 +531,18 @@ impl KvCache {
                 Ok((split, summary))
             }
             0 => {
-                if let (Some(want), false) = (part, parts_seen.is_empty()) {
-                    if errors.is_empty() {
-                        parts_seen.dedup();
-                        return Err(KvError::InvalidState(format!(
-                            "part '{want}' is not in this file (it holds {})",
-                            parts_seen.join(", ")
-                        )));
-                    }
+                if let Some(want) =
+                    part.filter(|w| !parts_seen.is_empty() && !parts_seen.contains(w))
+                {
+                    parts_seen.dedup();
+                    return Err(KvError::InvalidState(format!(
+                        "part '{want}' is not in this file (it holds {})",
+                        parts_seen
+                            .iter()
+                            .map(|r| r.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
                 }
                 // a capacity problem is the real answer when the structure itself parsed
                 if let Some(e) = errors.iter().find(|e| e.contains("cache only")) {
@@ -556,7 +561,11 @@ impl KvCache {
                         "{} part ({}{})",
                         p.role,
                         p.payload.layout,
-                        if s.outputs.is_some() { ", with outputs" } else { "" }
+                        if s.outputs.is_some() {
+                            ", with outputs"
+                        } else {
+                            ""
+                        }
                     ))
                     .collect::<Vec<_>>()
                     .join(" and ")
@@ -642,7 +651,11 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
     let mut errors = Vec::new();
     for split in body_splits(bytes, &header)? {
         let (shapes, shape_errors) = parse_parts(&bytes[split.payload.clone()], &layouts);
-        let with = if split.outputs.is_some() { " with outputs" } else { "" };
+        let with = if split.outputs.is_some() {
+            " with outputs"
+        } else {
+            ""
+        };
         errors.extend(shape_errors.into_iter().map(|e| format!("{e}{with}")));
         fits.extend(shapes.into_iter().map(|p| (split.clone(), p)));
     }
@@ -866,7 +879,8 @@ pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
                 ))
             }
         };
-        let body = &bytes[ins.payload_offset + part.range.start..ins.payload_offset + part.range.end];
+        let body =
+            &bytes[ins.payload_offset + part.range.start..ins.payload_offset + part.range.end];
         let written = convert_part(
             body,
             part,

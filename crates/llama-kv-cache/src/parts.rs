@@ -121,7 +121,13 @@ pub struct Parts {
     pub parts: Vec<Part>,
 }
 
-fn kv_part(bytes: &[u8], start: usize, layout: Layout, role: PartRole, exact: bool) -> Result<Part> {
+fn kv_part(
+    bytes: &[u8],
+    start: usize,
+    layout: Layout,
+    role: PartRole,
+    exact: bool,
+) -> Result<Part> {
     let payload = parse_payload(&bytes[start..], layout, exact)?;
     Ok(Part {
         kind: PartKind::Kv,

@@ -209,7 +209,12 @@ const MAX_LAYERS: u32 = 4096;
 /// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
 /// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
 /// stream of today's layout ends after a 0 `cell_count`.
-fn parse_stream(c: &mut Cursor<'_>, s: usize, header_when_empty: bool, rot: bool) -> Result<StreamBlock> {
+fn parse_stream(
+    c: &mut Cursor<'_>,
+    s: usize,
+    header_when_empty: bool,
+    rot: bool,
+) -> Result<StreamBlock> {
     parse_stream_with(c, s, header_when_empty, rot, None)
 }
 

@@ -450,6 +450,7 @@ impl PromptStore {
         let opts = ReadOptions {
             layout: Some(Layout::Streams),
             allow_scattered: true,
+            ..ReadOptions::default()
         };
         cache.state_read(&payload, seq, opts, progress)?;
         Ok((values.len() * self.block_tokens) as u64)
@@ -550,6 +551,7 @@ impl PromptStore {
         let read = ReadOptions {
             layout: Some(ins.payload.layout),
             allow_scattered: true,
+            ..ReadOptions::default()
         };
         let seq = match ins.header.kind {
             FileKind::Sequence => {
@@ -605,6 +607,7 @@ impl PromptStore {
         let read = ReadOptions {
             layout: Some(Layout::Streams),
             allow_scattered: false,
+            ..ReadOptions::default()
         };
         cache.state_read(&payload, 0, read, None)?;
         let write = WriteOptions {

@@ -1,4 +1,4 @@
-//! Regenerates the llama.cpp 0.1.161 fixtures (`__test__/fixtures/t161-*`): for each spec the
+//! Regenerates the llama.cpp 0.1.161 fixtures (`__test__/fixtures/t161/`): for each spec the
 //! peer decodes the prompts, saves a session and a sequence file, and the answers go into the
 //! JSON sidecar. Needs the models of `interop/make_models.py`.
 //!
@@ -13,7 +13,10 @@ fn main() {
                     eprintln!("{}: {e}", spec.sidecar_path().display());
                     std::process::exit(1);
                 }
-                println!("t161-{}: next {} next2 {}", spec.name, sidecar["next"], sidecar["next2"]);
+                println!(
+                    "t161-{}: next {} next2 {}",
+                    spec.name, sidecar["next"], sidecar["next2"]
+                );
             }
             Err(e) => {
                 eprintln!("t161-{}: {e}", spec.name);

@@ -1,4 +1,4 @@
-//! llama.cpp 0.1.161's files (`__test__/fixtures/t161-*`) without the peer: each inspects as
+//! llama.cpp 0.1.161's files (`__test__/fixtures/t161/`) without the peer: each inspects as
 //! its spec says (version, memory, parts, rotation, cells), each part loads into a cache shaped
 //! like it and writes back byte for byte, and malformed copies are refused with the cache left
 //! as it was.
@@ -76,7 +76,11 @@ fn every_t161_fixture_inspects_as_its_spec_says() {
                         assert_eq!(cells, expected, "{what} {} cells", part.role);
                     }
                     PartKind::Recurrent => {
-                        assert_eq!(cells, if session { spec.prompts.len() } else { 1 }, "{what}");
+                        assert_eq!(
+                            cells,
+                            if session { spec.prompts.len() } else { 1 },
+                            "{what}"
+                        );
                         let s = &part.payload.streams[0];
                         // jamba declares both layers, writes the Mamba one
                         assert_eq!((s.n_layer_declared, s.layers.len()), (2, 1), "{what}");
@@ -93,7 +97,12 @@ fn every_t161_part_loads_and_writes_back_byte_for_byte() {
         for session in [true, false] {
             let (bytes, ins) = inspect(&spec, session);
             for part in &ins.parts {
-                let what = format!("t161-{} ({}) {}", spec.name, ins.header.kind.name(), part.role);
+                let what = format!(
+                    "t161-{} ({}) {}",
+                    spec.name,
+                    ins.header.kind.name(),
+                    part.role
+                );
                 let mut cache = cache_for(&spec, part);
                 let n_stream = part.payload.streams.len() as u32;
                 let opts = ReadOptions {
@@ -115,8 +124,9 @@ fn every_t161_part_loads_and_writes_back_byte_for_byte() {
                     // a one-memory cache declares its own layer count (1, not jamba's 2): that
                     // one byte of n_layer is the only difference
                     assert_eq!(written.len(), original.len(), "{what}");
-                    let diff: Vec<usize> =
-                        (0..original.len()).filter(|&i| written[i] != original[i]).collect();
+                    let diff: Vec<usize> = (0..original.len())
+                        .filter(|&i| written[i] != original[i])
+                        .collect();
                     assert_eq!(diff.len(), 1, "{what}: bytes differ at {diff:?}");
                     assert_eq!((written[diff[0]], original[diff[0]]), (1, 2), "{what}");
                 } else {

@@ -1,0 +1,212 @@
+// llama.cpp 0.1.161's files (session v11 / sequence v4) from JS: inspection with parts and
+// rotation, loading one part, the rotation option, conversion between versions, and typed
+// refusals of malformed files that leave the cache unchanged. The peer runs in
+// crates/today's cargo tests; the fixtures it wrote are t161-* (sidecar t161-<name>.json).
+import test from 'ava'
+import fs from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { execFileSync } from 'node:child_process'
+import { createRequire } from 'node:module'
+
+const require = createRequire(import.meta.url)
+const { KvCache, inspectState, convertStateFile } = require('../index.js')
+const FIXTURES = path.join(import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname), 'fixtures', 't161')
+const CLI = path.join(FIXTURES, '..', '..', '..', 'bin', 'llama-kv-cache.js')
+const fixture = (name) => path.join(FIXTURES, `t161-${name}`)
+const sidecar = (name) => JSON.parse(fs.readFileSync(fixture(`${name}.json`), 'utf8'))
+const SPECS = fs.readdirSync(FIXTURES).filter((f) => /^t161-.*\.json$/.test(f)).map((f) => f.slice(5, -5))
+const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-t161-'))
+
+const TYPE_SIZE = { f32: [4, 1], f16: [2, 1], q8_0: [34, 32], q4_0: [18, 32] }
+const width = (type, rowSize) => (rowSize / TYPE_SIZE[type][0]) * TYPE_SIZE[type][1]
+
+// a cache shaped like one memory of an inspection (a part, or the file itself)
+function cacheFor(m, o = {}) {
+  const l = m.layers[0]
+  const recurrent = m.kind === 'recurrent'
+  return new KvCache({
+    size: recurrent ? 2 : 32,
+    nLayer: m.nLayer,
+    nEmbdKGqa: recurrent ? 0 : width(l.kType, l.kRowSize),
+    nEmbdVGqa: recurrent ? 0 : m.vTrans ? l.vRowSize / TYPE_SIZE[l.vType][0] : width(l.vType, l.vRowSize),
+    ...(recurrent ? { nEmbdKS: width(l.kType, l.kRowSize), nEmbdVS: width(l.vType, l.vRowSize), recurrent: true } : {}),
+    typeK: l.kType,
+    typeV: l.vType,
+    flashAttn: m.vTrans === false && !recurrent,
+    nSeqMax: 2,
+    nRotK: m.nRotK ?? 0,
+    nRotV: m.nRotV ?? 0,
+    ...o,
+  })
+}
+
+test('every t161 fixture inspects with its memory, parts and rotation', (t) => {
+  t.true(SPECS.length >= 12)
+  for (const name of SPECS) {
+    const side = sidecar(name)
+    for (const [ext, version] of [['ggsn', 11], ['ggsq', 4]]) {
+      const info = inspectState(fixture(`${name}.${ext}`))
+      t.is(info.version, version, name)
+      t.is(info.layout, 'streams-rot', name)
+      t.is(info.memory, side.memory, name)
+      const kv = info.parts ? info.parts.filter((p) => p.kind === 'kv') : [info]
+      for (const m of kv) {
+        t.is(m.nRotK, side.nRotK, `${name} nRotK`)
+        t.is(m.nRotV, side.nRotV, `${name} nRotV`)
+        t.is(m.vTrans, !side.flashAttn, name)
+      }
+      if (side.memory === 'single') t.is(info.parts, undefined, name)
+      else t.is(info.parts.reduce((n, p) => n + p.bytes, 0) + info.byteAccounting.header + info.byteAccounting.session, info.bytes)
+    }
+  }
+})
+
+test('inspect --json lists the parts of an iSWA and a hybrid file in payload order', (t) => {
+  const iswa = JSON.parse(execFileSync(process.execPath, [CLI, 'inspect', fixture('gemma3-swa-q8_0-fa.ggsq'), '--json'], { encoding: 'utf8' }))
+  t.is(iswa.memory, 'iswa')
+  t.deepEqual(iswa.parts.map((p) => [p.kind, p.role]), [['kv', 'base'], ['kv', 'swa']])
+  const [base, swa] = iswa.parts
+  t.deepEqual(Object.keys(base), ['kind', 'role', 'streams', 'nLayer', 'vTrans', 'layers', 'nRotK', 'nRotV', 'bytes'])
+  t.is(base.streams[0].cellCount, 10)
+  // a one-sequence save keeps only the cells inside the sliding window (4) of the SWA cache
+  t.deepEqual(swa.streams[0].seqs['0'], { cells: 4, posMin: 6, posMax: 9 })
+  t.deepEqual([base.nRotK, base.nRotV, base.layers[0].kType], [64, 64, 'q8_0'])
+  const hybrid = JSON.parse(execFileSync(process.execPath, [CLI, 'inspect', fixture('jamba.ggsn'), '--json'], { encoding: 'utf8' }))
+  t.deepEqual(hybrid.parts.map((p) => [p.kind, p.role]), [['kv', 'attention'], ['recurrent', 'recurrent']])
+  t.false('nRotK' in hybrid.parts[1])
+  t.deepEqual(hybrid.parts[1].layers, [{ kType: 'f32', kRowSize: 1536, vType: 'f32', vRowSize: 8192 }])
+  const human = execFileSync(process.execPath, [CLI, 'inspect', fixture('jamba.ggsn')], { encoding: 'utf8' })
+  t.regex(human, /memory {3}hybrid: 2 parts/)
+  t.regex(human, /part 1 {3}recurrent \(recurrent\)/)
+})
+
+test('a rotated quantized cache loads a v11 session with the same rotation and writes it back byte for byte', async (t) => {
+  const file = fixture('h64-q8_0-fa.ggsn')
+  const info = inspectState(file)
+  const c = cacheFor(info)
+  const loaded = await c.loadSessionFile(file)
+  t.is(loaded.cells, 10)
+  t.is(loaded.layout, 'streams-rot')
+  const dir = tmp()
+  const out = path.join(dir, 'again.ggsn')
+  await c.saveSessionFile(out, loaded.tokens, { version: 11, arch: loaded.arch })
+  t.deepEqual(fs.readFileSync(out), fs.readFileSync(file))
+  // a rotated cache cannot write a layout that has no place for the rotation
+  const e = t.throws(() => c.saveSessionFileSync(path.join(dir, 'v9.ggsn'), loaded.tokens, { version: 9 }))
+  t.is(e.code, 'ERR_KV_UNSUPPORTED')
+  t.regex(e.message, /nRotK 64/)
+  t.false(fs.existsSync(path.join(dir, 'v9.ggsn')))
+})
+
+test('a rotation mismatch is refused naming n_rot_k, and the cache is unchanged', (t) => {
+  const file = fixture('h64-q8_0-fa.ggsn')
+  const info = inspectState(file)
+  const c = cacheFor(info, { nRotK: 0, nRotV: 0 })
+  c.findSlot({ pos: [0, 1], seqIds: [0, 0] })
+  const before = c.stateWriteSync()
+  const e = t.throws(() => c.loadSessionFileSync(file))
+  t.is(e.code, 'ERR_KV_INVALID_STATE')
+  t.regex(e.message, /n_rot_k 64/)
+  t.deepEqual(c.stateWriteSync(), before)
+  const bad = t.throws(() => cacheFor(info, { nRotK: 48 }))
+  t.is(bad.code, 'ERR_KV_INVALID_ARG')
+  t.regex(bad.message, /nRotK/)
+})
+
+test('one part of an iSWA or hybrid file loads into a cache shaped like it', (t) => {
+  const iswa = inspectState(fixture('gemma3-swa.ggsn'))
+  const base = cacheFor(iswa.parts[0])
+  // base and SWA caches have the same shape here: without `part` the file is ambiguous
+  const amb = t.throws(() => base.loadSessionFileSync(fixture('gemma3-swa.ggsn')))
+  t.is(amb.code, 'ERR_KV_INVALID_STATE')
+  t.regex(amb.message, /base part .* and swa part/)
+  t.is(base.loadSessionFileSync(fixture('gemma3-swa.ggsn'), { part: 'base' }).cells, 10)
+  const swa = cacheFor(iswa.parts[1])
+  t.is(swa.loadSequenceFileSync(fixture('gemma3-swa.ggsq'), 1, { part: 'swa' }).cells, 4)
+  t.is(swa.seqCellCount(1), 4)
+  const missing = t.throws(() => swa.loadSessionFileSync(fixture('gemma3-swa.ggsn'), { part: 'attention' }))
+  t.is(missing.code, 'ERR_KV_INVALID_STATE')
+  t.regex(missing.message, /part 'attention' is not in this file \(it holds base, swa\)/)
+  t.is(t.throws(() => swa.loadSessionFileSync(fixture('gemma3-swa.ggsn'), { part: 'middle' })).code, 'ERR_KV_INVALID_ARG')
+
+  // the hybrid's parts differ in shape, so each cache finds its own
+  const hybrid = inspectState(fixture('jamba.ggsn'))
+  const attn = cacheFor(hybrid.parts[0])
+  t.is(attn.loadSessionFileSync(fixture('jamba.ggsn')).cells, 10)
+  const recr = cacheFor(hybrid.parts[1])
+  t.is(recr.loadSessionFileSync(fixture('jamba.ggsn')).cells, 1)
+  t.is(recr.loadSequenceFileSync(fixture('jamba.ggsq'), 1, { part: 'recurrent' }).cells, 1)
+  // stateRead of a payload of several memories takes the part too
+  const body = fs.readFileSync(fixture('jamba.ggsn')).subarray(hybrid.byteAccounting.header + hybrid.byteAccounting.session)
+  t.is(attn.stateReadSync(body, -1, { part: 'attention' }).cells, 10)
+})
+
+test('convert: v11 to v10 and v9 and back, one part out of an iSWA file, and typed refusals', (t) => {
+  const dir = tmp()
+  const src = fixture('h16-f16.ggsn')
+  const v10 = path.join(dir, 'v10.ggsn')
+  convertStateFile(src, v10, { version: 10 })
+  t.like(inspectState(v10), { version: 10, layout: 'streams', nRotK: undefined })
+  const back = path.join(dir, 'back.ggsn')
+  convertStateFile(v10, back, { version: 11 })
+  t.deepEqual(fs.readFileSync(back), fs.readFileSync(src))
+  const extracted = path.join(dir, 'extracted.ggsq')
+  convertStateFile(fixture('h16-f16-par2.ggsn'), extracted, { seqId: 1, version: 3 })
+  t.like(inspectState(extracted), { version: 3, layout: 'streams', format: 'sequence' })
+  t.deepEqual(inspectState(extracted).streams[0].seqs, { 1: { cells: 6, posMin: 0, posMax: 5 } })
+  const seq = path.join(dir, 'seq.ggsq')
+  convertStateFile(fixture('h16-f16-par2.ggsq'), seq, { version: 2 })
+  t.like(inspectState(seq), { version: 2, layout: 'streams', format: 'sequence' })
+  const seqBack = path.join(dir, 'seq4.ggsq')
+  convertStateFile(seq, seqBack, { version: 4 })
+  t.deepEqual(fs.readFileSync(seqBack), fs.readFileSync(fixture('h16-f16-par2.ggsq')))
+
+  const base = path.join(dir, 'base.ggsn')
+  convertStateFile(fixture('gemma3-swa.ggsn'), base, { part: 'base', version: 11 })
+  const info = inspectState(base)
+  t.is(info.memory, 'single')
+  t.is(info.streams[0].cellCount, 10)
+  const v10iswa = path.join(dir, 'iswa10.ggsn')
+  convertStateFile(fixture('gemma3-swa.ggsn'), v10iswa, { version: 10 })
+  t.deepEqual(inspectState(v10iswa).parts.map((p) => p.role), ['base', 'swa'])
+
+  const rot = t.throws(() => convertStateFile(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { version: 10 }))
+  t.is(rot.code, 'ERR_KV_UNSUPPORTED')
+  t.regex(rot.message, /nRotK 64/)
+  const retype = t.throws(() => convertStateFile(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { typeK: 'f16' }))
+  t.is(retype.code, 'ERR_KV_UNSUPPORTED')
+  const layout = t.throws(() => convertStateFile(src, path.join(dir, 'no.ggsn'), { layout: 'streams-rot', version: 9 }))
+  t.is(layout.code, 'ERR_KV_INVALID_ARG')
+  t.regex(layout.message, /version 9/)
+  const part = t.throws(() => convertStateFile(src, path.join(dir, 'no.ggsn'), { part: 'swa' }))
+  t.regex(part.message, /part 'swa' is not in this file/)
+  t.false(fs.existsSync(path.join(dir, 'no.ggsn')))
+})
+
+test('malformed v11 / v4, iSWA and hybrid files are refused with ERR_KV_INVALID_STATE and change nothing', (t) => {
+  for (const [name, ext, part] of [['h64-q8_0-fa', 'ggsn'], ['gemma3-swa', 'ggsq', 'swa'], ['jamba', 'ggsn', 'recurrent'], ['h16-f16-par2-split', 'ggsq']]) {
+    const file = fixture(`${name}.${ext}`)
+    const bytes = fs.readFileSync(file)
+    const info = inspectState(file)
+    const m = part ? info.parts.find((p) => p.role === part) : info
+    const c = cacheFor(m, { nSeqMax: 2 })
+    c.findSlot({ pos: [0], seqIds: [0] })
+    const before = c.stateWriteSync(-1, { layout: m.nRotK ? 'streams-rot' : 'streams' })
+    const dir = tmp()
+    const bad = path.join(dir, `bad.${ext}`)
+    // every cut shorter than the file, and a bumped version
+    const cuts = [...Array(Math.ceil(bytes.length / 37)).keys()].map((i) => i * 37)
+    const variants = cuts.map((n) => bytes.subarray(0, n))
+    const bumped = Buffer.from(bytes)
+    bumped.writeUInt32LE(ext === 'ggsn' ? 12 : 5, 4)
+    variants.push(bumped)
+    for (const v of variants) {
+      fs.writeFileSync(bad, v)
+      const load = () => (ext === 'ggsn' ? c.loadSessionFileSync(bad, { part }) : c.loadSequenceFileSync(bad, 1, { part }))
+      const e = t.throws(load, undefined, `${name} ${v.length} bytes`)
+      t.is(e.code, 'ERR_KV_INVALID_STATE', `${name} ${v.length}: ${e.message}`)
+      t.deepEqual(c.stateWriteSync(-1, { layout: m.nRotK ? 'streams-rot' : 'streams' }), before)
+    }
+  }
+})
