@@ -12,9 +12,9 @@ export declare const __napiBindingTarget: 'native' | 'wasm32-wasi' | 'wasm32-was
 /**
  * llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
  *
- * Metadata operations are synchronous. Work that touches tensor data in bulk (`update`) has
- * an async twin that runs on the libuv threadpool; while such a task is pending, synchronous
- * calls throw `ERR_KV_BUSY` and further tasks queue.
+ * Metadata operations are synchronous. Work that touches tensor data in bulk (`update`, state
+ * and file I/O) has an async twin that runs on the libuv threadpool. Async calls on one cache
+ * queue in call order; while any is queued or running, synchronous calls throw `ERR_KV_BUSY`.
  */
 export declare class KvCache {
   /** Creates a cache with zeroed K/V tensors in host memory. */
@@ -80,9 +80,15 @@ export declare class KvCache {
   seqCp(src: number, dst: number, p0?: number, p1?: number): void
   /** Frees every cell not owned by `seqId` and drops other sequences from the rest. */
   seqKeep(seqId: number): void
-  /** Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`. */
+  /**
+   * Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+   * `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
+   */
   seqAdd(seqId: number, p0: number, p1: number, delta: number): void
-  /** Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). */
+  /**
+   * Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
+   * changes nothing, as in llama.cpp.
+   */
   seqDiv(seqId: number, p0: number, p1: number, d: number): void
   /** Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era. */
   seqPosMax(seqId: number): number
@@ -105,6 +111,8 @@ export declare class KvCache {
   prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
   /** Metadata of cell `index`. */
   cell(index: number): CellInfo
+  /** Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call. */
+  cells(): CellColumns
   /** A snapshot of every cell, listing at most `nSeqMax` (default 4) sequences per cell. */
   view(nSeqMax?: number): CacheView
   /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */
@@ -123,9 +131,15 @@ export declare class KvCache {
   writeKF32(layer: number, firstCell: number, values: Float32Array): void
   /** Writes f32 V rows, converted to the cache's type. */
   writeVF32(layer: number, firstCell: number, values: Float32Array): void
-  /** Applies a pending K-shift (given `rope`) and a pending defrag, synchronously. */
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag, synchronously.
+   */
   updateSync(options?: UpdateOptions): UpdateReport
-  /** Applies a pending K-shift (given `rope`) and a pending defrag on the threadpool. */
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag on the threadpool.
+   */
   update(options?: UpdateOptions): Promise<UpdateReport>
   /** Bytes `stateWrite(seqId, options)` will produce. */
   stateSize(seqId?: number, options?: SaveOptions): number
@@ -147,24 +161,31 @@ export declare class KvCache {
    * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
    * atomically (a failed save leaves the previous file intact), synchronously.
    */
-  saveSequenceFileSync(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  saveSequenceFileSync(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
   /** Saves a sequence file on the threadpool. */
-  saveSequenceFile(path: string, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  saveSequenceFile(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
   /**
    * Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
    * returns its tokens. Transactional.
    */
-  loadSequenceFileSync(path: string, destSeqId: number, options?: LoadOptions): LoadedFile
+  loadSequenceFileSync(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): LoadedFile
   /** Loads a sequence file on the threadpool. */
-  loadSequenceFile(path: string, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
+  loadSequenceFile(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
   /** Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically. */
-  saveSessionFileSync(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  saveSessionFileSync(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
   /** Saves a session file on the threadpool. */
-  saveSessionFile(path: string, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  saveSessionFile(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
   /** Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional. */
-  loadSessionFileSync(path: string, options?: LoadOptions): LoadedFile
+  loadSessionFileSync(path: string | Uint8Array, options?: LoadOptions): LoadedFile
   /** Loads a session file on the threadpool. */
-  loadSessionFile(path: string, options?: LoadOptions): Promise<LoadedFile>
+  loadSessionFile(path: string | Uint8Array, options?: LoadOptions): Promise<LoadedFile>
+  /**
+   * Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
+   * that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
+   * option. Models with a memory this library does not model (a sliding-window cache,
+   * hybrid attention + recurrent) are refused with ERR_KV_UNSUPPORTED naming what is missing.
+   */
+  static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
 }
 
 /**
@@ -263,6 +284,25 @@ export interface CacheView {
   maxContiguousIdx: number
 }
 
+/** Every cell's metadata as typed arrays, indexed by cell: one call for a cache of any size. */
+export interface CellColumns {
+  /** Position, -1 when free. */
+  pos: Int32Array
+  /** Position change pending for the K-shift. */
+  delta: Int32Array
+  /** Recurrent: cell this one copies its state from (-1: none). */
+  src: Int32Array
+  /** Recurrent: for cell i, the cell holding sequence i's state (-1: none). */
+  tail: Int32Array
+  /**
+   * `size + 1` offsets into `seqIds`: cell i's sequences are
+   * `seqIds.subarray(seqOffsets[i], seqOffsets[i + 1])`.
+   */
+  seqOffsets: Uint32Array
+  /** Every cell's sequence ids, ascending per cell, concatenated. */
+  seqIds: Int32Array
+}
+
 /** One cell's metadata. */
 export interface CellInfo {
   /** Position, -1 when free. */
@@ -286,6 +326,12 @@ export interface CellMove {
   /** Cells in the run. */
   len: number
 }
+
+/**
+ * Whether a state file (a path or its bytes) fits a GGUF model: memory kind, architecture
+ * (session files), recurrence, layer count and every layer's K and V widths.
+ */
+export declare function checkState(state: string | Uint8Array, ggufPath: string | Uint8Array): FitResult
 
 /** Options of `convertStateFile`. */
 export interface ConvertFileOptions {
@@ -326,7 +372,7 @@ export interface ConvertFileOptions {
  * Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
  * writes the result atomically to `output`.
  */
-export declare function convertStateFile(input: string, output: string, options?: ConvertFileOptions): void
+export declare function convertStateFile(input: string | Uint8Array, output: string | Uint8Array, options?: ConvertFileOptions): void
 
 /** A CUDA device. */
 export interface CudaDevice {
@@ -362,6 +408,45 @@ export interface DeviceBytes {
   device: string
   /** Bytes of K and V there. */
   bytes: number
+}
+
+/** One reason a state does not fit a model. */
+export interface FitReason {
+  /** What differs: 'memory', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'. */
+  field: string
+  /** The state file's value. */
+  state: string
+  /** The model's value. */
+  model: string
+  /** A sentence naming the field and both values. */
+  message: string
+}
+
+/** The verdict of `checkState`. */
+export interface FitResult {
+  /** True when the state can be loaded into a cache for the model. */
+  fits: boolean
+  /** Every difference found (empty when it fits). */
+  reasons: Array<FitReason>
+}
+
+/** Options of `KvCache.fromModel`. */
+export interface FromModelOptions {
+  /**
+   * Context length in cells, padded like llama.cpp (to 256 with flash attention, else 32).
+   * Default: the model's trained context. Ignored for recurrent models (one cell per sequence).
+   */
+  nCtx?: number
+  /** Number of sequences. Default 1. */
+  nSeqMax?: number
+  /** K type. Default 'f16'. */
+  typeK?: string
+  /** V type (quantized V needs `flashAttn`). Default 'f16'. */
+  typeV?: string
+  /** Flash attention. Default false. */
+  flashAttn?: boolean
+  /** Where the tensors live, as in `new KvCache`. */
+  device?: string | string[]
 }
 
 /** The structure of a llama.cpp state file. */
@@ -405,7 +490,10 @@ export interface Inspection {
   nRotK?: number
   /** Session v11 / sequence v4: the V rotation block size. */
   nRotV?: number
-  /** The memory that wrote the payload: 'single', 'iswa' or 'hybrid'. */
+  /**
+   * The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
+   * version whose KV caches all have a stream prefix), 'iswa' or 'hybrid'.
+   */
   memory: string
   /**
    * Payloads of several memories (iSWA, hybrid): each part in payload order. The top-level
@@ -524,8 +612,147 @@ export interface LoadOptions {
   allowScattered?: boolean
   /** Called with `(doneBytes, totalBytes)`. */
   onProgress?: (done: number, total: number) => void
-  /** Aborts the async operation until data starts being written (after that it completes). */
+  /**
+   * Aborts the async operation until data starts being written (after that it completes); the
+   * promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
+   */
   signal?: AbortSignal
+}
+
+/**
+ * Describes a GGUF model from its header and tensor-info table alone (tensor data is never
+ * read, unless `hashFile` asks for a fingerprint of the whole file).
+ */
+export declare function modelInfo(ggufPath: string | Uint8Array, options?: ModelInfoOptions): ModelInfo
+
+/** What a GGUF model's header says about its KV cache. */
+export interface ModelInfo {
+  /** `general.architecture`. */
+  arch: string
+  /** `general.name`. */
+  name?: string
+  /** Layers. */
+  nLayer: number
+  /** Context length the model was trained with. */
+  nCtxTrain: number
+  /** Embedding width. */
+  nEmbd: number
+  /** K head size. */
+  nEmbdHeadK: number
+  /** V head size. */
+  nEmbdHeadV: number
+  /** Per layer. */
+  layers: Array<ModelLayer>
+  /** Per layer K widths of the cache (`n_embd_k_gqa + n_embd_k_s`). */
+  nEmbdKGqa: Array<number>
+  /** Per layer V widths of the cache (`n_embd_v_gqa + n_embd_v_s`). */
+  nEmbdVGqa: Array<number>
+  /** RoPE. */
+  rope: ModelRope
+  /** Sliding window; absent when the model has none. */
+  swa?: ModelSwa
+  /** Recurrent dimensions of recurrent and hybrid models. */
+  recurrent?: ModelRecurrent
+  /** 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model. */
+  memory: string
+  /** Why `KvCache.fromModel` refuses this model; absent when it accepts it. */
+  unsupported?: string
+  /** K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks. */
+  bytesPerCell: Record<string, number | undefined | null>
+  /** Tensors in the file. */
+  nTensors: number
+  /** File size in bytes. */
+  fileSize: number
+  /** Tensor data in bytes. */
+  dataSize: number
+  /** Header and tensor-info table in bytes. */
+  headerSize: number
+  /** 'blake3:<hex>' of header, tensor-info table and data size; 'blake3-file:<hex>' with `hashFile`. */
+  fingerprint: string
+  /** Bytes read from the file. */
+  bytesRead: number
+}
+
+/** Options of `modelInfo`. */
+export interface ModelInfoOptions {
+  /** Hash every byte of the file for the fingerprint (reads the whole file). Default false. */
+  hashFile?: boolean
+}
+
+/** Geometry of one layer of a model. */
+export interface ModelLayer {
+  /** Query heads. */
+  nHead: number
+  /** K/V heads (`head_count_kv`, per layer when the model gives an array). */
+  nHeadKv: number
+  /** K width (`n_embd_k_gqa` = K head size x K/V heads). */
+  nEmbdKGqa: number
+  /** V width (`n_embd_v_gqa`). */
+  nEmbdVGqa: number
+  /** Whether the layer uses the sliding window. */
+  swa: boolean
+}
+
+/** Recurrent state dimensions (Mamba `ssm_*`, RWKV `wkv`). */
+export interface ModelRecurrent {
+  /** `ssm.conv_kernel`. */
+  ssmDConv: number
+  /** `ssm.inner_size`. */
+  ssmDInner: number
+  /** `ssm.state_size`. */
+  ssmDState: number
+  /** `ssm.time_step_rank`. */
+  ssmDtRank: number
+  /** RWKV `wkv.head_size`. */
+  wkvHeadSize: number
+  /** RWKV `token_shift_count`. */
+  tokenShiftCount: number
+  /** Rolling-state width per layer (`n_embd_k_s`). */
+  nEmbdKS: number
+  /** Recurrent-state width per layer (`n_embd_v_s`). */
+  nEmbdVS: number
+}
+
+/** RoPE as the model was trained. */
+export interface ModelRope {
+  /** 'none' | 'norm' | 'neox' | 'mrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`). */
+  type: string
+  /** Rotated dimensions per head (`n_rot`). */
+  nRot: number
+  /** Base frequency. */
+  freqBase: number
+  /** Frequency scale (1 / scaling factor). */
+  freqScale: number
+  /** 'none' | 'linear' | 'yarn' | 'longrope'. */
+  scalingType: string
+  /** YaRN's original context length. */
+  nCtxOrigYarn: number
+  /** `rope.scaling.attn_factor` (default 1). */
+  attnFactor: number
+  /** `rope.scaling.yarn_log_multiplier` (0 when absent). */
+  yarnLogMul: number
+  /** `rope.scaling.finetuned`. */
+  finetuned: boolean
+  /** Base frequency of the sliding-window layers. */
+  freqBaseSwa: number
+  /** Frequency scale of the sliding-window layers. */
+  freqScaleSwa: number
+  /** M-RoPE sections (empty when absent). */
+  sections: Array<number>
+  /** Tensors holding per-dimension frequency factors (`rope_freqs.weight`, ...). */
+  factorTensors: Array<string>
+}
+
+/** The sliding window. */
+export interface ModelSwa {
+  /** Window size in tokens. */
+  window: number
+  /** Every `pattern`-th layer has full attention (1: no layer uses the window's cache). */
+  pattern: number
+  /** Llama 4's chunked attention. */
+  chunked: boolean
+  /** Indices of the sliding-window layers. */
+  layers: Array<number>
 }
 
 /**
@@ -639,7 +866,10 @@ export interface SaveOptions {
   arch?: string
   /** Called with `(doneBytes, totalBytes)` while the state is written. */
   onProgress?: (done: number, total: number) => void
-  /** Aborts the async operation (also while it runs). */
+  /**
+   * Aborts the async operation (also while it runs); the promise rejects with
+   * `ERR_KV_ABORTED` (`name` 'AbortError').
+   */
   signal?: AbortSignal
 }
 
@@ -764,7 +994,10 @@ export interface UpdateOptions {
   ropeLayers?: Array<LayerRope>
   /** Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536. */
   maxNodes?: number
-  /** Aborts the async `update` while it is queued. */
+  /**
+   * Aborts the async `update` while it is queued; the promise rejects with `ERR_KV_ABORTED`
+   * (`name` 'AbortError').
+   */
   signal?: AbortSignal
 }
 

@@ -56,7 +56,7 @@ test('every t161 fixture inspects with its memory, parts and rotation', (t) => {
         t.is(m.nRotV, side.nRotV, `${name} nRotV`)
         t.is(m.vTrans, !side.flashAttn, name)
       }
-      if (side.memory === 'single') t.is(info.parts, undefined, name)
+      if (side.memory === 'unified') t.is(info.parts, undefined, name)
       else t.is(info.parts.reduce((n, p) => n + p.bytes, 0) + info.byteAccounting.header + info.byteAccounting.session, info.bytes)
     }
   }
@@ -165,7 +165,7 @@ test('convert: v11 to v10 and v9 and back, one part out of an iSWA file, and typ
   const base = path.join(dir, 'base.ggsn')
   convertStateFile(fixture('gemma3-swa.ggsn'), base, { part: 'base', version: 11 })
   const info = inspectState(base)
-  t.is(info.memory, 'single')
+  t.is(info.memory, 'unified')
   t.is(info.streams[0].cellCount, 10)
   const v10iswa = path.join(dir, 'iswa10.ggsn')
   convertStateFile(fixture('gemma3-swa.ggsn'), v10iswa, { version: 10 })

@@ -123,7 +123,8 @@ pub struct Inspection {
     pub n_rot_k: Option<u32>,
     /// Session v11 / sequence v4: the V rotation block size.
     pub n_rot_v: Option<u32>,
-    /// The memory that wrote the payload: 'single', 'iswa' or 'hybrid'.
+    /// The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
+    /// version whose KV caches all have a stream prefix), 'iswa' or 'hybrid'.
     pub memory: String,
     /// Payloads of several memories (iSWA, hybrid): each part in payload order. The top-level
     /// `streams`, `layers`, `nLayer`, `vTrans` and rotation describe the first part. Absent for

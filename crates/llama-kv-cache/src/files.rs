@@ -11,7 +11,8 @@ pub use crate::atomic_write::write_atomic;
 
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
-use crate::parts::{layouts_for_version, parse_parts, MemoryKind, Part, PartKind, PartRole};
+use crate::model::MemoryKind;
+use crate::parts::{layouts_for_version, parse_parts, Part, PartKind, PartRole};
 use crate::state::{Cursor, Layout, ParsedPayload, Progress, ReadOptions, ReadSummary};
 
 /// `'ggsn'`: session file magic.

@@ -49,7 +49,7 @@ pub use ggml_type::GgmlType;
 pub use kshift::{ShiftParams, UpdateReport};
 pub use model::{MemoryKind, ModelInfo, RopeKind};
 pub use params::CacheParams;
-pub use parts::{MemoryKind, PartKind, PartRole};
+pub use parts::{PartKind, PartRole};
 pub use rope::{RopeParams, RopeTable, RopeType};
 pub use slot::{PrepareOptions, Slot};
 pub use state::{Layout, ReadOptions, ReadSummary};

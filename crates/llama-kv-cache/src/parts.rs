@@ -9,6 +9,7 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::error::{KvError, Result};
+use crate::model::MemoryKind;
 use crate::state::{parse_payload, parse_stream_with, Cursor, Layout, ParsedPayload};
 
 /// What kind of memory a part is.
@@ -77,28 +78,6 @@ impl fmt::Display for PartRole {
     }
 }
 
-/// The memory that wrote a payload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemoryKind {
-    /// One unified KV cache, or (stream-less layouts) one recurrent memory.
-    Single,
-    /// Base + sliding-window caches.
-    Iswa,
-    /// Attention cache + recurrent memory.
-    Hybrid,
-}
-
-impl MemoryKind {
-    /// `"single"`, `"iswa"` or `"hybrid"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            MemoryKind::Single => "single",
-            MemoryKind::Iswa => "iswa",
-            MemoryKind::Hybrid => "hybrid",
-        }
-    }
-}
-
 /// One memory's payload inside a payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Part {
@@ -115,7 +94,7 @@ pub struct Part {
 /// A payload split into its memories.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Parts {
-    /// Which memory wrote it.
+    /// Which memory wrote it: unified or recurrent (one part), iSWA or hybrid (two).
     pub memory: MemoryKind,
     /// The parts in payload order.
     pub parts: Vec<Part>,
@@ -189,12 +168,24 @@ pub fn parse_parts(bytes: &[u8], layouts: &[Layout]) -> (Vec<Parts>, Vec<String>
         Ok(p) => fits.push(p),
         Err(e) => errors.push(format!("{what}: {e}")),
     };
+    // a stream-less payload is a recurrent memory once the version's KV caches all have the
+    // stream prefix; before, it may also be a seed-era KV cache (the caller decides)
+    let streams_only = !layouts.contains(&Layout::Streams);
     for &layout in layouts {
         note(
             format!("{layout}"),
-            kv_part(bytes, 0, layout, PartRole::Whole, true).map(|p| Parts {
-                memory: MemoryKind::Single,
-                parts: vec![p],
+            kv_part(bytes, 0, layout, PartRole::Whole, true).map(|mut p| {
+                if streams_only && !layout.has_stream_prefix() {
+                    p.kind = PartKind::Recurrent;
+                }
+                Parts {
+                    memory: if p.kind == PartKind::Recurrent {
+                        MemoryKind::Recurrent
+                    } else {
+                        MemoryKind::Unified
+                    },
+                    parts: vec![p],
+                }
             }),
         );
         if !layout.has_stream_prefix() {

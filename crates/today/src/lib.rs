@@ -54,7 +54,7 @@ pub struct Spec {
     pub prompts: Vec<Vec<i32>>,
     /// The sequence saved into the sequence file.
     pub seq: i32,
-    /// The memory that writes the state: "single", "iswa" or "hybrid".
+    /// The memory that writes the state: "unified", "iswa" or "hybrid".
     pub memory: &'static str,
     /// `(n_rot_k, n_rot_v)` llama.cpp chooses.
     pub n_rot: (u32, u32),
@@ -78,7 +78,7 @@ pub fn specs() -> Vec<Spec> {
         unified: true,
         prompts: vec![p0.clone()],
         seq: 0,
-        memory: "single",
+        memory: "unified",
         n_rot: (0, 0),
     };
     let h64 = |name, types, fa, n_rot| Spec {
