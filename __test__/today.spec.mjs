@@ -97,6 +97,11 @@ test('a rotated quantized cache loads a v11 session with the same rotation and w
   t.is(e.code, 'ERR_KV_UNSUPPORTED')
   t.regex(e.message, /nRotK 64/)
   t.false(fs.existsSync(path.join(dir, 'v9.ggsn')))
+  // a K-shift would rotate the Hadamard-rotated rows: refused, and nothing changes
+  c.seqAdd(0, 2, -1, -2)
+  const shift = t.throws(() => c.updateSync({ rope: { headDim: 64, nHead: 1, type: 'norm', freqBase: 10000 } }))
+  t.is(shift.code, 'ERR_KV_UNSUPPORTED')
+  t.regex(shift.message, /nRotK 64/)
 })
 
 test('a rotation mismatch is refused naming n_rot_k, and the cache is unchanged', (t) => {

@@ -112,6 +112,14 @@ impl KvCache {
                 "K-shift is disabled for this cache (canShift: false)".into()
             }));
         }
+        if self.params.n_rot_k != 0 {
+            // llama.cpp 0.1.161 undoes the Hadamard rotation, applies RoPE and rotates again;
+            // RoPE on the rotated rows would corrupt K, so refuse rather than guess
+            return Err(KvError::Unsupported(format!(
+                "K-shift of a Hadamard-rotated K (nRotK {}) is not supported",
+                self.params.n_rot_k
+            )));
+        }
         for il in 0..self.params.n_layer {
             let p = params.for_layer(il);
             p.validate()?;
