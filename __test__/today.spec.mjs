@@ -8,6 +8,7 @@ import os from 'node:os'
 import path from 'node:path'
 import { execFileSync } from 'node:child_process'
 import { createRequire } from 'node:module'
+import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
 
 const require = createRequire(import.meta.url)
 const { KvCache, inspectState, convertStateFile } = require('../index.js')
@@ -17,6 +18,8 @@ const fixture = (name) => path.join(FIXTURES, `t161-${name}`)
 const sidecar = (name) => JSON.parse(fs.readFileSync(fixture(`${name}.json`), 'utf8'))
 const SPECS = fs.readdirSync(FIXTURES).filter((f) => /^t161-.*\.json$/.test(f)).map((f) => f.slice(5, -5))
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-t161-'))
+const CONTINUE = path.join(FIXTURES, '..', '..', '..', 'interop', 'continue.mjs')
+const NLC_TYPE = { 0: 'F32', 1: 'F16', 2: 'Q4_0', 8: 'Q8_0' }
 
 const TYPE_SIZE = { f32: [4, 1], f16: [2, 1], q8_0: [34, 32], q4_0: [18, 32] }
 const width = (type, rowSize) => (rowSize / TYPE_SIZE[type][0]) * TYPE_SIZE[type][1]
@@ -213,5 +216,30 @@ test('malformed v11 / v4, iSWA and hybrid files are refused with ERR_KV_INVALID_
       t.is(e.code, 'ERR_KV_INVALID_STATE', `${name} ${v.length}: ${e.message}`)
       t.deepEqual(c.stateWriteSync(-1, { layout: m.nRotK ? 'streams-rot' : 'streams' }), before)
     }
+  }
+})
+
+// 0.1.161's own files, converted by us to ggsq 3, continue in node-llama-cpp 3.22.1 with the token
+// 0.1.161 produced (`next2`). Rotated files have no older version (refused above), and llama.node
+// needs a prompt text whose tokenization matches the state, which these raw-id prompts are not.
+registerPeerSuite(test, 'today', () => {
+  for (const name of ['h16-f16', 'h16-f16-fa', 'h32-q8_0-fa', 'h64-f16-fa', 'h16-f16-par2-split']) {
+    test(`node-llama-cpp continues llama.cpp 0.1.161's t161-${name}.ggsq converted to ggsq 3`, async (t) => {
+      const side = sidecar(name)
+      const conv = path.join(tmp(), `${name}.ggsq`)
+      convertStateFile(fixture(`${name}.ggsq`), conv, { version: 3, nStream: side.kvUnified ? 1 : side.prompts.length })
+      t.like(inspectState(conv), { version: 3, layout: 'streams' })
+      const seq = side.seq
+      const options = {
+        ctx: { sequences: side.prompts.length, flashAttention: side.flashAttn, k: NLC_TYPE[side.typeK], v: NLC_TYPE[side.typeV] },
+        seqIndex: seq,
+        evaluate: [side.next[seq]],
+        n: 1,
+      }
+      const { runs } = await runPeerScript(CONTINUE, ['node-llama-cpp', side.model, conv, JSON.stringify(options)], (m) => t.log(m))
+      t.is(runs[0].error, undefined)
+      t.is(runs[0].loaded_tokens, side.prompts[seq].length)
+      t.is(runs[0].tokens[0], side.next2[seq], `node-llama-cpp after ${side.next[seq]}: ${JSON.stringify(runs[0].tokens)}`)
+    })
   }
 })

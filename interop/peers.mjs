@@ -21,6 +21,9 @@ export const REQUIRED = [
   'interop/models/llama-h16.gguf',
   'interop/models/llama-h32.gguf',
   'interop/models/mamba.gguf',
+  'interop/models/llama-h64.gguf',
+  'interop/models/gemma3-swa.gguf',
+  'interop/models/jamba.gguf',
   'interop/models/vocab.json',
 ]
 
