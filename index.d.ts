@@ -199,7 +199,10 @@ export declare class KvCache {
  * loaded.
  */
 export declare class PromptStore {
-  /** Opens a store: a directory with `path` (created if missing), else in-process memory. */
+  /**
+   * Opens a store: a directory with `path` (created if missing), a Redis server with `url`,
+   * several of them with `tiers`, else in-process memory.
+   */
   constructor(options: PromptStoreOptions)
   /** Tokens per block. */
   get blockTokens(): number
@@ -801,11 +804,33 @@ export interface PromptStoreOptions {
    * processes. Without `path` (and `url`), blocks live in this process's memory.
    */
   path?: string
-  /** A network store URL (`redis://…`), not supported by this build. */
+  /**
+   * A Redis or Valkey server shared by several processes and machines:
+   * `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
+   * with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
+   */
   url?: string
+  /** Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'. */
+  prefix?: string
+  /**
+   * Redis: blocks expire this many seconds after their last put or restore. Default: kept
+   * until Redis evicts them (`maxmemory`).
+   */
+  ttlSeconds?: number
+  /** Redis: the longest one call may take, connecting included, in milliseconds. Default 5000. */
+  timeoutMs?: number
+  /**
+   * Several backends, nearest first, e.g. `['memory', 'dir', 'redis']` (with `path` and
+   * `url`): reads ask the nearest tier first and copy hits into the nearer tiers; puts write
+   * through to every tier. Default: the one backend that `path` / `url` select.
+   */
+  tiers?: Array<string>
   /** Tokens per block, 16 to 4096. Default 256. */
   blockTokens?: number
-  /** Byte budget: least recently used blocks are evicted beyond it. Default: unbounded. */
+  /**
+   * Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
+   * it. Default: unbounded. (Redis has its own: `maxmemory`.)
+   */
   maxBytes?: number
 }
 
@@ -930,7 +955,7 @@ export interface StorePutResult {
 
 /** Counts of a store. */
 export interface StoreStats {
-  /** 'memory' or 'dir'. */
+  /** 'memory', 'dir', 'redis', or 'tiered' (then blocks, bytes and budget are the farthest tier's). */
   backend: string
   /** Tokens per block. */
   blockTokens: number

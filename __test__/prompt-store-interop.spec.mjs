@@ -1,12 +1,14 @@
 // The prompt store with the real llama.cpp peers: conversation A is saved by the peer and ingested;
 // conversation B shares A's first blocks; `writeFile` writes them as a file the peer loads; the peer
-// evaluates only B's suffix and its next greedy tokens equal those of a cold evaluation of B.
+// evaluates only B's suffix and its next greedy tokens equal those of a cold evaluation of B. The
+// llama.node conversation also runs through Redis, with A and B on two stores standing for machines.
 import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
+import { redisForTest } from './support/redis-server.mjs'
 
 const require = createRequire(import.meta.url)
 const { PromptStore, inspectState } = require('../index.js')
@@ -27,7 +29,11 @@ const commonPrefix = (a, b) => {
 }
 
 registerPeerSuite(test, 'prompt store interop', () => {
-  test('llama.node: B restored from A\'s blocks evaluates only its suffix and continues like a cold run', async (t) => {
+  /**
+   * Conversation A is ingested by one store and B's prefix written by another (`stores(dir)`
+   * returns `{ ingest, write }`: the same store, or two machines sharing a Redis).
+   */
+  async function llamaNodeConversation(t, stores) {
     const dir = tmp()
     const [fileA, fileBCold, fileB] = ['a.ggsn', 'b-cold.ggsn', 'b.ggsn'].map((f) => path.join(dir, f))
     const log = (m) => t.log(m)
@@ -37,13 +43,13 @@ registerPeerSuite(test, 'prompt store interop', () => {
     ])], log)
     const tokensA = inspectState(fileA).tokens
     const tokensB = inspectState(fileBCold).tokens
-    const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
-    const put = await store.putFile(fileA)
+    const { ingest, write } = await stores(dir)
+    const put = await ingest.putFile(fileA)
     t.true(put.blocksWritten >= 3, JSON.stringify(put))
     const expected = Math.floor(Math.min(commonPrefix(tokensA, tokensB), put.tokens) / BLOCK) * BLOCK
     t.true(expected >= 2 * BLOCK, `A and B share ${expected} tokens of full blocks`)
-    t.is(await store.lookup(tokensB), expected)
-    t.is(await store.writeFile(tokensB, fileB, { kind: 'session' }), expected)
+    t.is(await write.lookup(tokensB), expected)
+    t.is(await write.writeFile(tokensB, fileB, { kind: 'session' }), expected)
     t.is(inspectState(fileB).nTokens, expected)
     const r = await runPeerScript(path.join(INTEROP, 'continue.mjs'), ['llama-node', MODEL, fileB, JSON.stringify({
       prompt: PROMPT_B, n_predict: 3, also: ['-'],
@@ -52,6 +58,21 @@ registerPeerSuite(test, 'prompt store interop', () => {
     t.log(`warm: ${JSON.stringify(warm.tokens)} prompt_n ${warm.prompt_n}; cold: ${JSON.stringify(cold.tokens)} prompt_n ${cold.prompt_n}`)
     t.deepEqual(warm.tokens, cold.tokens)
     t.is(warm.prompt_n, cold.prompt_n - expected, 'the peer evaluated only the tokens after the restored prefix')
+  }
+
+  test('llama.node: B restored from A\'s blocks evaluates only its suffix and continues like a cold run', async (t) => {
+    await llamaNodeConversation(t, (dir) => {
+      const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
+      return { ingest: store, write: store }
+    })
+  })
+
+  test('llama.node through Redis: machine 1 ingests A, machine 2 writes B\'s prefix, the peer evaluates only the suffix', async (t) => {
+    const redis = await redisForTest(t)
+    await llamaNodeConversation(t, () => {
+      const machine = () => new PromptStore({ model: MODEL, url: redis.url, blockTokens: BLOCK })
+      return { ingest: machine(), write: machine() }
+    })
   })
 
   test('node-llama-cpp: B restored from A\'s blocks continues from its suffix like a cold run', async (t) => {

@@ -2,9 +2,10 @@ import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { spawn, spawnSync } from 'node:child_process'
+import { spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
+import { runScript } from './helpers/run-script.mjs'
 
 const require = createRequire(import.meta.url)
 const { KvCache, PromptStore, inspectState } = require('../index.js')
@@ -71,7 +72,6 @@ test('bad arguments are ERR_KV_INVALID_ARG naming the value', (t) => {
   t.throws(() => new PromptStore({ model: 'm', blockTokens: 8 }), { code: 'ERR_KV_INVALID_ARG', message: /blockTokens .* 8/ })
   t.throws(() => new PromptStore({ model: '' }), { code: 'ERR_KV_INVALID_ARG', message: /model/ })
   t.throws(() => new PromptStore({ model: 'm', maxBytes: -1 }), { code: 'ERR_KV_INVALID_ARG', message: /maxBytes/ })
-  t.throws(() => new PromptStore({ model: 'm', url: 'redis://localhost' }), { code: 'ERR_KV_UNSUPPORTED' })
   const store = new PromptStore({ model: 'm' })
   t.throws(() => store.putSync({}, 0, [1]), { code: 'ERR_KV_INVALID_ARG', message: /KvCache/ })
   t.throws(() => store.lookupSync([1.5]), { code: 'ERR_KV_INVALID_ARG', message: /tokens\[0\]/ })
@@ -202,22 +202,7 @@ test('a byte budget keeps the directory under it and the evicted prefix is a pla
   t.is(store.restoreSync(emptyCache(), 0, tokens), 0)
 })
 
-function runWorker(dir, w, n) {
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [path.join(HERE, 'helpers', 'store-worker.mjs'), dir, String(w), String(n)], {
-      stdio: ['ignore', 'pipe', 'pipe'],
-    })
-    let out = ''
-    let err = ''
-    child.stdout.on('data', (d) => (out += d))
-    child.stderr.on('data', (d) => (err += d))
-    child.on('close', (code) => {
-      const line = out.split('\n').find((l) => l.startsWith('@@RESULT '))
-      if (code === 0 && line) resolve(JSON.parse(line.slice(9)))
-      else reject(new Error(`worker ${w} exited ${code}: ${err}`))
-    })
-  })
-}
+const runWorker = (dir, w, n) => runScript(path.join(HERE, 'helpers', 'store-worker.mjs'), [dir, w, n])
 
 test('four processes putting and restoring overlapping prompts in one directory: every restore exact', async (t) => {
   const dir = tmp()

@@ -15,5 +15,6 @@ mod kv_cache;
 mod model;
 mod prompt_store;
 mod queue;
+mod store_backend;
 mod tasks;
 mod types;

@@ -30,11 +30,25 @@ pub struct PromptStoreOptions {
     /// A directory for the embedded `dir` backend (created if missing), shared safely by several
     /// processes. Without `path` (and `url`), blocks live in this process's memory.
     pub path: Option<String>,
-    /// A network store URL (`redis://…`), not supported by this build.
+    /// A Redis or Valkey server shared by several processes and machines:
+    /// `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
+    /// with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
     pub url: Option<String>,
+    /// Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'.
+    pub prefix: Option<String>,
+    /// Redis: blocks expire this many seconds after their last put or restore. Default: kept
+    /// until Redis evicts them (`maxmemory`).
+    pub ttl_seconds: Option<f64>,
+    /// Redis: the longest one call may take, connecting included, in milliseconds. Default 5000.
+    pub timeout_ms: Option<f64>,
+    /// Several backends, nearest first, e.g. `['memory', 'dir', 'redis']` (with `path` and
+    /// `url`): reads ask the nearest tier first and copy hits into the nearer tiers; puts write
+    /// through to every tier. Default: the one backend that `path` / `url` select.
+    pub tiers: Option<Vec<String>>,
     /// Tokens per block, 16 to 4096. Default 256.
     pub block_tokens: Option<f64>,
-    /// Byte budget: least recently used blocks are evicted beyond it. Default: unbounded.
+    /// Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
+    /// it. Default: unbounded. (Redis has its own: `maxmemory`.)
     pub max_bytes: Option<f64>,
 }
 
@@ -89,7 +103,7 @@ pub struct StorePutResult {
 /// Counts of a store.
 #[napi(object)]
 pub struct StoreStats {
-    /// 'memory' or 'dir'.
+    /// 'memory', 'dir', 'redis', or 'tiered' (then blocks, bytes and budget are the farthest tier's).
     pub backend: String,
     /// Tokens per block.
     pub block_tokens: u32,
@@ -352,29 +366,6 @@ pub struct PromptStore {
     inner: Arc<store::PromptStore>,
 }
 
-fn backend(o: &PromptStoreOptions) -> JsResult<Arc<dyn store::Backend>> {
-    let max_bytes = match o.max_bytes {
-        Some(m) if !(m.is_finite() && m >= 0.0 && m.fract() == 0.0) => {
-            return Err(err(
-                Code::InvalidArg,
-                format!("maxBytes must be a non-negative integer, got {m}"),
-            ))
-        }
-        m => m.map(|m| m as u64),
-    };
-    match (&o.path, &o.url) {
-        (Some(_), Some(_)) => Err(err(Code::InvalidArg, "give either path or url, not both")),
-        (None, Some(url)) => Err(err(
-            Code::Unsupported,
-            format!("url {url:?}: network stores are not supported by this build"),
-        )),
-        (Some(path), None) => Ok(Arc::new(
-            store::DirBackend::open(path, max_bytes).map_err(from_store)?,
-        )),
-        (None, None) => Ok(Arc::new(store::MemoryBackend::new(max_bytes))),
-    }
-}
-
 fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option<Signal>) {
     o.map_or((None, None), |Obj(o)| (o.on_progress, o.signal))
 }
@@ -468,7 +459,8 @@ fn write_file_job(
 
 #[napi]
 impl PromptStore {
-    /// Opens a store: a directory with `path` (created if missing), else in-process memory.
+    /// Opens a store: a directory with `path` (created if missing), a Redis server with `url`,
+    /// several of them with `tiers`, else in-process memory.
     #[napi(constructor)]
     pub fn new(
         #[napi(ts_arg_type = "PromptStoreOptions")] options: Obj<PromptStoreOptions>,
@@ -479,7 +471,7 @@ impl PromptStore {
                 Some(b) => u32v("blockTokens", Num(b))?,
                 None => store::DEFAULT_BLOCK_TOKENS,
             };
-            let backend = backend(&o)?;
+            let backend = crate::store_backend::open(&o)?;
             let inner =
                 store::PromptStore::new(backend, &o.model, block_tokens).map_err(from_store)?;
             Ok(PromptStore {

@@ -1,6 +1,6 @@
 // One "process" of the several-processes prompt store test: opens the shared directory, puts
 // its prompts and restores every prompt of the run, checking each restore byte for byte.
-//   node store-worker.mjs <dir> <worker> <workers>
+//   node store-worker.mjs <dir | redis://…> <worker> <workers>
 // Prints `@@RESULT <json>` and exits 0, or exits 1 with the failure on stderr.
 import { createRequire } from 'node:module'
 import { promptCache } from './store-prompts.mjs'
@@ -9,7 +9,9 @@ const require = createRequire(import.meta.url)
 const { KvCache, PromptStore } = require('../../index.js')
 
 const [dir, worker, workers] = process.argv.slice(2)
-const store = new PromptStore({ model: 'h16-test', path: dir, blockTokens: 16 })
+// a directory, or a Redis URL standing for a store shared by machines
+const where = dir.startsWith('redis://') ? { url: dir } : { path: dir }
+const store = new PromptStore({ model: 'h16-test', ...where, blockTokens: 16 })
 const mine = Number(worker)
 let restored = 0
 for (let round = 0; round < 3; round++) {

@@ -112,6 +112,13 @@ export async function startRedis(options = {}) {
   }
 
   const auth = options.requirepass ? ['--user', 'default', '--pass', options.requirepass, '--no-auth-warning'] : []
+  const run = (args, input) => {
+    const cli = findBinary('redis-cli')
+    if (!cli) throw new Error(`redis-cli is not installed: run \`${INSTALL_HINT}\` (as root)`)
+    const result = spawnSync(cli, ['-h', '127.0.0.1', '-p', String(port), ...auth, ...(input ? ['-x'] : []), ...args], { input })
+    if (result.status !== 0) throw new Error(`redis-cli ${args.join(' ')}: ${result.stderr}`)
+    return result.stdout
+  }
   return {
     port,
     dir,
@@ -128,15 +135,14 @@ export async function startRedis(options = {}) {
       await kill()
       fs.rmSync(dir, { recursive: true, force: true })
     },
-    /** Runs redis-cli against this server; `input` (a Buffer) is sent with -x as the last argument. */
+    /** Runs redis-cli against this server and returns its trimmed output as text; `input` (a Buffer) is sent with -x as the last argument. */
     cli(args, input) {
-      const cli = findBinary('redis-cli')
-      if (!cli) throw new Error(`redis-cli is not installed: run \`${INSTALL_HINT}\` (as root)`)
-      const result = spawnSync(cli, ['-h', '127.0.0.1', '-p', String(port), ...auth, ...(input ? ['-x'] : []), ...args], {
-        input,
-      })
-      if (result.status !== 0) throw new Error(`redis-cli ${args.join(' ')}: ${result.stderr}`)
-      return result.stdout.toString().trim()
+      return run(args, input).toString().trim()
+    },
+    /** Runs `redis-cli --raw` and returns its output bytes as they are, less the final newline (binary values). */
+    cliBuffer(args) {
+      const out = run(['--raw', ...args])
+      return out.subarray(0, out.length - 1)
     },
   }
 }

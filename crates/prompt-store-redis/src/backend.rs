@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use prompt_store::{Backend, Key, StoreError, StoreResult, Usage};
+use prompt_store::{block, Backend, Key, StoreError, StoreResult, Usage};
 use redis::Value;
 
 use crate::client::{ClientError, RedisClient};
@@ -117,18 +117,21 @@ impl Backend for RedisBackend {
         let redis_keys = self.redis_keys(keys);
         match self.ttl_ms() {
             None => Ok(self.client.get_many(&redis_keys)?),
-            // a read keeps a block alive: GETEX sets the expiry again
-            Some(ttl) => Ok(self
-                .client
-                .pipeline_each(&redis_keys, |pipe, key| {
-                    pipe.cmd("GETEX").arg(key).arg("PX").arg(ttl);
-                })?
-                .into_iter()
-                .map(|reply| match reply {
-                    Value::BulkString(bytes) => Some(bytes),
-                    _ => None,
-                })
-                .collect()),
+            // a read keeps a block alive: it sets the expiry again, of keys that have one (the
+            // model record has none and keeps none)
+            Some(ttl) => {
+                let replies = self.client.pipeline_each(&redis_keys, |pipe, key| {
+                    pipe.cmd("GET").arg(key);
+                    pipe.cmd("PEXPIRE").arg(key).arg(ttl).arg("XX").ignore();
+                })?;
+                Ok(replies
+                    .into_iter()
+                    .map(|reply| match reply {
+                        Value::BulkString(bytes) => Some(bytes),
+                        _ => None,
+                    })
+                    .collect())
+            }
         }
     }
 
@@ -152,6 +155,9 @@ impl Backend for RedisBackend {
             .unwrap_or(false))
     }
 
+    /// `SET NX`, with the TTL for blocks only: other values (the store's small model record,
+    /// which a process needs to look up prompts without a cache) are kept, so a fleet that
+    /// reads but does not put keeps finding its blocks.
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
         let redis_keys: Vec<Vec<u8>> = entries.iter().map(|(k, _)| self.redis_key(k)).collect();
         let pairs: Vec<(&[u8], &[u8])> = redis_keys
@@ -159,7 +165,22 @@ impl Backend for RedisBackend {
             .zip(entries)
             .map(|(key, (_, value))| (key.as_slice(), *value))
             .collect();
-        Ok(self.client.set_nx_many(&pairs, self.ttl)?)
+        let (blocks, others): (Vec<usize>, Vec<usize>) =
+            (0..pairs.len()).partition(|&i| pairs[i].1.starts_with(&block::MAGIC));
+        if self.ttl.is_none() || others.is_empty() {
+            return Ok(self.client.set_nx_many(&pairs, self.ttl)?);
+        }
+        let mut stored = vec![false; pairs.len()];
+        for (indices, ttl) in [(blocks, self.ttl), (others, None)] {
+            let part: Vec<(&[u8], &[u8])> = indices.iter().map(|&i| pairs[i]).collect();
+            for (i, written) in indices
+                .into_iter()
+                .zip(self.client.set_nx_many(&part, ttl)?)
+            {
+                stored[i] = written;
+            }
+        }
+        Ok(stored)
     }
 
     fn remove(&self, key: &Key) -> StoreResult<()> {

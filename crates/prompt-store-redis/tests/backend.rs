@@ -105,26 +105,42 @@ fn prefixes_keep_apps_apart_on_one_server() {
     assert_eq!(a.usage().unwrap().blocks, 1);
 }
 
+/// A value that starts like a block (the TTL applies to blocks only).
+fn block_value(tag: &[u8]) -> Vec<u8> {
+    [&prompt_store::block::MAGIC[..], tag].concat()
+}
+
 #[test]
-fn ttl_expires_unused_blocks_and_a_read_keeps_a_block_alive() {
+fn ttl_expires_unused_blocks_a_read_keeps_a_block_alive_and_other_values_stay() {
     let server = RedisServer::start();
     let store = RedisBackend::new(RedisOptions {
         ttl: Some(Duration::from_millis(400)),
         ..RedisOptions::new(server.url())
     })
     .unwrap();
+    let (read, idle) = (block_value(b"read"), block_value(b"idle"));
     store
-        .put_many(&[(key(1), b"read"), (key(2), b"idle")])
+        .put_many(&[(key(1), &read), (key(2), &idle), (key(3), b"record")])
         .unwrap();
     for _ in 0..4 {
         std::thread::sleep(Duration::from_millis(150));
-        assert_eq!(store.get_many(&[key(1)]).unwrap(), [Some(b"read".to_vec())]);
+        assert_eq!(
+            store.get_many(&[key(1), key(3)]).unwrap(),
+            [Some(read.clone()), Some(b"record".to_vec())]
+        );
     }
-    // 600 ms after the put: the unread block is gone, the read one is not
+    // 600 ms after the put: the unread block is gone, the read one is not, and the value that
+    // is not a block (the model record) never expires
     assert_eq!(
-        store.contains_many(&[key(1), key(2)]).unwrap(),
-        [true, false]
+        store.contains_many(&[key(1), key(2), key(3)]).unwrap(),
+        [true, false, true]
     );
+    let mut raw = server.connection();
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(store.redis_key(&key(3)))
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(ttl, -1, "no expiry on the record");
 }
 
 #[test]

@@ -1,0 +1,227 @@
+// The prompt store on a real Redis: each test starts its own redis-server (support/redis-server.mjs)
+// on a loopback port, with no persistence, and stops it afterwards. A missing redis-server fails
+// these tests with the command that installs it; they never skip.
+import test from 'ava'
+import path from 'node:path'
+import { createRequire } from 'node:module'
+import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
+import { runScript } from './helpers/run-script.mjs'
+import { redisForTest } from './support/redis-server.mjs'
+
+const require = createRequire(import.meta.url)
+const { KvCache, PromptStore } = require('../index.js')
+const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
+const ROLE = path.join(HERE, 'helpers', 'store-role.mjs')
+const WORKER = path.join(HERE, 'helpers', 'store-worker.mjs')
+
+const MODEL = 'h16-test'
+const open = (url, o = {}) => new PromptStore({ model: MODEL, url, blockTokens: 16, timeoutMs: 2000, ...o })
+const emptyCache = () => new KvCache({ size: 128, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 2 })
+const rows = (c, n, from = 0) =>
+  [0, 1].flatMap((il) => [Buffer.from(c.readK(il, from, n)), Buffer.from(c.readV(il, from, n))])
+const state = (c) => Buffer.from(c.stateWriteSync())
+test('a fleet shares one Redis: A puts, B restores byte-exact, C looks up a longer prompt', async (t) => {
+  const redis = await redisForTest(t)
+  const put = await runScript(ROLE, [redis.url, 'put', 0])
+  t.like(put, { tokens: 96, blocksWritten: 6 })
+  t.deepEqual(await runScript(ROLE, [redis.url, 'restore', 0]), { restored: 96 })
+  t.deepEqual(await runScript(ROLE, [redis.url, 'lookup', 0]), { found: 96 })
+  // prompt 1 shares the first 48 tokens (3 blocks) with prompt 0
+  t.deepEqual(await runScript(ROLE, [redis.url, 'lookup', 1]), { found: 48 })
+  t.deepEqual(await runScript(ROLE, [redis.url, 'restore', 1]), { restored: 48 })
+})
+
+test('four processes put overlapping prompts concurrently, then every process restores every prompt exactly', async (t) => {
+  const redis = await redisForTest(t)
+  const results = await Promise.all([0, 1, 2, 3].map((w) => runScript(WORKER, [redis.url, w, 4])))
+  for (const r of results) t.is(r.corrupt, 0)
+  const restores = await Promise.all(
+    [0, 1, 2, 3].flatMap((machine) => [0, 1, 2, 3].map((w) => runScript(ROLE, [redis.url, 'restore', w]).then((r) => [machine, r]))),
+  )
+  for (const [, r] of restores) t.is(r.restored, 96)
+  // 3 shared blocks + 3 own per prompt + the model record, each stored once
+  t.is((await open(redis.url).stats()).blocks, 3 + 4 * 3 + 1)
+})
+
+test('with a tiny maxmemory and allkeys-lru, evicted blocks are misses: lookups and restores stop there, no error', async (t) => {
+  const redis = await redisForTest(t, { maxmemory: 1_400_000 })
+  const store = open(redis.url)
+  const first = promptCache(KvCache, 0)
+  await store.put(first.cache, 0, first.tokens)
+  t.is(await store.lookup(first.tokens), 96)
+  // 3 unique blocks of ~2.6 KB per prompt: 150 prompts overflow the budget
+  for (let w = 1; w <= 150; w++) {
+    const { cache, tokens } = promptCache(KvCache, w)
+    await store.put(cache, 0, tokens)
+  }
+  const found = await store.lookup(first.tokens)
+  t.true(found < 96, `found ${found}`)
+  const dst = emptyCache()
+  const restored = await store.restore(dst, 0, first.tokens)
+  t.true(restored <= found)
+  t.deepEqual(rows(dst, restored), rows(first.cache, restored))
+  const stats = await store.stats()
+  t.true(stats.evictions > 0, JSON.stringify(stats))
+  t.is(stats.corrupt, 0)
+})
+
+test('Redis killed during a put: ERR_KV_STORE_UNAVAILABLE, cache unchanged, and the same store works after a restart', async (t) => {
+  const redis = await redisForTest(t)
+  const store = open(redis.url, { timeoutMs: 10_000 })
+  const other = promptCache(KvCache, 1)
+  await store.put(other.cache, 0, other.tokens) // the model record and the shared blocks exist
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const before = state(cache)
+  redis.cli(['CLIENT', 'PAUSE', '10000', 'WRITE']) // the put's SET NX of its own blocks waits
+  const put = store.put(cache, 0, tokens)
+  await new Promise((resolve) => setTimeout(resolve, 150))
+  await redis.kill()
+  const e = await t.throwsAsync(put, { code: 'ERR_KV_STORE_UNAVAILABLE' })
+  t.regex(e.message, new RegExp(`127\\.0\\.0\\.1:${redis.port}`))
+  t.deepEqual(state(cache), before)
+  await redis.restart()
+  t.like(await store.put(cache, 0, tokens), { blocksWritten: 6 })
+  const dst = emptyCache()
+  t.is(await store.restore(dst, 0, tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  t.is((await store.stats()).corrupt, 0, 'no half block')
+})
+
+test('Redis killed during a restore: ERR_KV_STORE_UNAVAILABLE and the cache is exactly as it was', async (t) => {
+  const redis = await redisForTest(t)
+  const store = open(redis.url, { timeoutMs: 10_000 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  const dst = promptCache(KvCache, 3).cache // holds another prompt in sequence 0
+  const before = state(dst)
+  redis.cli(['CLIENT', 'PAUSE', '10000', 'ALL'])
+  const restore = store.restore(dst, 1, tokens)
+  await new Promise((resolve) => setTimeout(resolve, 150))
+  await redis.kill()
+  await t.throwsAsync(restore, { code: 'ERR_KV_STORE_UNAVAILABLE' })
+  t.deepEqual(state(dst), before)
+  await redis.restart()
+  t.is(await store.restore(dst, 1, tokens), 0, 'restarted empty: a miss, not an error')
+})
+
+test('a store created while Redis is down fails typed, then works once Redis is back, without a new PromptStore', async (t) => {
+  const redis = await redisForTest(t)
+  await redis.kill()
+  const store = open(redis.url)
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await t.throwsAsync(store.put(cache, 0, tokens), { code: 'ERR_KV_STORE_UNAVAILABLE' })
+  t.throws(() => store.lookupSync(tokens), { code: 'ERR_KV_STORE_UNAVAILABLE' })
+  await redis.restart()
+  t.like(await store.put(cache, 0, tokens), { blocksWritten: 6 })
+  t.is(store.lookupSync(tokens), 96)
+})
+
+test('blocks corrupted in Redis by hand (garbage, truncated, copied to another key) are counted misses, never loaded', async (t) => {
+  const redis = await redisForTest(t)
+  const store = open(redis.url)
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  // each block's header says its index (bytes 72..75, after magic, version, fingerprint, key)
+  const keyOf = []
+  for (const key of redis.cli(['--raw', 'KEYS', 'llama-kv:*']).split('\n')) {
+    const head = redis.cliBuffer(['GETRANGE', key, '0', '75'])
+    if (head.subarray(0, 4).toString() === 'KVPB') keyOf[head.readUInt32LE(72)] = key
+  }
+  t.is(keyOf.filter(Boolean).length, 6)
+  const tamper = {
+    garbage: (key) => redis.cli(['SET', key], Buffer.from('not a block at all')),
+    truncated: (key) => redis.cli(['SET', key], redis.cliBuffer(['GET', key]).subarray(0, 1000)),
+    'copied from another key': (key) => redis.cli(['COPY', keyOf[2], key, 'REPLACE']),
+  }
+  for (const [what, at] of [['garbage', 2], ['truncated', 1], ['copied from another key', 4]]) {
+    tamper[what](keyOf[at])
+    const corrupt = (await store.stats()).corrupt
+    const dst = emptyCache()
+    t.is(await store.restore(dst, 0, tokens), 16 * at, `${what}: stops before block ${at}`)
+    t.deepEqual(rows(dst, 16 * at), rows(cache, 16 * at), what)
+    t.is((await store.stats()).corrupt, corrupt + 1, `${what}: counted`)
+    await store.put(cache, 0, tokens) // the bad value was removed: put stores a good one again
+    t.is(await store.lookup(tokens), 96, what)
+  }
+})
+
+test('requirepass and an ACL user: the right credentials work, wrong ones are ERR_KV_STORE_AUTH without the password in the message', async (t) => {
+  const redis = await redisForTest(t, { requirepass: 'fleet-secret', users: [{ name: 'worker', password: 'worker-secret' }] })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await open(redis.urlWith('', 'fleet-secret')).put(cache, 0, tokens)
+  t.is(await open(redis.urlWith('worker', 'worker-secret')).lookup(tokens), 96)
+  for (const url of [redis.url, redis.urlWith('', 'guess-1'), redis.urlWith('worker', 'guess-2'), redis.urlWith('nobody', 'worker-secret')]) {
+    const e = await t.throwsAsync(open(url).lookup(tokens), { code: 'ERR_KV_STORE_AUTH' })
+    t.notRegex(e.message, /guess|secret/)
+  }
+})
+
+test('tiers memory, dir, redis: puts write through, a hit in Redis is promoted into the nearer tiers', async (t) => {
+  const redis = await redisForTest(t)
+  const fs = await import('node:fs')
+  const os = await import('node:os')
+  const dirA = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-tier-'))
+  const dirB = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-tier-'))
+  t.teardown(() => [dirA, dirB].forEach((d) => fs.rmSync(d, { recursive: true, force: true })))
+  const tiers = ['memory', 'dir', 'redis']
+  const a = open(redis.url, { tiers, path: dirA })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  t.like(await a.put(cache, 0, tokens), { blocksWritten: 6 })
+  t.is(new PromptStore({ model: MODEL, path: dirA, blockTokens: 16 }).lookupSync(tokens), 96, 'written through to dir')
+  t.is(await open(redis.url).lookup(tokens), 96, 'written through to redis')
+  t.like(a.statsSync(), { backend: 'tiered' })
+  // machine B has an empty memory and dir: its first restore reads Redis and promotes
+  const b = open(redis.url, { tiers, path: dirB })
+  const dst = emptyCache()
+  t.is(await b.restore(dst, 0, tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  t.is(new PromptStore({ model: MODEL, path: dirB, blockTokens: 16 }).lookupSync(tokens), 96, 'promoted into dir')
+  await redis.kill()
+  const again = emptyCache()
+  t.is(await b.restore(again, 0, tokens), 96, 'served by the nearer tiers while Redis is down')
+})
+
+test('Redis options are checked: bad URL, tiers without their option, options without Redis', (t) => {
+  t.throws(() => new PromptStore({ model: 'm', url: 'http://x' }), { code: 'ERR_KV_INVALID_ARG', message: /Redis URL "http:\/\/x"/ })
+  t.throws(() => new PromptStore({ model: 'm', url: 'redis://u:pw@' }), { code: 'ERR_KV_INVALID_ARG', message: /^(?!.*pw@)/ })
+  t.throws(() => new PromptStore({ model: 'm', tiers: ['memory', 'redis'] }), { code: 'ERR_KV_INVALID_ARG', message: /url/ })
+  t.throws(() => new PromptStore({ model: 'm', tiers: ['memory', 'disk'], url: 'redis://h' }), { code: 'ERR_KV_INVALID_ARG', message: /disk/ })
+  t.throws(() => new PromptStore({ model: 'm', tiers: ['redis', 'redis'], url: 'redis://h' }), { code: 'ERR_KV_INVALID_ARG', message: /twice/ })
+  t.throws(() => new PromptStore({ model: 'm', path: '/tmp/x', url: 'redis://h' }), { code: 'ERR_KV_INVALID_ARG', message: /tiers/ })
+  t.throws(() => new PromptStore({ model: 'm', prefix: 'a:' }), { code: 'ERR_KV_INVALID_ARG', message: /prefix/ })
+  t.throws(() => new PromptStore({ model: 'm', url: 'redis://h', ttlSeconds: 0 }), { code: 'ERR_KV_INVALID_ARG', message: /ttlSeconds .* 0/ })
+  t.throws(() => new PromptStore({ model: 'm', url: 'redis://h', timeoutMs: 1.5 }), { code: 'ERR_KV_INVALID_ARG', message: /timeoutMs/ })
+  t.is(new PromptStore({ model: 'm', url: 'redis://127.0.0.1:1', prefix: 'x:', ttlSeconds: 60 }).blockTokens, 256, 'created without connecting')
+})
+
+test('ttlSeconds: blocks expire unless used, and a restore renews the expiry of what it reads', async (t) => {
+  const redis = await redisForTest(t)
+  const pttl = (key) => Number(redis.cli(['PTTL', key]))
+  const blockKeys = () => redis.cli(['--raw', 'KEYS', 'llama-kv:*']).split('\n').filter(Boolean)
+  const store = open(redis.url, { ttlSeconds: 8 })
+  const a = promptCache(KvCache, 0)
+  await store.put(a.cache, 0, a.tokens)
+  const keysOfA = new Set(blockKeys())
+  const b = promptCache(KvCache, 1)
+  await store.put(b.cache, 0, b.tokens)
+  const onlyB = blockKeys().filter((k) => !keysOfA.has(k))
+  t.is(onlyB.length, 3)
+  // blocks expire; the model record (which lookups without a cache need) does not
+  const record = [...keysOfA].filter((k) => pttl(k) === -1)
+  t.is(record.length, 1)
+  const blocksOfA = [...keysOfA].filter((k) => k !== record[0])
+  for (const key of [...blocksOfA, ...onlyB]) t.true(pttl(key) > 0 && pttl(key) <= 8000, key)
+  await new Promise((resolve) => setTimeout(resolve, 2000))
+  t.is(await store.restore(emptyCache(), 0, a.tokens), 96)
+  // A's blocks were just read: renewed to about 8 s; B's own were not: about 6 s left
+  const renewed = blocksOfA.map(pttl)
+  const aging = onlyB.map(pttl)
+  t.true(Math.min(...renewed) > Math.max(...aging), `${renewed} vs ${aging}`)
+  t.is(pttl(record[0]), -1)
+  t.true(Math.max(...aging) <= 6000, `${aging}`)
+
+  const short = open(redis.url, { ttlSeconds: 0.2, prefix: 'short:' })
+  await short.put(a.cache, 0, a.tokens)
+  await new Promise((resolve) => setTimeout(resolve, 800))
+  t.is(await short.lookup(a.tokens), 0, 'expired: a miss, not an error')
+})

@@ -1,0 +1,153 @@
+//! Which storage a `PromptStore` uses, from its options: in-process memory, a directory, a
+//! Redis server, or several of them as tiers (nearest first). Only option checking and
+//! construction live here; the backends are in `prompt-store` and `prompt-store-redis`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prompt_store::{Backend, DirBackend, MemoryBackend, TieredBackend};
+use prompt_store_redis::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};
+
+use crate::convert::int;
+use crate::error::{err, from_store, Code, JsResult};
+use crate::prompt_store::PromptStoreOptions;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tier {
+    Memory,
+    Dir,
+    Redis,
+}
+
+impl Tier {
+    fn parse(name: &str) -> JsResult<Tier> {
+        match name {
+            "memory" => Ok(Tier::Memory),
+            "dir" => Ok(Tier::Dir),
+            "redis" => Ok(Tier::Redis),
+            other => Err(err(
+                Code::InvalidArg,
+                format!("tiers: unknown tier {other:?} (expected 'memory', 'dir' or 'redis')"),
+            )),
+        }
+    }
+}
+
+/// The tiers named by `tiers`, or the one implied by `path` / `url`.
+fn tiers(o: &PromptStoreOptions) -> JsResult<Vec<Tier>> {
+    let Some(names) = &o.tiers else {
+        return match (&o.path, &o.url) {
+            (Some(_), Some(_)) => Err(err(
+                Code::InvalidArg,
+                "give either path or url, or both with tiers: ['dir', 'redis']",
+            )),
+            (Some(_), None) => Ok(vec![Tier::Dir]),
+            (None, Some(_)) => Ok(vec![Tier::Redis]),
+            (None, None) => Ok(vec![Tier::Memory]),
+        };
+    };
+    if names.is_empty() {
+        return Err(err(Code::InvalidArg, "tiers must name at least one tier"));
+    }
+    let mut tiers = Vec::with_capacity(names.len());
+    for name in names {
+        let tier = Tier::parse(name)?;
+        if tiers.contains(&tier) {
+            return Err(err(
+                Code::InvalidArg,
+                format!("tiers: {name:?} is listed twice"),
+            ));
+        }
+        tiers.push(tier);
+    }
+    let listed = |tier| tiers.contains(&tier);
+    let check = |given: bool, tier: Tier, option: &str, name: &str| match (given, listed(tier)) {
+        (true, false) => Err(err(
+            Code::InvalidArg,
+            format!("{option} is given but tiers does not list '{name}'"),
+        )),
+        (false, true) => Err(err(
+            Code::InvalidArg,
+            format!("tiers lists '{name}', which needs the {option} option"),
+        )),
+        _ => Ok(()),
+    };
+    check(o.path.is_some(), Tier::Dir, "path", "dir")?;
+    check(o.url.is_some(), Tier::Redis, "url", "redis")?;
+    Ok(tiers)
+}
+
+/// `ttlSeconds` as a duration: positive, at least a millisecond (Redis's resolution).
+fn ttl(seconds: Option<f64>) -> JsResult<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if (0.001..=1e12).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(err(
+            Code::InvalidArg,
+            format!("ttlSeconds must be a number of seconds of at least 0.001, got {s}"),
+        )),
+    }
+}
+
+fn redis_options(o: &PromptStoreOptions, url: &str) -> JsResult<RedisOptions> {
+    let timeout = match o.timeout_ms {
+        None => DEFAULT_TIMEOUT,
+        Some(ms) => Duration::from_millis(int("timeoutMs", ms, 1, 86_400_000)? as u64),
+    };
+    Ok(RedisOptions {
+        url: url.to_string(),
+        prefix: o.prefix.clone().unwrap_or_else(|| DEFAULT_PREFIX.into()),
+        ttl: ttl(o.ttl_seconds)?,
+        timeout,
+    })
+}
+
+/// The backend for `o`: one tier as itself, several as a `TieredBackend`.
+pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
+    let max_bytes = match o.max_bytes {
+        Some(m) if !(m.is_finite() && m >= 0.0 && m.fract() == 0.0) => {
+            return Err(err(
+                Code::InvalidArg,
+                format!("maxBytes must be a non-negative integer, got {m}"),
+            ))
+        }
+        m => m.map(|m| m as u64),
+    };
+    let tiers = tiers(o)?;
+    if !tiers.contains(&Tier::Redis) {
+        for (given, name) in [
+            (o.prefix.is_some(), "prefix"),
+            (o.ttl_seconds.is_some(), "ttlSeconds"),
+            (o.timeout_ms.is_some(), "timeoutMs"),
+        ] {
+            if given {
+                return Err(err(
+                    Code::InvalidArg,
+                    format!("{name} applies to a Redis store: give url"),
+                ));
+            }
+        }
+    }
+    let mut backends: Vec<Arc<dyn Backend>> = Vec::with_capacity(tiers.len());
+    for tier in &tiers {
+        backends.push(match (tier, &o.path, &o.url) {
+            (Tier::Memory, _, _) => Arc::new(MemoryBackend::new(max_bytes)),
+            (Tier::Dir, Some(path), _) => {
+                Arc::new(DirBackend::open(path, max_bytes).map_err(from_store)?)
+            }
+            (Tier::Redis, _, Some(url)) => {
+                Arc::new(RedisBackend::new(redis_options(o, url)?).map_err(from_store)?)
+            }
+            (tier, _, _) => {
+                return Err(err(
+                    Code::Internal,
+                    format!("tier {tier:?} has no option (a bug: tiers() checks this)"),
+                ))
+            }
+        });
+    }
+    if backends.len() == 1 {
+        return Ok(backends.pop().expect("one backend"));
+    }
+    Ok(Arc::new(TieredBackend::new(backends).map_err(from_store)?))
+}
