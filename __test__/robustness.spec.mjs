@@ -6,7 +6,7 @@ import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { once } from 'node:events'
 
 const require = createRequire(import.meta.url)
@@ -343,4 +343,39 @@ test('temp files of a save killed with SIGKILL are removed by the next save to t
   fs.writeFileSync(path.join(dir, '.big.ggsn.tmp-1-2'), 'stale')
   c.saveSessionFileSync(file, [7])
   t.deepEqual(tempsOf(dir, 'big.ggsn'), [])
+})
+
+// ---- 5. allocation failure is an error, not an abort ----------------------------------------
+
+// run under `ulimit -v 4000000` (about 3.8 GiB of address space, Node itself takes ~0.7)
+const UNDER_LIMIT = `
+const { KvCache } = require(${JSON.stringify(ADDON)})
+const fs = require('fs')
+const kb = (field) => Number(fs.readFileSync('/proc/self/status', 'utf8').match(new RegExp(field + ':[^0-9]+([0-9]+)'))[1])
+const out = {}
+const attempt = (name, fn) => { try { fn(); out[name] = 'ok' } catch (e) { out[name] = e.code } }
+attempt('cells', () => new KvCache({ size: 2 ** 28, nLayer: 1, nEmbdKGqa: 1 }))
+const rss = kb('VmRSS')
+let c
+attempt('cache', () => { c = new KvCache({ size: 2 ** 23, nLayer: 1, nEmbdKGqa: 64 }) })
+out.rssGrowthMiB = (kb('VmRSS') - rss) / 1024
+attempt('readK', () => c.readK(0, 0, 2 ** 23))
+attempt('readKF32', () => c.readKF32(0, 0, 2 ** 23))
+out.usable = c.usedCells === 0 && c.readK(0, 0, 4).length === 512
+console.log(JSON.stringify(out))
+`
+
+;(process.platform === 'linux' ? test : test.skip)('allocation failure under ulimit -v is ERR_KV_BACKEND, not an abort (issue 10.5)', (t) => {
+  const r = spawnSync('bash', ['-c', `ulimit -v 4000000 && exec "${process.execPath}" -e "$KV_SCRIPT"`], {
+    env: { ...process.env, KV_SCRIPT: UNDER_LIMIT },
+    encoding: 'utf8',
+  })
+  t.is(r.status, 0, `the child exited with ${r.status} ${r.signal ?? ''}: ${r.stderr.slice(0, 300)}`)
+  const out = JSON.parse(r.stdout)
+  t.is(out.cells, 'ERR_KV_BACKEND', '2^28 cells: the cell columns do not fit')
+  t.is(out.cache, 'ok', 'a 2 GiB cache fits in address space')
+  t.true(out.rssGrowthMiB < 256, `creating it touched ${out.rssGrowthMiB} MiB: tensors must be zeroed lazily`)
+  t.is(out.readK, 'ERR_KV_BACKEND', 'a 1 GiB read does not fit beside it')
+  t.is(out.readKF32, 'ERR_KV_BACKEND')
+  t.true(out.usable, 'the cache is usable after the failures')
 })

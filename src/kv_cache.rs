@@ -806,7 +806,7 @@ impl KvCache {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = load_options(options)?;
         self.run_sync(StateReadJob {
-            data: data.0.to_vec(),
+            data: payload_copy(&data)?,
             seq,
             opts,
         })
@@ -826,7 +826,7 @@ impl KvCache {
         self.run_async(
             &env,
             StateReadJob {
-                data: data.0.to_vec(),
+                data: payload_copy(&data)?,
                 seq,
                 opts,
             },
@@ -1060,4 +1060,10 @@ fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
         part: jobs::part(o.part.as_deref())?,
     };
     Ok((opts, o.on_progress, o.signal))
+}
+
+/// A copy of a state payload for the task (the caller's buffer may change meanwhile), allocated
+/// fallibly: a payload of gigabytes must fail with `ERR_KV_BACKEND`, not abort Node.
+fn payload_copy(data: &Bytes) -> JsResult<Vec<u8>> {
+    core::alloc::copy(&data.0, "a copy of the state payload").map_err(from_core)
 }

@@ -30,7 +30,7 @@ impl KvCache {
     pub fn with_allocator(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {
         params.validate()?;
         let size = params.size as usize;
-        let mut layers = Vec::with_capacity(params.n_layer as usize);
+        let mut layers = crate::alloc::with_capacity(params.n_layer as usize, "the layers")?;
         for il in 0..params.n_layer as usize {
             let mut layer = LayerTensors::allocate(
                 il,
@@ -46,8 +46,11 @@ impl KvCache {
             layer.v.fill_zero()?;
             layers.push(layer);
         }
+        // after the tensors: those are lazily zeroed, the cell columns are written now (-1), so
+        // an impossible size fails on the tensors before any page is touched
+        let cells = Cells::new(size, params.n_seq_max as usize)?;
         Ok(KvCache {
-            cells: Cells::new(size, params.n_seq_max as usize),
+            cells,
             head: 0,
             // a worst-case graph reserve leaves n = size before the first decode
             n: params.size,
@@ -281,7 +284,7 @@ impl KvCache {
         }
         let ty = self.tensor_type(which);
         let row = layer.row_size(which);
-        let mut bytes = vec![0u8; values.len() / width * row];
+        let mut bytes = crate::alloc::zeroed(values.len() / width * row, "the rows written")?;
         for (src, dst) in values.chunks_exact(width).zip(bytes.chunks_exact_mut(row)) {
             quant::quantize_row(ty, src, dst)?;
         }
@@ -296,7 +299,7 @@ impl KvCache {
             Tensor::K => (layer.n_embd_k, layer.k_row),
             Tensor::V => (layer.n_embd_v, layer.v_row),
         };
-        let mut out = vec![0f32; n as usize * width];
+        let mut out = crate::alloc::zeroed(n as usize * width, "the f32 rows read")?;
         let ty = self.tensor_type(which);
         for (src, dst) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(width)) {
             quant::dequantize_row(ty, src, dst)?;

@@ -10,6 +10,8 @@
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
 pub const MAX_SEQ: usize = 64;
 
+use crate::error::Result;
+
 /// Marker for "no position" in the per-sequence maximum.
 const NO_POS: i32 = i32::MIN;
 
@@ -142,22 +144,29 @@ pub struct Cells {
 }
 
 impl Cells {
-    /// `size` free cells for sequences `0..n_seq`.
-    pub fn new(size: usize, n_seq: usize) -> Cells {
+    /// `size` free cells for sequences `0..n_seq`; an error (not an abort) when the columns
+    /// cannot be allocated.
+    pub fn new(size: usize, n_seq: usize) -> Result<Cells> {
+        use crate::alloc::{filled, zeroed};
         let words = size.div_ceil(64);
-        Cells {
-            pos: vec![-1; size],
-            delta: vec![0; size],
-            src: vec![-1; size],
-            tail: vec![-1; size],
-            seqs: vec![SeqSet::EMPTY; size],
-            occupied: vec![0; words],
-            seq_bits: vec![vec![0; words]; n_seq],
+        let what = "the cell columns";
+        let mut seq_bits = crate::alloc::with_capacity(n_seq, what)?;
+        for _ in 0..n_seq {
+            seq_bits.push(zeroed(words, what)?);
+        }
+        Ok(Cells {
+            pos: filled(size, -1, what)?,
+            delta: zeroed(size, what)?,
+            src: filled(size, -1, what)?,
+            tail: filled(size, -1, what)?,
+            seqs: filled(size, SeqSet::EMPTY, what)?,
+            occupied: zeroed(words, what)?,
+            seq_bits,
             seq_cells: vec![0; n_seq],
             seq_pos_max: vec![NO_POS; n_seq],
             dirty: 0,
             used: 0,
-        }
+        })
     }
 
     /// Number of cells.
@@ -677,7 +686,7 @@ mod tests {
 
     #[test]
     fn bookkeeping_follows_removals() {
-        let mut c = Cells::new(4, 2);
+        let mut c = Cells::new(4, 2).unwrap();
         for i in 0..3 {
             c.set_pos(i, i as i32 * 10);
             c.insert_seq(i, 1);
@@ -698,7 +707,7 @@ mod tests {
 
     #[test]
     fn bitmap_searches_cross_words() {
-        let mut c = Cells::new(200, 1);
+        let mut c = Cells::new(200, 1).unwrap();
         for i in 0..130 {
             c.set_pos(i, 0);
         }

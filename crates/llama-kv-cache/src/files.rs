@@ -122,7 +122,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<FileHeader> {
             "token count {n} exceeds the file size"
         )));
     }
-    let mut tokens = Vec::with_capacity(n as usize);
+    let mut tokens = crate::alloc::with_capacity(n as usize, "the token list")?;
     for i in 0..n {
         tokens.push(c.i32(&format!("token {i}"))?);
     }
@@ -216,7 +216,7 @@ pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<
                 "n_outputs {n} exceeds the file"
             )));
         }
-        let mut output_pos = Vec::with_capacity(n as usize);
+        let mut output_pos = crate::alloc::with_capacity(n as usize, "the output ids")?;
         for i in 0..n {
             output_pos.push(c.i32(&format!("output_pos {i}"))?);
         }
@@ -349,6 +349,18 @@ pub fn session_prefix(arch: &str, outputs: Option<&Outputs>, layout: Layout) -> 
     out
 }
 
+/// `head` followed by `tail`, growing `head` fallibly (the state can be gigabytes).
+fn concat(mut head: Vec<u8>, tail: &[u8]) -> Result<Vec<u8>> {
+    head.try_reserve_exact(tail.len()).map_err(|_| {
+        KvError::Backend(format!(
+            "cannot allocate {} bytes for the file",
+            head.len() + tail.len()
+        ))
+    })?;
+    head.extend_from_slice(tail);
+    Ok(head)
+}
+
 impl KvCache {
     /// A sequence file (`ggsq`) for `seq` with its prompt `tokens`.
     pub fn sequence_file_bytes(
@@ -360,9 +372,9 @@ impl KvCache {
     ) -> Result<Vec<u8>> {
         self.check_seq("saveSequenceFile", seq)?;
         let (version, layout) = resolve_version(FileKind::Sequence, &opts)?;
-        let mut out = header_bytes(FileKind::Sequence, version, tokens);
-        out.extend(self.state_write(seq, layout, opts.n_stream, progress)?);
-        Ok(out)
+        let out = header_bytes(FileKind::Sequence, version, tokens);
+        let state = self.state_write(seq, layout, opts.n_stream, progress)?;
+        concat(out, &state)
     }
 
     /// A session file (`ggsn`) of the whole cache. The seed layout carries the outputs block
@@ -378,8 +390,8 @@ impl KvCache {
         let (version, layout) = resolve_version(FileKind::Session, &opts)?;
         let mut out = header_bytes(FileKind::Session, version, tokens);
         out.extend(session_prefix(arch, outputs, layout));
-        out.extend(self.state_write(-1, layout, opts.n_stream, progress)?);
-        Ok(out)
+        let state = self.state_write(-1, layout, opts.n_stream, progress)?;
+        concat(out, &state)
     }
 
     /// Loads a sequence file's bytes into `dest` (transactional, as `state_read`). Of a file
@@ -708,7 +720,17 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
 
 /// Reads a whole file, with an error naming the path.
 pub fn read_file(path: &Path) -> Result<Vec<u8>> {
-    fs::read(path).map_err(|e| KvError::Io(format!("cannot read {}: {e}", path.display())))
+    use std::io::Read;
+    let io = |e: std::io::Error| KvError::Io(format!("cannot read {}: {e}", path.display()));
+    let mut file = fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    // the size comes from the file: allocate it fallibly (fs::read would abort on failure)
+    let mut bytes = crate::alloc::with_capacity(
+        usize::try_from(len).unwrap_or(usize::MAX),
+        &format!("reading {}", path.display()),
+    )?;
+    file.read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
 }
 
 /// Architectures whose state is recurrent (one cell per sequence, no stream prefix).

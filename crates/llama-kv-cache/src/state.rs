@@ -234,7 +234,7 @@ pub(crate) fn parse_stream_with(
             c.remaining()
         )));
     }
-    let mut cells = Vec::with_capacity(cell_count as usize);
+    let mut cells = crate::alloc::with_capacity(cell_count as usize, "the cells of a state")?;
     for i in 0..cell_count {
         let pos = c.i32(&format!("cell {i} pos"))?;
         let n = c.u32(&format!("cell {i} n_seq_id"))?;
@@ -1041,8 +1041,8 @@ impl KvCache {
         }
         let mut out = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            let mut k = vec![0u8; l.k.len()];
-            let mut v = vec![0u8; l.v.len()];
+            let mut k = crate::alloc::zeroed(l.k.len(), "the K backup")?;
+            let mut v = crate::alloc::zeroed(l.v.len(), "the V backup")?;
             l.k.read(0, &mut k)?;
             l.v.read(0, &mut v)?;
             out.push((k, v));

@@ -88,17 +88,19 @@ pub trait KvBuffer: Send + Sync {
 /// A zero-initialised buffer in host memory.
 pub struct HostBuffer {
     bytes: Vec<u8>,
+    /// Nothing was written since the buffer was allocated or zeroed: the zero pages the OS
+    /// handed out lazily need not be touched to zero them again.
+    pristine: bool,
 }
 
 impl HostBuffer {
-    /// Allocates `len` zero bytes, reporting allocation failure as an error instead of aborting.
+    /// Allocates `len` zero bytes (calloc: the OS maps zero pages on first touch), reporting
+    /// allocation failure as an error instead of aborting.
     pub fn new(len: usize) -> Result<HostBuffer> {
-        let mut bytes = Vec::new();
-        bytes
-            .try_reserve_exact(len)
-            .map_err(|_| KvError::Backend(format!("cannot allocate {len} bytes of host memory")))?;
-        bytes.resize(len, 0);
-        Ok(HostBuffer { bytes })
+        Ok(HostBuffer {
+            bytes: crate::alloc::zeroed(len, "a tensor in host memory")?,
+            pristine: true,
+        })
     }
 }
 
@@ -128,6 +130,7 @@ impl KvBuffer for HostBuffer {
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.bytes.len())?;
+        self.pristine = false;
         self.bytes[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
@@ -135,12 +138,16 @@ impl KvBuffer for HostBuffer {
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
         check_range("copy source", src, len, self.bytes.len())?;
         check_range("copy destination", dst, len, self.bytes.len())?;
+        self.pristine = false;
         self.bytes.copy_within(src..src + len, dst);
         Ok(())
     }
 
     fn fill_zero(&mut self) -> Result<()> {
-        self.bytes.fill(0);
+        if !self.pristine {
+            self.bytes.fill(0);
+            self.pristine = true;
+        }
         Ok(())
     }
 
@@ -149,6 +156,7 @@ impl KvBuffer for HostBuffer {
     }
 
     fn as_host_mut(&mut self) -> Option<&mut [u8]> {
+        self.pristine = false;
         Some(&mut self.bytes)
     }
 }
@@ -245,12 +253,12 @@ impl LayerTensors {
     /// (transposed V is gathered back into rows).
     pub fn read_rows(&self, which: Tensor, lay: Layout, first: usize, n: usize) -> Result<Vec<u8>> {
         let row = self.row_size(which);
-        let mut out = vec![0u8; row * n];
+        let mut out = crate::alloc::zeroed(row * n, "the rows read")?;
         if which == Tensor::V && lay.v_trans {
             // one strided read of the n_embd_v element runs (one 2D copy on a device), then a
             // transpose into rows on the host
             let el = lay.v_el;
-            let mut columns = vec![0u8; self.n_embd_v * n * el];
+            let mut columns = crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns read")?;
             self.v
                 .read_2d(first * el, n * el, lay.size * el, &mut columns)?;
             for (j, column) in columns.chunks_exact(n * el).enumerate() {
@@ -276,7 +284,8 @@ impl LayerTensors {
         let n = rows.len() / row;
         if which == Tensor::V && lay.v_trans {
             let el = lay.v_el;
-            let mut columns = vec![0u8; self.n_embd_v * n * el];
+            let mut columns =
+                crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns written")?;
             for (j, column) in columns.chunks_exact_mut(n * el).enumerate() {
                 for (c, e) in column.chunks_exact_mut(el).enumerate() {
                     e.copy_from_slice(&rows[c * row + j * el..c * row + (j + 1) * el]);
