@@ -6,6 +6,11 @@
 // bytes of state blobs). The protocol is described in crates/differential/src/oracle.rs.
 
 #include "llama.h"
+// internal headers (the driver is built from llama.cpp's source): `hparams` reads what the
+// loader derived from the GGUF, which the public API does not show
+#include "llama-arch.h"
+#include "llama-model.h"
+#include "llama-model-loader.h"
 
 #include <cinttypes>
 #include <cstdio>
@@ -13,6 +18,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -100,6 +106,81 @@ static void report(long long ret, const std::string & blob_hex, bool has_blob) {
     js << "}";
     printf("%s\n", js.str().c_str());
     fflush(stdout);
+}
+
+// `hparams <path> <full>`: the hyper-parameters llama.cpp derives from a GGUF, as one JSON line.
+// full = 1 loads the whole model (tensors too) like llama_model_load_from_file; full = 0 runs only
+// the loader's load_arch + load_hparams, so a GGUF with metadata and no tensors is enough.
+static void do_hparams(std::istringstream & in) {
+    std::string path;
+    int full = 0;
+    if (!(in >> path >> full)) {
+        fail("hparams: expected path full");
+        return;
+    }
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model * loaded = nullptr;
+    std::unique_ptr<llama_model> own;
+    const llama_model * m = nullptr;
+    try {
+        if (full) {
+            loaded = llama_model_load_from_file(path.c_str(), mp);
+            if (!loaded) {
+                fail("hparams: cannot load model " + path);
+                return;
+            }
+            m = loaded;
+        } else {
+            std::vector<std::string> splits;
+            llama_model_loader ml(path, splits, false, false, nullptr, nullptr);
+            own.reset(new llama_model(mp));
+            own->load_arch(ml);
+            own->load_hparams(ml);
+            m = own.get();
+        }
+    } catch (const std::exception & e) {
+        std::string msg = e.what();
+        for (auto & c : msg) {
+            if (c == '"' || c == '\\' || c == '\n') c = ' ';
+        }
+        fail("hparams: " + msg);
+        return;
+    }
+    const auto & h = m->hparams;
+    std::ostringstream js;
+    js.precision(9);
+    auto arr = [&](const char * name, auto f) {
+        js << ",\"" << name << "\":[";
+        for (uint32_t il = 0; il < h.n_layer; il++) {
+            js << (il ? "," : "") << f(il);
+        }
+        js << "]";
+    };
+    js << "{\"arch\":\"" << llm_arch_name(m->arch) << "\"";
+    js << ",\"n_layer\":" << h.n_layer << ",\"n_ctx_train\":" << h.n_ctx_train << ",\"n_embd\":" << h.n_embd;
+    js << ",\"n_embd_head_k\":" << h.n_embd_head_k << ",\"n_embd_head_v\":" << h.n_embd_head_v << ",\"n_rot\":" << h.n_rot;
+    arr("n_head", [&](uint32_t il) { return h.n_head(il); });
+    arr("n_head_kv", [&](uint32_t il) { return h.n_head_kv(il); });
+    arr("n_embd_k_gqa", [&](uint32_t il) { return h.n_embd_k_gqa(il); });
+    arr("n_embd_v_gqa", [&](uint32_t il) { return h.n_embd_v_gqa(il); });
+    arr("is_swa", [&](uint32_t il) { return h.is_swa(il) ? 1 : 0; });
+    js << ",\"rope_type\":" << (int) h.rope_type << ",\"rope_freq_base\":" << h.rope_freq_base_train;
+    js << ",\"rope_freq_scale\":" << h.rope_freq_scale_train << ",\"rope_freq_base_swa\":" << h.rope_freq_base_train_swa;
+    js << ",\"rope_freq_scale_swa\":" << h.rope_freq_scale_train_swa << ",\"n_ctx_orig_yarn\":" << h.n_ctx_orig_yarn;
+    js << ",\"rope_attn_factor\":" << h.rope_attn_factor << ",\"rope_yarn_log_mul\":" << h.rope_yarn_log_mul;
+    js << ",\"rope_finetuned\":" << (h.rope_finetuned ? 1 : 0) << ",\"rope_scaling_type\":" << (int) h.rope_scaling_type_train;
+    js << ",\"n_swa\":" << h.n_swa << ",\"n_swa_pattern\":" << h.n_swa_pattern;
+    js << ",\"ssm_d_conv\":" << h.ssm_d_conv << ",\"ssm_d_inner\":" << h.ssm_d_inner << ",\"ssm_d_state\":" << h.ssm_d_state;
+    js << ",\"ssm_dt_rank\":" << h.ssm_dt_rank << ",\"wkv_head_size\":" << h.wkv_head_size;
+    js << ",\"token_shift_count\":" << h.token_shift_count;
+    js << ",\"n_embd_k_s\":" << h.n_embd_k_s() << ",\"n_embd_v_s\":" << h.n_embd_v_s();
+    js << ",\"recurrent\":" << (llama_model_is_recurrent(m) ? 1 : 0) << "}";
+    printf("%s\n", js.str().c_str());
+    fflush(stdout);
+    if (loaded) {
+        llama_model_free(loaded);
+    }
 }
 
 static bool do_init(std::istringstream & in) {
@@ -191,6 +272,10 @@ int main() {
         }
         if (op == "init") {
             do_init(in);
+            continue;
+        }
+        if (op == "hparams") {
+            do_hparams(in);
             continue;
         }
         if (!g_ctx) {

@@ -5,6 +5,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use llama_kv_cache::gguf::{GgufBuilder, GgufType, GgufValue};
+
 /// A model the differential runs can load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ModelKind {
@@ -137,18 +139,10 @@ fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
     (toks, scores, types)
 }
 
-enum Val {
-    U32(u32),
-    F32(f32),
-    Bool(bool),
-    Str(String),
-    StrArr(Vec<String>),
-    F32Arr(Vec<f32>),
-    I32Arr(Vec<i32>),
-}
-
+/// Metadata and f32 tensors of a tiny model, encoded by the core's GGUF writer (the same codec
+/// that `modelInfo` reads with).
 struct Writer {
-    kv: Vec<(String, Val)>,
+    kv: Vec<(String, GgufValue)>,
     tensors: Vec<(String, Vec<u64>, Vec<f32>)>,
     rng: u64,
 }
@@ -162,7 +156,7 @@ impl Writer {
         }
     }
 
-    fn kv(&mut self, k: &str, v: Val) {
+    fn kv(&mut self, k: &str, v: GgufValue) {
         self.kv.push((k.to_string(), v));
     }
 
@@ -188,99 +182,43 @@ impl Writer {
 
     fn tokenizer(&mut self) {
         let (toks, scores, types) = vocab();
-        let n = toks.len() as u32;
-        self.kv("tokenizer.ggml.model", Val::Str("llama".into()));
-        self.kv("tokenizer.ggml.pre", Val::Str("default".into()));
-        self.kv("tokenizer.ggml.tokens", Val::StrArr(toks));
-        self.kv("tokenizer.ggml.scores", Val::F32Arr(scores));
-        self.kv("tokenizer.ggml.token_type", Val::I32Arr(types));
-        self.kv("tokenizer.ggml.unknown_token_id", Val::U32(0));
-        self.kv("tokenizer.ggml.bos_token_id", Val::U32(1));
-        self.kv("tokenizer.ggml.eos_token_id", Val::U32(2));
-        self.kv("tokenizer.ggml.add_bos_token", Val::Bool(true));
-        self.kv("tokenizer.ggml.add_eos_token", Val::Bool(false));
-        self.kv("tokenizer.ggml.add_space_prefix", Val::Bool(true));
-        let _ = n;
+        self.kv("tokenizer.ggml.model", GgufValue::Str("llama".into()));
+        self.kv("tokenizer.ggml.pre", GgufValue::Str("default".into()));
+        let array = |elem, values: Vec<GgufValue>| GgufValue::Array {
+            elem,
+            len: values.len() as u64,
+            values: Some(values),
+        };
+        let toks = toks.into_iter().map(GgufValue::Str).collect();
+        let scores = scores.into_iter().map(GgufValue::F32).collect();
+        let types = types.into_iter().map(GgufValue::I32).collect();
+        self.kv("tokenizer.ggml.tokens", array(GgufType::Str, toks));
+        self.kv("tokenizer.ggml.scores", array(GgufType::F32, scores));
+        self.kv("tokenizer.ggml.token_type", array(GgufType::I32, types));
+        self.kv("tokenizer.ggml.unknown_token_id", GgufValue::U32(0));
+        self.kv("tokenizer.ggml.bos_token_id", GgufValue::U32(1));
+        self.kv("tokenizer.ggml.eos_token_id", GgufValue::U32(2));
+        self.kv("tokenizer.ggml.add_bos_token", GgufValue::Bool(true));
+        self.kv("tokenizer.ggml.add_eos_token", GgufValue::Bool(false));
+        self.kv("tokenizer.ggml.add_space_prefix", GgufValue::Bool(true));
     }
 
     fn write(&self, path: &Path) -> std::io::Result<()> {
-        let mut b: Vec<u8> = Vec::new();
-        let s = |b: &mut Vec<u8>, t: &str| {
-            b.extend((t.len() as u64).to_le_bytes());
-            b.extend(t.as_bytes());
-        };
-        b.extend(b"GGUF");
-        b.extend(3u32.to_le_bytes());
-        b.extend((self.tensors.len() as u64).to_le_bytes());
-        b.extend((self.kv.len() as u64).to_le_bytes());
+        let mut g = GgufBuilder::new();
         for (k, v) in &self.kv {
-            s(&mut b, k);
-            match v {
-                Val::U32(x) => {
-                    b.extend(4u32.to_le_bytes());
-                    b.extend(x.to_le_bytes());
-                }
-                Val::F32(x) => {
-                    b.extend(6u32.to_le_bytes());
-                    b.extend(x.to_le_bytes());
-                }
-                Val::Bool(x) => {
-                    b.extend(7u32.to_le_bytes());
-                    b.push(*x as u8);
-                }
-                Val::Str(x) => {
-                    b.extend(8u32.to_le_bytes());
-                    s(&mut b, x);
-                }
-                Val::StrArr(xs) => {
-                    b.extend(9u32.to_le_bytes());
-                    b.extend(8u32.to_le_bytes());
-                    b.extend((xs.len() as u64).to_le_bytes());
-                    for x in xs {
-                        s(&mut b, x);
-                    }
-                }
-                Val::F32Arr(xs) => {
-                    b.extend(9u32.to_le_bytes());
-                    b.extend(6u32.to_le_bytes());
-                    b.extend((xs.len() as u64).to_le_bytes());
-                    for x in xs {
-                        b.extend(x.to_le_bytes());
-                    }
-                }
-                Val::I32Arr(xs) => {
-                    b.extend(9u32.to_le_bytes());
-                    b.extend(5u32.to_le_bytes());
-                    b.extend((xs.len() as u64).to_le_bytes());
-                    for x in xs {
-                        b.extend(x.to_le_bytes());
-                    }
-                }
-            }
+            g.kv(k, v.clone());
         }
-        let align = 32u64;
-        let mut offset = 0u64;
-        for (name, ne, data) in &self.tensors {
-            s(&mut b, name);
-            b.extend((ne.len() as u32).to_le_bytes());
-            for d in ne {
-                b.extend(d.to_le_bytes());
-            }
-            b.extend(0u32.to_le_bytes()); // F32
-            b.extend(offset.to_le_bytes());
-            offset += (data.len() as u64 * 4).div_ceil(align) * align;
+        for (name, ne, _) in &self.tensors {
+            g.tensor(name, ne, 0); // f32
         }
-        while !(b.len() as u64).is_multiple_of(align) {
-            b.push(0);
-        }
-        for (_, _, data) in &self.tensors {
+        let mut b = g.header();
+        for ((_, _, data), info) in self.tensors.iter().zip(g.tensors()) {
             let start = b.len();
             for x in data {
                 b.extend(x.to_le_bytes());
             }
-            while !((b.len() - start) as u64).is_multiple_of(align) {
-                b.push(0);
-            }
+            // each tensor is padded to the alignment, as its offset says
+            b.resize(start + info.size.next_multiple_of(32) as usize, 0);
         }
         static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -298,21 +236,30 @@ fn write_llama(kind: ModelKind, path: &Path) -> std::io::Result<()> {
     let n_gqa = (head_dim * n_head_kv) as u64;
     let (e, ff) = (n_embd as u64, n_ff as u64);
     let mut w = Writer::new(kind as u64 + 16);
-    w.kv("general.architecture", Val::Str("llama".into()));
-    w.kv("general.name", Val::Str(kind.file_name().into()));
-    w.kv("llama.context_length", Val::U32(CTX));
-    w.kv("llama.embedding_length", Val::U32(n_embd as u32));
-    w.kv("llama.block_count", Val::U32(kind.n_layer()));
-    w.kv("llama.feed_forward_length", Val::U32(n_ff as u32));
-    w.kv("llama.attention.head_count", Val::U32(n_head as u32));
-    w.kv("llama.attention.head_count_kv", Val::U32(n_head_kv as u32));
-    w.kv("llama.rope.dimension_count", Val::U32(head_dim as u32));
-    w.kv("llama.rope.freq_base", Val::F32(10000.0));
-    w.kv("llama.attention.layer_norm_rms_epsilon", Val::F32(1e-5));
-    w.kv("general.file_type", Val::U32(0));
+    w.kv("general.architecture", GgufValue::Str("llama".into()));
+    w.kv("general.name", GgufValue::Str(kind.file_name().into()));
+    w.kv("llama.context_length", GgufValue::U32(CTX));
+    w.kv("llama.embedding_length", GgufValue::U32(n_embd as u32));
+    w.kv("llama.block_count", GgufValue::U32(kind.n_layer()));
+    w.kv("llama.feed_forward_length", GgufValue::U32(n_ff as u32));
+    w.kv("llama.attention.head_count", GgufValue::U32(n_head as u32));
+    w.kv(
+        "llama.attention.head_count_kv",
+        GgufValue::U32(n_head_kv as u32),
+    );
+    w.kv(
+        "llama.rope.dimension_count",
+        GgufValue::U32(head_dim as u32),
+    );
+    w.kv("llama.rope.freq_base", GgufValue::F32(10000.0));
+    w.kv(
+        "llama.attention.layer_norm_rms_epsilon",
+        GgufValue::F32(1e-5),
+    );
+    w.kv("general.file_type", GgufValue::U32(0));
     w.tokenizer();
     let nv = n_vocab() as u64;
-    w.kv("llama.vocab_size", Val::U32(nv as u32));
+    w.kv("llama.vocab_size", GgufValue::U32(nv as u32));
     w.tensor("token_embd.weight", &[e, nv], 0.5);
     w.tensor_data("output_norm.weight", &[e], vec![1.0; n_embd]);
     w.tensor("output.weight", &[e, nv], 0.5);
@@ -344,22 +291,25 @@ fn write_mamba(path: &Path) -> std::io::Result<()> {
         MAMBA_DT_RANK as u64,
     );
     let mut w = Writer::new(64);
-    w.kv("general.architecture", Val::Str("mamba".into()));
-    w.kv("general.name", Val::Str("mamba".into()));
-    w.kv("mamba.context_length", Val::U32(CTX));
-    w.kv("mamba.embedding_length", Val::U32(n_embd as u32));
-    w.kv("mamba.block_count", Val::U32(2));
-    w.kv("mamba.feed_forward_length", Val::U32(0));
-    w.kv("mamba.attention.head_count", Val::U32(0));
-    w.kv("mamba.ssm.conv_kernel", Val::U32(d_conv as u32));
-    w.kv("mamba.ssm.inner_size", Val::U32(d_inner as u32));
-    w.kv("mamba.ssm.state_size", Val::U32(d_state as u32));
-    w.kv("mamba.ssm.time_step_rank", Val::U32(dt_rank as u32));
-    w.kv("mamba.attention.layer_norm_rms_epsilon", Val::F32(1e-5));
-    w.kv("general.file_type", Val::U32(0));
+    w.kv("general.architecture", GgufValue::Str("mamba".into()));
+    w.kv("general.name", GgufValue::Str("mamba".into()));
+    w.kv("mamba.context_length", GgufValue::U32(CTX));
+    w.kv("mamba.embedding_length", GgufValue::U32(n_embd as u32));
+    w.kv("mamba.block_count", GgufValue::U32(2));
+    w.kv("mamba.feed_forward_length", GgufValue::U32(0));
+    w.kv("mamba.attention.head_count", GgufValue::U32(0));
+    w.kv("mamba.ssm.conv_kernel", GgufValue::U32(d_conv as u32));
+    w.kv("mamba.ssm.inner_size", GgufValue::U32(d_inner as u32));
+    w.kv("mamba.ssm.state_size", GgufValue::U32(d_state as u32));
+    w.kv("mamba.ssm.time_step_rank", GgufValue::U32(dt_rank as u32));
+    w.kv(
+        "mamba.attention.layer_norm_rms_epsilon",
+        GgufValue::F32(1e-5),
+    );
+    w.kv("general.file_type", GgufValue::U32(0));
     w.tokenizer();
     let nv = n_vocab() as u64;
-    w.kv("mamba.vocab_size", Val::U32(nv as u32));
+    w.kv("mamba.vocab_size", GgufValue::U32(nv as u32));
     w.tensor("token_embd.weight", &[n_embd, nv], 0.5);
     w.tensor_data("output_norm.weight", &[n_embd], vec![1.0; n_embd as usize]);
     w.tensor("output.weight", &[n_embd, nv], 0.5);

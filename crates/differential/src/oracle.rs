@@ -1,7 +1,8 @@
 //! The oracle: llama.cpp 0.1.103 in the `kv-driver` process (driver/driver.cpp), one op per
 //! line on its stdin, one JSON line back per op.
 //!
-//! Protocol: `init <model> <n_ctx> <n_seq_max> <flash_attn> <type_k> <type_v> <n_batch>
+//! Protocol: `hparams <model> <full 0|1>` answers the model's hyper-parameters (see
+//! [`Oracle::hparams`]); `init <model> <n_ctx> <n_seq_max> <flash_attn> <type_k> <type_v> <n_batch>
 //! <n_ubatch> <defrag_thold>` answers `{kv_size, n_ctx, n_batch, n_ubatch, n_layer}`; every other
 //! op (see [`crate::trace::Op`]'s `Display`) answers `{ret, n_tokens, used, pos_max, view_used,
 //! token_count, max_contig, max_contig_idx, pos, seqs[, blob]}`. `blob` is the hex of the KV
@@ -132,6 +133,13 @@ impl Oracle {
             n_ubatch: g("n_ubatch"),
             n_layer: g("n_layer"),
         })
+    }
+
+    /// The hyper-parameters llama.cpp derives from the GGUF at `model`: after a full load
+    /// (`full`) or from `load_arch` + `load_hparams` alone (a GGUF with metadata only is enough).
+    /// Needs no context.
+    pub fn hparams(&mut self, model: &Path, full: bool) -> Result<Value, String> {
+        self.roundtrip(&format!("hparams {} {}", model.display(), full as u8))
     }
 
     /// Applies one op.

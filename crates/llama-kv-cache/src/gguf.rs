@@ -319,15 +319,26 @@ impl<R: Read> Read for Counting<R> {
 }
 
 /// A cursor over the header that knows how many bytes the file still has, and feeds every byte
-/// it consumes to the fingerprint hasher.
+/// it consumes to the fingerprint hasher (staged in 64 KiB chunks: one hasher update per field
+/// would cost more than the parsing).
 struct Reader<'a, R> {
     inner: R,
     pos: u64,
     len: u64,
     hasher: Option<&'a mut blake3::Hasher>,
+    staged: Vec<u8>,
 }
 
+const HASH_CHUNK: usize = 64 * 1024;
+
 impl<R: Read> Reader<'_, R> {
+    fn flush_hash(&mut self) {
+        if let Some(h) = self.hasher.as_deref_mut() {
+            h.update(&self.staged);
+        }
+        self.staged.clear();
+    }
+
     fn remaining(&self) -> u64 {
         self.len.saturating_sub(self.pos)
     }
@@ -349,8 +360,11 @@ impl<R: Read> Reader<'_, R> {
                 self.pos
             ))
         })?;
-        if let Some(h) = self.hasher.as_deref_mut() {
-            h.update(buf);
+        if self.hasher.is_some() {
+            self.staged.extend_from_slice(buf);
+            if self.staged.len() >= HASH_CHUNK {
+                self.flush_hash();
+            }
         }
         self.pos += buf.len() as u64;
         Ok(())
@@ -442,12 +456,23 @@ impl<R: Read> Reader<'_, R> {
         }
         let keep = len <= MAX_KEPT_ARRAY;
         let mut values = Vec::with_capacity(if keep { len as usize } else { 0 });
-        if elem == GgufType::Str || keep {
+        if keep {
             for i in 0..len {
-                let v = self.scalar(elem, &|| format!("{}[{i}]", what()))?;
-                if keep {
-                    values.push(v);
+                values.push(self.scalar(elem, &|| format!("{}[{i}]", what()))?);
+            }
+        } else if elem == GgufType::Str {
+            // the vocabulary: each length must be read to find the next string, nothing kept
+            for i in 0..len {
+                let at = self.pos;
+                let n = self.u64(&|| format!("{}[{i}] length", what()))?;
+                if n > self.remaining() {
+                    return Err(bad(format!(
+                        "GGUF: {}[{i}] at byte {at} has length {n}, past the end of the file ({} bytes left)",
+                        what(),
+                        self.remaining()
+                    )));
                 }
+                self.skip(n, what)?;
             }
         } else {
             self.skip(len * elem.min_size(), what)?;
@@ -460,7 +485,7 @@ impl<R: Read> Reader<'_, R> {
     }
 
     fn skip(&mut self, mut n: u64, what: &dyn Fn() -> String) -> Result<()> {
-        let mut buf = [0u8; 4096];
+        let mut buf = [0u8; 256];
         while n > 0 {
             let k = n.min(buf.len() as u64) as usize;
             self.bytes_into(&mut buf[..k], what)?;
@@ -478,6 +503,7 @@ fn parse<R: Read>(r: R, len: u64, hasher: Option<&mut blake3::Hasher>) -> Result
         pos: 0,
         len,
         hasher,
+        staged: Vec::new(),
     };
     let magic: [u8; 4] = rd.array(&|| "the magic".into())?;
     if &magic != b"GGUF" {
@@ -599,6 +625,7 @@ fn parse<R: Read>(r: R, len: u64, hasher: Option<&mut blake3::Hasher>) -> Result
             size,
         });
     }
+    rd.flush_hash();
     let header_len = rd.pos;
     let data_offset = header_len.next_multiple_of(alignment);
     let data_size = expected_offset;

@@ -1,0 +1,459 @@
+//! `ModelInfo` against llama.cpp 0.1.103 itself: for the tiny models (loaded whole) and for
+//! metadata-only GGUFs of other architectures and RoPE settings (read by llama.cpp's own
+//! `load_arch` + `load_hparams`), every field llama.cpp derives must agree: layers, per-layer
+//! heads and K/V widths, the sliding-window layers, RoPE type, dims, base, scale and YaRN
+//! parameters, recurrent state widths.
+
+use std::path::{Path, PathBuf};
+
+use differential::gguf::{ensure_model, ModelKind};
+use differential::oracle::{driver_path, Oracle};
+use differential::run::work_dirs;
+use llama_kv_cache::gguf::{GgufBuilder, GgufType, GgufValue};
+use llama_kv_cache::{MemoryKind, ModelInfo};
+use serde_json::Value;
+
+fn u(v: u32) -> GgufValue {
+    GgufValue::U32(v)
+}
+fn f(v: f32) -> GgufValue {
+    GgufValue::F32(v)
+}
+fn s(v: &str) -> GgufValue {
+    GgufValue::Str(v.into())
+}
+fn i32s(v: &[i32]) -> GgufValue {
+    GgufValue::Array {
+        elem: GgufType::I32,
+        len: v.len() as u64,
+        values: Some(v.iter().map(|x| GgufValue::I32(*x)).collect()),
+    }
+}
+
+/// A metadata-only GGUF: `general.architecture` plus `keys` under the architecture's prefix.
+fn meta(arch: &str, keys: &[(&str, GgufValue)]) -> GgufBuilder {
+    let mut g = GgufBuilder::new();
+    g.kv("general.architecture", s(arch));
+    for (k, v) in keys {
+        g.kv(&format!("{arch}.{k}"), v.clone());
+    }
+    g
+}
+
+/// llama.cpp's common keys of a transformer with `n_layer` layers.
+fn base(n_layer: u32, n_embd: u32, n_head: u32) -> Vec<(&'static str, GgufValue)> {
+    vec![
+        ("context_length", u(4096)),
+        ("embedding_length", u(n_embd)),
+        ("block_count", u(n_layer)),
+        ("attention.head_count", u(n_head)),
+        ("attention.layer_norm_rms_epsilon", f(1e-5)),
+    ]
+}
+
+fn cases() -> Vec<(&'static str, GgufBuilder)> {
+    let with = |mut v: Vec<(&'static str, GgufValue)>, more: Vec<(&'static str, GgufValue)>| {
+        v.extend(more);
+        v
+    };
+    vec![
+        (
+            "llama, per-layer KV heads (int32 array)",
+            meta(
+                "llama",
+                &with(
+                    base(3, 128, 8),
+                    vec![("attention.head_count_kv", i32s(&[1, 2, 8]))],
+                ),
+            ),
+        ),
+        (
+            "llama, YaRN scaling, explicit head sizes",
+            meta(
+                "llama",
+                &with(
+                    base(2, 256, 4),
+                    vec![
+                        ("attention.head_count_kv", u(2)),
+                        ("attention.key_length", u(32)),
+                        ("attention.value_length", u(48)),
+                        ("rope.dimension_count", u(32)),
+                        ("rope.freq_base", f(500000.0)),
+                        ("rope.scaling.type", s("yarn")),
+                        ("rope.scaling.factor", f(4.0)),
+                        ("rope.scaling.original_context_length", u(1024)),
+                        ("rope.scaling.attn_factor", f(0.75)),
+                        ("rope.scaling.finetuned", GgufValue::Bool(true)),
+                    ],
+                ),
+            ),
+        ),
+        (
+            "llama, linear scaling under the old key",
+            meta(
+                "llama",
+                &with(base(2, 64, 4), vec![("rope.scale_linear", f(2.0))]),
+            ),
+        ),
+        (
+            "qwen2 (neox), partial rotation, no scaling",
+            meta(
+                "qwen2",
+                &with(
+                    base(2, 128, 4),
+                    vec![
+                        ("attention.head_count_kv", u(1)),
+                        ("rope.dimension_count", u(16)),
+                        ("rope.scaling.type", s("none")),
+                        ("rope.freq_base", f(1e6)),
+                    ],
+                ),
+            ),
+        ),
+        (
+            "qwen2vl (M-RoPE sections)",
+            meta(
+                "qwen2vl",
+                &with(
+                    base(2, 128, 4),
+                    vec![
+                        ("attention.head_count_kv", u(2)),
+                        ("rope.dimension_sections", i32s(&[4, 6, 6, 0])),
+                    ],
+                ),
+            ),
+        ),
+        (
+            "gemma2 (default window 4096, pattern 2)",
+            meta(
+                "gemma2",
+                &with(base(4, 64, 4), vec![("attention.head_count_kv", u(2))]),
+            ),
+        ),
+        (
+            "gemma3 (window 512, pattern 6, sliding-window RoPE base)",
+            meta(
+                "gemma3",
+                &with(
+                    base(12, 64, 4),
+                    vec![
+                        ("attention.head_count_kv", u(1)),
+                        ("attention.key_length", u(32)),
+                        ("attention.value_length", u(32)),
+                        ("attention.sliding_window", u(512)),
+                        ("rope.freq_base", f(1e6)),
+                        ("rope.scaling.type", s("linear")),
+                        ("rope.scaling.factor", f(8.0)),
+                    ],
+                ),
+            ),
+        ),
+        (
+            "cohere2 (window, pattern 4)",
+            meta(
+                "cohere2",
+                &[
+                    ("context_length", u(8192)),
+                    ("embedding_length", u(64)),
+                    ("block_count", u(8)),
+                    ("attention.head_count", u(4)),
+                    ("attention.head_count_kv", u(2)),
+                    ("attention.sliding_window", u(4096)),
+                    ("logit_scale", f(0.25)),
+                    ("attention.layer_norm_epsilon", f(1e-5)),
+                ],
+            ),
+        ),
+        (
+            "phi3 mini 4k (default window 2047 on every layer)",
+            meta(
+                "phi3",
+                &with(base(32, 96, 4), vec![("attention.head_count_kv", u(4))]),
+            ),
+        ),
+        (
+            "mamba (recurrent)",
+            meta(
+                "mamba",
+                &[
+                    ("context_length", u(1 << 20)),
+                    ("embedding_length", u(96)),
+                    ("block_count", u(3)),
+                    ("ssm.conv_kernel", u(4)),
+                    ("ssm.inner_size", u(192)),
+                    ("ssm.state_size", u(16)),
+                    ("ssm.time_step_rank", u(6)),
+                    ("attention.layer_norm_rms_epsilon", f(1e-5)),
+                ],
+            ),
+        ),
+        (
+            "rwkv6 (recurrent, token shift)",
+            meta(
+                "rwkv6",
+                &[
+                    ("context_length", u(1 << 20)),
+                    ("embedding_length", u(64)),
+                    ("block_count", u(2)),
+                    ("wkv.head_size", u(16)),
+                    ("time_mix_extra_dim", u(32)),
+                    ("time_decay_extra_dim", u(64)),
+                    ("token_shift_count", u(3)),
+                    ("attention.layer_norm_epsilon", f(1e-5)),
+                ],
+            ),
+        ),
+    ]
+}
+
+fn as_u32s(v: &Value, key: &str) -> Vec<u32> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {key} in {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+/// Every field llama.cpp reports, compared with ours; returns the mismatches.
+fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
+    let mut bad = Vec::new();
+    let mut eq = |field: &str, ours: String, theirs: String| {
+        if ours != theirs {
+            bad.push(format!("{field}: ours {ours}, llama.cpp {theirs}"));
+        }
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0);
+    let feq = |field: &str, ours: f32, theirs: f64, bad: &mut Vec<String>| {
+        if !close(ours as f64, theirs) {
+            bad.push(format!("{field}: ours {ours}, llama.cpp {theirs}"));
+        }
+    };
+    eq(
+        "arch",
+        m.arch.clone(),
+        h["arch"].as_str().unwrap_or("").into(),
+    );
+    for (field, ours) in [
+        ("n_layer", m.n_layer),
+        ("n_ctx_train", m.n_ctx_train),
+        ("n_embd", m.n_embd),
+        ("n_embd_head_k", m.n_embd_head_k),
+        ("n_embd_head_v", m.n_embd_head_v),
+        ("n_rot", m.rope.n_rot),
+        ("n_ctx_orig_yarn", m.rope.n_ctx_orig_yarn),
+        ("n_swa", m.swa.as_ref().map_or(0, |s| s.window)),
+        ("n_swa_pattern", m.swa.as_ref().map_or(1, |s| s.pattern)),
+    ] {
+        eq(field, ours.to_string(), num(h, field).to_string());
+    }
+    let layers = |f: fn(&llama_kv_cache::model::LayerGeometry) -> u32| -> Vec<u32> {
+        m.layers.iter().map(f).collect()
+    };
+    for (field, ours) in [
+        ("n_head", layers(|l| l.n_head)),
+        ("n_head_kv", layers(|l| l.n_head_kv)),
+        ("n_embd_k_gqa", layers(|l| l.n_embd_k_gqa)),
+        ("n_embd_v_gqa", layers(|l| l.n_embd_v_gqa)),
+        ("is_swa", layers(|l| l.swa as u32)),
+    ] {
+        eq(
+            field,
+            format!("{ours:?}"),
+            format!("{:?}", as_u32s(h, field)),
+        );
+    }
+    let rope_type = m
+        .rope
+        .kind
+        .llama_value()
+        .map_or("unknown".into(), |v| v.to_string());
+    eq("rope_type", rope_type, num(h, "rope_type").to_string());
+    let scaling = ["none", "linear", "yarn", "longrope"]
+        .iter()
+        .position(|t| *t == m.rope.scaling_type)
+        .map_or(-1, |i| i as i64);
+    eq(
+        "rope_scaling_type",
+        scaling.to_string(),
+        num(h, "rope_scaling_type").to_string(),
+    );
+    eq(
+        "rope_finetuned",
+        (m.rope.finetuned as u8).to_string(),
+        num(h, "rope_finetuned").to_string(),
+    );
+    for (field, ours) in [
+        ("rope_freq_base", m.rope.freq_base),
+        ("rope_freq_scale", m.rope.freq_scale),
+        ("rope_freq_base_swa", m.rope.freq_base_swa),
+        ("rope_freq_scale_swa", m.rope.freq_scale_swa),
+        ("rope_attn_factor", m.rope.attn_factor),
+        ("rope_yarn_log_mul", m.rope.yarn_log_mul),
+    ] {
+        feq(field, ours, num(h, field), &mut bad);
+    }
+    let r = m.recurrent.clone().unwrap_or_default();
+    let recurrent = m.memory == MemoryKind::Recurrent;
+    let mut eq = |field: &str, ours: u32| {
+        let theirs = num(h, field) as u32;
+        if ours != theirs {
+            bad.push(format!("{field}: ours {ours}, llama.cpp {theirs}"));
+        }
+    };
+    eq("ssm_d_conv", r.ssm_d_conv);
+    eq("ssm_d_inner", r.ssm_d_inner);
+    eq("ssm_d_state", r.ssm_d_state);
+    eq("ssm_dt_rank", r.ssm_dt_rank);
+    eq("wkv_head_size", r.wkv_head_size);
+    if r.wkv_head_size > 0 {
+        eq("token_shift_count", r.token_shift_count);
+    }
+    eq("n_embd_k_s", r.n_embd_k_s);
+    eq("n_embd_v_s", r.n_embd_v_s);
+    eq("recurrent", recurrent as u32);
+    bad
+}
+
+/// A folder of this test's own (the tests run in parallel and each removes its folder).
+fn scratch(test: &str) -> PathBuf {
+    let dir = work_dirs()
+        .0
+        .join(format!("model-info-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn check(oracle: &mut Oracle, name: &str, path: &Path, full: bool, failures: &mut Vec<String>) {
+    let ours = ModelInfo::from_file(path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let theirs = oracle
+        .hparams(path, full)
+        .unwrap_or_else(|e| panic!("{name}: llama.cpp: {e}"));
+    let bad = compare(&ours, &theirs);
+    if bad.is_empty() {
+        eprintln!("model info agrees with llama.cpp 0.1.103: {name}");
+    } else {
+        failures.push(format!("{name}:\n  {}", bad.join("\n  ")));
+    }
+}
+
+#[test]
+fn model_info_agrees_with_llama_cpp_field_by_field() {
+    let driver = driver_path().unwrap_or_else(|e| panic!("{e}"));
+    let mut oracle = Oracle::spawn(&driver).unwrap();
+    let dir = scratch("agree");
+    let mut failures = Vec::new();
+
+    // the tiny models the differential and interop tests run, loaded whole by llama.cpp
+    let (models, _) = work_dirs();
+    for kind in [
+        ModelKind::LlamaH16,
+        ModelKind::LlamaH32,
+        ModelKind::LlamaL64,
+        ModelKind::Mamba,
+    ] {
+        let path = ensure_model(&models, kind).unwrap();
+        check(&mut oracle, kind.file_name(), &path, true, &mut failures);
+    }
+    let interop = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../interop/models");
+    for name in [
+        "llama-h16.gguf",
+        "llama-h32.gguf",
+        "llama-h64.gguf",
+        "mamba.gguf",
+        "gemma3-swa.gguf",
+    ] {
+        let path = interop.join(name);
+        if path.exists() {
+            check(
+                &mut oracle,
+                &format!("interop/models/{name}"),
+                &path,
+                true,
+                &mut failures,
+            );
+        }
+    }
+
+    // other architectures and RoPE settings, through llama.cpp's own load_hparams
+    for (i, (name, g)) in cases().into_iter().enumerate() {
+        let path = dir.join(format!("case-{i}.gguf"));
+        std::fs::write(&path, g.bytes_zero_data()).unwrap();
+        check(&mut oracle, name, &path, false, &mut failures);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "ModelInfo differs from llama.cpp:\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn models_llama_cpp_refuses_are_refused_too() {
+    // what llama.cpp's load_hparams throws on, ModelInfo refuses as InvalidModel
+    let driver = driver_path().unwrap_or_else(|e| panic!("{e}"));
+    let mut oracle = Oracle::spawn(&driver).unwrap();
+    let dir = scratch("refuse");
+    let bad = [
+        (
+            "llama without block_count",
+            meta(
+                "llama",
+                &[("context_length", u(8)), ("embedding_length", u(8))],
+            ),
+        ),
+        (
+            "llama whose n_rot is not the head size",
+            meta("llama", &{
+                let mut k = base(2, 64, 4);
+                k.push(("rope.dimension_count", u(8)));
+                k
+            }),
+        ),
+        (
+            "gemma3 without sliding_window",
+            meta("gemma3", &base(2, 64, 4)),
+        ),
+        (
+            "head_count_kv array of the wrong length",
+            meta("llama", &{
+                let mut k = base(3, 64, 4);
+                k.push(("attention.head_count_kv", i32s(&[1, 2])));
+                k
+            }),
+        ),
+        (
+            "unknown rope scaling type",
+            meta("llama", &{
+                let mut k = base(2, 64, 4);
+                k.push(("rope.scaling.type", s("spiral")));
+                k
+            }),
+        ),
+    ];
+    for (i, (name, g)) in bad.into_iter().enumerate() {
+        let path = dir.join(format!("bad-{i}.gguf"));
+        std::fs::write(&path, g.bytes_zero_data()).unwrap();
+        let ours = ModelInfo::from_file(&path, false);
+        assert!(
+            matches!(ours, Err(llama_kv_cache::KvError::InvalidModel(_))),
+            "{name}: ours {ours:?}"
+        );
+        // llama.cpp throws (answered as an error) or aborts (GGML_ASSERT): either way, no model
+        match oracle.hparams(&path, false) {
+            Ok(v) => panic!("{name}: llama.cpp accepted it: {v}"),
+            Err(e) => {
+                eprintln!("{name}: ours {}; llama.cpp {e}", ours.unwrap_err());
+                if e.contains("died") {
+                    oracle = Oracle::spawn(&driver).unwrap();
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
