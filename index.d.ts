@@ -795,8 +795,10 @@ export interface PrepareBatchOptions {
 /** Options of `new PromptStore(options)`. */
 export interface PromptStoreOptions {
   /**
-   * Identity of the model weights (e.g. the GGUF file's sha256): part of every block key, so
-   * stores of different models never mix.
+   * Identity of the model weights: part of every block key, so stores of different models
+   * never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
+   * by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
+   * milliseconds); any other string (e.g. the file's sha256) is used as it is.
    */
   model: string
   /**

@@ -9,7 +9,7 @@ import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 
 const require = createRequire(import.meta.url)
-const { KvCache, modelInfo, checkState, inspectState } = require('../index.js')
+const { KvCache, PromptStore, modelInfo, checkState, inspectState } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
@@ -235,6 +235,35 @@ mtest('fromModel remembers the RoPE: update() shifts K exactly as update({ rope 
   plain.prepareBatch({ pos: [0, 1], seqIds: [0, 0] })
   plain.seqAdd(0, 0, -1, 3)
   t.true(plain.updateSync().shiftPending)
+})
+
+// ---- PromptStore({ model: ggufPath }) --------------------------------------------------------------
+
+mtest('PromptStore with model: a GGUF path keys its blocks by the model fingerprint', async (t) => {
+  const dir = tmp('store')
+  const file = model('llama-h16.gguf')
+  const tokens = Array.from({ length: 64 }, (_, i) => 300 + i)
+  const cache = KvCache.fromModel(file, { nCtx: 64 })
+  cache.prepareBatch({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
+  for (const layer of [0, 1]) cache.writeKF32(layer, 0, new Float32Array(64 * 32).map((_, i) => i / 7))
+  const byPath = new PromptStore({ model: file, path: dir, blockTokens: 16 })
+  t.like(await byPath.put(cache, 0, tokens), { tokens: 64, blocksWritten: 4 })
+  t.is(byPath.lookupSync(tokens), 64)
+  // the same store opened with the fingerprint itself, or with a copy of the file, finds the blocks
+  const copy = tmp('copy.gguf')
+  fs.copyFileSync(file, copy)
+  t.is(new PromptStore({ model: modelInfo(file).fingerprint, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
+  t.is(new PromptStore({ model: copy, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
+  // another model, or the path string taken literally, does not
+  t.is(new PromptStore({ model: model('llama-h32.gguf'), path: dir, blockTokens: 16 }).lookupSync(tokens), 0)
+  t.is(new PromptStore({ model: 'llama-h16', path: dir, blockTokens: 16 }).lookupSync(tokens), 0)
+})
+
+test('PromptStore with model: a *.gguf path that cannot be read is ERR_KV_IO, a broken one ERR_KV_INVALID_MODEL', (t) => {
+  t.throws(() => new PromptStore({ model: tmp('absent.gguf') }), code('ERR_KV_IO', /absent\.gguf/))
+  fs.writeFileSync(tmp('broken.gguf'), 'GGUF\x03')
+  t.throws(() => new PromptStore({ model: tmp('broken.gguf') }), code('ERR_KV_INVALID_MODEL'))
+  t.is(new PromptStore({ model: 'sha256:abc' }).blockTokens > 0, true, 'other strings are identities as they are')
 })
 
 // ---- CLI ----------------------------------------------------------------------------------------------

@@ -237,6 +237,27 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
     }
 }
 
+/// The identity a prompt store keys its blocks by: a GGUF file's fingerprint when `model`
+/// names one (an existing file that starts with the GGUF magic, or any `*.gguf` path, which
+/// must then be readable), else `model` itself (e.g. a sha256 the caller computed).
+pub(crate) fn model_identity(model: &str) -> JsResult<String> {
+    let path = Path::new(model);
+    let names_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let starts_gguf = || {
+        let mut magic = [0u8; 4];
+        std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok_and(|_| &magic == b"GGUF")
+    };
+    if names_gguf || (path.is_file() && starts_gguf()) {
+        Ok(read_model(path, false)?.fingerprint)
+    } else {
+        Ok(model.to_string())
+    }
+}
+
 fn read_model(path: &Path, hash_file: bool) -> JsResult<core::ModelInfo> {
     core::ModelInfo::from_file(path, hash_file).map_err(from_core)
 }

@@ -24,8 +24,10 @@ use crate::tasks::{aborted, Control, Job, ProgressFn};
 /// Options of `new PromptStore(options)`.
 #[napi(object, object_to_js = false)]
 pub struct PromptStoreOptions {
-    /// Identity of the model weights (e.g. the GGUF file's sha256): part of every block key, so
-    /// stores of different models never mix.
+    /// Identity of the model weights: part of every block key, so stores of different models
+    /// never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
+    /// by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
+    /// milliseconds); any other string (e.g. the file's sha256) is used as it is.
     pub model: String,
     /// A directory for the embedded `dir` backend (created if missing), shared safely by several
     /// processes. Without `path` (and `url`), blocks live in this process's memory.
@@ -472,8 +474,9 @@ impl PromptStore {
                 None => store::DEFAULT_BLOCK_TOKENS,
             };
             let backend = crate::store_backend::open(&o)?;
+            let model = crate::model::model_identity(&o.model)?;
             let inner =
-                store::PromptStore::new(backend, &o.model, block_tokens).map_err(from_store)?;
+                store::PromptStore::new(backend, &model, block_tokens).map_err(from_store)?;
             Ok(PromptStore {
                 inner: Arc::new(inner),
             })
