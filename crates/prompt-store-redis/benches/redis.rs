@@ -152,6 +152,14 @@ fn main() {
     let raw_get = time(|| {
         assert_eq!(client.get_many(&raw_keys).unwrap().len(), BLOCKS);
     });
+    let raw_pipelined_get = time(|| {
+        let replies = client
+            .pipeline_each(&raw_keys, |pipe, key| {
+                pipe.cmd("GET").arg(key);
+            })
+            .unwrap();
+        assert_eq!(replies.len(), BLOCKS);
+    });
 
     let lookup = median(
         (0..200)
@@ -235,6 +243,11 @@ fn main() {
         "| raw MGET of the block values | {:.1} ms | {:.0} MB/s | |",
         raw_get * 1e3,
         mbps(total, raw_get)
+    );
+    println!(
+        "| raw pipelined GET of the block values | {:.1} ms | {:.0} MB/s | |",
+        raw_pipelined_get * 1e3,
+        mbps(total, raw_pipelined_get)
     );
     println!(
         "| restore (EXISTS + MGET + verify + load) | {:.1} ms | {:.0} MB/s | {:.2}x raw MGET |",

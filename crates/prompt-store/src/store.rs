@@ -479,8 +479,8 @@ impl PromptStore {
                     tokens: &tokens[i * bt..(i + 1) * bt],
                     geometry: g,
                 };
-                // verified by fetch just before: a failure here is a bug, not bad data
-                block::decode(v, &id).map_err(|c| {
+                // verified by fetch just before (checksum included): a failure here is a bug
+                block::rows_of_verified(v, &id).map_err(|c| {
                     StoreError::Cache(KvError::InvalidState(format!("block {i}: {}", c.0)))
                 })
             })
@@ -729,11 +729,82 @@ impl RowSource<'_> {
 /// Writes V rows (`rows`: tokens x n_embd elements) into a transposed V block (`dst`: n_embd
 /// runs of `n` elements) at token offset `first`.
 fn transpose_into(rows: &[u8], dst: &mut [u8], el: usize, n_embd: usize, n: usize, first: usize) {
-    let row = el * n_embd;
-    for (t, r) in rows.chunks_exact(row).enumerate() {
-        for j in 0..n_embd {
-            let at = (j * n + first + t) * el;
-            dst[at..at + el].copy_from_slice(&r[j * el..(j + 1) * el]);
+    // one element per copy is the whole cost of a restore with transposed V: copy elements of a
+    // fixed size (plain loads and stores, no memcpy call each), writing each column's run of the
+    // block's tokens contiguously instead of striding through the whole destination per token
+    match el {
+        1 => transpose_columns::<1>(rows, dst, n_embd, n, first),
+        2 => transpose_columns::<2>(rows, dst, n_embd, n, first),
+        4 => transpose_columns::<4>(rows, dst, n_embd, n, first),
+        _ => {
+            let row = el * n_embd;
+            for (t, r) in rows.chunks_exact(row).enumerate() {
+                for j in 0..n_embd {
+                    let at = (j * n + first + t) * el;
+                    dst[at..at + el].copy_from_slice(&r[j * el..(j + 1) * el]);
+                }
+            }
+        }
+    }
+}
+
+/// [`transpose_into`] for elements of `E` bytes. Column by column: the block's few rows stay in
+/// cache while each column's run of `tokens` elements is written contiguously.
+fn transpose_columns<const E: usize>(
+    rows: &[u8],
+    dst: &mut [u8],
+    n_embd: usize,
+    n: usize,
+    first: usize,
+) {
+    let row = E * n_embd;
+    let tokens = rows.len() / row;
+    for j in 0..n_embd {
+        let run = &mut dst[(j * n + first) * E..(j * n + first + tokens) * E];
+        for (t, slot) in run.chunks_exact_mut(E).enumerate() {
+            let at = t * row + j * E;
+            let element: &[u8; E] = rows[at..at + E].try_into().expect("E bytes");
+            let slot: &mut [u8; E] = slot.try_into().expect("E bytes");
+            *slot = *element;
+        }
+    }
+}
+
+#[cfg(test)]
+mod transpose_tests {
+    use super::*;
+
+    /// The naive per-element transpose the fast paths must equal.
+    fn naive(rows: &[u8], dst: &mut [u8], el: usize, n_embd: usize, n: usize, first: usize) {
+        for (t, r) in rows.chunks_exact(el * n_embd).enumerate() {
+            for j in 0..n_embd {
+                let at = (j * n + first + t) * el;
+                dst[at..at + el].copy_from_slice(&r[j * el..(j + 1) * el]);
+            }
+        }
+    }
+
+    #[test]
+    fn every_element_size_and_odd_shapes_equal_the_naive_transpose() {
+        for el in [1usize, 2, 4, 8] {
+            for (n_embd, tokens, n, first) in [
+                (1, 1, 1, 0),
+                (67, 5, 12, 3),
+                (130, 16, 48, 32),
+                (64, 7, 7, 0),
+            ] {
+                let rows: Vec<u8> = (0..el * n_embd * tokens)
+                    .map(|i| (i * 7 + el) as u8)
+                    .collect();
+                let mut want = vec![0u8; el * n_embd * n];
+                let mut got = want.clone();
+                naive(&rows, &mut want, el, n_embd, n, first);
+                transpose_into(&rows, &mut got, el, n_embd, n, first);
+                assert_eq!(
+                    got, want,
+                    "el {el} n_embd {n_embd} tokens {tokens} n {n} first {first}"
+                );
+            }
         }
     }
 }
