@@ -15,6 +15,8 @@ const { PromptStore, inspectState } = require('../index.js')
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 const INTEROP = path.join(HERE, '..', 'interop')
 const MODEL = 'llama-h16.gguf'
+// the store's model identity: the GGUF file the peers run, keyed by its fingerprint
+const MODEL_FILE = path.join(INTEROP, 'models', MODEL)
 const BLOCK = 16
 
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-peer-'))
@@ -62,7 +64,7 @@ registerPeerSuite(test, 'prompt store interop', () => {
 
   test('llama.node: B restored from A\'s blocks evaluates only its suffix and continues like a cold run', async (t) => {
     await llamaNodeConversation(t, (dir) => {
-      const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
+      const store = new PromptStore({ model: MODEL_FILE, path: path.join(dir, 'store'), blockTokens: BLOCK })
       return { ingest: store, write: store }
     })
   })
@@ -70,7 +72,7 @@ registerPeerSuite(test, 'prompt store interop', () => {
   test('llama.node through Redis: machine 1 ingests A, machine 2 writes B\'s prefix, the peer evaluates only the suffix', async (t) => {
     const redis = await redisForTest(t)
     await llamaNodeConversation(t, () => {
-      const machine = () => new PromptStore({ model: MODEL, url: redis.url, blockTokens: BLOCK })
+      const machine = () => new PromptStore({ model: MODEL_FILE, url: redis.url, blockTokens: BLOCK })
       return { ingest: machine(), write: machine() }
     })
   })
@@ -84,7 +86,7 @@ registerPeerSuite(test, 'prompt store interop', () => {
       { prompt: PROMPT_B },
     ])], log)
     const tokensB = saved.runs[1].tokens
-    const store = new PromptStore({ model: MODEL, path: path.join(dir, 'store'), blockTokens: BLOCK })
+    const store = new PromptStore({ model: MODEL_FILE, path: path.join(dir, 'store'), blockTokens: BLOCK })
     const put = await store.putFile(fileA)
     const expected = Math.floor(Math.min(commonPrefix(saved.runs[0].tokens, tokensB), put.tokens) / BLOCK) * BLOCK
     t.true(expected >= 2 * BLOCK, `A and B share ${expected} tokens of full blocks`)
