@@ -354,6 +354,17 @@ export interface ConvertFileOptions {
   /** Re-type V. */
   typeV?: string
   /**
+   * The K rotation after re-typing (default: kept into a quantized type, none into a float
+   * type): llama.cpp 0.1.161 rotates quantized K by the largest power of two >= 64 dividing
+   * the head dimension (64 for head_dim 64), which a file does not record.
+   */
+  nRotK?: number
+  /**
+   * The V rotation after re-typing (llama.cpp 0.1.161: 64 for quantized V when the head
+   * dimension is a multiple of 64).
+   */
+  nRotV?: number
+  /**
    * Whether the state is recurrent (Mamba/RWKV). Sessions tell by their architecture; a
    * sequence file without a stream prefix needs it to be written in today's layout.
    */

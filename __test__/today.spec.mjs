@@ -84,7 +84,7 @@ test('inspect --json lists the parts of an iSWA and a hybrid file in payload ord
   t.regex(human, /part 1 {3}recurrent \(recurrent\)/)
 })
 
-test('a rotated quantized cache loads a v11 session with the same rotation and writes it back byte for byte', async (t) => {
+test('a rotated quantized cache loads a v11 session with the same rotation, writes it back byte for byte, and shifts', async (t) => {
   const file = fixture('h64-q8_0-fa.ggsn')
   const info = inspectState(file)
   const c = cacheFor(info)
@@ -100,11 +100,14 @@ test('a rotated quantized cache loads a v11 session with the same rotation and w
   t.is(e.code, 'ERR_KV_UNSUPPORTED')
   t.regex(e.message, /nRotK 64/)
   t.false(fs.existsSync(path.join(dir, 'v9.ggsn')))
-  // a K-shift would rotate the Hadamard-rotated rows: refused, and nothing changes
-  c.seqAdd(0, 2, -1, -2)
-  const shift = t.throws(() => c.updateSync({ rope: { headDim: 64, nHead: 1, type: 'norm', freqBase: 10000 } }))
-  t.is(shift.code, 'ERR_KV_UNSUPPORTED')
-  t.regex(shift.message, /nRotK 64/)
+  // the K-shift of a rotated K (rotate back, RoPE, rotate forward; compared with 0.1.161's own
+  // shift bit for bit in crates/today/tests/kshift.rs)
+  const before = c.readK(0, 5, 1)
+  c.seqRm(0, 2, 4)
+  c.seqAdd(0, 4, -1, -2)
+  t.true(c.updateSync({ rope: { headDim: 64, nHead: 1, type: 'norm', freqBase: 10000 } }).shiftedCells > 0)
+  t.notDeepEqual(c.readK(0, 5, 1), before)
+  t.is(c.seqPosMax(0), 7)
 })
 
 test('a rotation mismatch is refused naming n_rot_k, and the cache is unchanged', (t) => {
@@ -182,8 +185,16 @@ test('convert: v11 to v10 and v9 and back, one part out of an iSWA file, and typ
   const rot = t.throws(() => convertStateFile(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { version: 10 }))
   t.is(rot.code, 'ERR_KV_UNSUPPORTED')
   t.regex(rot.message, /nRotK 64/)
-  const retype = t.throws(() => convertStateFile(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { typeK: 'f16' }))
-  t.is(retype.code, 'ERR_KV_UNSUPPORTED')
+  // re-typing a rotated cache rotates back (into f16) or forward (into q8_0, with the rotation given)
+  const f16 = path.join(dir, 'f16.ggsn')
+  convertStateFile(fixture('h64-q8_0-fa.ggsn'), f16, { typeK: 'f16', typeV: 'f16', version: 11 })
+  t.like(inspectState(f16), { nRotK: 0, nRotV: 0, layers: [{ kType: 'f16' }, { kType: 'f16' }] })
+  const q8 = path.join(dir, 'q8.ggsn')
+  execFileSync(process.execPath, [CLI, 'convert', f16, q8, '--type-k', 'q8_0', '--type-v', 'q8_0', '--n-rot-k', '64', '--n-rot-v', '64', '--version', '11'])
+  t.like(inspectState(q8), { nRotK: 64, nRotV: 64, layers: [{ kType: 'q8_0' }, { kType: 'q8_0' }] })
+  const badRot = t.throws(() => convertStateFile(f16, path.join(dir, 'no.ggsn'), { typeK: 'q8_0', typeV: 'q8_0', nRotK: 48 }))
+  t.is(badRot.code, 'ERR_KV_INVALID_ARG')
+  t.regex(badRot.message, /nRotK/)
   const layout = t.throws(() => convertStateFile(src, path.join(dir, 'no.ggsn'), { layout: 'streams-rot', version: 9 }))
   t.is(layout.code, 'ERR_KV_INVALID_ARG')
   t.regex(layout.message, /version 9/)

@@ -29,6 +29,9 @@ const USAGE = `usage:
       --as-seq ID             rename the written sequence (e.g. a slot of a non-unified context)
       --arch NAME             session output from a sequence file: the architecture (default llama)
       --type-k T, --type-v T  re-type K/V (f32, f16, bf16, q8_0, ...)
+      --n-rot-k N, --n-rot-v N
+                              Hadamard rotation after re-typing (llama.cpp 0.1.161: 64 for
+                              quantized K/V of head_dim 64; default: kept, none for float types)
       --recurrent             the input sequence file holds a recurrent (Mamba/RWKV) state
       --transformer           the input sequence file holds a transformer state
   llama-kv-cache store <command> --store DIR [options]   a prompt store directory
@@ -210,7 +213,7 @@ function main(argv) {
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${humanModel(file, info, nSeq)}\n`)
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {
-        layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str',
+        layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str', 'n-rot-k': 'int', 'n-rot-v': 'int',
         recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str', part: 'str',
       })
       if (flags.recurrent && flags.transformer) fail('--recurrent and --transformer exclude each other')
@@ -218,7 +221,7 @@ function main(argv) {
       if (!input || !output) fail(`convert needs an input and an output file\n${USAGE}`)
       convertStateFile(input, output, {
         layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
-        typeK: flags['type-k'], typeV: flags['type-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
+        typeK: flags['type-k'], typeV: flags['type-v'], nRotK: flags['n-rot-k'], nRotV: flags['n-rot-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
         recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,
       })
       process.stdout.write(`${output}\n`)

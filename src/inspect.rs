@@ -348,6 +348,13 @@ pub struct ConvertFileOptions {
     pub type_k: Option<String>,
     /// Re-type V.
     pub type_v: Option<String>,
+    /// The K rotation after re-typing (default: kept into a quantized type, none into a float
+    /// type): llama.cpp 0.1.161 rotates quantized K by the largest power of two >= 64 dividing
+    /// the head dimension (64 for head_dim 64), which a file does not record.
+    pub n_rot_k: Option<f64>,
+    /// The V rotation after re-typing (llama.cpp 0.1.161: 64 for quantized V when the head
+    /// dimension is a multiple of 64).
+    pub n_rot_v: Option<f64>,
     /// Whether the state is recurrent (Mamba/RWKV). Sessions tell by their architecture; a
     /// sequence file without a stream prefix needs it to be written in today's layout.
     pub recurrent: Option<bool>,
@@ -387,6 +394,8 @@ pub fn convert_state_file(
             opts.extract_seq = o.seq_id.map(|s| i32v("seqId", s)).transpose()?;
             opts.type_k = ggml_type_opt("typeK", o.type_k)?;
             opts.type_v = ggml_type_opt("typeV", o.type_v)?;
+            opts.n_rot_k = o.n_rot_k.map(|n| u32v("nRotK", n)).transpose()?;
+            opts.n_rot_v = o.n_rot_v.map(|n| u32v("nRotV", n)).transpose()?;
             opts.recurrent = o.recurrent;
             opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
             opts.part = crate::jobs::part(o.part.as_deref())?;

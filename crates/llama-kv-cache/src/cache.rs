@@ -317,26 +317,47 @@ impl KvCache {
 
     /// A copy of this cache with K and V in other types: every row is converted through f32
     /// (dequantized and requantized with the reference quantizers as needed). Cell metadata is
-    /// copied as is.
+    /// copied as is. A rotated K or V keeps its rotation into another quantized type and loses
+    /// it into a float type, as llama.cpp 0.1.161 rotates quantized types only; see
+    /// [`KvCache::retyped_rotated`] to choose.
     pub fn retyped(&self, type_k: GgmlType, type_v: GgmlType) -> Result<KvCache> {
-        for (name, n_rot, from, to) in [
-            ("K", self.params.n_rot_k, self.params.type_k, type_k),
-            ("V", self.params.n_rot_v, self.params.type_v, type_v),
-        ] {
-            if n_rot != 0 && from != to {
-                return Err(KvError::Unsupported(format!(
-                    "{name} is stored Hadamard-rotated (nRot{name} {n_rot}); re-typing it from {from} to {to} is not supported"
-                )));
-            }
-        }
+        let keep = |n_rot: u32, ty: GgmlType| if ty.is_quantized() { n_rot } else { 0 };
+        self.retyped_rotated(
+            type_k,
+            type_v,
+            keep(self.params.n_rot_k, type_k),
+            keep(self.params.n_rot_v, type_v),
+        )
+    }
+
+    /// [`KvCache::retyped`] to the rotations `n_rot_k` / `n_rot_v` (0: none): each row is
+    /// dequantized, rotated back by its current rotation, rotated by the new one, and quantized,
+    /// as llama.cpp 0.1.161 would have stored the same values.
+    pub fn retyped_rotated(
+        &self,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        n_rot_k: u32,
+        n_rot_v: u32,
+    ) -> Result<KvCache> {
         let mut params = self.params.clone();
         params.type_k = type_k;
         params.type_v = type_v;
+        params.n_rot_k = n_rot_k;
+        params.n_rot_v = n_rot_v;
         let mut out = KvCache::new(params)?;
         let size = self.params.size;
         for il in 0..self.params.n_layer {
-            for which in [Tensor::K, Tensor::V] {
-                let values = self.read_rows_f32(il, which, 0, size)?;
+            for (which, from, to) in [
+                (Tensor::K, self.params.n_rot_k, n_rot_k),
+                (Tensor::V, self.params.n_rot_v, n_rot_v),
+            ] {
+                let mut values = self.read_rows_f32(il, which, 0, size)?;
+                if from != to {
+                    for n in [from, to].into_iter().filter(|&n| n != 0) {
+                        crate::hadamard::rotate_blocks(&mut values, n as usize);
+                    }
+                }
                 out.write_rows_f32(il, which, 0, &values)?;
             }
         }

@@ -754,6 +754,10 @@ pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParam
     params_for_payload(&ins.payload, recurrent)
 }
 
+/// Bytes a cache derived from a payload may take whatever the payload's size (its row sizes
+/// can be declared without data when it holds no cell).
+const MAX_DERIVED_CACHE_FLOOR: u64 = 64 << 20;
+
 /// Parameters of a cache that can hold exactly what one memory's payload holds (one part of
 /// an iSWA or hybrid payload), rotation included.
 pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<crate::CacheParams> {
@@ -815,6 +819,29 @@ pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<cr
     } else {
         (cells as u32).max(1)
     };
+    // the cache must not cost more than the payload could fill: a stream without cells still
+    // declares row sizes, and those must not make a tiny input allocate gigabytes
+    let per_cell: u64 = stream
+        .layers
+        .iter()
+        .map(|l| {
+            l.k_row_size.saturating_add(match &l.v {
+                VBlock::Rows { row_size, .. } => *row_size,
+                VBlock::Transposed {
+                    el_size, n_embd, ..
+                } => u64::from(*el_size) * u64::from(*n_embd),
+            })
+        })
+        .fold(0u64, u64::saturating_add);
+    let limit = (payload.len as u64)
+        .saturating_mul(4)
+        .max(MAX_DERIVED_CACHE_FLOOR);
+    if per_cell.saturating_mul(u64::from(size)) > limit {
+        return Err(KvError::InvalidState(format!(
+            "the payload declares {per_cell} bytes per cell for {size} cells, more than its {} bytes can fill",
+            payload.len
+        )));
+    }
     let mut p = crate::CacheParams::new(size, stream.layers.len() as u32, 0, 0);
     p.n_embd_k_gqa = k_widths;
     p.n_embd_v_gqa = v_widths;
@@ -847,6 +874,13 @@ pub struct ConvertOptions {
     pub type_k: Option<crate::GgmlType>,
     /// Re-type V.
     pub type_v: Option<crate::GgmlType>,
+    /// The K rotation after re-typing (default: kept into a quantized type, none into a float
+    /// type). llama.cpp 0.1.161 rotates quantized K by the largest power of two >= 64 dividing
+    /// the head dimension, which a file does not record.
+    pub n_rot_k: Option<u32>,
+    /// The V rotation after re-typing (llama.cpp 0.1.161: 64 for quantized V with a head
+    /// dimension that is a multiple of 64).
+    pub n_rot_v: Option<u32>,
     /// Whether the state is recurrent. Sessions tell by their architecture; a stream-less
     /// sequence file is either a seed-era transformer state or a recurrent one, and converting
     /// it to today's layout needs this answered.
@@ -968,11 +1002,20 @@ fn convert_part(
         cache.apply_payload(body, &part.payload, Some(seq_in_file), read, None)?;
         Some(seq_in_file)
     };
-    if opts.type_k.is_some() || opts.type_v.is_some() {
-        cache = cache.retyped(
+    let retype = [opts.type_k.is_some(), opts.type_v.is_some()];
+    let rotate = [opts.n_rot_k.is_some(), opts.n_rot_v.is_some()];
+    if retype.contains(&true) || rotate.contains(&true) {
+        let (tk, tv) = (
             opts.type_k.unwrap_or(cache.type_k()),
             opts.type_v.unwrap_or(cache.type_v()),
-        )?;
+        );
+        let keep = |n_rot: u32, ty: crate::GgmlType| if ty.is_quantized() { n_rot } else { 0 };
+        let p = cache.params();
+        let (rk, rv) = (
+            opts.n_rot_k.unwrap_or(keep(p.n_rot_k, tk)),
+            opts.n_rot_v.unwrap_or(keep(p.n_rot_v, tv)),
+        );
+        cache = cache.retyped_rotated(tk, tv, rk, rv)?;
     }
     let source = opts.extract_seq.or(loaded_seq).unwrap_or(seq_in_file);
     if source != seq {

@@ -112,14 +112,6 @@ impl KvCache {
                 "K-shift is disabled for this cache (canShift: false)".into()
             }));
         }
-        if self.params.n_rot_k != 0 {
-            // llama.cpp 0.1.161 undoes the Hadamard rotation, applies RoPE and rotates again;
-            // RoPE on the rotated rows would corrupt K, so refuse rather than guess
-            return Err(KvError::Unsupported(format!(
-                "K-shift of a Hadamard-rotated K (nRotK {}) is not supported",
-                self.params.n_rot_k
-            )));
-        }
         for il in 0..self.params.n_layer {
             let p = params.for_layer(il);
             p.validate()?;
@@ -143,6 +135,8 @@ impl KvCache {
         }
 
         let ty = self.params.type_k;
+        let hadamard =
+            (self.params.n_rot_k != 0 && ty.is_quantized()).then_some(self.params.n_rot_k as usize);
         let size = self.params.size as usize;
         let deltas: Vec<i32> = self.cells.delta_column().to_vec();
         let mut shifted = 0u32;
@@ -169,7 +163,15 @@ impl KvCache {
                     .entry(deltas[c])
                     .or_insert_with(|| RopeTable::new(p, deltas[c]));
                 quant::dequantize_row(ty, bytes, &mut values)?;
+                // llama.cpp 0.1.161's shift of a rotated quantized K: rotate back, RoPE,
+                // rotate forward (its float branch has no rotation)
+                if let Some(n) = hadamard {
+                    crate::hadamard::rotate_blocks(&mut values, n);
+                }
                 table.rotate(&mut values);
+                if let Some(n) = hadamard {
+                    crate::hadamard::rotate_blocks(&mut values, n);
+                }
                 quant::quantize_row(ty, &values, bytes)
             })?;
             shifted = shifted.max(cells.len() as u32);

@@ -26,6 +26,7 @@ pub mod files;
 pub mod fit;
 mod ggml_type;
 pub mod gguf;
+pub mod hadamard;
 mod kshift;
 pub mod model;
 mod params;

@@ -58,6 +58,10 @@ pub struct Spec {
     pub memory: &'static str,
     /// `(n_rot_k, n_rot_v)` llama.cpp chooses.
     pub n_rot: (u32, u32),
+    /// A context shift after saving: `(p0, p1, d)` = `seq_rm(0, p0, p1)`, `seq_add(0, p1, -1,
+    /// -d)`; the decode of `next` then applies the K-shift and the state after it is saved as
+    /// `t161-<name>.post.ggsn`.
+    pub shift: Option<(i32, i32, i32)>,
 }
 
 const F16: i32 = 1;
@@ -65,6 +69,40 @@ const Q4_0: i32 = 2;
 const Q8_0: i32 = 8;
 /// Context size of every fixture.
 pub const CTX: u32 = 32;
+
+/// The K-shift fixtures: 0.1.161's own shift of the first prompt (positions [2, 4) removed, the
+/// rest moved down by 2), rotated quantized K and an unrotated control.
+pub fn kshift_specs() -> Vec<Spec> {
+    let by_name = |name: &str| {
+        specs()
+            .into_iter()
+            .find(|s| s.name == name)
+            .expect("a spec")
+    };
+    [
+        ("h64-q8_0-fa-shift", "h64-q8_0-fa"),
+        ("h64-q4_0-fa-shift", "h64-q4_0-fa"),
+        ("h64-q8_0k-shift", "h64-q8_0k"),
+        ("h16-f16-shift", "h16-f16"),
+    ]
+    .into_iter()
+    .map(|(name, base)| Spec {
+        name,
+        shift: Some((2, 4, 2)),
+        ..by_name(base)
+    })
+    .collect()
+}
+
+/// `(head_dim, n_head_kv)` of a model's attention layers (RoPE of the K-shift).
+pub fn rope_geometry(model: &str) -> (usize, usize) {
+    match model {
+        "llama-h16.gguf" => (16, 2),
+        "llama-h32.gguf" => (32, 2),
+        "llama-h64.gguf" => (64, 1),
+        other => panic!("no RoPE geometry for {other}"),
+    }
+}
 
 /// The fixtures.
 pub fn specs() -> Vec<Spec> {
@@ -80,6 +118,7 @@ pub fn specs() -> Vec<Spec> {
         seq: 0,
         memory: "unified",
         n_rot: (0, 0),
+        shift: None,
     };
     let h64 = |name, types, fa, n_rot| Spec {
         name,
@@ -171,6 +210,11 @@ impl Spec {
         fixtures_dir().join(format!("t161-{}.ggsq", self.name))
     }
 
+    /// The state after the shift (shift specs).
+    pub fn post_path(&self) -> PathBuf {
+        fixtures_dir().join(format!("t161-{}.post.ggsn", self.name))
+    }
+
     /// Sidecar path.
     pub fn sidecar_path(&self) -> PathBuf {
         fixtures_dir().join(format!("t161-{}.json", self.name))
@@ -201,6 +245,10 @@ impl Spec {
         args.push(format!("session={}", self.session_path().display()));
         args.push(format!("seq_file={}", self.sequence_path().display()));
         args.push(format!("seq={}", self.seq));
+        if let Some((p0, p1, d)) = self.shift {
+            args.push(format!("shift={p0}:{p1}:{d}"));
+            args.push(format!("post_session={}", self.post_path().display()));
+        }
         let out = run("gen", &args)?;
         Ok(json!({
             "peer": "llama.cpp 0.1.161 (crates.io llama-cpp-sys-2 0.1.161), crates/today/driver",
@@ -215,6 +263,7 @@ impl Spec {
             "memory": self.memory,
             "nRotK": self.n_rot.0,
             "nRotV": self.n_rot.1,
+            "shift": self.shift.map(|(p0, p1, d)| json!({ "p0": p0, "p1": p1, "delta": d })),
             "next": out["next"],
             "next2": out["next2"],
         }))

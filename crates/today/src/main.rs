@@ -5,7 +5,10 @@
 //! `cargo run -p today-peer --bin make-t161-fixtures`
 
 fn main() {
-    for spec in today_peer::specs() {
+    for spec in today_peer::specs()
+        .into_iter()
+        .chain(today_peer::kshift_specs())
+    {
         match spec.generate() {
             Ok(sidecar) => {
                 let text = serde_json::to_string_pretty(&sidecar).expect("a JSON value serialises");

@@ -136,3 +136,29 @@ fn every_t161_part_loads_and_writes_back_byte_for_byte() {
         }
     }
 }
+
+#[test]
+fn regression_a_cell_less_file_declaring_huge_rows_is_refused_before_allocating() {
+    // found by the fuzzer: a seed-layout session with 0 cells still declares K/V row sizes, and
+    // converting it built a cache of that width (gigabytes from a few dozen bytes)
+    let mut file = Vec::new();
+    let u32s = |f: &mut Vec<u8>, vs: &[u32]| {
+        vs.iter()
+            .for_each(|v| f.extend_from_slice(&v.to_le_bytes()))
+    };
+    // 'ggsn' v9, no tokens, arch "llama"
+    u32s(&mut file, &[0x6767_736E, 9, 0, 5]);
+    file.extend_from_slice(b"llama");
+    // outputs block: n_outputs 0, logits 0 (u64), embeddings 0 (u64)
+    u32s(&mut file, &[0, 0, 0, 0, 0]);
+    // seed KV payload: cell_count 0, v_trans 0, n_layer 1
+    u32s(&mut file, &[0, 0, 1]);
+    // layer 0: K f32 with a 1 GiB row, V f32 with a 1 GiB row, and no cells to fill them
+    for _ in 0..2 {
+        file.extend_from_slice(&0i32.to_le_bytes());
+        file.extend_from_slice(&(1u64 << 30).to_le_bytes());
+    }
+    let e = llama_kv_cache::files::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
+        .unwrap_err();
+    assert!(e.to_string().contains("bytes per cell"), "{e}");
+}
