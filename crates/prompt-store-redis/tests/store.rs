@@ -364,3 +364,45 @@ fn garbage_truncated_and_copied_blocks_are_counted_misses_never_loaded() {
             .unwrap();
     }
 }
+
+/// Under `allkeys-lru` the model record (read once per process) is the coldest key and goes
+/// first; a restore must still find the blocks, and a put records the model again.
+#[test]
+fn an_evicted_model_record_does_not_stop_restores() {
+    let server = RedisServer::start();
+    let tokens = prompt(64, 0, 0);
+    let source = evaluated(&tokens, 0);
+    let writer = store_at(&server.url());
+    writer.put(&source, 0, &tokens, None).unwrap();
+    let blocks: Vec<String> = writer
+        .keys(&tokens)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|k| format!("llama-kv:{}", k.hex()))
+        .collect();
+    let mut admin = server.connection();
+    let all: Vec<String> = redis::cmd("KEYS")
+        .arg("llama-kv:*")
+        .query(&mut admin)
+        .unwrap();
+    let record: Vec<&String> = all.iter().filter(|k| !blocks.contains(k)).collect();
+    assert_eq!(record.len(), 1, "one model record beside the blocks");
+    let _: () = redis::cmd("DEL").arg(record[0]).query(&mut admin).unwrap();
+
+    let reader = store_at(&server.url()); // a process that starts after the eviction
+    assert_eq!(
+        reader.lookup(&tokens).unwrap(),
+        0,
+        "no cache, no record: a miss"
+    );
+    let mut cache = KvCache::new(params()).unwrap();
+    assert_eq!(reader.restore(&mut cache, 0, &tokens, None).unwrap(), 64);
+    assert_eq!(seq0_state(&cache), cold_state(&tokens));
+    reader.put(&source, 0, &tokens, None).unwrap();
+    assert_eq!(
+        store_at(&server.url()).lookup(&tokens).unwrap(),
+        64,
+        "recorded again"
+    );
+}

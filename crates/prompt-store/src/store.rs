@@ -431,8 +431,11 @@ impl PromptStore {
                 cache.params().n_seq_max
             ))));
         }
-        let Some(bound) = self.known()? else {
-            return Ok(0);
+        // without a model record (evicted from a shared store, or never written there), the
+        // cache's own geometry gives the same fingerprint a put of this model used
+        let bound = match self.known()? {
+            Some(bound) => bound,
+            None => self.bound_to(g.clone()),
         };
         if bound.geometry != g {
             return Err(StoreError::Geometry(format!(
