@@ -150,6 +150,12 @@ pub fn specs() -> Vec<Spec> {
         h64("h64-q8_0k", (Q8_0, F16), false, (64, 0)),
         h64("h64-f16-fa", (F16, F16), true, (0, 0)),
         Spec {
+            // a whole 16-token block for the prompt store
+            name: "h16-f16-long",
+            prompts: vec![[p0.as_slice(), &p1[1..], &[265, 275]].concat()],
+            ..base.clone()
+        },
+        Spec {
             name: "h16-f16-par2",
             prompts: vec![p0.clone(), p1.clone()],
             seq: 1,
