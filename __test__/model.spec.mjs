@@ -85,7 +85,7 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
 
   const gemma = modelInfo(model('gemma3-swa.gguf'))
   t.like(gemma, { arch: 'gemma3', memory: 'iswa' })
-  t.like(gemma.swa, { pattern: 6, chunked: false })
+  t.like(gemma.swa, { window: 4, pattern: 2, chunked: false, layers: [0] }) // its sliding_window_pattern key (as today's llama.cpp reads it)
   t.is(gemma.rope.type, 'neox')
   t.regex(gemma.unsupported, /sliding-window.*iSWA/)
 
@@ -135,7 +135,40 @@ mtest('modelInfo: every truncation of a real model is ERR_KV_INVALID_MODEL', (t)
 
 const sidecar = (name) => JSON.parse(fs.readFileSync(path.join(FIXTURES, `${name}.json`), 'utf8'))
 const FIXTURE_NAMES = fs.readdirSync(FIXTURES).filter((f) => /\.gg(sn|sq)$/.test(f)).sort()
-const ALL_MODELS = ['llama-h16.gguf', 'llama-h32.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf']
+const T161 = path.join(FIXTURES, 't161')
+const T161_NAMES = fs.existsSync(T161) ? fs.readdirSync(T161).filter((f) => /\.gg(sn|sq)$/.test(f)).sort() : []
+const ALL_MODELS = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf']
+
+/**
+ * Whether nothing a state file records can tell model `a` from model `b`: the same memory, the same
+ * sliding-window layers and per-layer K/V widths, and (for a rotated state) the same head size. llama.cpp
+ * itself loads such a state into either model (llama-h32 and llama-h64 both have 64-wide K rows).
+ */
+function indistinguishable(a, b, file) {
+  const [x, y] = [modelInfo(model(a)), modelInfo(model(b))]
+  const rotated = (inspectState(file).nRotK ?? 0) > 0
+  return x.memory === y.memory &&
+    JSON.stringify([x.nEmbdKGqa, x.nEmbdVGqa, x.layers.map((l) => l.swa)]) === JSON.stringify([y.nEmbdKGqa, y.nEmbdVGqa, y.layers.map((l) => l.swa)]) &&
+    (!rotated || x.nEmbdHeadK === y.nEmbdHeadK)
+}
+
+/** checkState: the fixture fits its own model, and every other model either says why not, or cannot be told apart. */
+function checkAgainstModels(t, file, own) {
+  t.deepEqual(checkState(file, model(own)), { fits: true, reasons: [] })
+  t.deepEqual(checkState(fs.readFileSync(file), model(own)), { fits: true, reasons: [] }, 'bytes too')
+  for (const other of ALL_MODELS.filter((m) => m !== own)) {
+    const fit = checkState(file, model(other))
+    if (indistinguishable(own, other, file)) {
+      t.true(fit.fits, `${other} has ${own}'s cache geometry: ${JSON.stringify(fit.reasons)}`)
+      continue
+    }
+    t.false(fit.fits, `${path.basename(file)} with ${other}`)
+    t.true(fit.reasons.length > 0)
+    for (const r of fit.reasons) {
+      t.true(r.message.includes(r.field) && r.message.includes(r.state) && r.message.includes(r.model), JSON.stringify(r))
+    }
+  }
+}
 
 for (const name of FIXTURE_NAMES) {
   mtest(`fromModel builds a cache that loads ${name}, and checkState says it fits its model and why not the others`, (t) => {
@@ -153,19 +186,26 @@ for (const name of FIXTURE_NAMES) {
     t.deepEqual(loaded.tokens, info.tokens)
     t.is(c.usedCells, info.streams.reduce((n, s) => n + s.cellCount, 0))
     c.dispose()
-
-    t.deepEqual(checkState(file, model(side.model)), { fits: true, reasons: [] })
-    t.deepEqual(checkState(fs.readFileSync(file), model(side.model)), { fits: true, reasons: [] }, 'bytes too')
-    for (const other of ALL_MODELS.filter((m) => m !== side.model)) {
-      const fit = checkState(file, model(other))
-      t.false(fit.fits, `${name} with ${other}`)
-      t.true(fit.reasons.length > 0)
-      for (const r of fit.reasons) {
-        t.true(r.message.includes(r.field) && r.message.includes(r.state) && r.message.includes(r.model), JSON.stringify(r))
-      }
-    }
+    checkAgainstModels(t, file, side.model)
   })
 }
+
+for (const name of T161_NAMES) {
+  mtest(`checkState: llama.cpp 0.1.161's ${name} fits its model (iSWA and hybrid part by part) and says why not the others`, (t) => {
+    const side = JSON.parse(fs.readFileSync(path.join(T161, name.replace(/(\.post)?\.gg(sn|sq)$/, '.json')), 'utf8'))
+    checkAgainstModels(t, path.join(T161, name), side.model)
+  })
+}
+
+mtest('checkState compares iSWA states part by part and rotated states by head size', (t) => {
+  const swa = checkState(path.join(T161, 't161-gemma3-swa.ggsn'), model('llama-h16.gguf'))
+  t.like(swa.reasons.find((r) => r.field === 'memory'), { state: 'iswa', model: 'unified' })
+  t.true(swa.reasons.some((r) => r.field.startsWith('swa.')), JSON.stringify(swa.reasons))
+  const rot = checkState(path.join(T161, 't161-h64-q8_0-fa.ggsn'), model('llama-h32.gguf'))
+  t.like(rot.reasons.find((r) => r.field === 'nRotK'), { state: '64', model: '32' })
+  const hybrid = checkState(path.join(T161, 't161-jamba.ggsn'), model('mamba.gguf'))
+  t.like(hybrid.reasons.find((r) => r.field === 'memory'), { state: 'hybrid', model: 'recurrent' })
+})
 
 mtest('checkState names the field and both values', (t) => {
   const fit = checkState(path.join(FIXTURES, 'ln-h32-f16.ggsn'), model('llama-h16.gguf'))
@@ -177,9 +217,11 @@ mtest('checkState names the field and both values', (t) => {
   })
   const mamba = checkState(path.join(FIXTURES, 'ln-mamba.ggsn'), model('llama-h16.gguf'))
   t.like(mamba.reasons.find((r) => r.field === 'arch'), { state: 'mamba', model: 'llama' })
-  t.like(mamba.reasons.find((r) => r.field === 'recurrent'), { state: 'true', model: 'false' })
+  t.like(mamba.reasons.find((r) => r.field === 'layers[0].vWidth'), { state: '2048', model: '32' })
   const gemma = checkState(path.join(FIXTURES, 'ln-h16-f16.ggsn'), model('gemma3-swa.gguf'))
   t.like(gemma.reasons.find((r) => r.field === 'memory'), { state: 'unified', model: 'iswa' })
+  // a seed-era (stream-less) state of a one-cache llama.cpp can fit a recurrent model whole
+  t.deepEqual(checkState(path.join(FIXTURES, 'nlc-mamba.ggsq'), model('mamba.gguf')), { fits: true, reasons: [] })
 })
 
 mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad model ERR_KV_INVALID_MODEL', (t) => {
@@ -189,7 +231,7 @@ mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad mo
 })
 
 mtest('fromModel refuses iSWA and hybrid models naming what is missing, and bad options with coded errors', (t) => {
-  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf')), code('ERR_KV_UNSUPPORTED', /sliding-window attention on 2 of 2 layers.*second cache \(iSWA\)/))
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf')), code('ERR_KV_UNSUPPORTED', /sliding-window attention on 1 of 2 layers.*second cache \(iSWA\)/))
   t.throws(() => KvCache.fromModel(model('jamba.gguf')), code('ERR_KV_UNSUPPORTED', /hybrid model/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))

@@ -165,7 +165,8 @@ pub struct RopeInfo {
 pub struct SwaInfo {
     /// Window size in tokens (`n_swa`).
     pub window: u32,
-    /// Every `pattern`-th layer is a full-attention layer (`n_swa_pattern`; 1: none is SWA).
+    /// Every `pattern`-th layer is a full-attention layer (`n_swa_pattern`; 1: none is SWA);
+    /// 0 when the model lists its sliding-window layers one by one.
     pub pattern: u32,
     /// Llama 4's chunked attention (its "window" is a chunk of 8192 tokens).
     pub chunked: bool,
@@ -474,14 +475,43 @@ impl ModelInfo {
                 .map(|w| (w, 1, false)),
             _ => window.map(|w| (w, 1, false)),
         };
-        let swa = swa.map(|(window, pattern, chunked)| SwaInfo {
-            window,
-            pattern,
-            chunked,
-        });
-        let is_swa = |il: u32| {
-            swa.as_ref()
-                .is_some_and(|s| s.window > 0 && s.pattern > 0 && il % s.pattern < s.pattern - 1)
+        // today's llama.cpp lets `attention.sliding_window_pattern` override the architecture's
+        // pattern: a period, or one flag per layer (0.1.103 predates the key)
+        let mut explicit: Option<Vec<bool>> = None;
+        let swa = match swa {
+            Some((window, mut pattern, chunked)) => {
+                match k.raw("attention.sliding_window_pattern") {
+                    None => {}
+                    Some((key, GgufValue::Array { len, values, .. })) => {
+                        if *len != n_layer as u64 {
+                            return Err(KvError::InvalidModel(format!(
+                                "{key} has {len} values, expected one per layer ({n_layer})"
+                            )));
+                        }
+                        let flags = values.iter().flatten().map(|v| {
+                            v.as_bool()
+                                .or_else(|| v.as_int().map(|n| n != 0))
+                                .ok_or_else(|| wrong_type(&key, "bools or integers", v))
+                        });
+                        explicit = Some(flags.collect::<Result<Vec<bool>>>()?);
+                        pattern = 0;
+                    }
+                    Some(_) => pattern = k.u32_req("attention.sliding_window_pattern")?,
+                }
+                Some(SwaInfo {
+                    window,
+                    pattern,
+                    chunked,
+                })
+            }
+            None => None,
+        };
+        let is_swa = |il: u32| match (&swa, &explicit) {
+            (Some(s), _) if s.window == 0 => false,
+            (Some(_), Some(flags)) => flags[il as usize],
+            // set_swa_pattern: every `pattern`-th layer is dense (a pattern of 0: all are SWA)
+            (Some(s), None) => s.pattern == 0 || il % s.pattern < s.pattern - 1,
+            (None, _) => false,
         };
         let layers = (0..n_layer)
             .map(|il| {
@@ -834,17 +864,31 @@ mod tests {
         );
     }
 
-    #[test]
-    fn gemma3_is_iswa_and_refused_with_what_is_missing() {
+    /// A Gemma 3 header with `n_layer` layers, a window of `window` and `more` keys.
+    fn gemma3(n_layer: u32, window: u32, more: &[(&str, GgufValue)]) -> GgufBuilder {
         let mut g = GgufBuilder::new();
         g.kv("general.architecture", GgufValue::Str("gemma3".into()))
             .kv("gemma3.context_length", GgufValue::U32(8192))
             .kv("gemma3.embedding_length", GgufValue::U32(64))
-            .kv("gemma3.block_count", GgufValue::U32(12))
+            .kv("gemma3.block_count", GgufValue::U32(n_layer))
             .kv("gemma3.attention.head_count", GgufValue::U32(4))
-            .kv("gemma3.attention.head_count_kv", GgufValue::U32(1))
-            .kv("gemma3.attention.sliding_window", GgufValue::U32(512))
-            .kv("gemma3.rope.freq_base", GgufValue::F32(1e6));
+            .kv("gemma3.attention.sliding_window", GgufValue::U32(window));
+        for (k, v) in more {
+            g.kv(&format!("gemma3.{k}"), v.clone());
+        }
+        g
+    }
+
+    #[test]
+    fn gemma3_is_iswa_and_refused_with_what_is_missing() {
+        let g = gemma3(
+            12,
+            512,
+            &[
+                ("attention.head_count_kv", GgufValue::U32(1)),
+                ("rope.freq_base", GgufValue::F32(1e6)),
+            ],
+        );
         let m = info(&g).unwrap();
         let swa: Vec<bool> = m.layers.iter().map(|l| l.swa).collect();
         assert_eq!(swa.iter().filter(|s| !**s).count(), 2);
@@ -859,6 +903,38 @@ mod tests {
             matches!(&e, KvError::Unsupported(m) if m.contains("iSWA") && m.contains("10 of 12")),
             "{e}"
         );
+    }
+
+    #[test]
+    fn sliding_window_pattern_key_overrides_the_architecture_default() {
+        let g = |pattern: GgufValue| {
+            info(&gemma3(
+                4,
+                8,
+                &[("attention.sliding_window_pattern", pattern)],
+            ))
+        };
+        let swa = |m: ModelInfo| m.layers.iter().map(|l| l.swa).collect::<Vec<bool>>();
+        assert_eq!(
+            swa(g(GgufValue::U32(2)).unwrap()),
+            [true, false, true, false]
+        );
+        let flags = [true, true, false, true].map(GgufValue::Bool).to_vec();
+        let arr = GgufValue::Array {
+            elem: GgufType::Bool,
+            len: 4,
+            values: Some(flags),
+        };
+        assert_eq!(swa(g(arr).unwrap()), [true, true, false, true]);
+        let short = GgufValue::Array {
+            elem: GgufType::Bool,
+            len: 1,
+            values: Some(vec![GgufValue::Bool(true)]),
+        };
+        assert!(g(short)
+            .unwrap_err()
+            .to_string()
+            .contains("one per layer (4)"));
     }
 
     #[test]
