@@ -37,6 +37,7 @@ mod seq_ops;
 mod slot;
 pub mod state;
 pub mod storage;
+pub mod transpose;
 mod ubatch;
 mod view;
 

@@ -3,6 +3,7 @@
 
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
+use crate::transpose::{transpose, Shape};
 
 /// Where a buffer's bytes live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -261,11 +262,14 @@ impl LayerTensors {
             let mut columns = crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns read")?;
             self.v
                 .read_2d(first * el, n * el, lay.size * el, &mut columns)?;
-            for (j, column) in columns.chunks_exact(n * el).enumerate() {
-                for (c, e) in column.chunks_exact(el).enumerate() {
-                    out[c * row + j * el..c * row + (j + 1) * el].copy_from_slice(e);
-                }
-            }
+            let shape = Shape {
+                rows: self.n_embd_v,
+                cols: n,
+                el,
+                src_stride: n * el,
+                dst_stride: row,
+            };
+            transpose(&columns, &mut out, shape);
         } else {
             self.buffer(which).read(first * row, &mut out)?;
         }
@@ -286,11 +290,14 @@ impl LayerTensors {
             let el = lay.v_el;
             let mut columns =
                 crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns written")?;
-            for (j, column) in columns.chunks_exact_mut(n * el).enumerate() {
-                for (c, e) in column.chunks_exact_mut(el).enumerate() {
-                    e.copy_from_slice(&rows[c * row + j * el..c * row + (j + 1) * el]);
-                }
-            }
+            let shape = Shape {
+                rows: n,
+                cols: self.n_embd_v,
+                el,
+                src_stride: row,
+                dst_stride: n * el,
+            };
+            transpose(rows, &mut columns, shape);
             self.v
                 .write_2d(first * el, n * el, lay.size * el, &columns)?;
             Ok(())

@@ -84,6 +84,23 @@ pub trait Backend: Send + Sync {
     /// backend (`MGET` or a pipeline). A read counts as a use for LRU eviction.
     fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>>;
 
+    /// Calls `visit(i, value)` for each of `keys` in order (`None` where absent) until it returns
+    /// false. For readers that use each value once: a backend may read every value into one
+    /// reused buffer (`dir` does) instead of allocating them all. The default asks
+    /// [`Backend::get_many`] once.
+    fn visit_many(
+        &self,
+        keys: &[Key],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> StoreResult<()> {
+        for (i, value) in self.get_many(keys)?.iter().enumerate() {
+            if !visit(i, value.as_deref()) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether each key is present, in order, without transferring values. One round trip
     /// for a network backend (a pipeline of `EXISTS`).
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>>;

@@ -48,10 +48,21 @@ pub fn encoded_len(id: &BlockId<'_>) -> usize {
 /// token order; the encoder checks that it appended exactly that many bytes.
 pub fn encode(
     id: &BlockId<'_>,
-    mut rows: impl FnMut(&mut Vec<u8>, usize, bool),
+    rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
 ) -> StoreResult<Vec<u8>> {
-    let total = encoded_len(id);
     let mut out = Vec::new();
+    encode_into(id, &mut out, rows)?;
+    Ok(out)
+}
+
+/// [`encode`] into `out`, replacing its contents (so that a caller can reuse one buffer).
+pub fn encode_into(
+    id: &BlockId<'_>,
+    out: &mut Vec<u8>,
+    mut rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
+) -> StoreResult<()> {
+    let total = encoded_len(id);
+    out.clear();
     out.try_reserve_exact(total).map_err(|_| {
         StoreError::Cache(llama_kv_cache::KvError::Backend(format!(
             "cannot allocate {total} bytes for a block"
@@ -66,12 +77,12 @@ pub fn encode(
     for t in id.tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
-    id.geometry.encode(&mut out);
+    id.geometry.encode(out);
     let n = id.tokens.len();
     for (il, l) in id.geometry.layers.iter().enumerate() {
         for (is_v, row) in [(false, l.k_row), (true, l.v_row)] {
             let start = out.len();
-            rows(&mut out, il, is_v);
+            rows(out, il, is_v)?;
             let want = n * row as usize;
             if out.len() - start != want {
                 return Err(StoreError::InvalidArg(format!(
@@ -82,10 +93,10 @@ pub fn encode(
             }
         }
     }
-    let sum = blake3::hash(&out);
+    let sum = blake3::hash(out);
     out.extend_from_slice(sum.as_bytes());
     debug_assert_eq!(out.len(), total);
-    Ok(out)
+    Ok(())
 }
 
 /// A verified block: its rows, borrowed from the value.
@@ -185,23 +196,6 @@ pub fn decode<'a>(value: &'a [u8], id: &BlockId<'a>) -> Result<BlockRows<'a>, Co
     })
 }
 
-/// The rows of a value that [`decode`] has already verified as the block `id`, without a second
-/// checksum pass (a restore verifies every block before it assembles any).
-pub fn rows_of_verified<'a>(value: &'a [u8], id: &BlockId<'a>) -> Result<BlockRows<'a>, Corrupt> {
-    if value.len() != encoded_len(id) {
-        return Err(Corrupt(format!(
-            "{} bytes, expected {}",
-            value.len(),
-            encoded_len(id)
-        )));
-    }
-    Ok(BlockRows {
-        data: &value[header_len(id)..value.len() - CHECKSUM],
-        geometry: id.geometry,
-        n_tokens: id.tokens.len(),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +228,7 @@ mod tests {
             let row = if is_v { 4 } else { 8 };
             let fill = (il * 2 + is_v as usize) as u8;
             out.extend(std::iter::repeat_n(fill, row * tokens.len()));
+            Ok(())
         })
         .unwrap()
     }

@@ -103,7 +103,8 @@ impl DirBackend {
         &self.root
     }
 
-    fn path_of(&self, key: &Key) -> PathBuf {
+    /// The file that holds (or would hold) the value of `key`.
+    pub fn path_of(&self, key: &Key) -> PathBuf {
         let hex = key.hex();
         self.root
             .join("blocks")
@@ -214,6 +215,23 @@ impl DirBackend {
         Ok(c)
     }
 
+    /// Reads the value of `key` into `buf` (replacing its contents); false when absent.
+    fn read_into(&self, key: &Key, buf: &mut Vec<u8>) -> StoreResult<bool> {
+        let path = self.path_of(key);
+        let mut f = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(io_error(format!("cannot open {}", path.display()), &e)),
+        };
+        buf.clear();
+        f.read_to_end(buf)
+            .map_err(|e| io_error(format!("cannot read {}", path.display()), &e))?;
+        // a read is a use: the LRU order is the files' modification times (best effort: a
+        // store shared by several users may not let us touch every file)
+        let _ = f.set_modified(SystemTime::now());
+        Ok(true)
+    }
+
     fn write_tmp(&self, key: &Key, value: &[u8]) -> StoreResult<PathBuf> {
         let tmp = self.root.join("tmp").join(format!(
             "{}.{}.{}",
@@ -264,23 +282,25 @@ impl Backend for DirBackend {
     fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>> {
         keys.iter()
             .map(|k| {
-                let path = self.path_of(k);
-                let mut f = match File::open(&path) {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-                    Err(e) => return Err(io_error(format!("cannot open {}", path.display()), &e)),
-                };
                 let mut value = Vec::new();
-                match f.read_to_end(&mut value) {
-                    Ok(_) => {}
-                    Err(e) => return Err(io_error(format!("cannot read {}", path.display()), &e)),
-                }
-                // a read is a use: the LRU order is the files' modification times (best
-                // effort: a store shared by several users may not let us touch every file)
-                let _ = f.set_modified(SystemTime::now());
-                Ok(Some(value))
+                Ok(self.read_into(k, &mut value)?.then_some(value))
             })
             .collect()
+    }
+
+    fn visit_many(
+        &self,
+        keys: &[Key],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> StoreResult<()> {
+        let mut buf = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let found = self.read_into(k, &mut buf)?;
+            if !visit(i, found.then_some(buf.as_slice())) {
+                break;
+            }
+        }
+        Ok(())
     }
 
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {

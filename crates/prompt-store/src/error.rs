@@ -53,3 +53,29 @@ pub(crate) fn io_error(what: String, e: &std::io::Error) -> StoreError {
         StoreError::Io(format!("{what}: {e}"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_full_disk_is_no_space_not_io() {
+        use std::io::Write;
+        // /dev/full fails every write with ENOSPC, as a full disk does
+        let e = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .and_then(|mut f| f.write_all(&[0; 4096]).and_then(|_| f.flush()))
+            .unwrap_err();
+        assert!(matches!(
+            io_error("write".into(), &e),
+            StoreError::NoSpace(_)
+        ));
+        let missing = std::fs::read("/nonexistent/x").unwrap_err();
+        assert!(matches!(
+            io_error("read".into(), &missing),
+            StoreError::Io(_)
+        ));
+    }
+}

@@ -24,6 +24,7 @@ mod dir;
 mod error;
 mod geometry;
 mod memory;
+mod payload;
 mod store;
 mod tiered;
 

@@ -6,13 +6,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use llama_kv_cache::files::{inspect_bytes, params_for, write_atomic, FileKind};
-use llama_kv_cache::state::{parse_payload, Progress, StreamBlock, VBlock};
-use llama_kv_cache::{KvCache, KvError, Layout, ReadOptions, WriteOptions};
+use llama_kv_cache::state::Progress;
+use llama_kv_cache::{KvCache, KvError, Layout, ReadOptions, Tensor, WriteOptions};
+
+use sha2::{Digest, Sha256};
 
 use crate::backend::{Backend, Key};
-use crate::block::{self, BlockId, BlockRows};
+use crate::block::{self, BlockId};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{chain_keys, Geometry, FORMAT_VERSION};
+use crate::payload::PayloadBuilder;
 
 /// Tokens per block unless configured (LMCache's chunk size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 256;
@@ -186,11 +189,11 @@ impl PromptStore {
     }
 
     fn record_key(&self) -> Key {
-        let mut h = blake3::Hasher::new();
+        let mut h = Sha256::new();
         h.update(b"llama-kv-cache prompt-store model record\0");
-        h.update(&FORMAT_VERSION.to_le_bytes());
+        h.update(FORMAT_VERSION.to_le_bytes());
         h.update(self.model.as_bytes());
-        Key(*h.finalize().as_bytes())
+        Key(h.finalize().into())
     }
 
     fn encode_record(g: &Geometry) -> Vec<u8> {
@@ -292,23 +295,12 @@ impl PromptStore {
                     .into(),
             ));
         }
-        let payload = cache.state_write(seq, Layout::Streams, 1, None)?;
-        let parsed = parse_payload(&payload, Layout::Streams, true)?;
-        let stream = parsed
-            .streams
-            .first()
-            .ok_or_else(|| StoreError::NotPrefix(format!("sequence {seq} has no stream")))?;
-        let order = position_order(stream, seq)?;
+        let order = position_order(cache, seq)?;
         let bound = self.bind(&g)?;
         let usable = order.len().min(tokens.len());
         let tokens = &tokens[..usable - usable % self.block_tokens];
         let keys = chain_keys(&bound.fingerprint, tokens, self.block_tokens);
         let present = self.backend.contains_many(&keys)?;
-        let rows = RowSource {
-            payload: &payload,
-            stream,
-            order: &order,
-        };
         let mut report = PutReport {
             tokens: tokens.len() as u64,
             ..Default::default()
@@ -317,6 +309,8 @@ impl PromptStore {
         tick(&mut progress, 0, total)?;
         let bt = self.block_tokens;
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
+        // encode buffers return here after each batch: one set of allocations per put
+        let mut spare: Vec<Vec<u8>> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             let id = BlockId {
                 fingerprint: &bound.fingerprint,
@@ -329,19 +323,23 @@ impl PromptStore {
                 report.blocks_skipped += 1;
                 report.bytes_skipped += block::encoded_len(&id) as u64;
             } else {
-                let value =
-                    block::encode(&id, |out, il, is_v| rows.append(out, il, is_v, i * bt, bt))?;
+                let mut value = spare.pop().unwrap_or_default();
+                let cells = &order[i * bt..(i + 1) * bt];
+                block::encode_into(&id, &mut value, |out, il, is_v| {
+                    append_rows(cache, cells, il, is_v, out)
+                })?;
                 pending.push((*key, value));
             }
             if pending.len() == PUT_BATCH || i + 1 == keys.len() {
-                self.flush(&mut pending, &mut report)?;
+                self.flush(&pending, &mut report)?;
+                spare.extend(pending.drain(..).map(|(_, v)| v));
                 tick(&mut progress, i as u64 + 1, total)?;
             }
         }
         Ok(report)
     }
 
-    fn flush(&self, pending: &mut Vec<(Key, Vec<u8>)>, report: &mut PutReport) -> StoreResult<()> {
+    fn flush(&self, pending: &[(Key, Vec<u8>)], report: &mut PutReport) -> StoreResult<()> {
         if pending.is_empty() {
             return Ok(());
         }
@@ -356,7 +354,6 @@ impl PromptStore {
                 report.bytes_skipped += v.len() as u64;
             }
         }
-        pending.clear();
         Ok(())
     }
 
@@ -381,19 +378,29 @@ impl PromptStore {
         }
     }
 
-    /// Reads and verifies the stored prefix of `tokens`: the values of the leading blocks that
-    /// are present and pass verification. A corrupt or foreign value ends the prefix, is counted
-    /// and removed.
-    fn fetch(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<Vec<Vec<u8>>> {
+    /// Reads and verifies the stored prefix of `tokens` block by block into a one-sequence
+    /// payload for `seq`: the leading blocks that are present and pass verification. A corrupt
+    /// or foreign value ends the prefix, is counted and removed. Returns the blocks loaded
+    /// (0: no payload).
+    fn load_prefix(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        seq: i32,
+        v_trans: bool,
+    ) -> StoreResult<(usize, Vec<u8>)> {
         let keys = chain_keys(&bound.fingerprint, tokens, self.block_tokens);
         let n = self.backend.present_prefix(&keys)?;
-        let values = self.backend.get_many(&keys[..n])?;
+        if n == 0 {
+            self.count(0, keys.len());
+            return Ok((0, Vec::new()));
+        }
         let bt = self.block_tokens;
-        let mut good = Vec::with_capacity(n);
-        for (i, value) in values.into_iter().enumerate() {
-            let Some(value) = value else {
-                break; // evicted between the two calls
-            };
+        let mut payload = PayloadBuilder::new(&bound.geometry, bt, n, seq, v_trans)?;
+        let mut corrupt = None;
+        self.backend.visit_many(&keys[..n], &mut |i, value| {
+            // absent: evicted between the two calls
+            let Some(value) = value else { return false };
             let id = BlockId {
                 fingerprint: &bound.fingerprint,
                 key: &keys[i],
@@ -401,16 +408,28 @@ impl PromptStore {
                 tokens: &tokens[i * bt..(i + 1) * bt],
                 geometry: &bound.geometry,
             };
-            if block::decode(&value, &id).is_err() {
-                self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-                // best effort: a later put stores a good block under this key
-                let _ = self.backend.remove(&keys[i]);
-                break;
+            match block::decode(value, &id) {
+                Ok(rows) => {
+                    payload.push(&rows);
+                    true
+                }
+                Err(_) => {
+                    corrupt = Some(keys[i]);
+                    false
+                }
             }
-            good.push(value);
+        })?;
+        if let Some(key) = corrupt {
+            self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            // best effort: a later put stores a good block under this key
+            let _ = self.backend.remove(&key);
         }
-        self.count(good.len(), keys.len());
-        Ok(good)
+        let good = payload.blocks();
+        self.count(good, keys.len());
+        if good == 0 {
+            return Ok((0, Vec::new()));
+        }
+        Ok((good, payload.finish()?))
     }
 
     /// Loads the longest stored prefix of `tokens` into sequence `seq` of `cache`
@@ -445,96 +464,17 @@ impl PromptStore {
                 g.describe()
             )));
         }
-        let values = self.fetch(&bound, tokens)?;
-        if values.is_empty() {
+        let (blocks, payload) = self.load_prefix(&bound, tokens, seq, cache.v_trans())?;
+        if blocks == 0 {
             return Ok(0);
         }
-        let payload = self.assemble(&bound, tokens, &values, seq, cache.v_trans())?;
         let opts = ReadOptions {
             layout: Some(Layout::Streams),
             allow_scattered: true,
             ..ReadOptions::default()
         };
         cache.state_read(&payload, seq, opts, progress)?;
-        Ok((values.len() * self.block_tokens) as u64)
-    }
-
-    /// A one-sequence payload in today's layout of the verified `values` (blocks 0..m).
-    fn assemble(
-        &self,
-        bound: &Bound,
-        tokens: &[i32],
-        values: &[Vec<u8>],
-        seq: i32,
-        v_trans: bool,
-    ) -> StoreResult<Vec<u8>> {
-        let bt = self.block_tokens;
-        let g = &bound.geometry;
-        let keys = chain_keys(&bound.fingerprint, &tokens[..values.len() * bt], bt);
-        let blocks: Vec<BlockRows<'_>> = values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                let id = BlockId {
-                    fingerprint: &bound.fingerprint,
-                    key: &keys[i],
-                    index: i as u32,
-                    tokens: &tokens[i * bt..(i + 1) * bt],
-                    geometry: g,
-                };
-                // verified by fetch just before (checksum included): a failure here is a bug
-                block::rows_of_verified(v, &id).map_err(|c| {
-                    StoreError::Cache(KvError::InvalidState(format!("block {i}: {}", c.0)))
-                })
-            })
-            .collect::<StoreResult<_>>()?;
-        let n = values.len() * bt;
-        let total = 12 + 12 * n + 8 + n * g.bytes_per_token() as usize + 28 * g.layers.len();
-        let mut out = Vec::new();
-        out.try_reserve_exact(total).map_err(|_| {
-            StoreError::Cache(KvError::Backend(format!(
-                "cannot allocate {total} bytes for the restored state"
-            )))
-        })?;
-        let put32 = |out: &mut Vec<u8>, v: u32| out.extend_from_slice(&v.to_le_bytes());
-        put32(&mut out, 1);
-        put32(&mut out, n as u32);
-        for p in 0..n {
-            put32(&mut out, p as u32);
-            put32(&mut out, 1);
-            out.extend_from_slice(&seq.to_le_bytes());
-        }
-        put32(&mut out, v_trans as u32);
-        put32(&mut out, g.layers.len() as u32);
-        for (il, l) in g.layers.iter().enumerate() {
-            out.extend_from_slice(&l.k_type.id().to_le_bytes());
-            out.extend_from_slice(&l.k_row.to_le_bytes());
-            for b in &blocks {
-                out.extend_from_slice(b.k(il));
-            }
-        }
-        for (il, l) in g.layers.iter().enumerate() {
-            out.extend_from_slice(&l.v_type.id().to_le_bytes());
-            if v_trans {
-                // llama.cpp's transposed V: n_embd runs of n elements
-                let el = l.v_type.type_size();
-                let n_embd = l.v_row as usize / el;
-                put32(&mut out, el as u32);
-                put32(&mut out, n_embd as u32);
-                let start = out.len();
-                out.resize(start + n * l.v_row as usize, 0);
-                let dst = &mut out[start..];
-                for (bi, b) in blocks.iter().enumerate() {
-                    transpose_into(b.v(il), dst, el, n_embd, n, bi * bt);
-                }
-            } else {
-                out.extend_from_slice(&l.v_row.to_le_bytes());
-                for b in &blocks {
-                    out.extend_from_slice(b.v(il));
-                }
-            }
-        }
-        Ok(out)
+        Ok((blocks * self.block_tokens) as u64)
     }
 
     /// Ingests a llama.cpp session or sequence file's bytes: its one sequence's full blocks,
@@ -599,14 +539,13 @@ impl PromptStore {
         let Some(bound) = self.known()? else {
             return Ok(None);
         };
-        let values = self.fetch(&bound, tokens)?;
-        if values.is_empty() {
+        let (blocks, payload) = self.load_prefix(&bound, tokens, 0, !opts.flash_attn)?;
+        if blocks == 0 {
             return Ok(None);
         }
-        let n = values.len() * self.block_tokens;
+        let n = blocks * self.block_tokens;
         let params = bound.geometry.cache_params(n as u32, !opts.flash_attn)?;
         let mut cache = KvCache::new(params)?;
-        let payload = self.assemble(&bound, tokens, &values, 0, cache.v_trans())?;
         let read = ReadOptions {
             layout: Some(Layout::Streams),
             allow_scattered: false,
@@ -662,152 +601,45 @@ impl PromptStore {
     }
 }
 
-/// `order[p]` = the payload index of the cell holding position `p`; refuses a sequence whose
+/// `order[p]` = the cell holding position `p` of sequence `seq`; refuses a sequence whose
 /// cells are not exactly positions `0..n`.
-fn position_order(stream: &StreamBlock, seq: i32) -> StoreResult<Vec<usize>> {
-    let n = stream.cells.len();
-    let mut order = vec![usize::MAX; n];
-    for (i, c) in stream.cells.iter().enumerate() {
+fn position_order(cache: &KvCache, seq: i32) -> StoreResult<Vec<u32>> {
+    let n = cache.seq_cell_count(seq)? as usize;
+    let mut order = vec![u32::MAX; n];
+    let cells = cache.cells();
+    for i in 0..cells.len() {
+        let c = cells.get(i);
+        if !c.seqs.contains(seq as usize) {
+            continue;
+        }
         let p = c.pos;
-        if p < 0 || p as usize >= n || order[p as usize] != usize::MAX {
+        if p < 0 || p as usize >= n || order[p as usize] != u32::MAX {
             return Err(StoreError::NotPrefix(format!(
                 "sequence {seq}: its {n} cells must hold positions 0..{n} once each, found position {p}{}",
                 if p >= 0 && (p as usize) < n { " twice" } else { "" }
             )));
         }
-        order[p as usize] = i;
+        order[p as usize] = i as u32;
     }
     Ok(order)
 }
 
-/// Rows of one sequence's payload, by position.
-struct RowSource<'a> {
-    payload: &'a [u8],
-    stream: &'a StreamBlock,
-    order: &'a [usize],
-}
-
-impl RowSource<'_> {
-    /// Appends the K (or V, untransposed) rows of layer `il` for positions `first..first + n`.
-    fn append(&self, out: &mut Vec<u8>, il: usize, is_v: bool, first: usize, n: usize) {
-        let l = &self.stream.layers[il];
-        let cells = self.order.len();
-        let idx = &self.order[first..first + n];
-        let contiguous = idx.windows(2).all(|w| w[1] == w[0] + 1);
-        let rows = |out: &mut Vec<u8>, data: &std::ops::Range<usize>, row: usize| {
-            let d = &self.payload[data.clone()];
-            if contiguous {
-                out.extend_from_slice(&d[idx[0] * row..(idx[0] + n) * row]);
-            } else {
-                for &c in idx {
-                    out.extend_from_slice(&d[c * row..(c + 1) * row]);
-                }
-            }
-        };
-        match (&l.v, is_v) {
-            (_, false) => rows(out, &l.k_data, l.k_row_size as usize),
-            (VBlock::Rows { data, row_size, .. }, true) => rows(out, data, *row_size as usize),
-            (
-                VBlock::Transposed {
-                    data,
-                    el_size,
-                    n_embd,
-                    ..
-                },
-                true,
-            ) => {
-                let (el, n_embd) = (*el_size as usize, *n_embd as usize);
-                let d = &self.payload[data.clone()];
-                for &c in idx {
-                    for j in 0..n_embd {
-                        let at = (j * cells + c) * el;
-                        out.extend_from_slice(&d[at..at + el]);
-                    }
-                }
-            }
-        }
+/// Appends the K (or V, as rows) of layer `il` for `cells`, in order: one read for a run of
+/// consecutive cells (the usual case), else one per cell.
+fn append_rows(
+    cache: &KvCache,
+    cells: &[u32],
+    il: usize,
+    is_v: bool,
+    out: &mut Vec<u8>,
+) -> StoreResult<()> {
+    let which = if is_v { Tensor::V } else { Tensor::K };
+    let il = il as u32;
+    let contiguous = cells.windows(2).all(|w| w[1] == w[0] + 1);
+    if contiguous {
+        out.extend_from_slice(&cache.read_rows(il, which, cells[0], cells.len() as u32)?);
+    } else {
+        out.extend_from_slice(&cache.rows_of_cells(il, which, cells)?);
     }
-}
-
-/// Writes V rows (`rows`: tokens x n_embd elements) into a transposed V block (`dst`: n_embd
-/// runs of `n` elements) at token offset `first`.
-fn transpose_into(rows: &[u8], dst: &mut [u8], el: usize, n_embd: usize, n: usize, first: usize) {
-    // one element per copy is the whole cost of a restore with transposed V: copy elements of a
-    // fixed size (plain loads and stores, no memcpy call each), writing each column's run of the
-    // block's tokens contiguously instead of striding through the whole destination per token
-    match el {
-        1 => transpose_columns::<1>(rows, dst, n_embd, n, first),
-        2 => transpose_columns::<2>(rows, dst, n_embd, n, first),
-        4 => transpose_columns::<4>(rows, dst, n_embd, n, first),
-        _ => {
-            let row = el * n_embd;
-            for (t, r) in rows.chunks_exact(row).enumerate() {
-                for j in 0..n_embd {
-                    let at = (j * n + first + t) * el;
-                    dst[at..at + el].copy_from_slice(&r[j * el..(j + 1) * el]);
-                }
-            }
-        }
-    }
-}
-
-/// [`transpose_into`] for elements of `E` bytes. Column by column: the block's few rows stay in
-/// cache while each column's run of `tokens` elements is written contiguously.
-fn transpose_columns<const E: usize>(
-    rows: &[u8],
-    dst: &mut [u8],
-    n_embd: usize,
-    n: usize,
-    first: usize,
-) {
-    let row = E * n_embd;
-    let tokens = rows.len() / row;
-    for j in 0..n_embd {
-        let run = &mut dst[(j * n + first) * E..(j * n + first + tokens) * E];
-        for (t, slot) in run.chunks_exact_mut(E).enumerate() {
-            let at = t * row + j * E;
-            let element: &[u8; E] = rows[at..at + E].try_into().expect("E bytes");
-            let slot: &mut [u8; E] = slot.try_into().expect("E bytes");
-            *slot = *element;
-        }
-    }
-}
-
-#[cfg(test)]
-mod transpose_tests {
-    use super::*;
-
-    /// The naive per-element transpose the fast paths must equal.
-    fn naive(rows: &[u8], dst: &mut [u8], el: usize, n_embd: usize, n: usize, first: usize) {
-        for (t, r) in rows.chunks_exact(el * n_embd).enumerate() {
-            for j in 0..n_embd {
-                let at = (j * n + first + t) * el;
-                dst[at..at + el].copy_from_slice(&r[j * el..(j + 1) * el]);
-            }
-        }
-    }
-
-    #[test]
-    fn every_element_size_and_odd_shapes_equal_the_naive_transpose() {
-        for el in [1usize, 2, 4, 8] {
-            for (n_embd, tokens, n, first) in [
-                (1, 1, 1, 0),
-                (67, 5, 12, 3),
-                (130, 16, 48, 32),
-                (64, 7, 7, 0),
-            ] {
-                let rows: Vec<u8> = (0..el * n_embd * tokens)
-                    .map(|i| (i * 7 + el) as u8)
-                    .collect();
-                let mut want = vec![0u8; el * n_embd * n];
-                let mut got = want.clone();
-                naive(&rows, &mut want, el, n_embd, n, first);
-                transpose_into(&rows, &mut got, el, n_embd, n, first);
-                assert_eq!(
-                    got, want,
-                    "el {el} n_embd {n_embd} tokens {tokens} n {n} first {first}"
-                );
-            }
-        }
-    }
+    Ok(())
 }

@@ -199,21 +199,18 @@ fn nothing_stored_restores_nothing_and_leaves_the_cache_unchanged() {
 }
 
 /// Writes a prompt of 4 blocks into a dir store and returns the block files in chain order.
-fn dir_with_blocks(dir: &Path) -> (PromptStore, KvCache, Vec<i32>, Vec<std::path::PathBuf>) {
-    let store = PromptStore::new(Arc::new(DirBackend::open(dir, None).unwrap()), "m", BT).unwrap();
-    let (c, toks) = prompt(64);
+fn dir_with_blocks(
+    dir: &Path,
+    flash_attn: bool,
+) -> (PromptStore, KvCache, Vec<i32>, Vec<std::path::PathBuf>) {
+    let backend = Arc::new(DirBackend::open(dir, None).unwrap());
+    let store = PromptStore::new(backend.clone(), "m", BT).unwrap();
+    let mut c = KvCache::new(params(flash_attn, GgmlType::F16, 128)).unwrap();
+    fill(&mut c, 0, 64, 0);
+    let toks = tokens(64, 0);
     store.put(&c, 0, &toks, None).unwrap();
-    let files = store
-        .keys(&toks)
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|k| {
-            dir.join("blocks")
-                .join(&k.hex()[..2])
-                .join(format!("{}.kvb", k.hex()))
-        })
-        .collect();
+    let keys = store.keys(&toks).unwrap().unwrap();
+    let files = keys.iter().map(|k| backend.path_of(k)).collect();
     (store, c, toks, files)
 }
 
@@ -237,11 +234,15 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
             fs::write(&f[3], a).unwrap();
         }),
     ];
-    for (name, damage) in cases {
+    // both V layouts: the restored payload is compacted from 4 blocks to the 2 that verify
+    for (fa, (name, damage)) in [false, true]
+        .into_iter()
+        .flat_map(|fa| cases.map(|c| (fa, c)))
+    {
         let dir = tempfile::tempdir().unwrap();
-        let (store, src, toks, files) = dir_with_blocks(dir.path());
+        let (store, src, toks, files) = dir_with_blocks(dir.path(), fa);
         damage(&files);
-        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut dst = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
         assert_eq!(
             store.restore(&mut dst, 0, &toks, None).unwrap(),
             32,
@@ -258,7 +259,7 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
         assert!(!files[2].exists(), "{name}");
         let r = store.put(&src, 0, &toks, None).unwrap();
         assert_eq!(r.blocks_written, 1, "{name}");
-        let mut again = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut again = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
         let restored = store.restore(&mut again, 0, &toks, None).unwrap();
         // swap: block 3 still holds block 2's value and is foreign, so the prefix ends there
         assert_eq!(restored, if name == "swap" { 48 } else { 64 }, "{name}");
