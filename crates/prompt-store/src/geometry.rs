@@ -42,6 +42,14 @@ impl Geometry {
                     .into(),
             ));
         }
+        let (k, v) = (cache.params().n_rot_k, cache.params().n_rot_v);
+        if k != 0 || v != 0 {
+            // rotated rows mean nothing to a cache that does not know the rotation, and the
+            // block format does not record it
+            return Err(StoreError::Cache(llama_kv_cache::KvError::Unsupported(format!(
+                "the cache's K/V are rotated (nRotK {k}, nRotV {v}); the prompt store keeps unrotated rows: re-type to an unrotated cache first"
+            ))));
+        }
         let layers = (0..cache.n_layer())
             .map(|il| {
                 Ok(LayerGeometry {
