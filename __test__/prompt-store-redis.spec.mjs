@@ -2,7 +2,10 @@
 // on a loopback port, with no persistence, and stops it afterwards. A missing redis-server fails
 // these tests with the command that installs it; they never skip.
 import test from 'ava'
+import fs from 'node:fs'
+import os from 'node:os'
 import path from 'node:path'
+import { spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
 import { runScript } from './helpers/run-script.mjs'
@@ -158,8 +161,6 @@ test('requirepass and an ACL user: the right credentials work, wrong ones are ER
 
 test('tiers memory, dir, redis: puts write through, a hit in Redis is promoted into the nearer tiers', async (t) => {
   const redis = await redisForTest(t)
-  const fs = await import('node:fs')
-  const os = await import('node:os')
   const dirA = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-tier-'))
   const dirB = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-tier-'))
   t.teardown(() => [dirA, dirB].forEach((d) => fs.rmSync(d, { recursive: true, force: true })))
@@ -198,7 +199,8 @@ test('ttlSeconds: blocks expire unless used, and a restore renews the expiry of 
   const redis = await redisForTest(t)
   const pttl = (key) => Number(redis.cli(['PTTL', key]))
   const blockKeys = () => redis.cli(['--raw', 'KEYS', 'llama-kv:*']).split('\n').filter(Boolean)
-  const store = open(redis.url, { ttlSeconds: 8 })
+  // a long TTL and only comparisons: a stalled test machine cannot make this flaky
+  const store = open(redis.url, { ttlSeconds: 60 })
   const a = promptCache(KvCache, 0)
   await store.put(a.cache, 0, a.tokens)
   const keysOfA = new Set(blockKeys())
@@ -210,18 +212,42 @@ test('ttlSeconds: blocks expire unless used, and a restore renews the expiry of 
   const record = [...keysOfA].filter((k) => pttl(k) === -1)
   t.is(record.length, 1)
   const blocksOfA = [...keysOfA].filter((k) => k !== record[0])
-  for (const key of [...blocksOfA, ...onlyB]) t.true(pttl(key) > 0 && pttl(key) <= 8000, key)
-  await new Promise((resolve) => setTimeout(resolve, 2000))
+  for (const key of [...blocksOfA, ...onlyB]) t.true(pttl(key) > 0 && pttl(key) <= 60_000, key)
+  await new Promise((resolve) => setTimeout(resolve, 1000))
   t.is(await store.restore(emptyCache(), 0, a.tokens), 96)
-  // A's blocks were just read: renewed to about 8 s; B's own were not: about 6 s left
+  // A's blocks were just read: renewed to the full TTL; B's own were not: at least 1 s less
   const renewed = blocksOfA.map(pttl)
   const aging = onlyB.map(pttl)
-  t.true(Math.min(...renewed) > Math.max(...aging), `${renewed} vs ${aging}`)
+  t.true(Math.min(...renewed) > Math.max(...aging) + 500, `${renewed} vs ${aging}`)
   t.is(pttl(record[0]), -1)
-  t.true(Math.max(...aging) <= 6000, `${aging}`)
 
   const short = open(redis.url, { ttlSeconds: 0.2, prefix: 'short:' })
   await short.put(a.cache, 0, a.tokens)
   await new Promise((resolve) => setTimeout(resolve, 800))
   t.is(await short.lookup(a.tokens), 0, 'expired: a miss, not an error')
+})
+
+test('the store CLI works on a Redis URL, and prints it without the password', async (t) => {
+  const redis = await redisForTest(t, { requirepass: 'cli-secret' })
+  const url = redis.urlWith('', 'cli-secret')
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-cli-'))
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const cli = (...args) => spawnSync(process.execPath, [path.join(HERE, '..', 'bin', 'llama-kv-cache.js'), 'store', ...args], { encoding: 'utf8' })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const file = path.join(dir, 'a.ggsq')
+  cache.saveSequenceFileSync(file, 0, tokens)
+  const common = ['--url', url, '--model', MODEL, '--block-tokens', '16']
+  const put = cli('put', file, ...common)
+  t.is(put.status, 0, put.stderr)
+  t.regex(put.stdout, /96 tokens, 6 blocks written/)
+  t.is(await open(url).lookup(tokens), 96, 'the JS API finds what the CLI stored')
+  t.is(cli('lookup', file, ...common).stdout, '96\n')
+  const stats = cli('stats', '--url', url)
+  t.regex(stats.stdout, new RegExp(`^redis://127\\.0\\.0\\.1:${redis.port}: 7 blocks`))
+  t.notRegex(stats.stdout + stats.stderr, /cli-secret/)
+  t.like(JSON.parse(cli('stats', '--url', url, '--json').stdout), { backend: 'redis', blocks: 7 })
+  const wrong = cli('lookup', file, '--url', redis.urlWith('', 'nope'), '--model', MODEL, '--block-tokens', '16')
+  t.is(wrong.status, 1)
+  t.regex(wrong.stderr, /ERR_KV_STORE_AUTH/)
+  t.notRegex(wrong.stderr, /nope/)
 })

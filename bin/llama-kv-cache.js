@@ -34,7 +34,8 @@ const USAGE = `usage:
                               quantized K/V of head_dim 64; default: kept, none for float types)
       --recurrent             the input sequence file holds a recurrent (Mamba/RWKV) state
       --transformer           the input sequence file holds a transformer state
-  llama-kv-cache store <command> --store DIR [options]   a prompt store directory
+  llama-kv-cache store <command> --store DIR | --url URL [options]
+                              a prompt store directory, or a Redis server shared by machines
       put <file>...           ingest llama.cpp session/sequence files (one sequence each)
       lookup <tokens>         print the stored prefix length in tokens
       write <tokens> <out>    write the stored prefix as a llama.cpp file (--kind, --version,
@@ -44,6 +45,9 @@ const USAGE = `usage:
       --model ID              the model identity the blocks were stored under (put/lookup/write)
       --block-tokens N        tokens per block (default 256)
       --max-bytes N           byte budget (LRU eviction)
+      --url redis://[user[:password]@]host[:port][/db]
+                              a Redis / Valkey store (with --store too: tiers dir, then redis)
+      --prefix P              Redis key namespace (default llama-kv:)
     <tokens>: a JSON file of token ids, or a state file whose tokens are taken`
 
 function fail(message, code = 2) {
@@ -270,10 +274,12 @@ function readTokens(file) {
 async function storeCommand(args) {
   const [sub, ...rest] = args
   const flags = parseFlags(rest, {
-    store: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool',
+    store: 'str', url: 'str', prefix: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool',
     kind: 'str', version: 'int', layout: 'str', 'flash-attn': 'bool', arch: 'str',
   })
-  if (!flags.store) fail(`store ${sub ?? ''} needs --store DIR\n${USAGE}`)
+  if (!flags.store && !flags.url) fail(`store ${sub ?? ''} needs --store DIR or --url URL\n${USAGE}`)
+  // where the blocks are, for messages: a URL without its credentials
+  const where = flags.store ?? flags.url.replace(/\/\/[^@/]*@/, '//')
   const needsModel = ['put', 'lookup', 'write'].includes(sub)
   if (needsModel && !flags.model) fail(`store ${sub} needs --model ID (the identity the blocks are stored under)`)
   try {
@@ -281,6 +287,9 @@ async function storeCommand(args) {
       // stats and gc concern the directory, not one model
       model: flags.model ?? 'llama-kv-cache-cli',
       path: flags.store,
+      url: flags.url,
+      prefix: flags.prefix,
+      tiers: flags.store && flags.url ? ['dir', 'redis'] : undefined,
       blockTokens: flags['block-tokens'],
       maxBytes: flags['max-bytes'],
     })
@@ -312,7 +321,7 @@ async function storeCommand(args) {
       const s = sub === 'gc' ? await store.gc() : await store.stats()
       const { hits: _h, misses: _m, corrupt: _c, ...dir } = s
       process.stdout.write(flags.json ? `${JSON.stringify(dir, null, 2)}\n`
-        : `${flags.store}: ${dir.blocks} blocks, ${dir.bytes} bytes${dir.maxBytes == null ? '' : ` of ${dir.maxBytes}`}, ${dir.evictions} evictions\n`)
+        : `${where}: ${dir.blocks} blocks, ${dir.bytes} bytes${dir.maxBytes == null ? '' : ` of ${dir.maxBytes}`}, ${dir.evictions} evictions\n`)
     } else {
       fail(`unknown store command ${sub ?? ''}\n${USAGE}`)
     }

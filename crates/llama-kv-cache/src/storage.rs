@@ -255,7 +255,7 @@ impl LayerTensors {
     pub fn read_rows(&self, which: Tensor, lay: Layout, first: usize, n: usize) -> Result<Vec<u8>> {
         let row = self.row_size(which);
         let mut out = crate::alloc::zeroed(row * n, "the rows read")?;
-        if which == Tensor::V && lay.v_trans {
+        if which == Tensor::V && lay.v_trans && n > 0 {
             // one strided read of the n_embd_v element runs (one 2D copy on a device), then a
             // transpose into rows on the host
             let el = lay.v_el;
@@ -412,6 +412,14 @@ mod tests {
         assert_eq!(&raw[2..4], &[1, 2]); // cell 1, j 0
         assert_eq!(&raw[4..6], &[7, 8]); // cell 2, j 0
         assert_eq!(&raw[(1 + 4) * 2..(1 + 4) * 2 + 2], &[3, 4]); // cell 1, j 1
+    }
+
+    #[test]
+    fn regression_reading_zero_transposed_v_rows_is_empty_not_a_panic() {
+        // readV(layer, first, 0) panicked in the column split (a zero chunk size) and reached JS
+        // as ERR_KV_INTERNAL
+        let (l, lay) = layer(true);
+        assert_eq!(l.read_rows(Tensor::V, lay, 2, 0).unwrap(), Vec::<u8>::new());
     }
 
     #[test]

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::server::{cut_client_connections, AclUser, RedisServer, ServerOptions};
+use common::server::{cut_client_connections, pause_clients, AclUser, RedisServer, ServerOptions};
 use prompt_store::{Backend, Key, MemoryBackend, StoreError, TieredBackend};
 use prompt_store_redis::{RedisBackend, RedisOptions};
 
@@ -111,36 +111,51 @@ fn block_value(tag: &[u8]) -> Vec<u8> {
 }
 
 #[test]
-fn ttl_expires_unused_blocks_a_read_keeps_a_block_alive_and_other_values_stay() {
+fn ttl_expires_unused_blocks_a_read_renews_a_block_and_other_values_stay() {
     let server = RedisServer::start();
-    let store = RedisBackend::new(RedisOptions {
-        ttl: Some(Duration::from_millis(400)),
-        ..RedisOptions::new(server.url())
-    })
-    .unwrap();
+    let with_ttl = |ms: u64, prefix: &str| {
+        RedisBackend::new(RedisOptions {
+            ttl: Some(Duration::from_millis(ms)),
+            prefix: prefix.into(),
+            ..RedisOptions::new(server.url())
+        })
+        .unwrap()
+    };
+    let mut raw = server.connection();
     let (read, idle) = (block_value(b"read"), block_value(b"idle"));
+    // a long TTL and only comparisons: a stalled test machine cannot make this flaky
+    let store = with_ttl(60_000, "long:");
+    let mut pttl = |k: u32| -> i64 {
+        redis::cmd("PTTL")
+            .arg(store.redis_key(&key(k)))
+            .query(&mut raw)
+            .unwrap()
+    };
     store
         .put_many(&[(key(1), &read), (key(2), &idle), (key(3), b"record")])
         .unwrap();
-    for _ in 0..4 {
-        std::thread::sleep(Duration::from_millis(150));
-        assert_eq!(
-            store.get_many(&[key(1), key(3)]).unwrap(),
-            [Some(read.clone()), Some(b"record".to_vec())]
-        );
-    }
-    // 600 ms after the put: the unread block is gone, the read one is not, and the value that
-    // is not a block (the model record) never expires
+    std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(
-        store.contains_many(&[key(1), key(2), key(3)]).unwrap(),
-        [true, false, true]
+        store.get_many(&[key(1), key(3)]).unwrap(),
+        [Some(read.clone()), Some(b"record".to_vec())]
     );
-    let mut raw = server.connection();
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(store.redis_key(&key(3)))
-        .query(&mut raw)
+    let (renewed, aging) = (pttl(1), pttl(2));
+    assert!(renewed > aging + 500, "{renewed} vs {aging}");
+    assert_eq!(
+        pttl(3),
+        -1,
+        "the value that is not a block (the model record) never expires"
+    );
+
+    let short = with_ttl(100, "short:");
+    short
+        .put_many(&[(key(1), &read), (key(3), b"record")])
         .unwrap();
-    assert_eq!(ttl, -1, "no expiry on the record");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(
+        short.contains_many(&[key(1), key(3)]).unwrap(),
+        [false, true]
+    );
 }
 
 #[test]
@@ -313,9 +328,12 @@ fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
     let store = backend(&server.url());
     let (keys, values) = blocks(64, 1 << 20);
     store.put_many(&entries(&keys, &values)).unwrap();
+    // the server holds its answer (CLIENT PAUSE), so the read is surely in flight at the kill
+    let mut admin = server.connection();
+    pause_clients(&mut admin, 10_000);
     let result = std::thread::scope(|scope| {
         let read = scope.spawn(|| store.get_many(&keys));
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(100));
         server.kill();
         read.join().unwrap()
     });

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::server::{cut_client_connections, RedisServer, ServerOptions};
+use common::server::{cut_client_connections, pause_clients, RedisServer, ServerOptions};
 use llama_kv_cache::{CacheParams, KvCache, Tensor, UBatch};
 use prompt_store::{PromptStore, StoreError};
 use prompt_store_redis::{RedisBackend, RedisOptions};
@@ -219,12 +219,7 @@ fn killing_redis_during_a_restore_is_unavailable_and_the_cache_is_unchanged() {
     let mut admin = server.connection();
     let result = std::thread::scope(|scope| {
         let restore = scope.spawn(|| store.restore(&mut cache, 0, &tokens, None));
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg(10_000)
-            .arg("ALL")
-            .query(&mut admin)
-            .unwrap();
+        pause_clients(&mut admin, 10_000);
         std::thread::sleep(Duration::from_millis(100));
         server.kill();
         restore.join().unwrap()

@@ -259,6 +259,17 @@ pub fn cut_client_connections(admin: &mut redis::Connection) {
         .expect("CLIENT KILL");
 }
 
+/// `CLIENT PAUSE ms ALL`: the server reads requests but holds every answer, so a call started
+/// now is surely in flight when the test kills the server.
+pub fn pause_clients(admin: &mut redis::Connection, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("ALL")
+        .query(admin)
+        .expect("CLIENT PAUSE");
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
