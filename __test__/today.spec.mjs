@@ -230,10 +230,33 @@ test('malformed v11 / v4, iSWA and hybrid files are refused with ERR_KV_INVALID_
   }
 })
 
-// 0.1.161's own files, converted by us to ggsq 3, continue in node-llama-cpp 3.22.1 with the token
-// 0.1.161 produced (`next2`). Rotated files have no older version (refused above), and llama.node
-// needs a prompt text whose tokenization matches the state, which these raw-id prompts are not.
+// 0.1.161's own files, converted by us to ggsq 3 / ggsn 9, continue in node-llama-cpp 3.22.1 and
+// llama.node 1.7.15 with the token 0.1.161 produced (`next2`). Rotated files have no older version
+// (refused above).
 registerPeerSuite(test, 'today', () => {
+  const vocab = JSON.parse(fs.readFileSync(path.join(FIXTURES, '..', '..', '..', 'interop', 'models', 'vocab.json'), 'utf8')).tokens
+  // prompt text whose tokenization is `ids` (the BOS is llama.node's own; '\u2581' is a space)
+  const textOf = (ids) => ids.filter((id, i) => !(i === 0 && id === 1)).map((id) => vocab[id].replaceAll('\u2581', ' ')).join('').replace(/^ /, '')
+  for (const name of ['h16-f16', 'h16-f16-fa', 'h32-q8_0-fa', 'h64-f16-fa']) {
+    test(`llama.node continues llama.cpp 0.1.161's t161-${name}.ggsn converted to ggsn 9`, async (t) => {
+      const side = sidecar(name)
+      const conv = path.join(tmp(), `${name}.ggsn`)
+      convertStateFile(fixture(`${name}.ggsn`), conv, { version: 9 })
+      t.like(inspectState(conv), { version: 9, layout: 'streams' })
+      const type = (id) => NLC_TYPE[id].toLowerCase()
+      const options = {
+        mode: 'session',
+        ctx: { n_parallel: 1, flash_attn_type: side.flashAttn ? 'on' : 'off', cache_type_k: type(side.typeK), cache_type_v: type(side.typeV) },
+        prompt: textOf([...side.prompts[0], side.next[0]]),
+        n_predict: 1,
+      }
+      const { runs } = await runPeerScript(CONTINUE, ['llama-node', side.model, conv, JSON.stringify(options)], (m) => t.log(m))
+      t.is(runs[0].error, undefined)
+      t.is(runs[0].prompt_n, 1, 'llama.node decoded only the next token on top of the loaded cells')
+      t.is(runs[0].tokens[0], side.next2[0], `llama.node after ${side.next[0]}: ${JSON.stringify(runs[0].pieces)}`)
+    })
+  }
+
   for (const name of ['h16-f16', 'h16-f16-fa', 'h32-q8_0-fa', 'h64-f16-fa', 'h16-f16-par2-split']) {
     test(`node-llama-cpp continues llama.cpp 0.1.161's t161-${name}.ggsq converted to ggsq 3`, async (t) => {
       const side = sidecar(name)
