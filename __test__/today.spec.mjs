@@ -53,13 +53,14 @@ test('every t161 fixture inspects with its memory, parts and rotation', (t) => {
       t.is(info.version, version, name)
       t.is(info.layout, 'streams-rot', name)
       t.is(info.memory, side.memory, name)
-      const kv = info.parts ? info.parts.filter((p) => p.kind === 'kv') : [info]
+      const kv = info.parts ? info.parts.filter((p) => p.kind === 'kv') : side.memory === 'recurrent' ? [] : [info]
+      t.is(info.recurrent, side.memory === 'recurrent', name)
       for (const m of kv) {
         t.is(m.nRotK, side.nRotK, `${name} nRotK`)
         t.is(m.nRotV, side.nRotV, `${name} nRotV`)
         t.is(m.vTrans, !side.flashAttn, name)
       }
-      if (side.memory === 'unified') t.is(info.parts, undefined, name)
+      if (side.memory === 'unified' || side.memory === 'recurrent') t.is(info.parts, undefined, name)
       else t.is(info.parts.reduce((n, p) => n + p.bytes, 0) + info.byteAccounting.header + info.byteAccounting.session, info.bytes)
     }
   }

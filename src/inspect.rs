@@ -262,6 +262,8 @@ pub fn inspect_state(
         let recurrent = match (&ins.arch, ins.payload.layout) {
             // several memories: the top level describes the first part
             _ if ins.parts.len() > 1 => Some(ins.parts[0].kind == PartKind::Recurrent),
+            // a stream-less payload of v11 / v4 is a recurrent memory
+            _ if ins.parts[0].kind == PartKind::Recurrent => Some(true),
             (Some(arch), _) => Some(llama_kv_cache::files::is_recurrent_arch(arch)),
             (None, Layout::Streams | Layout::StreamsRot) => Some(false),
             (None, Layout::Seed) => None,
@@ -305,7 +307,14 @@ pub fn inspect_state(
             n_tokens: header.tokens.len() as u32,
             arch: ins.arch,
             layout: match &recurrent {
-                Some(true) if ins.outputs.is_none() => "streams".into(),
+                Some(true) if ins.outputs.is_none() => {
+                    // the era of the version: recurrent payloads have no layout of their own
+                    if header.kind.records_rotation(header.version) {
+                        "streams-rot".into()
+                    } else {
+                        "streams".into()
+                    }
+                }
                 _ => ins.payload.layout.name().into(),
             },
             recurrent,

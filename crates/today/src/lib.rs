@@ -184,6 +184,12 @@ pub fn specs() -> Vec<Spec> {
             ..base.clone()
         },
         Spec {
+            name: "mamba",
+            model: "mamba.gguf",
+            memory: "recurrent",
+            ..base.clone()
+        },
+        Spec {
             name: "jamba",
             model: "jamba.gguf",
             memory: "hybrid",
