@@ -126,3 +126,23 @@ fn unreachable_port_fails_fast_as_unavailable() {
     ));
     assert!(started.elapsed() < TIMEOUT, "{:?}", started.elapsed());
 }
+
+#[test]
+fn a_server_that_does_not_answer_in_time_is_unavailable() {
+    let server = RedisServer::start();
+    let client = RedisClient::new(&server.url(), Duration::from_millis(300)).unwrap();
+    client.ping().unwrap();
+    let mut admin = server.connection();
+    common::server::pause_clients(&mut admin, 3_000);
+    let started = std::time::Instant::now();
+    let err = client.ping().unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Unavailable { reason, .. } if reason.contains("no answer within 300 ms")),
+        "{err:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(2_500),
+        "{:?}",
+        started.elapsed()
+    );
+}
