@@ -212,6 +212,15 @@ pub fn parse_parts(bytes: &[u8], layouts: &[Layout]) -> (Vec<Parts>, Vec<String>
             }),
         );
     }
+    // empty streams read the same with and without the rotation fields: keep one reading
+    if layouts.contains(&Layout::Streams) {
+        let empty_rot = |p: &Parts| {
+            p.parts
+                .iter()
+                .all(|x| x.payload.layout == Layout::StreamsRot && x.payload.has_no_data_header())
+        };
+        fits.retain(|p| !empty_rot(p));
+    }
     (fits, errors)
 }
 

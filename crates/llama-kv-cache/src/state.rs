@@ -341,6 +341,14 @@ pub(crate) fn parse_stream_with(
     })
 }
 
+impl ParsedPayload {
+    /// Whether no stream has a data header (every stream is empty in a layout with a stream
+    /// prefix): such a payload reads the same under the streams and streams-rot layouts.
+    pub fn has_no_data_header(&self) -> bool {
+        self.layout.has_stream_prefix() && self.streams.iter().all(|s| s.v_trans.is_none())
+    }
+}
+
 /// Parses a payload structurally under `layout`, consuming it from `bytes[0..]`. With
 /// `exact`, trailing bytes are an error.
 pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<ParsedPayload> {
@@ -787,6 +795,11 @@ impl KvCache {
                 Ok(p) => fits.push(p),
                 Err(e) => errors.push((l, e)),
             }
+        }
+        // a payload of empty streams has no data header: the streams and streams-rot layouts
+        // read it the same, so it is not ambiguous
+        if fits.len() == 2 && fits.iter().all(|p| p.has_no_data_header()) {
+            fits.retain(|p| p.layout != Layout::StreamsRot);
         }
         match fits.len() {
             1 => Ok(fits.remove(0)),

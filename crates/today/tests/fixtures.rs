@@ -163,3 +163,24 @@ fn regression_a_cell_less_file_declaring_huge_rows_is_refused_before_allocating(
         .unwrap_err();
     assert!(e.to_string().contains("bytes per cell"), "{e}");
 }
+
+#[test]
+fn regression_an_empty_cache_payload_is_not_ambiguous_between_streams_and_streams_rot() {
+    use llama_kv_cache::CacheParams;
+    // empty streams have no data header, so the rotation fields never appear: one reading
+    for layout in [Layout::Streams, Layout::StreamsRot] {
+        let c = KvCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
+        let blob = c
+            .state_write(-1, layout, 1, None)
+            .unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let mut d = KvCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
+        let read = d.state_read(&blob, -1, ReadOptions::default(), None);
+        assert_eq!(read.map(|s| s.cells), Ok(0), "{layout}");
+        let opts = ReadOptions {
+            part: Some(PartRole::Base),
+            ..ReadOptions::default()
+        };
+        // an empty payload is no iSWA one either
+        assert!(d.state_read(&blob, -1, opts, None).is_err(), "{layout}");
+    }
+}
