@@ -729,7 +729,7 @@ export interface ModelRecurrent {
 
 /** RoPE as the model was trained. */
 export interface ModelRope {
-  /** 'none' | 'norm' | 'neox' | 'mrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`). */
+  /** 'none' | 'norm' | 'neox' | 'mrope' | 'imrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`). */
   type: string
   /** Rotated dimensions per head (`n_rot`). */
   nRot: number

@@ -35,7 +35,7 @@ pub struct ModelLayer {
 /// RoPE as the model was trained.
 #[napi(object)]
 pub struct ModelRope {
-    /// 'none' | 'norm' | 'neox' | 'mrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`).
+    /// 'none' | 'norm' | 'neox' | 'mrope' | 'imrope' | 'unknown' (by architecture, as llama.cpp's `llama_model_rope_type`).
     #[napi(js_name = "type")]
     pub rope_type: String,
     /// Rotated dimensions per head (`n_rot`).

@@ -28,6 +28,8 @@ pub enum RopeKind {
     Neox,
     /// Multi-section RoPE (Qwen2-VL).
     Mrope,
+    /// Interleaved multi-section RoPE (Qwen3-VL; llama.cpp since late 2025).
+    Imrope,
     /// An architecture llama.cpp 0.1.103 does not list.
     Unknown,
 }
@@ -40,24 +42,61 @@ impl RopeKind {
             RopeKind::Norm => "norm",
             RopeKind::Neox => "neox",
             RopeKind::Mrope => "mrope",
+            RopeKind::Imrope => "imrope",
             RopeKind::Unknown => "unknown",
         }
     }
 
-    /// llama.cpp's `enum llama_rope_type` value (-1 none, 0 norm, 2 neox, 8 mrope); `None` when unknown.
+    /// llama.cpp's `enum llama_rope_type` value (-1 none, 0 norm, 2 neox, 8 mrope, 40 imrope);
+    /// `None` when unknown.
     pub fn llama_value(self) -> Option<i32> {
         match self {
             RopeKind::None => Some(-1),
             RopeKind::Norm => Some(0),
             RopeKind::Neox => Some(2),
             RopeKind::Mrope => Some(8),
+            RopeKind::Imrope => Some(40),
             RopeKind::Unknown => None,
         }
     }
 }
 
-/// The rope type of an architecture, as `llama_model_rope_type` (0.1.103) lists it.
+/// The rope type of an architecture, as `llama_model_rope_type` lists it: llama.cpp 0.1.103's
+/// answer for the architectures it knows (the differential tests pin it), 0.1.161's for the
+/// ones added since.
 pub fn rope_kind(arch: &str) -> RopeKind {
+    match rope_kind_0_1_103(arch) {
+        RopeKind::Unknown => rope_kind_0_1_161(arch),
+        known => known,
+    }
+}
+
+/// Architectures llama.cpp added after 0.1.103, as 0.1.161's `llama_model_rope_type` lists them.
+fn rope_kind_0_1_161(arch: &str) -> RopeKind {
+    match arch {
+        "clip" | "glm4moe" | "glm5-next" | "hunyuan_vl" | "jamba" | "kimi-k3" | "kimi-linear"
+        | "mamba2" | "nemotron_h" | "nemotron_h_moe" => RopeKind::None,
+        "arcee" | "bailingmoe3" | "cohere2moe" | "deepseek2-ocr" | "deepseek32" | "deepseek4"
+        | "dots3note" | "eagle3" | "ernie4_5" | "ernie4_5-moe" | "glm-dsa" | "granite_swa"
+        | "granitehybrid" | "graniteswitch" | "hy_v4" | "llada" | "llama-embed" | "maincoder"
+        | "mistral3" | "mistral4" | "muse-glimmer" | "nanbeige" | "neo-bert" | "pockettts"
+        | "smollm3" => RopeKind::Norm,
+        "afmoe" | "apertus" | "bailingmoe2" | "cogvlm" | "dots1" | "dream" | "eurobert"
+        | "exaone-moe" | "exaone4" | "falcon-h1" | "gemma-embedding" | "gemma3n" | "gemma4"
+        | "gemma4-assistant" | "gpt-oss" | "grovemoe" | "hrm_text" | "hunyuan-dense"
+        | "hunyuan-moe" | "hy_v3" | "jais2" | "jina-bert-v3" | "laguna" | "lfm2" | "lfm2moe"
+        | "llada-moe" | "maple" | "mellum" | "mimo2" | "minimax-01" | "minimax-m2"
+        | "minimax-m3" | "modern-bert" | "pangu-embedded" | "plamo2" | "plamo3" | "qwen3next"
+        | "rnd1" | "seed_oss" | "smallthinker" | "spark2_5" | "step35" | "talkie" => RopeKind::Neox,
+        "dflash" | "paddleocr" => RopeKind::Mrope,
+        "clef" | "qwen35" | "qwen35moe" | "qwen3tts" | "qwen3vl" | "qwen3vlmoe" | "qwen4exp" => {
+            RopeKind::Imrope
+        }
+        _ => RopeKind::Unknown,
+    }
+}
+
+fn rope_kind_0_1_103(arch: &str) -> RopeKind {
     match arch {
         "gpt2" | "gptj" | "mpt" | "refact" | "bloom" | "mamba" | "jina-bert-v2" | "t5"
         | "t5encoder" | "jais" | "rwkv6" | "rwkv6qwen2" | "rwkv7" | "arwkv7"

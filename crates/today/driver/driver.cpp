@@ -14,10 +14,16 @@
 //       decodes token T at position P of that sequence (0 for a session) and reports the greedy
 //       next token (`next`). `pos_max` is the sequence's largest position after the load.
 //
+//   today-driver hparams model=M
+//       the hyper-parameters llama.cpp derives from the GGUF (`llama_model::hparams`, read
+//       through the internal headers), per layer where they can differ; no context is made.
+//
 // context options: ctx=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
 // Failures print {"error": "..."} and exit 1.
 
 #include "llama.h"
+// internal: `hparams` reads llama_model::hparams, which the public API does not show per layer
+#include "llama-model.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -63,6 +69,34 @@ static std::vector<int> ints(const std::string & s, char sep) {
         }
     }
     return out;
+}
+
+static void print_hparams(const llama_model * m) {
+    const auto & h = m->hparams;
+    std::ostringstream js;
+    js.precision(9);
+    auto arr = [&](const char * name, auto f) {
+        js << ",\"" << name << "\":[";
+        for (uint32_t il = 0; il < h.n_layer(); il++) {
+            js << (il ? "," : "") << f(il);
+        }
+        js << "]";
+    };
+    js << "{\"n_layer\":" << h.n_layer() << ",\"n_ctx_train\":" << h.n_ctx_train;
+    arr("n_head_kv", [&](uint32_t il) { return h.n_head_kv(il); });
+    arr("n_embd_head_k", [&](uint32_t il) { return h.n_embd_head_k(il); });
+    arr("n_embd_head_v", [&](uint32_t il) { return h.n_embd_head_v(il); });
+    arr("n_embd_k_gqa", [&](uint32_t il) { return h.n_embd_k_gqa(il); });
+    arr("n_embd_v_gqa", [&](uint32_t il) { return h.n_embd_v_gqa(il); });
+    arr("n_rot", [&](uint32_t il) { return h.n_rot(il); });
+    arr("is_swa", [&](uint32_t il) { return h.is_swa(il) ? 1 : 0; });
+    arr("is_recr", [&](uint32_t il) { return h.is_recr(il) ? 1 : 0; });
+    js << ",\"rope_type\":" << (int) h.rope_type << ",\"rope_freq_base\":" << h.rope_freq_base_train;
+    js << ",\"rope_freq_scale\":" << h.rope_freq_scale_train << ",\"n_ctx_orig_yarn\":" << h.n_ctx_orig_yarn;
+    js << ",\"n_swa\":" << h.n_swa << ",\"n_embd_r\":" << h.n_embd_r() << ",\"n_embd_s\":" << h.n_embd_s();
+    js << ",\"recurrent\":" << (llama_model_is_recurrent(m) ? 1 : 0);
+    js << ",\"hybrid\":" << (llama_model_is_hybrid(m) ? 1 : 0) << "}";
+    printf("%s\n", js.str().c_str());
 }
 
 static llama_context * make_context(llama_model * model) {
@@ -234,9 +268,15 @@ int main(int argc, char ** argv) {
     if (!model) {
         die("cannot load the model");
     }
+    const std::string action = argv[1];
+    if (action == "hparams") {
+        print_hparams(model);
+        fflush(stdout);
+        llama_model_free(model);
+        return 0;
+    }
     llama_context * ctx = make_context(model);
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-    const std::string action = argv[1];
     if (action == "gen") {
         gen(model, ctx, n_vocab);
     } else if (action == "cont") {

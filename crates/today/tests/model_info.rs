@@ -1,0 +1,68 @@
+//! `ModelInfo` against llama.cpp 0.1.161 (the driver's `hparams` action, after a full model
+//! load): for every tiny model of `interop/make_models.py`, the per-layer K/V heads and widths,
+//! the sliding-window and recurrent layers, RoPE type, dims and base, the window, the recurrent
+//! state widths and the memory kind agree. This is today's llama.cpp: Gemma 3's
+//! `sliding_window_pattern` key and Jamba's hybrid memory are read as 0.1.161 reads them.
+
+use llama_kv_cache::{MemoryKind, ModelInfo};
+use serde_json::Value;
+use today_peer::{models_dir, run};
+
+#[path = "../../shared-build/hparams_check.rs"]
+mod hparams_check;
+use hparams_check::{u32s, Diffs, TINY_MODELS};
+
+/// Every field both report, ours against 0.1.161's; the differences.
+fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
+    let mut d = Diffs::new("0.1.161", h);
+    d.geometry(m);
+    let recurrent_layers = m
+        .layers
+        .iter()
+        .map(|l| match m.memory {
+            MemoryKind::Recurrent => 1,
+            MemoryKind::Hybrid => (l.n_head_kv == 0) as u32,
+            _ => 0,
+        })
+        .collect();
+    d.layers("is_recr", recurrent_layers);
+    // head sizes and RoPE dims only mean something on attention layers
+    for (field, ours) in [
+        ("n_embd_head_k", m.n_embd_head_k),
+        ("n_embd_head_v", m.n_embd_head_v),
+        ("n_rot", m.rope.n_rot),
+    ] {
+        let theirs = u32s(h, field);
+        for il in (0..m.layers.len()).filter(|&il| m.layers[il].n_head_kv > 0) {
+            d.eq(&format!("{field}[{il}]"), ours, theirs[il]);
+        }
+    }
+    let r = m.recurrent.clone().unwrap_or_default();
+    d.number("n_embd_r", r.n_embd_k_s);
+    d.number("n_embd_s", r.n_embd_v_s);
+    d.number("recurrent", (m.memory == MemoryKind::Recurrent) as u8);
+    d.number("hybrid", (m.memory == MemoryKind::Hybrid) as u8);
+    d.lines
+}
+
+#[test]
+fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
+    let mut failures = Vec::new();
+    for name in TINY_MODELS {
+        let path = models_dir().join(name);
+        let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let theirs = run("hparams", &[format!("model={}", path.display())])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let bad = compare(&ours, &theirs);
+        if bad.is_empty() {
+            eprintln!("model info agrees with llama.cpp 0.1.161: {name}");
+        } else {
+            failures.push(format!("{name}:\n  {}", bad.join("\n  ")));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "ModelInfo differs from llama.cpp 0.1.161:\n{}",
+        failures.join("\n")
+    );
+}
