@@ -584,3 +584,13 @@ fn k_shift_checks_the_rope_geometry() {
     let err = c.update(Some(&rope), None).unwrap_err();
     assert!(err.to_string().contains("does not match"), "{err}");
 }
+
+#[test]
+fn regression_reading_zero_rows_of_transposed_v_is_empty_not_a_panic() {
+    // the element loop before the tiled transpose took chunks of `n * el` bytes and panicked
+    // on n = 0 (readV(layer, cell, 0) reached JS as ERR_KV_INTERNAL)
+    let c = KvCache::new(CacheParams::new(16, 1, 8, 8)).unwrap();
+    assert!(c.v_trans());
+    assert!(c.read_rows(0, Tensor::V, 0, 0).unwrap().is_empty());
+    assert!(c.read_rows(0, Tensor::K, 3, 0).unwrap().is_empty());
+}
