@@ -500,6 +500,8 @@ impl KvCache {
         let part = opts.part;
         let mut fits: Vec<(SessionBody, Part)> = Vec::new();
         let mut errors = Vec::new();
+        // a capacity problem is the real answer when the structure itself parsed
+        let mut no_space = None;
         let mut parts_seen = Vec::new();
         for split in splits {
             let body = &bytes[split.payload.clone()];
@@ -530,7 +532,12 @@ impl KvCache {
                     };
                     match checked {
                         Ok(()) => fits.push((split.clone(), p)),
-                        Err(e) => errors.push(format!("{} part: {e}", p.role)),
+                        Err(e) => {
+                            if matches!(e, KvError::NoSpace(_)) {
+                                no_space.get_or_insert_with(|| e.clone());
+                            }
+                            errors.push(format!("{} part: {e}", p.role));
+                        }
                     }
                 }
             }
@@ -557,9 +564,8 @@ impl KvCache {
                             .join(", ")
                     )));
                 }
-                // a capacity problem is the real answer when the structure itself parsed
-                if let Some(e) = errors.iter().find(|e| e.contains("cache only")) {
-                    return Err(KvError::NoSpace(e.clone()));
+                if let Some(e) = no_space {
+                    return Err(e);
                 }
                 Err(KvError::InvalidState(if errors.len() == 1 {
                     errors.remove(0)

@@ -184,3 +184,22 @@ fn regression_an_empty_cache_payload_is_not_ambiguous_between_streams_and_stream
         assert!(d.state_read(&blob, -1, opts, None).is_err(), "{layout}");
     }
 }
+
+#[test]
+fn a_v11_session_larger_than_the_cache_is_no_space_and_changes_nothing() {
+    use llama_kv_cache::KvError;
+    let spec = specs().into_iter().find(|s| s.name == "h16-f16").unwrap();
+    let (bytes, ins) = inspect(&spec, true);
+    let mut p = params_for_payload(&ins.payload, false).unwrap();
+    p.size = 4;
+    let mut c = KvCache::new(p).unwrap();
+    let before = c.state_write(-1, Layout::StreamsRot, 1, None).unwrap();
+    let e = c
+        .load_session_bytes(&bytes, ReadOptions::default(), None)
+        .unwrap_err();
+    assert!(matches!(e, KvError::NoSpace(_)), "{e:?}");
+    assert_eq!(
+        c.state_write(-1, Layout::StreamsRot, 1, None).unwrap(),
+        before
+    );
+}
