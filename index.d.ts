@@ -109,6 +109,12 @@ export declare class KvCache {
    * `findSlot`, `n` update, head advance. Returns null when it does not fit.
    */
   prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
+  /**
+   * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
+   * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
+   * on a failed ubatch to roll them all back as the seed does.
+   */
+  slotRestorer(): SlotRestorer
   /** Metadata of cell `index`. */
   cell(index: number): CellInfo
   /** Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call. */
@@ -253,6 +259,31 @@ export declare class PromptStore {
    * leftovers of interrupted writes (dir: temporary files older than an hour).
    */
   gc(): Promise<StoreStats>
+}
+
+/**
+ * llama.cpp's slot restorer (the seed's `llama_kv_slot_restorer`), from
+ * `cache.slotRestorer()`. Exact to the seed: `restore()` puts back `head` and `n` as they were
+ * when it was taken, then removes every sequence from the cells whose positions lie in each
+ * saved slot's cell range (the seed's `seq_rm(-1, c0, c1)` passes cell indices as positions);
+ * a recurrent cache is cleared. Nothing happens unless a found slot was saved.
+ */
+export declare class SlotRestorer {
+  /** Records a slot returned by `prepareBatch` / `findSlot`; `null` (no slot found) is ignored. */
+  save(slot?: Slot | null): void
+  /**
+   * Rolls back every saved slot on the cache this restorer was taken from (a synchronous
+   * call: `ERR_KV_BUSY` while async work is pending).
+   */
+  restore(): void
+  /** `head` when the restorer was taken. */
+  get head(): number
+  /** `n` when the restorer was taken. */
+  get n(): number
+  /** The saved slots as cell ranges `[c0, c1)`. */
+  get boundaries(): Array<[number, number]>
+  /** Whether `restore()` will change anything (a found slot was saved). */
+  get armed(): boolean
 }
 
 /** Byte accounting of a file. */
@@ -939,6 +970,16 @@ export interface Slot {
   len: number
   /** Cells the attention should look at. */
   n: number
+}
+
+/** A slot handed back to `SlotRestorer.save` (as `prepareBatch` / `findSlot` return it). */
+export interface SlotInput {
+  /** First cell of the slot. */
+  head: number
+  /** Tokens (transformer) or sequences (recurrent) placed. */
+  len: number
+  /** Cells the attention looks at (not used by the restorer). */
+  n?: number
 }
 
 /** Options of the async store operations. */

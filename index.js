@@ -837,6 +837,7 @@ module.exports.__napiBindingTarget = __napiStampBindingTarget(nativeBinding, __n
 module.exports = nativeBinding
 module.exports.KvCache = nativeBinding.KvCache
 module.exports.PromptStore = nativeBinding.PromptStore
+module.exports.SlotRestorer = nativeBinding.SlotRestorer
 module.exports.checkState = nativeBinding.checkState
 module.exports.convertStateFile = nativeBinding.convertStateFile
 module.exports.inspectState = nativeBinding.inspectState

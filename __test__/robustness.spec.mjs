@@ -379,3 +379,64 @@ console.log(JSON.stringify(out))
   t.is(out.readKF32, 'ERR_KV_BACKEND')
   t.true(out.usable, 'the cache is usable after the failures')
 })
+
+// ---- 8. the seed's slot restorer --------------------------------------------------------------
+
+test('slotRestorer rolls back every slot of a failed decode, head and n included (issue 10.8)', (t) => {
+  const c = make({ size: 16 })
+  c.prepareBatch(seq(0, 0, 4))
+  const [head, n, before] = [c.head, c.n, c.cells()]
+  const r = c.slotRestorer()
+  t.is(r.head, head)
+  t.is(r.n, n)
+  t.false(r.armed)
+  const first = c.prepareBatch(seq(0, 4, 4))
+  r.save(first)
+  const second = c.prepareBatch(seq(0, 8, 9))
+  t.is(second, null)
+  r.save(second)
+  t.true(r.armed)
+  t.deepEqual(r.boundaries, [[4, 8]])
+  t.is(c.usedCells, 8)
+  r.restore()
+  t.deepEqual(c.cells(), before)
+  t.is(c.head, head)
+  t.is(c.n, n)
+})
+
+test('slotRestorer follows the seed: cell indices are passed to seq_rm as positions (issue 10.8)', (t) => {
+  // the same position exists outside the slot: seqRm over guessed ranges could not do this
+  const c = make({ size: 16 })
+  c.findSlot(seq(0, 100, 4)) // cells 0..3 hold positions 100..103
+  c.findSlot(seq(1, 5, 1)) // cell 4 holds position 5
+  const r = c.slotRestorer()
+  const slot = c.findSlot(seq(2, 0, 3)) // cells 5..7, positions 0..2
+  t.is(slot.head, 5)
+  r.save(slot)
+  r.restore() // seq_rm(-1, 5, 8): removes position 5 (cell 4), keeps cells 5..7
+  t.is(c.cell(4).pos, -1)
+  t.deepEqual([5, 6, 7].map((i) => c.cell(i).pos), [0, 1, 2])
+})
+
+test('slotRestorer clears a recurrent cache, refuses bad slots and respects busy/dispose (issue 10.8)', async (t) => {
+  const rc = make({ size: 4, recurrent: true })
+  rc.findSlot({ pos: [0], seqIds: [0] })
+  const rr = rc.slotRestorer()
+  rr.save(rc.findSlot({ pos: [0, 1], seqIds: [1], nSeqTokens: 2 }))
+  t.deepEqual(rr.boundaries, [])
+  rr.restore()
+  t.is(rc.usedCells, 0)
+  const c = make()
+  const r = c.slotRestorer()
+  code(t, () => r.save({ head: -1, len: 2 }), 'ERR_KV_OUT_OF_RANGE', /slot.head/)
+  code(t, () => r.save({ head: 'x', len: 2 }), 'ERR_KV_INVALID_ARG')
+  code(t, () => r.save(5), 'ERR_KV_INVALID_ARG')
+  r.save(c.findSlot(seq(0, 0, 2)))
+  const p = c.stateWrite()
+  code(t, () => r.restore(), 'ERR_KV_BUSY')
+  await p
+  r.restore()
+  t.is(c.usedCells, 0)
+  c.dispose()
+  code(t, () => r.restore(), 'ERR_KV_DISPOSED')
+})

@@ -13,6 +13,7 @@ use crate::convert::{self, i32v, opt_i32, u32v};
 use crate::error::{err, from_core, guard, js_error, Code, JsResult};
 use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteJob, UpdateJob};
 use crate::queue::{Deferred, JsPromise, Queue};
+use crate::restorer::SlotRestorer;
 use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
 use crate::types::*;
 
@@ -23,6 +24,27 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Runs a synchronous call on the cache: refused while async work is queued or running
+    /// (`ERR_KV_BUSY`) or after `dispose()`.
+    pub fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        guard(|| {
+            if self.queue.is_pending() {
+                return Err(err(
+                    Code::Busy,
+                    "the cache is busy with an async operation; await it first",
+                ));
+            }
+            let mut lock = self
+                .cache
+                .try_lock()
+                .map_err(|_| err(Code::Busy, "the cache is busy with an async operation"))?;
+            let cache = lock
+                .as_mut()
+                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
+            f(cache)
+        })
+    }
+
     /// Locks the cache for a task on the threadpool (tasks queue behind each other).
     pub fn lock_for_task(&self) -> Result<MutexGuard<'_, Option<core::KvCache>>, Code> {
         Ok(self.cache.lock().unwrap_or_else(|p| p.into_inner()))
@@ -95,23 +117,7 @@ impl KvCache {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
-        guard(|| {
-            if self.shared.queue.is_pending() {
-                return Err(err(
-                    Code::Busy,
-                    "the cache is busy with an async operation; await it first",
-                ));
-            }
-            let mut lock = self
-                .shared
-                .cache
-                .try_lock()
-                .map_err(|_| err(Code::Busy, "the cache is busy with an async operation"))?;
-            let cache = lock
-                .as_mut()
-                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
-            f(cache)
-        })
+        self.shared.with(f)
     }
 
     /// Runs `job` on the calling thread (refused while the cache is busy).
@@ -588,6 +594,15 @@ impl KvCache {
             advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
         };
         self.with(|c| Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot)))
+    }
+
+    /// Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
+    /// keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
+    /// on a failed ubatch to roll them all back as the seed does.
+    #[napi]
+    pub fn slot_restorer(&self) -> Result<SlotRestorer, Code> {
+        let inner = self.with(|c| Ok(c.slot_restorer()))?;
+        Ok(SlotRestorer::new(self.shared.clone(), inner))
     }
 
     /// Metadata of cell `index`.

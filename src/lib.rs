@@ -15,6 +15,7 @@ mod kv_cache;
 mod model;
 mod prompt_store;
 mod queue;
+mod restorer;
 mod store_backend;
 mod tasks;
 mod types;

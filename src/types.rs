@@ -98,6 +98,17 @@ pub struct Slot {
     pub n: u32,
 }
 
+/// A slot handed back to `SlotRestorer.save` (as `prepareBatch` / `findSlot` return it).
+#[napi(object, object_to_js = false)]
+pub struct SlotInput {
+    /// First cell of the slot.
+    pub head: f64,
+    /// Tokens (transformer) or sequences (recurrent) placed.
+    pub len: f64,
+    /// Cells the attention looks at (not used by the restorer).
+    pub n: Option<f64>,
+}
+
 /// Options of `prepareBatch`.
 #[napi(object)]
 pub struct PrepareBatchOptions {

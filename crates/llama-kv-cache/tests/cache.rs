@@ -11,6 +11,13 @@ fn cache(size: u32, n_seq: u32) -> KvCache {
     KvCache::new(p).unwrap()
 }
 
+fn recurrent_cache(size: u32, n_seq: u32) -> KvCache {
+    let mut p = CacheParams::new(size, 1, 8, 8);
+    p.recurrent = true;
+    p.n_seq_max = n_seq;
+    KvCache::new(p).unwrap()
+}
+
 fn place(c: &mut KvCache, seq: i32, p0: i32, n: u32) -> u32 {
     c.find_slot(&UBatch::sequence(seq, p0, n))
         .unwrap()
@@ -160,16 +167,90 @@ fn regression_seq_add_and_seq_div_of_seq_minus_one_match_no_cell_and_seq_add_res
         "other negative ids stay out of range"
     );
     // a recurrent cache returns before touching anything, head included
-    let mut p = CacheParams::new(4, 1, 8, 8);
-    p.recurrent = true;
-    p.n_seq_max = 4;
-    let mut r = KvCache::new(p).unwrap();
+    let mut r = recurrent_cache(4, 4);
     r.find_slot(&UBatch::sequence(0, 0, 1)).unwrap().unwrap();
     let recurrent_head = r.head();
     r.seq_add(-1, 0, -1, 3).unwrap();
     r.seq_div(-1, 0, -1, 2).unwrap();
     assert_eq!(r.head(), recurrent_head);
     assert_eq!(r.cell(0).unwrap().pos, 0);
+}
+
+#[test]
+fn slot_restorer_rolls_back_every_slot_of_a_failed_decode() {
+    let mut c = cache(16, 2);
+    place(&mut c, 0, 0, 4);
+    let (head, n) = (c.head(), c.n());
+    let mut r = c.slot_restorer();
+    // a decode of two ubatches: the first is placed, the second finds no room
+    let first = c
+        .prepare_batch(&UBatch::sequence(0, 4, 4), PrepareOptions::default())
+        .unwrap();
+    r.save(first.as_ref());
+    let second = c
+        .prepare_batch(&UBatch::sequence(0, 8, 9), PrepareOptions::default())
+        .unwrap();
+    assert!(second.is_none());
+    r.save(second.as_ref());
+    assert_eq!(r.boundaries(), &[(4, 8)]);
+    assert_eq!(c.used_cells(), 8);
+    c.restore_slots(&r).unwrap();
+    assert_eq!(c.used_cells(), 4);
+    assert_eq!(c.seq_pos_max(0).unwrap(), 3);
+    assert_eq!((c.head(), c.n()), (head, n));
+    // nothing saved: nothing restored
+    let idle = c.slot_restorer();
+    place(&mut c, 1, 0, 2);
+    c.restore_slots(&idle).unwrap();
+    assert_eq!(c.seq_cell_count(1).unwrap(), 2);
+}
+
+#[test]
+fn slot_restorer_passes_cell_indices_as_positions_like_the_seed() {
+    // seq 0 holds positions 100..104 in cells 0..4; a decode places seq 1 at positions 0..3 in
+    // cells 4..7 and rolls back: the seed calls seq_rm(-1, 4, 7), which matches positions 4..6
+    // (none here), so the placed cells stay
+    let mut c = cache(16, 2);
+    place(&mut c, 0, 100, 4);
+    let mut r = c.slot_restorer();
+    let slot = c.find_slot(&UBatch::sequence(1, 0, 3)).unwrap();
+    assert_eq!(slot.map(|s| s.head), Some(4));
+    r.save(slot.as_ref());
+    c.restore_slots(&r).unwrap();
+    assert_eq!(c.seq_cell_count(1).unwrap(), 3);
+    // and a cell outside the slot whose position falls in the range is removed: seq 0 at
+    // position 8 in cell 7, then a slot at cell 8 rolled back with seq_rm(-1, 8, 9)
+    assert_eq!(place(&mut c, 0, 8, 1), 7);
+    let mut r = c.slot_restorer();
+    let slot = c.find_slot(&UBatch::sequence(1, 9, 1)).unwrap();
+    assert_eq!(slot.map(|s| s.head), Some(8));
+    r.save(slot.as_ref());
+    c.restore_slots(&r).unwrap();
+    assert_eq!(c.cell(7).unwrap().pos, -1);
+    assert_eq!(c.cell(8).unwrap().pos, 9);
+    assert_eq!(c.seq_pos_max(0).unwrap(), 103);
+}
+
+#[test]
+fn slot_restorer_clears_a_recurrent_cache_like_the_seed() {
+    let mut c = recurrent_cache(4, 4);
+    c.find_slot(&UBatch::sequence(0, 0, 1)).unwrap().unwrap();
+    let mut r = c.slot_restorer();
+    let ub = UBatch {
+        pos: vec![0, 1],
+        n_seq_tokens: 2,
+        seq_ids: vec![vec![1]],
+    };
+    let slot = c.find_slot(&ub).unwrap();
+    r.save(slot.as_ref());
+    assert!(r.armed());
+    assert!(r.boundaries().is_empty());
+    c.restore_slots(&r).unwrap();
+    assert_eq!(
+        c.used_cells(),
+        0,
+        "a recurrent state cannot be partly erased: all cleared"
+    );
 }
 
 #[test]
@@ -335,10 +416,7 @@ fn view_reports_the_largest_empty_run() {
 
 #[test]
 fn recurrent_seq_rm_refuses_partial_ranges() {
-    let mut p = CacheParams::new(4, 1, 8, 8);
-    p.recurrent = true;
-    p.n_seq_max = 4;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = recurrent_cache(4, 4);
     let ub = UBatch {
         pos: vec![0, 1, 2],
         n_seq_tokens: 3,
@@ -357,10 +435,7 @@ fn recurrent_seq_rm_refuses_partial_ranges() {
 #[test]
 fn recurrent_placement_fails_cleanly_where_llama_cpp_asserts() {
     // crash 4 of the reference: more new sequences than empty cells
-    let mut p = CacheParams::new(3, 1, 8, 8);
-    p.recurrent = true;
-    p.n_seq_max = 3;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = recurrent_cache(3, 3);
     let one_each = UBatch {
         pos: vec![0, 0, 0],
         n_seq_tokens: 1,

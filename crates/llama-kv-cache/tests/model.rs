@@ -22,6 +22,8 @@ enum Op {
     Add(i32, i32, i32, i32),
     Div(i32, i32, i32, i32),
     Clear,
+    /// A decode: a restorer taken, ubatches placed and saved, then rolled back or kept.
+    Decode(Vec<Op>, bool),
 }
 
 fn seq_list() -> impl Strategy<Value = Vec<i32>> {
@@ -31,17 +33,26 @@ fn seq_list() -> impl Strategy<Value = Vec<i32>> {
 fn transformer_op() -> impl Strategy<Value = Op> {
     let range = (-1..40i32, -1..48i32);
     prop_oneof![
-        4 => prop::collection::vec((0..48i32, seq_list()), 1..6).prop_map(|toks| {
-            let (pos, seqs) = toks.into_iter().unzip();
-            Op::Place { pos, seqs, n_seq_tokens: 1 }
-        }),
+        4 => place_op(48),
         2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
         1 => (0..N_SEQ, 0..N_SEQ, range.clone()).prop_map(|(s, d, (a, b))| Op::Cp(s, d, a, b)),
         1 => (0..N_SEQ).prop_map(Op::Keep),
         2 => (-1..N_SEQ, range.clone(), -20..20i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
         1 => (-1..N_SEQ, range, 1..4i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
         1 => Just(Op::Clear),
+        2 => (prop::collection::vec(place_op(48), 1..4), any::<bool>()).prop_map(|(p, r)| Op::Decode(p, r)),
     ]
+}
+
+fn place_op(max_pos: i32) -> impl Strategy<Value = Op> {
+    prop::collection::vec((0..max_pos, seq_list()), 1..6).prop_map(|toks| {
+        let (pos, seqs) = toks.into_iter().unzip();
+        Op::Place {
+            pos,
+            seqs,
+            n_seq_tokens: 1,
+        }
+    })
 }
 
 fn big_transformer_op() -> impl Strategy<Value = Op> {
@@ -59,22 +70,43 @@ fn big_transformer_op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn recurrent_op() -> impl Strategy<Value = Op> {
-    let range = (-1..40i32, -1..48i32);
-    prop_oneof![
-        4 => (prop::collection::btree_set(0..N_SEQ, 1..=3), 1..4usize, 0..30i32, prop::option::of(0..N_SEQ))
-            .prop_map(|(firsts, len, p0, extra)| {
-                let firsts: Vec<i32> = firsts.into_iter().collect();
-                let seqs: Vec<Vec<i32>> = firsts.iter().enumerate().map(|(g, &s)| {
+fn recurrent_place() -> impl Strategy<Value = Op> {
+    (
+        prop::collection::btree_set(0..N_SEQ, 1..=3),
+        1..4usize,
+        0..30i32,
+        prop::option::of(0..N_SEQ),
+    )
+        .prop_map(|(firsts, len, p0, extra)| {
+            let firsts: Vec<i32> = firsts.into_iter().collect();
+            let seqs: Vec<Vec<i32>> = firsts
+                .iter()
+                .enumerate()
+                .map(|(g, &s)| {
                     match extra {
                         // a group shared with another sequence (not a first id of another group)
                         Some(e) if g == 0 && !firsts.contains(&e) => vec![s, e],
                         _ => vec![s],
                     }
-                }).collect();
-                let pos = seqs.iter().flat_map(|_| (0..len as i32).map(move |k| p0 + k)).collect();
-                Op::Place { pos, seqs, n_seq_tokens: len }
-            }),
+                })
+                .collect();
+            let pos = seqs
+                .iter()
+                .flat_map(|_| (0..len as i32).map(move |k| p0 + k))
+                .collect();
+            Op::Place {
+                pos,
+                seqs,
+                n_seq_tokens: len,
+            }
+        })
+}
+
+fn recurrent_op() -> impl Strategy<Value = Op> {
+    let range = (-1..40i32, -1..48i32);
+    prop_oneof![
+        4 => recurrent_place(),
+        2 => (prop::collection::vec(recurrent_place(), 1..3), any::<bool>()).prop_map(|(p, r)| Op::Decode(p, r)),
         2 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
         1 => (0..N_SEQ, 0..N_SEQ).prop_map(|(s, d)| Op::Cp(s, d, -1, -1)),
         1 => (0..N_SEQ).prop_map(Op::Keep),
@@ -120,6 +152,42 @@ fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
         Op::Clear => {
             cache.clear().unwrap();
             model.clear();
+        }
+        Op::Decode(ubatches, rollback) => {
+            let mut restorer = cache.slot_restorer();
+            let mut reference = model.restorer();
+            for ub in ubatches {
+                let Op::Place {
+                    pos,
+                    seqs,
+                    n_seq_tokens,
+                } = ub
+                else {
+                    unreachable!("decodes hold placements")
+                };
+                let ubatch = UBatch {
+                    pos: pos.clone(),
+                    n_seq_tokens: *n_seq_tokens as u32,
+                    seq_ids: seqs.clone(),
+                };
+                let slot = cache.find_slot(&ubatch).unwrap();
+                let head = model.find_slot(pos, seqs, *n_seq_tokens);
+                assert_eq!(slot.map(|s| s.head), head, "find_slot result");
+                restorer.save(slot.as_ref());
+                let bounds = match (model.recurrent, head) {
+                    (false, Some(h)) => (h, h + pos.len() as u32),
+                    _ => (0, 0),
+                };
+                reference.save(head.is_some(), bounds);
+                if slot.is_none() {
+                    break;
+                }
+            }
+            if *rollback {
+                cache.restore_slots(&restorer).unwrap();
+                model.restore(&reference);
+                assert_eq!(cache.n(), model.n, "n restored");
+            }
         }
     }
 }

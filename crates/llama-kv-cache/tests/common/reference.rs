@@ -37,6 +37,29 @@ pub struct RefCache {
     pub has_shift: bool,
 }
 
+/// The seed's `llama_kv_slot_restorer`, literally.
+#[derive(Clone, Debug, Default)]
+pub struct RefRestorer {
+    pub head: u32,
+    pub n: u32,
+    pub slot_boundaries: Vec<(u32, u32)>,
+    pub do_restore: bool,
+}
+
+impl RefRestorer {
+    /// `save(slot_info)`: a found slot arms the restore; non-empty boundaries are kept.
+    /// `boundaries` is `(head, head + n_tokens)` for a transformer slot, `(0, 0)` for a
+    /// recurrent one, as the seed's `find_slot` returns them.
+    pub fn save(&mut self, found: bool, boundaries: (u32, u32)) {
+        if found {
+            self.do_restore = true;
+            if boundaries.0 != boundaries.1 {
+                self.slot_boundaries.push(boundaries);
+            }
+        }
+    }
+}
+
 fn norm(p0: i32, p1: i32) -> (i32, i32) {
     (p0.max(0), if p1 < 0 { i32::MAX } else { p1 })
 }
@@ -51,6 +74,30 @@ impl RefCache {
             size,
             recurrent,
             has_shift: false,
+        }
+    }
+
+    pub fn restorer(&self) -> RefRestorer {
+        RefRestorer {
+            head: self.head,
+            n: self.n,
+            ..RefRestorer::default()
+        }
+    }
+
+    /// `llama_kv_slot_restorer::restore`: head and n back, then `seq_rm(-1, c0, c1)` per slot
+    /// (cell indices as positions), or the whole cache for recurrent models.
+    pub fn restore(&mut self, r: &RefRestorer) {
+        if r.do_restore {
+            self.head = r.head;
+            self.n = r.n;
+            if self.recurrent {
+                self.seq_rm(-1, -1, -1);
+            } else {
+                for &(c0, c1) in &r.slot_boundaries {
+                    self.seq_rm(-1, c0 as i32, c1 as i32);
+                }
+            }
         }
     }
 
