@@ -11,32 +11,13 @@
 import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 import path from 'node:path'
+import { median, perCall } from './timing.mjs'
 
 const require = createRequire(import.meta.url)
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
 const { KvCache } = require(path.join(root, 'index.js'))
 
 const LOOPS = 9
-
-function median(xs) {
-  const s = [...xs].sort((a, b) => a - b)
-  return s[s.length >> 1]
-}
-
-/** ns per call of `body(i)`, median of LOOPS loops of `calls` calls (after one warm-up loop). */
-function perCall(calls, body) {
-  let sink = 0
-  const run = () => {
-    const t0 = process.hrtime.bigint()
-    for (let i = 0; i < calls; i++) sink ^= body(i) ? 1 : 0
-    return Number(process.hrtime.bigint() - t0) / calls
-  }
-  run()
-  const samples = []
-  for (let k = 0; k < LOOPS; k++) samples.push(run())
-  globalThis.__sink = sink
-  return median(samples)
-}
 
 /** Fills `n` cells with `nSeq` sequences interleaved token by token, 512 tokens per findSlot. */
 function fill(cache, n, nSeq) {

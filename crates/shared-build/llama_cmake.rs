@@ -16,6 +16,9 @@ struct LlamaDriver<'a> {
     dir: &'a str,
     /// The cmake target (and binary name) of the driver.
     target: &'a str,
+    /// More programs of the same cmake project: `(target, name)`, each handed to the crate as
+    /// `<ENV>_<name>`.
+    also: &'a [(&'a str, &'a str)],
     /// The manifest `cargo fetch` downloads the crate with when it is not in the registry.
     fetch_manifest: PathBuf,
     /// cmake options beyond the shared ones.
@@ -25,12 +28,7 @@ struct LlamaDriver<'a> {
 /// The whole build script: builds the driver unless `<ENV>_SKIP_BUILD` is set, and hands its
 /// path to the crate as `<ENV>_DRIVER` (or why there is none as `<ENV>_DRIVER_ERROR`).
 fn run_build_script(env_prefix: &str, what: &str, driver: &LlamaDriver<'_>) {
-    for file in [
-        "build.rs",
-        "../shared-build/llama_cmake.rs",
-        "driver/driver.cpp",
-        "driver/CMakeLists.txt",
-    ] {
+    for file in ["build.rs", "../shared-build/llama_cmake.rs", "driver"] {
         println!("cargo:rerun-if-changed={file}");
     }
     println!("cargo:rerun-if-env-changed={env_prefix}_SKIP_BUILD");
@@ -41,7 +39,13 @@ fn run_build_script(env_prefix: &str, what: &str, driver: &LlamaDriver<'_>) {
         build_driver(driver)
     };
     match built {
-        Ok(path) => println!("cargo:rustc-env={env_prefix}_DRIVER={}", path.display()),
+        Ok(path) => {
+            println!("cargo:rustc-env={env_prefix}_DRIVER={}", path.display());
+            for (target, name) in driver.also {
+                let program = path.with_file_name(target);
+                println!("cargo:rustc-env={env_prefix}_{name}={}", program.display());
+            }
+        }
         Err(msg) => {
             let msg = msg.replace(['\n', '\r'], " | ");
             println!("cargo:warning={what}: {msg}");
@@ -66,9 +70,11 @@ fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
     let driver_src = dir.join("driver-src");
     std::fs::create_dir_all(&driver_src)
         .map_err(|e| format!("cannot create {}: {e}", driver_src.display()))?;
-    for file in ["CMakeLists.txt", "driver.cpp"] {
-        let from = manifest.join("driver").join(file);
-        let to = driver_src.join(file);
+    let files = std::fs::read_dir(manifest.join("driver"))
+        .map_err(|e| format!("cannot list {}/driver: {e}", manifest.display()))?;
+    for entry in files.flatten().filter(|e| e.path().is_file()) {
+        let from = entry.path();
+        let to = driver_src.join(entry.file_name());
         // copy only on change, so an unchanged driver is not rebuilt
         if std::fs::read(&from).ok() != std::fs::read(&to).ok() {
             std::fs::copy(&from, &to)
@@ -134,17 +140,11 @@ fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
         "configure",
     )?;
     let jobs = env::var("NUM_JOBS").unwrap_or_else(|_| "2".into());
-    run(
-        &[
-            "--build".into(),
-            dir.display().to_string(),
-            "--target".into(),
-            d.target.into(),
-            "-j".into(),
-            jobs,
-        ],
-        "build",
-    )?;
+    let mut build = vec!["--build".to_string(), dir.display().to_string(), "--target".into()];
+    build.push(d.target.into());
+    build.extend(d.also.iter().map(|(target, _)| target.to_string()));
+    build.extend(["-j".into(), jobs]);
+    run(&build, "build")?;
     let driver = dir.join(d.target);
     if !driver.exists() {
         return Err(format!(

@@ -15,6 +15,7 @@ fn main() {
             krate: "llama-cpp-sys-2-0.1.161",
             dir: "today-llama-0.1.161",
             target: "today-driver",
+            also: &[],
             fetch_manifest: manifest_dir().join("llama-src").join("Cargo.toml"),
             // 0.1.161 builds its tools, common library, app and OpenSSL support by default
             extra: &[
