@@ -157,11 +157,22 @@ export declare class KvCache {
   /** The KV state of sequence `seqId` (-1: the whole cache), on the threadpool. */
   stateWrite(seqId?: number, options?: SaveOptions): Promise<Buffer>
   /**
+   * Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of
+   * `buffer`, without allocating a copy, and returns its size in bytes (`stateSize`). Fails
+   * with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
+   */
+  stateWriteIntoSync(buffer: Uint8Array, seqId?: number, options?: SaveOptions): number
+  /** `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles. */
+  stateWriteInto(buffer: Uint8Array, seqId?: number, options?: SaveOptions): Promise<number>
+  /**
    * Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
    * Transactional: on any error the cache is exactly as before.
    */
   stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
-  /** Restores a state on the threadpool (transactional). */
+  /**
+   * Restores a state on the threadpool (transactional). `data` is read in place, without a
+   * copy: do not modify it until the promise settles.
+   */
   stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
   /**
    * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),

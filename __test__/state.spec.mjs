@@ -42,6 +42,40 @@ test('whole-cache state round trips byte for byte, sync and async', async (t) =>
   t.deepEqual(c.stateWriteSync(-1, { layout: 'seed' }), a.stateWriteSync(-1, { layout: 'seed' }))
 })
 
+test('stateWriteInto fills a caller buffer with the same bytes, sync and async, and refuses a small one', async (t) => {
+  const a = filled()
+  for (const seq of [-1, 1]) {
+    const expected = a.stateWriteSync(seq)
+    const buf = new Uint8Array(expected.length + 3).fill(0xee)
+    t.is(a.stateWriteIntoSync(buf, seq), expected.length)
+    t.deepEqual(Buffer.from(buf.subarray(0, expected.length)), expected)
+    t.deepEqual([...buf.subarray(expected.length)], [0xee, 0xee, 0xee])
+    const view = new Uint8Array(new ArrayBuffer(expected.length + 8), 8)
+    t.is(await a.stateWriteInto(view, seq), expected.length)
+    t.deepEqual(Buffer.from(view), expected)
+  }
+  const small = Buffer.alloc(a.stateSize() - 1, 1)
+  const err = t.throws(() => a.stateWriteIntoSync(small), { code: 'ERR_KV_INVALID_ARG' })
+  t.regex(err.message, new RegExp(`${small.length}.*${small.length + 1}`))
+  t.true(small.every((b) => b === 1))
+  t.throws(() => a.stateWriteIntoSync([1, 2, 3]), { code: 'ERR_KV_INVALID_ARG' })
+  await t.throwsAsync(async () => a.stateWriteInto(small), { code: 'ERR_KV_INVALID_ARG' })
+})
+
+test('stateRead reads a view into a larger buffer in place, sync and async', async (t) => {
+  const a = filled()
+  const blob = a.stateWriteSync(1)
+  const backing = new Uint8Array(blob.length + 16).fill(0x55)
+  backing.set(blob, 16)
+  const view = backing.subarray(16)
+  const b = make()
+  t.is(b.stateReadSync(view, 2).cells, blob.length === 0 ? 0 : a.seqCellCount(1))
+  t.deepEqual(b.stateWriteSync(2, { layout: 'seed' }), a.stateWriteSync(1, { layout: 'seed' }))
+  const c = make()
+  t.is((await c.stateRead(view, 3)).cells, a.seqCellCount(1))
+  t.deepEqual(c.stateWriteSync(3, { layout: 'seed' }), a.stateWriteSync(1, { layout: 'seed' }))
+})
+
 test('a sequence restores into another id', (t) => {
   const a = filled()
   const blob = a.stateWriteSync(1)

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use llama_kv_cache as core;
-use llama_kv_cache::files::{read_file, write_atomic};
+use llama_kv_cache::files::read_file;
 use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
 use napi::bindgen_prelude::*;
 
@@ -55,6 +55,34 @@ impl Job for StateWriteJob {
     }
 }
 
+/// `stateWriteInto`: the payload written into the caller's buffer, without a copy.
+pub struct StateWriteIntoJob {
+    pub out: Uint8Array,
+    pub seq: i32,
+    pub opts: WriteOptions,
+}
+
+impl Job for StateWriteIntoJob {
+    type Output = usize;
+    type Js = f64;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<usize> {
+        let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
+        // SAFETY: the job holds a reference to the typed array, so its memory stays alive while
+        // it runs. The sync form runs while no JS can; the async form is documented as
+        // `fs.read`'s buffer is: the caller must not touch the buffer until the promise settles.
+        let out = unsafe { self.out.as_mut() };
+        c.state_write_into(out, seq, layout, n_stream, Some(p))
+            .map_err(from_core)
+    }
+    fn to_js(n: usize) -> JsResult<f64> {
+        Ok(n as f64)
+    }
+}
+
 fn read_result(s: core::ReadSummary) -> ReadResult {
     ReadResult {
         layout: s.layout.name().into(),
@@ -63,9 +91,10 @@ fn read_result(s: core::ReadSummary) -> ReadResult {
     }
 }
 
-/// `stateRead`: restores a payload.
+/// `stateRead`: restores a payload, read in place from the caller's buffer (no copy: a
+/// multi-GiB state never needs a second copy in memory).
 pub struct StateReadJob {
-    pub data: Vec<u8>,
+    pub data: Uint8Array,
     pub seq: i32,
     pub opts: ReadOptions,
 }
@@ -100,13 +129,18 @@ impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
     fn run(&mut self, c: &mut core::KvCache, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
-        let bytes = match self.seq {
-            Some(seq) => c.sequence_file_bytes(seq, &self.tokens, self.opts, Some(p)),
-            None => c.session_file_bytes(&self.tokens, &self.arch, None, self.opts, Some(p)),
-        };
-        bytes
-            .and_then(|b| write_atomic(&self.path, &b))
-            .map_err(from_core)
+        match self.seq {
+            Some(seq) => c.save_sequence_file(&self.path, seq, &self.tokens, self.opts, Some(p)),
+            None => c.save_session_file(
+                &self.path,
+                &self.tokens,
+                &self.arch,
+                None,
+                self.opts,
+                Some(p),
+            ),
+        }
+        .map_err(from_core)
     }
     fn to_js(_: ()) -> JsResult<()> {
         Ok(())

@@ -11,7 +11,9 @@ use napi_derive::napi;
 use crate::args::{self, Bytes, Floats, Num, Obj, Signal, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
 use crate::error::{err, from_core, guard, js_error, Code, JsResult};
-use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteJob, UpdateJob};
+use crate::jobs::{
+    self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoJob, StateWriteJob, UpdateJob,
+};
 use crate::queue::{Deferred, JsPromise, Queue};
 use crate::restorer::SlotRestorer;
 use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
@@ -809,6 +811,44 @@ impl KvCache {
         self.run_async(&env, StateWriteJob { seq, opts }, progress, signal)
     }
 
+    /// Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of
+    /// `buffer`, without allocating a copy, and returns its size in bytes (`stateSize`). Fails
+    /// with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
+    #[napi]
+    pub fn state_write_into_sync(
+        &self,
+        #[napi(ts_arg_type = "Uint8Array")] buffer: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<f64, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.run_sync(StateWriteIntoJob {
+            out: buffer.0,
+            seq,
+            opts,
+        })
+    }
+
+    /// `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles.
+    #[napi(ts_return_type = "Promise<number>")]
+    pub fn state_write_into(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "Uint8Array")] buffer: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, _, progress, signal) = save_options(options)?;
+        let job = StateWriteIntoJob {
+            out: buffer.0,
+            seq,
+            opts,
+        };
+        self.run_async(&env, job, progress, signal)
+    }
+
     /// Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
     /// Transactional: on any error the cache is exactly as before.
     #[napi]
@@ -821,13 +861,14 @@ impl KvCache {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = load_options(options)?;
         self.run_sync(StateReadJob {
-            data: payload_copy(&data)?,
+            data: data.0,
             seq,
             opts,
         })
     }
 
-    /// Restores a state on the threadpool (transactional).
+    /// Restores a state on the threadpool (transactional). `data` is read in place, without a
+    /// copy: do not modify it until the promise settles.
     #[napi(ts_return_type = "Promise<ReadResult>")]
     pub fn state_read(
         &self,
@@ -841,7 +882,7 @@ impl KvCache {
         self.run_async(
             &env,
             StateReadJob {
-                data: payload_copy(&data)?,
+                data: data.0,
                 seq,
                 opts,
             },
@@ -1075,10 +1116,4 @@ fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
         part: jobs::part(o.part.as_deref())?,
     };
     Ok((opts, o.on_progress, o.signal))
-}
-
-/// A copy of a state payload for the task (the caller's buffer may change meanwhile), allocated
-/// fallibly: a payload of gigabytes must fail with `ERR_KV_BACKEND`, not abort Node.
-fn payload_copy(data: &Bytes) -> JsResult<Vec<u8>> {
-    core::alloc::copy(&data.0, "a copy of the state payload").map_err(from_core)
 }

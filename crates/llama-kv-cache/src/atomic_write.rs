@@ -95,6 +95,18 @@ fn create_locked(dir: &Path, name: &str, target: &Path) -> Result<(PathBuf, fs::
 /// and synced, then renamed over the target. On any failure the previous file is left intact
 /// and the temporary file removed; temporary files of writers that died are removed first.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, &mut |w| {
+        w.write_all(bytes)
+            .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))
+    })
+}
+
+/// [`write_atomic`] with the content streamed by `fill` into a buffered writer, so a large file
+/// never has to be assembled in memory first.
+pub fn write_atomic_with(
+    path: &Path,
+    fill: &mut dyn FnMut(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -105,11 +117,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .to_string_lossy()
         .into_owned();
     remove_stale_temps(dir, &name);
-    let (tmp, mut f) = create_locked(dir, &name, path)?;
+    let (tmp, f) = create_locked(dir, &name, path)?;
     let io = |what: &str, e: std::io::Error| KvError::Io(format!("{what} {}: {e}", path.display()));
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
     let result = (|| -> Result<()> {
-        f.write_all(bytes).map_err(|e| io("cannot write", e))?;
-        f.sync_all().map_err(|e| io("cannot sync", e))?;
+        fill(&mut w)?;
+        w.flush().map_err(|e| io("cannot write", e))?;
+        w.get_ref().sync_all().map_err(|e| io("cannot sync", e))?;
         fs::rename(&tmp, path).map_err(|e| io("cannot replace", e))?;
         if let Ok(d) = fs::File::open(dir) {
             let _ = d.sync_all();
@@ -120,7 +134,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     // the lock goes with the file handle
-    drop(f);
+    drop(w);
     result
 }
 

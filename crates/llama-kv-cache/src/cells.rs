@@ -271,6 +271,14 @@ impl Cells {
         self.seq_cells.iter().map(|&c| c as u64).sum()
     }
 
+    /// The cells holding `seq`, ascending; walks only the sequence's bitmap.
+    pub fn cells_of(&self, seq: usize) -> impl Iterator<Item = usize> + '_ {
+        self.seq_bits[seq]
+            .iter()
+            .enumerate()
+            .flat_map(|(w, &word)| bits(word).map(move |b| w * 64 + b))
+    }
+
     /// The first cell not holding `seq`, if any.
     pub fn first_without(&self, seq: usize) -> Option<usize> {
         let n = self.pos.len();

@@ -7,7 +7,7 @@ use std::fs;
 use std::ops::Range;
 use std::path::Path;
 
-pub use crate::atomic_write::write_atomic;
+pub use crate::atomic_write::{write_atomic, write_atomic_with};
 
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
@@ -124,7 +124,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<FileHeader> {
     }
     let mut tokens = crate::alloc::with_capacity(n as usize, "the token list")?;
     for i in 0..n {
-        tokens.push(c.i32(&format!("token {i}"))?);
+        tokens.push(c.i32(format_args!("token {i}"))?);
     }
     Ok(FileHeader {
         kind,
@@ -218,7 +218,7 @@ pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<
         }
         let mut output_pos = crate::alloc::with_capacity(n as usize, "the output ids")?;
         for i in 0..n {
-            output_pos.push(c.i32(&format!("output_pos {i}"))?);
+            output_pos.push(c.i32(format_args!("output_pos {i}"))?);
         }
         check_output_ids(&output_pos, n_tokens)?;
         let n_logits = c.u64("logits size")?;
@@ -375,6 +375,54 @@ impl KvCache {
         let out = header_bytes(FileKind::Sequence, version, tokens);
         let state = self.state_write(seq, layout, opts.n_stream, progress)?;
         concat(out, &state)
+    }
+
+    /// Saves `seq` with its prompt `tokens` as a sequence file (`ggsq`) at `path`, atomically
+    /// (as [`write_atomic`]), streaming the rows from the tensors to the file.
+    pub fn save_sequence_file(
+        &self,
+        path: &Path,
+        seq: i32,
+        tokens: &[i32],
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<()> {
+        self.check_seq("saveSequenceFile", seq)?;
+        // validated before the file is created
+        let (version, layout) = resolve_version(FileKind::Sequence, &opts)?;
+        let header = header_bytes(FileKind::Sequence, version, tokens);
+        self.state_size(seq, layout, opts.n_stream)?;
+        let mut progress = progress;
+        write_atomic_with(path, &mut |w| {
+            w.write_all(&header)
+                .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))?;
+            self.state_write_to(w, seq, layout, opts.n_stream, progress.take())?;
+            Ok(())
+        })
+    }
+
+    /// Saves the whole cache with `tokens` as a session file (`ggsn`) at `path`, atomically,
+    /// streaming the rows from the tensors to the file.
+    pub fn save_session_file(
+        &self,
+        path: &Path,
+        tokens: &[i32],
+        arch: &str,
+        outputs: Option<&Outputs>,
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<()> {
+        let (version, layout) = resolve_version(FileKind::Session, &opts)?;
+        let mut head = header_bytes(FileKind::Session, version, tokens);
+        head.extend(session_prefix(arch, outputs, layout));
+        self.state_size(-1, layout, opts.n_stream)?;
+        let mut progress = progress;
+        write_atomic_with(path, &mut |w| {
+            w.write_all(&head)
+                .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))?;
+            self.state_write_to(w, -1, layout, opts.n_stream, progress.take())?;
+            Ok(())
+        })
     }
 
     /// A session file (`ggsn`) of the whole cache. The seed layout carries the outputs block
@@ -1047,7 +1095,7 @@ fn patch_declared_layers(payload: &mut [u8], declared: u32) -> Result<()> {
     for i in 0..n {
         c.i32("pos")?;
         let ids = c.u32("n_seq_id")?;
-        c.take(4 * ids as usize, &format!("cell {i} seq ids"))?;
+        c.take(4 * ids as usize, format_args!("cell {i} seq ids"))?;
     }
     c.u32("s_trans")?;
     let at = c.pos;

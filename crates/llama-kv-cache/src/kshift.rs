@@ -72,6 +72,44 @@ pub(crate) fn for_each_row(
     Ok(())
 }
 
+/// f32 values converted per step of the host K-shift (64 KiB of scratch).
+const SHIFT_CHUNK_VALUES: usize = 16 * 1024;
+
+/// The host K-shift: runs of adjacent cells with the same delta are converted to f32 in one
+/// call (the f16 conversion is SIMD over the whole run instead of one short row at a time),
+/// rotated row by row with one table per run, and converted back in one call. Each element's
+/// arithmetic is the same as row by row, so the result is bit-identical.
+fn rotate_host_runs(
+    bytes: &mut [u8],
+    ty: crate::GgmlType,
+    row: usize,
+    p: &RopeParams,
+    cells: &[usize],
+    deltas: &[i32],
+    tables: &mut HashMap<i32, RopeTable>,
+) -> Result<()> {
+    let row_len = p.row_len();
+    let rows_per_chunk = (SHIFT_CHUNK_VALUES / row_len.max(1)).max(1);
+    let mut values = vec![0f32; rows_per_chunk * row_len];
+    let same_run = |a: &usize, b: &usize| *b == *a + 1 && deltas[*a] == deltas[*b];
+    for run in cells.chunk_by(same_run) {
+        let table = tables
+            .entry(deltas[run[0]])
+            .or_insert_with(|| RopeTable::new(p, deltas[run[0]]));
+        for part in run.chunks(rows_per_chunk) {
+            let n = part.len();
+            let data = &mut bytes[part[0] * row..(part[0] + n) * row];
+            let vals = &mut values[..n * row_len];
+            quant::dequantize_row(ty, data, vals)?;
+            for r in vals.chunks_exact_mut(row_len) {
+                table.rotate(r);
+            }
+            quant::quantize_row(ty, vals, data)?;
+        }
+    }
+    Ok(())
+}
+
 /// Rotates K rows in place on the device when the buffer is CUDA memory, the type is a float
 /// type and the kernels compile; returns false when the host path must do it.
 #[cfg(feature = "cuda")]
@@ -157,6 +195,12 @@ impl KvCache {
                 continue;
             }
             let mut tables: HashMap<i32, RopeTable> = HashMap::new();
+            // (a rotated quantized K takes the row path below, which adds the Hadamard steps)
+            if let (None, Some(bytes)) = (hadamard, layer.k.as_host_mut()) {
+                rotate_host_runs(bytes, ty, row, p, &cells, &deltas, &mut tables)?;
+                shifted = shifted.max(cells.len() as u32);
+                continue;
+            }
             let mut values = vec![0f32; p.row_len()];
             for_each_row(layer.k.as_mut(), row, &cells, |c, bytes| {
                 let table = tables
@@ -199,5 +243,84 @@ impl KvCache {
             report.defrag = Some(self.defrag_now(n_max_nodes.unwrap_or(DEFAULT_MAX_NODES))?);
         }
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rope::RopeType;
+    use crate::GgmlType;
+
+    /// The row-by-row reference the run kernel replaces.
+    fn rotate_row_by_row(
+        bytes: &mut [u8],
+        ty: GgmlType,
+        row: usize,
+        p: &RopeParams,
+        cells: &[usize],
+        deltas: &[i32],
+    ) {
+        let mut values = vec![0f32; p.row_len()];
+        for &c in cells {
+            let r = &mut bytes[c * row..(c + 1) * row];
+            quant::dequantize_row(ty, r, &mut values).unwrap();
+            RopeTable::new(p, deltas[c]).rotate(&mut values);
+            quant::quantize_row(ty, &values, r).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_run_kernel_is_bit_identical_to_rotating_row_by_row() {
+        let mut x = 0x1234_5678u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for ty in [
+            GgmlType::F16,
+            GgmlType::Bf16,
+            GgmlType::F32,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+        ] {
+            for (head_dim, n_head, rope_type) in [
+                (16, 2, RopeType::Norm),
+                (64, 4, RopeType::Neox),
+                (32, 8, RopeType::Norm),
+            ] {
+                let p = RopeParams::new(head_dim, head_dim, n_head, rope_type);
+                let row = ty.row_size(p.row_len()).unwrap();
+                let size = 700;
+                let values: Vec<f32> = (0..size * p.row_len())
+                    .map(|_| (next() >> 8) as f32 / (1u32 << 23) as f32 - 1.0)
+                    .collect();
+                let mut bytes = vec![0u8; size * row];
+                quant::quantize_row(ty, &values, &mut bytes).unwrap();
+                // runs of equal deltas of every length, gaps, and a run longer than a chunk
+                let deltas: Vec<i32> = (0..size)
+                    .map(|c| {
+                        if c > 150 && c < 600 {
+                            3
+                        } else {
+                            (next() % 5) as i32 - 2
+                        }
+                    })
+                    .collect();
+                let cells: Vec<usize> = (0..size)
+                    .filter(|&c| deltas[c] != 0 || c % 7 == 0)
+                    .collect();
+                let mut expected = bytes.clone();
+                rotate_row_by_row(&mut expected, ty, row, &p, &cells, &deltas);
+                let mut tables = HashMap::new();
+                rotate_host_runs(&mut bytes, ty, row, &p, &cells, &deltas, &mut tables).unwrap();
+                assert!(
+                    bytes == expected,
+                    "{ty} head_dim {head_dim} x {n_head}: rows differ"
+                );
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@ use crate::cache::KvCache;
 use crate::cells::{SeqSet, MAX_SEQ};
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
+use crate::sink::{Sink, SliceSink, WriteSink};
 use crate::storage::{KvBuffer, Tensor};
 use crate::ubatch::UBatch;
 
@@ -84,7 +85,9 @@ pub struct ReadSummary {
     pub placed: Vec<u32>,
 }
 
-/// Little-endian cursor over a byte slice; every read names what it was reading.
+/// Little-endian cursor over a byte slice; every read names what it was reading. The name is
+/// only formatted when a read fails (pass `format_args!` in loops), so the success path does no
+/// string work.
 pub(crate) struct Cursor<'a> {
     pub bytes: &'a [u8],
     pub pos: usize,
@@ -95,7 +98,7 @@ impl<'a> Cursor<'a> {
         Cursor { bytes, pos: 0 }
     }
 
-    pub fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+    pub fn take(&mut self, n: usize, what: impl fmt::Display) -> Result<&'a [u8]> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
         let Some(end) = end else {
             return Err(KvError::InvalidState(format!(
@@ -109,22 +112,22 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    pub fn range(&mut self, n: usize, what: &str) -> Result<Range<usize>> {
+    pub fn range(&mut self, n: usize, what: impl fmt::Display) -> Result<Range<usize>> {
         let start = self.pos;
         self.take(n, what)?;
         Ok(start..self.pos)
     }
 
-    pub fn u32(&mut self, what: &str) -> Result<u32> {
+    pub fn u32(&mut self, what: impl fmt::Display) -> Result<u32> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
-    pub fn i32(&mut self, what: &str) -> Result<i32> {
+    pub fn i32(&mut self, what: impl fmt::Display) -> Result<i32> {
         Ok(self.u32(what)? as i32)
     }
 
-    pub fn u64(&mut self, what: &str) -> Result<u64> {
+    pub fn u64(&mut self, what: impl fmt::Display) -> Result<u64> {
         let b = self.take(8, what)?;
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
@@ -226,7 +229,7 @@ pub(crate) fn parse_stream_with(
     rot: bool,
     blocks: Option<u32>,
 ) -> Result<StreamBlock> {
-    let cell_count = c.u32(&format!("stream {s} cell_count"))?;
+    let cell_count = c.u32(format_args!("stream {s} cell_count"))?;
     // each cell takes at least 8 bytes: refuse absurd counts before allocating
     if cell_count as usize > c.remaining() / 8 {
         return Err(KvError::InvalidState(format!(
@@ -236,8 +239,8 @@ pub(crate) fn parse_stream_with(
     }
     let mut cells = crate::alloc::with_capacity(cell_count as usize, "the cells of a state")?;
     for i in 0..cell_count {
-        let pos = c.i32(&format!("cell {i} pos"))?;
-        let n = c.u32(&format!("cell {i} n_seq_id"))?;
+        let pos = c.i32(format_args!("cell {i} pos"))?;
+        let n = c.u32(format_args!("cell {i} n_seq_id"))?;
         if n as usize > MAX_SEQ.max(256) {
             return Err(KvError::InvalidState(format!(
                 "cell {i}: n_seq_id {n} is implausible"
@@ -245,7 +248,7 @@ pub(crate) fn parse_stream_with(
         }
         let mut seq_ids = Vec::with_capacity(n as usize);
         for j in 0..n {
-            seq_ids.push(c.i32(&format!("cell {i} seq_id {j}"))?);
+            seq_ids.push(c.i32(format_args!("cell {i} seq_id {j}"))?);
         }
         cells.push(CellMeta { pos, seq_ids });
     }
@@ -290,20 +293,20 @@ pub(crate) fn parse_stream_with(
     let n = cell_count as usize;
     let mut k_blocks = Vec::with_capacity(n_blocks as usize);
     for il in 0..n_blocks {
-        let ty = c.i32(&format!("layer {il} k_type"))?;
-        let row = c.u64(&format!("layer {il} k_row_size"))?;
+        let ty = c.i32(format_args!("layer {il} k_type"))?;
+        let row = c.u64(format_args!("layer {il} k_row_size"))?;
         let len = (row as usize)
             .checked_mul(n)
             .ok_or_else(|| KvError::InvalidState(format!("layer {il}: K size overflows")))?;
-        let data = c.range(len, &format!("layer {il} K rows"))?;
+        let data = c.range(len, format_args!("layer {il} K rows"))?;
         k_blocks.push((ty, row, data));
     }
     let mut layers = Vec::with_capacity(n_blocks as usize);
     for (il, (k_type, k_row_size, k_data)) in k_blocks.into_iter().enumerate() {
-        let ty = c.i32(&format!("layer {il} v_type"))?;
+        let ty = c.i32(format_args!("layer {il} v_type"))?;
         let v = if v_trans {
-            let el_size = c.u32(&format!("layer {il} v_size_el"))?;
-            let n_embd = c.u32(&format!("layer {il} n_embd_v_gqa"))?;
+            let el_size = c.u32(format_args!("layer {il} v_size_el"))?;
+            let n_embd = c.u32(format_args!("layer {il} n_embd_v_gqa"))?;
             let len = (el_size as usize)
                 .checked_mul(n_embd as usize)
                 .and_then(|x| x.checked_mul(n))
@@ -312,17 +315,17 @@ pub(crate) fn parse_stream_with(
                 ty,
                 el_size,
                 n_embd,
-                data: c.range(len, &format!("layer {il} V"))?,
+                data: c.range(len, format_args!("layer {il} V"))?,
             }
         } else {
-            let row_size = c.u64(&format!("layer {il} v_row_size"))?;
+            let row_size = c.u64(format_args!("layer {il} v_row_size"))?;
             let len = (row_size as usize)
                 .checked_mul(n)
                 .ok_or_else(|| KvError::InvalidState(format!("layer {il}: V size overflows")))?;
             VBlock::Rows {
                 ty,
                 row_size,
-                data: c.range(len, &format!("layer {il} V rows"))?,
+                data: c.range(len, format_args!("layer {il} V rows"))?,
             }
         };
         layers.push(LayerBlock {
@@ -503,11 +506,29 @@ impl KvCache {
         Ok(layout)
     }
 
-    fn meta_ids(&self, cell: usize, seq: i32, layout: Layout) -> Vec<i32> {
+    /// How many seq ids a cell carries in a payload: all of its sequences in a whole-cache
+    /// save; in a one-sequence save none (seed) or the saved one (today's layouts).
+    fn meta_id_count(&self, cell: usize, seq: i32, layout: Layout) -> usize {
         match (seq, layout) {
-            (-1, _) => self.cells.seqs(cell).iter().map(|s| s as i32).collect(),
-            (_, Layout::Seed) => Vec::new(),
-            (s, Layout::Streams | Layout::StreamsRot) => vec![s],
+            (-1, _) => self.cells.seqs(cell).len(),
+            (_, Layout::Seed) => 0,
+            (_, Layout::Streams | Layout::StreamsRot) => 1,
+        }
+    }
+
+    /// Appends a cell's metadata (position, seq id count, seq ids) without allocating.
+    fn put_cell_meta(&self, out: &mut Vec<u8>, cell: usize, seq: i32, layout: Layout) {
+        out.extend_from_slice(&self.cells.pos(cell).to_le_bytes());
+        let n = self.meta_id_count(cell, seq, layout) as u32;
+        out.extend_from_slice(&n.to_le_bytes());
+        match (seq, layout) {
+            (-1, _) => {
+                for id in self.cells.seqs(cell).iter() {
+                    out.extend_from_slice(&(id as i32).to_le_bytes());
+                }
+            }
+            (_, Layout::Seed) => {}
+            (s, Layout::Streams | Layout::StreamsRot) => out.extend_from_slice(&s.to_le_bytes()),
         }
     }
 
@@ -516,7 +537,7 @@ impl KvCache {
         let mut size = 4;
         for &(a, b) in ranges {
             for i in a..b {
-                size += 8 + 4 * self.meta_ids(i, seq, layout).len();
+                size += 8 + 4 * self.meta_id_count(i, seq, layout);
             }
         }
         if n > 0 || layout == Layout::Seed {
@@ -551,20 +572,69 @@ impl KvCache {
         n_stream: u32,
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
-        let layout = self.write_layout(layout)?;
-        let plan = self.stream_plan(seq, layout, n_stream)?;
         let total = self.state_size(seq, layout, n_stream)?;
         let mut out = Vec::new();
         out.try_reserve_exact(total).map_err(|_| {
             KvError::Backend(format!("cannot allocate {total} bytes for the state"))
         })?;
+        self.write_payload(&mut out, seq, layout, n_stream, progress)?;
+        Ok(out)
+    }
+
+    /// [`KvCache::state_write`] into the front of `out`, without allocating the payload; returns
+    /// its size. Fails with `InvalidArg`, writing nothing, when `out` is smaller than
+    /// [`KvCache::state_size`].
+    pub fn state_write_into(
+        &self,
+        out: &mut [u8],
+        seq: i32,
+        layout: Layout,
+        n_stream: u32,
+        progress: Option<Progress<'_>>,
+    ) -> Result<usize> {
+        let total = self.state_size(seq, layout, n_stream)?;
+        if out.len() < total {
+            return Err(KvError::InvalidArg(format!(
+                "a buffer of {} bytes cannot hold the {total}-byte state",
+                out.len()
+            )));
+        }
+        self.write_payload(&mut SliceSink::new(out), seq, layout, n_stream, progress)
+    }
+
+    /// [`KvCache::state_write`] streamed to `w` (host tensors are written straight from memory);
+    /// returns the payload's size.
+    pub fn state_write_to(
+        &self,
+        w: &mut dyn std::io::Write,
+        seq: i32,
+        layout: Layout,
+        n_stream: u32,
+        progress: Option<Progress<'_>>,
+    ) -> Result<usize> {
+        self.write_payload(&mut WriteSink::new(w), seq, layout, n_stream, progress)
+    }
+
+    fn write_payload(
+        &self,
+        out: &mut dyn Sink,
+        seq: i32,
+        layout: Layout,
+        n_stream: u32,
+        progress: Option<Progress<'_>>,
+    ) -> Result<usize> {
+        let layout = self.write_layout(layout)?;
+        let plan = self.stream_plan(seq, layout, n_stream)?;
+        let total = self.state_size(seq, layout, n_stream)?;
+        let start = out.written();
         if layout.has_stream_prefix() {
-            out.extend_from_slice(&(plan.len() as u32).to_le_bytes());
+            out.put(&(plan.len() as u32).to_le_bytes())?;
         }
         let mut tick = progress;
         for ranges in &plan {
-            self.write_stream(&mut out, ranges, seq, layout, &mut |done| {
-                let go_on = tick.as_mut().is_none_or(|p| p(done as u64, total as u64));
+            self.write_stream(out, ranges, seq, layout, &mut |done| {
+                let done = (done - start) as u64;
+                let go_on = tick.as_mut().is_none_or(|p| p(done, total as u64));
                 if go_on {
                     Ok(())
                 } else {
@@ -572,79 +642,65 @@ impl KvCache {
                 }
             })?;
         }
-        debug_assert_eq!(out.len(), total);
-        Ok(out)
+        debug_assert_eq!(out.written() - start, total);
+        Ok(total)
     }
 
     fn write_stream(
         &self,
-        out: &mut Vec<u8>,
+        out: &mut dyn Sink,
         ranges: &[(usize, usize)],
         seq: i32,
         layout: Layout,
         report: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
-        let put32 = |out: &mut Vec<u8>, v: u32| out.extend_from_slice(&v.to_le_bytes());
-        put32(out, n as u32);
+        // the cell metadata is small next to the rows: gather it, then write it at once
+        let mut meta = Vec::with_capacity(4 + 12 * n);
+        meta.extend_from_slice(&(n as u32).to_le_bytes());
         for &(a, b) in ranges {
             for i in a..b {
-                out.extend_from_slice(&self.cells.pos(i).to_le_bytes());
-                let ids = self.meta_ids(i, seq, layout);
-                put32(out, ids.len() as u32);
-                for id in ids {
-                    out.extend_from_slice(&id.to_le_bytes());
-                }
+                self.put_cell_meta(&mut meta, i, seq, layout);
             }
         }
+        out.put(&meta)?;
         if n == 0 && layout != Layout::Seed {
             return Ok(());
         }
-        put32(out, self.v_trans() as u32);
-        put32(out, self.params.n_layer);
+        let put32 = |out: &mut dyn Sink, v: u32| out.put(&v.to_le_bytes());
+        put32(out, self.v_trans() as u32)?;
+        put32(out, self.params.n_layer)?;
         if layout.records_rotation() {
-            put32(out, self.params.n_rot_k);
-            put32(out, self.params.n_rot_v);
+            put32(out, self.params.n_rot_k)?;
+            put32(out, self.params.n_rot_v)?;
         }
-        let copy =
-            |out: &mut Vec<u8>, buf: &dyn KvBuffer, offset: usize, len: usize| -> Result<()> {
-                let start = out.len();
-                match buf.as_host() {
-                    Some(bytes) => out.extend_from_slice(&bytes[offset..offset + len]),
-                    None => {
-                        out.resize(start + len, 0);
-                        buf.read(offset, &mut out[start..])?;
-                    }
-                }
-                Ok(())
-            };
         for l in &self.layers {
-            out.extend_from_slice(&self.params.type_k.id().to_le_bytes());
-            out.extend_from_slice(&(l.k_row as u64).to_le_bytes());
+            out.put(&self.params.type_k.id().to_le_bytes())?;
+            out.put(&(l.k_row as u64).to_le_bytes())?;
             for &(a, b) in ranges {
-                copy(out, l.k.as_ref(), a * l.k_row, (b - a) * l.k_row)?;
+                out.put_from(l.k.as_ref(), a * l.k_row, (b - a) * l.k_row)?;
             }
-            report(out.len())?;
+            report(out.written())?;
         }
         let size = self.params.size as usize;
         for l in &self.layers {
-            out.extend_from_slice(&self.params.type_v.id().to_le_bytes());
+            out.put(&self.params.type_v.id().to_le_bytes())?;
             if self.v_trans() {
                 let el = self.params.type_v.type_size();
-                put32(out, el as u32);
-                put32(out, l.n_embd_v as u32);
+                put32(out, el as u32)?;
+                put32(out, l.n_embd_v as u32)?;
                 for j in 0..l.n_embd_v {
                     for &(a, b) in ranges {
-                        copy(out, l.v.as_ref(), (a + j * size) * el, (b - a) * el)?;
+                        out.put_from(l.v.as_ref(), (a + j * size) * el, (b - a) * el)?;
                     }
                 }
             } else {
-                out.extend_from_slice(&(l.v_row as u64).to_le_bytes());
+                out.put(&(l.v_row as u64).to_le_bytes())?;
                 for &(a, b) in ranges {
-                    copy(out, l.v.as_ref(), a * l.v_row, (b - a) * l.v_row)?;
+                    out.put_from(l.v.as_ref(), a * l.v_row, (b - a) * l.v_row)?;
                 }
             }
-            report(out.len())?;
+            report(out.written())?;
         }
         Ok(())
     }
@@ -869,7 +925,7 @@ impl KvCache {
             }
         }
         let cells: Vec<&CellMeta> = parsed.streams.iter().flat_map(|s| s.cells.iter()).collect();
-        let snapshot = (self.cells.clone(), self.head, self.n);
+        let undo = self.undo_record(dest);
         let placed = match dest {
             Some(d) => self.place_sequence(d, &cells, opts.allow_scattered),
             None => self.place_whole(&cells),
@@ -877,13 +933,19 @@ impl KvCache {
         let placed = match placed {
             Ok(p) => p,
             Err(e) => {
-                (self.cells, self.head, self.n) = snapshot;
+                self.roll_back(undo, &[]);
                 return Err(e);
             }
         };
-        let backup = self.backup_if_device()?;
+        let backup = match self.backup_if_device() {
+            Ok(b) => b,
+            Err(e) => {
+                self.roll_back(undo, &placed);
+                return Err(e);
+            }
+        };
         if let Err(e) = self.write_payload_data(data, parsed, &placed) {
-            (self.cells, self.head, self.n) = snapshot;
+            self.roll_back(undo, &placed);
             if let Some(b) = backup {
                 self.restore_backup(b)?;
             }
@@ -896,7 +958,7 @@ impl KvCache {
         })
     }
 
-    fn place_sequence(
+    pub(crate) fn place_sequence(
         &mut self,
         dest: i32,
         cells: &[&CellMeta],
@@ -993,11 +1055,33 @@ impl KvCache {
         }
         self.cells.used = cells.len() as u32;
         self.cells.settle();
-        for l in &mut self.layers {
-            l.k.fill_zero()?;
-            l.v.fill_zero()?;
-        }
+        self.zero_rows_from(cells.len())?;
         Ok((0..cells.len()).collect())
+    }
+
+    /// Zeroes the K/V data of cells `first..` (a whole-cache load then writes cells
+    /// `..first`, so the tensors end up as llama.cpp's clear-then-read leaves them, without
+    /// writing every byte twice). Device buffers are cleared whole.
+    fn zero_rows_from(&mut self, first: usize) -> Result<()> {
+        let size = self.params.size as usize;
+        let v_trans = self.v_trans();
+        let v_el = self.params.type_v.type_size();
+        for l in &mut self.layers {
+            match l.k.as_host_mut() {
+                Some(bytes) => bytes[first * l.k_row..].fill(0),
+                None => l.k.fill_zero()?,
+            }
+            match l.v.as_host_mut() {
+                Some(bytes) if v_trans => {
+                    for row in bytes.chunks_exact_mut(size * v_el) {
+                        row[first * v_el..].fill(0);
+                    }
+                }
+                Some(bytes) => bytes[first * l.v_row..].fill(0),
+                None => l.v.fill_zero()?,
+            }
+        }
+        Ok(())
     }
 
     fn write_payload_data(

@@ -510,3 +510,98 @@ fn an_empty_state_keeps_the_data_header_in_the_seed_layout() {
         .state_read(&blob, 1, ReadOptions::default(), None)
         .is_err());
 }
+
+#[test]
+fn writing_into_a_buffer_or_a_writer_gives_the_same_bytes_as_state_write() {
+    for flash in [false, true] {
+        let c = busy_cache(params(64, GgmlType::F16, flash));
+        for seq in [-1, 0, 1, 2] {
+            for layout in [Layout::Seed, Layout::Streams] {
+                let expected = c.state_write(seq, layout, 1, None).unwrap();
+                let mut buf = vec![0xAAu8; expected.len() + 5];
+                let n = c.state_write_into(&mut buf, seq, layout, 1, None).unwrap();
+                assert_eq!(n, expected.len());
+                assert_eq!(&buf[..n], &expected[..], "into, seq {seq} {layout}");
+                assert!(
+                    buf[n..].iter().all(|&b| b == 0xAA),
+                    "bytes past the state changed"
+                );
+                let mut streamed = Vec::new();
+                let n = c
+                    .state_write_to(&mut streamed, seq, layout, 1, None)
+                    .unwrap();
+                assert_eq!((n, &streamed), (expected.len(), &expected), "to, seq {seq}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_buffer_too_small_for_the_state_is_refused_untouched() {
+    let c = busy_cache(params(64, GgmlType::F16, false));
+    let size = c.state_size(0, Layout::Streams, 1).unwrap();
+    let mut buf = vec![7u8; size - 1];
+    let err = c
+        .state_write_into(&mut buf, 0, Layout::Streams, 1, None)
+        .unwrap_err();
+    assert!(
+        matches!(&err, KvError::InvalidArg(m) if m.contains(&format!("{}", size - 1)) && m.contains(&format!("{size}"))),
+        "{err}"
+    );
+    assert!(buf.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn streamed_file_saves_match_the_assembled_bytes() {
+    let dir = std::env::temp_dir().join(format!("kv-stream-save-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let c = busy_cache(params(64, GgmlType::Q8_0, true));
+    let tokens = [1, 5, 9, 300];
+    for layout in [Layout::Seed, Layout::Streams] {
+        let opts = WriteOptions {
+            layout,
+            ..WriteOptions::default()
+        };
+        let path = dir.join("seq.ggsq");
+        c.save_sequence_file(&path, 1, &tokens, opts, None).unwrap();
+        let expected = c.sequence_file_bytes(1, &tokens, opts, None).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+        let path = dir.join("all.ggsn");
+        c.save_session_file(&path, &tokens, "llama", None, opts, None)
+            .unwrap();
+        let expected = c
+            .session_file_bytes(&tokens, "llama", None, opts, None)
+            .unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+    }
+    // a refused save (bad sequence) leaves the old file and no temporary file behind
+    let path = dir.join("seq.ggsq");
+    let before = std::fs::read(&path).unwrap();
+    assert!(c
+        .save_sequence_file(&path, 9, &tokens, WriteOptions::default(), None)
+        .is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_whole_cache_load_zeroes_the_rows_of_cells_it_does_not_fill() {
+    for flash in [false, true] {
+        let mut c = busy_cache(params(64, GgmlType::F16, flash));
+        let mut small = KvCache::new(params(64, GgmlType::F16, flash)).unwrap();
+        small
+            .find_slot(&UBatch::sequence(0, 0, 5))
+            .unwrap()
+            .unwrap();
+        let rows: Vec<f32> = (0..5 * 32).map(|x| x as f32).collect();
+        for il in 0..2 {
+            small.write_rows_f32(il, Tensor::K, 0, &rows).unwrap();
+            small.write_rows_f32(il, Tensor::V, 0, &rows).unwrap();
+        }
+        let state = small.state_write(-1, Layout::Streams, 1, None).unwrap();
+        c.state_read(&state, -1, ReadOptions::default(), None)
+            .unwrap();
+        assert_eq!(snapshot(&c), snapshot(&small), "flash {flash}");
+    }
+}

@@ -36,7 +36,7 @@ struct Bench {
 fn read_opts() -> ReadOptions {
     ReadOptions {
         layout: Some(Layout::Seed),
-        allow_scattered: false,
+        ..ReadOptions::default()
     }
 }
 

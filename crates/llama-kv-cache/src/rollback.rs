@@ -1,0 +1,156 @@
+//! What a state load puts back when it fails, sized by the cells the load touches.
+//!
+//! A whole-cache load rewrites every cell, so it keeps a copy of them all. A one-sequence load
+//! into a transformer cache touches only the destination's old cells (removed first) and the
+//! cells it places the payload in, which were free: keeping the destination's cells and the
+//! counters is enough, so a small restore into a large cache no longer copies the whole cell
+//! table. Recurrent placement moves tails between cells; recurrent caches have one cell per
+//! sequence, so they keep a full copy too.
+
+use crate::cache::KvCache;
+use crate::cells::{Cell, Cells};
+
+/// The undo record of one load.
+pub(crate) enum CellsUndo {
+    /// Every cell, with `head` and `n`.
+    All(Box<Cells>, u32, u32),
+    /// The destination sequence's cells before the load, and the counters.
+    Sequence {
+        old: Vec<(usize, Cell)>,
+        used: u32,
+        head: u32,
+        n: u32,
+    },
+}
+
+impl KvCache {
+    /// The undo record for a load into `dest` (`None`: the whole cache), taken before it starts.
+    pub(crate) fn undo_record(&self, dest: Option<i32>) -> CellsUndo {
+        match dest {
+            Some(seq) if !self.params.recurrent => CellsUndo::Sequence {
+                old: self
+                    .cells
+                    .cells_of(seq as usize)
+                    .map(|i| (i, self.cells.get(i)))
+                    .collect(),
+                used: self.cells.used,
+                head: self.head,
+                n: self.n,
+            },
+            _ => CellsUndo::All(Box::new(self.cells.clone()), self.head, self.n),
+        }
+    }
+
+    /// Puts the cells back as they were when `undo` was taken; `placed` are the cells the load
+    /// filled (free before it, or the destination's own).
+    pub(crate) fn roll_back(&mut self, undo: CellsUndo, placed: &[usize]) {
+        match undo {
+            CellsUndo::All(cells, head, n) => {
+                self.cells = *cells;
+                self.head = head;
+                self.n = n;
+            }
+            CellsUndo::Sequence { old, used, head, n } => {
+                // placement sets only pos and seqs, so delta, src and tail are still the old ones
+                for &i in placed {
+                    self.cells.clear_seqs(i);
+                    self.cells.set_pos(i, -1);
+                }
+                for (i, cell) in old {
+                    self.cells.set_cell(i, cell);
+                }
+                self.cells.used = used;
+                self.head = head;
+                self.n = n;
+                self.cells.settle();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::state::CellMeta;
+    use crate::{CacheParams, KvCache, UBatch};
+
+    /// xorshift32, so the cases are reproducible without a dependency.
+    struct Rng(u32);
+
+    impl Rng {
+        fn below(&mut self, n: u32) -> u32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 17;
+            self.0 ^= self.0 << 5;
+            self.0 % n
+        }
+    }
+
+    /// A cache of 256 cells shaped by random placements, removals and shifts (so free cells
+    /// keep stale deltas, and sequences share cells).
+    fn random_cache(rng: &mut Rng) -> KvCache {
+        let mut params = CacheParams::new(256, 1, 2, 2);
+        params.n_seq_max = 4;
+        let mut c = KvCache::new(params).unwrap();
+        let mut next = [0i32; 4];
+        for _ in 0..24 {
+            let seq = rng.below(4) as i32;
+            match rng.below(4) {
+                0 | 1 => {
+                    let n = 1 + rng.below(16);
+                    if c.find_slot(&UBatch::sequence(seq, next[seq as usize], n))
+                        .unwrap()
+                        .is_some()
+                    {
+                        next[seq as usize] += n as i32;
+                    }
+                }
+                2 => {
+                    let p0 = rng.below(64) as i32;
+                    c.seq_rm(seq, p0, p0 + rng.below(16) as i32).unwrap();
+                }
+                _ => {
+                    let dst = rng.below(4) as i32;
+                    if dst != seq {
+                        c.seq_cp(seq, dst, 0, rng.below(32) as i32).unwrap();
+                    }
+                    c.seq_add(seq, 0, -1, rng.below(5) as i32 - 2).unwrap();
+                }
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn a_failed_sequence_load_puts_back_exactly_the_cells_it_touched() {
+        let mut rng = Rng(0x9e37_79b9);
+        let mut placed_somewhere = 0;
+        for case in 0..400 {
+            let mut c = random_cache(&mut rng);
+            let (cells, head, n) = (c.cells.clone(), c.head, c.n);
+            let dest = rng.below(4) as i32;
+            let metas: Vec<CellMeta> = (0..1 + rng.below(40))
+                .map(|p| CellMeta {
+                    pos: p as i32,
+                    seq_ids: Vec::new(),
+                })
+                .collect();
+            let refs: Vec<&CellMeta> = metas.iter().collect();
+            let undo = c.undo_record(Some(dest));
+            let placed = c
+                .place_sequence(dest, &refs, rng.below(2) == 0)
+                .unwrap_or_default();
+            placed_somewhere += !placed.is_empty() as u32;
+            c.roll_back(undo, &placed);
+            assert_eq!(
+                c.cells, cells,
+                "case {case}: cells differ after the rollback"
+            );
+            assert_eq!((c.head, c.n), (head, n), "case {case}: head or n differ");
+            c.cells.check_consistency().unwrap();
+        }
+        assert!(
+            placed_somewhere > 100,
+            "too few placements: {placed_somewhere}"
+        );
+    }
+}

@@ -1,0 +1,132 @@
+//! Where a state payload goes as it is written: a new `Vec`, a caller's buffer (no second copy
+//! of a multi-GiB state) or a writer such as a file (no payload in memory at all).
+
+use std::io::Write;
+
+use crate::error::{KvError, Result};
+use crate::storage::KvBuffer;
+
+/// A destination for payload bytes, filled front to back.
+pub(crate) trait Sink {
+    /// Appends `bytes`.
+    fn put(&mut self, bytes: &[u8]) -> Result<()>;
+    /// Appends `len` bytes of `buf` starting at byte `offset`.
+    fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()>;
+    /// Bytes appended so far.
+    fn written(&self) -> usize;
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()> {
+        match buf.as_host() {
+            Some(bytes) => self.extend_from_slice(&bytes[offset..offset + len]),
+            None => {
+                let start = self.len();
+                self.resize(start + len, 0);
+                buf.read(offset, &mut self[start..])?;
+            }
+        }
+        Ok(())
+    }
+
+    fn written(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A caller's buffer, already checked to be large enough.
+pub(crate) struct SliceSink<'a> {
+    out: &'a mut [u8],
+    pos: usize,
+}
+
+impl<'a> SliceSink<'a> {
+    pub fn new(out: &'a mut [u8]) -> Self {
+        SliceSink { out, pos: 0 }
+    }
+
+    fn next(&mut self, len: usize) -> Result<&mut [u8]> {
+        let end = self.pos + len;
+        let room = self.out.len();
+        let dst = self.out.get_mut(self.pos..end).ok_or_else(|| {
+            KvError::InvalidArg(format!("the state does not fit the {room}-byte buffer"))
+        })?;
+        self.pos = end;
+        Ok(dst)
+    }
+}
+
+impl Sink for SliceSink<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.next(bytes.len())?.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()> {
+        let dst = self.next(len)?;
+        match buf.as_host() {
+            Some(bytes) => dst.copy_from_slice(&bytes[offset..offset + len]),
+            None => buf.read(offset, dst)?,
+        }
+        Ok(())
+    }
+
+    fn written(&self) -> usize {
+        self.pos
+    }
+}
+
+/// A writer (a file): host tensor bytes are written straight from the tensors; device bytes go
+/// through a staging buffer.
+pub(crate) struct WriteSink<'a> {
+    w: &'a mut dyn Write,
+    n: usize,
+    stage: Vec<u8>,
+}
+
+impl<'a> WriteSink<'a> {
+    pub fn new(w: &'a mut dyn Write) -> Self {
+        WriteSink {
+            w,
+            n: 0,
+            stage: Vec::new(),
+        }
+    }
+}
+
+fn io_error(e: std::io::Error) -> KvError {
+    KvError::Io(format!("cannot write the state: {e}"))
+}
+
+impl Sink for WriteSink<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.w.write_all(bytes).map_err(io_error)?;
+        self.n += bytes.len();
+        Ok(())
+    }
+
+    fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()> {
+        match buf.as_host() {
+            Some(bytes) => self
+                .w
+                .write_all(&bytes[offset..offset + len])
+                .map_err(io_error)?,
+            None => {
+                self.stage.resize(len, 0);
+                buf.read(offset, &mut self.stage)?;
+                self.w.write_all(&self.stage).map_err(io_error)?;
+            }
+        }
+        self.n += len;
+        Ok(())
+    }
+
+    fn written(&self) -> usize {
+        self.n
+    }
+}
