@@ -125,3 +125,38 @@ proptest! {
         check(&bytes);
     }
 }
+
+#[test]
+fn rope_freqs_tensor_is_found_and_read_for_the_k_shift() {
+    // a llama 3.1-style model: the K-shift divides each pair's angle by rope_freqs.weight
+    let mut g = GgufBuilder::new();
+    g.kv("general.architecture", GgufValue::Str("llama".into()))
+        .kv("llama.context_length", GgufValue::U32(2048))
+        .kv("llama.embedding_length", GgufValue::U32(64))
+        .kv("llama.block_count", GgufValue::U32(2))
+        .kv("llama.attention.head_count", GgufValue::U32(4));
+    g.tensor("token_embd.weight", &[64, 8], 0);
+    g.tensor("rope_freqs.weight", &[8], 0);
+    let mut bytes = g.header();
+    let data_start = bytes.len();
+    bytes.resize(data_start + g.data_size() as usize, 0);
+    let factors: Vec<f32> = (1..=8).map(|i| i as f32 * 0.5).collect();
+    let at = data_start + g.tensors()[1].offset as usize;
+    for (i, f) in factors.iter().enumerate() {
+        bytes[at + 4 * i..at + 4 * i + 4].copy_from_slice(&f.to_le_bytes());
+    }
+    let path = std::env::temp_dir().join(format!("kv-rope-freqs-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let read = llama_kv_cache::gguf::read_file(&path, false).unwrap();
+    let m = ModelInfo::from_header(&read.header).unwrap();
+    assert_eq!(m.factor_tensor(2048), Some("rope_freqs.weight"));
+    let got = llama_kv_cache::gguf::read_f32_tensor(&path, &read.header, "rope_freqs.weight");
+    let _ = std::fs::remove_file(&path);
+    let got = got.unwrap();
+    assert_eq!(got, factors);
+    let shift = m.shift_params(Some(got)).unwrap();
+    assert_eq!(shift.rope.freq_factors.as_deref(), Some(&factors[..]));
+    // a tensor that is not a small f32 vector is refused, not read
+    let e = llama_kv_cache::gguf::read_f32_tensor(&path, &read.header, "missing").unwrap_err();
+    assert!(matches!(e, KvError::InvalidModel(_)), "{e}");
+}
