@@ -895,8 +895,11 @@ export interface ReadResult {
   layout: string
   /** Cells restored. */
   cells: number
-  /** The cells that received the data, in payload order. */
-  placed: Array<number>
+  /**
+   * The cells that received the data, in payload order (a typed array: a whole-cache read
+   * of 65,536 cells hands over its list without building a JS array).
+   */
+  placed: Uint32Array
 }
 
 /** RoPE parameters of the model, for the K-shift. */

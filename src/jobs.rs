@@ -87,7 +87,7 @@ fn read_result(s: core::ReadSummary) -> ReadResult {
     ReadResult {
         layout: s.layout.name().into(),
         cells: s.cells,
-        placed: s.placed,
+        placed: Uint32Array::new(s.placed),
     }
 }
 

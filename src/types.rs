@@ -327,8 +327,9 @@ pub struct ReadResult {
     pub layout: String,
     /// Cells restored.
     pub cells: u32,
-    /// The cells that received the data, in payload order.
-    pub placed: Vec<u32>,
+    /// The cells that received the data, in payload order (a typed array: a whole-cache read
+    /// of 65,536 cells hands over its list without building a JS array).
+    pub placed: Uint32Array,
 }
 
 /// The seed era's outputs block of a session file.
