@@ -1,7 +1,7 @@
 //! The `KvCache` class: converts arguments, locks the core cache, maps results. No cache logic.
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use llama_kv_cache as core;
 use llama_kv_cache::{CacheParams, Layout, PrepareOptions, ReadOptions, Tensor, WriteOptions};
@@ -10,7 +10,7 @@ use napi_derive::napi;
 
 use crate::args::{self, Bytes, Floats, Num, Obj, Signal, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
-use crate::error::{err, from_core, guard, js_error, Code, JsResult};
+use crate::error::{err, from_core, guard, js_error, Code, JsErr, JsResult};
 use crate::jobs::{
     self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoJob, StateWriteJob, UpdateJob,
 };
@@ -36,10 +36,13 @@ impl Shared {
                     "the cache is busy with an async operation; await it first",
                 ));
             }
-            let mut lock = self
-                .cache
-                .try_lock()
-                .map_err(|_| err(Code::Busy, "the cache is busy with an async operation"))?;
+            let mut lock = match self.cache.try_lock() {
+                Ok(lock) => lock,
+                Err(TryLockError::WouldBlock) => {
+                    return Err(err(Code::Busy, "the cache is busy with an async operation"))
+                }
+                Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+            };
             let cache = lock
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
@@ -48,9 +51,36 @@ impl Shared {
     }
 
     /// Locks the cache for a task on the threadpool (tasks queue behind each other).
-    pub fn lock_for_task(&self) -> Result<MutexGuard<'_, Option<core::KvCache>>, Code> {
-        Ok(self.cache.lock().unwrap_or_else(|p| p.into_inner()))
+    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<core::KvCache>>> {
+        self.cache.lock().map_err(|_| poisoned())
     }
+
+    /// Takes the cache out for `dispose()`, also after an internal error poisoned it.
+    fn take_for_dispose(&self) -> JsResult<Option<core::KvCache>> {
+        match self.cache.try_lock() {
+            Ok(mut lock) => Ok(lock.take()),
+            Err(TryLockError::WouldBlock) => Err(err(
+                Code::Busy,
+                "cannot dispose while an async operation runs",
+            )),
+            Err(TryLockError::Poisoned(p)) => {
+                let cache = p.into_inner().take();
+                self.cache.clear_poison();
+                Ok(cache)
+            }
+        }
+    }
+}
+
+/// The error every call gets after an earlier one panicked while holding the cache (a bug caught
+/// as `ERR_KV_INTERNAL`): the cells and tensors may be half-updated, so the cache refuses further
+/// use instead of guessing, and `dispose()` still frees it.
+fn poisoned() -> JsErr {
+    err(
+        Code::Internal,
+        "an earlier call on this cache failed with an internal error, so its contents may be \
+         inconsistent; dispose() it and rebuild it (for example from a saved state)",
+    )
 }
 
 /// llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
@@ -264,12 +294,7 @@ impl KvCache {
                     "cannot dispose while an async operation is pending",
                 ));
             }
-            let mut lock = self
-                .shared
-                .cache
-                .try_lock()
-                .map_err(|_| err(Code::Busy, "cannot dispose while an async operation runs"))?;
-            if lock.take().is_some() {
+            if self.shared.take_for_dispose()?.is_some() {
                 let bytes = self.external_bytes.swap(0, Ordering::SeqCst);
                 if bytes != 0 {
                     env.adjust_external_memory(-bytes)
@@ -318,7 +343,11 @@ impl KvCache {
     /// Whether `dispose()` was called.
     #[napi(getter)]
     pub fn disposed(&self) -> bool {
-        matches!(self.shared.cache.try_lock(), Ok(g) if g.is_none())
+        match self.shared.cache.try_lock() {
+            Ok(g) => g.is_none(),
+            Err(TryLockError::Poisoned(p)) => p.into_inner().is_none(),
+            Err(TryLockError::WouldBlock) => false,
+        }
     }
 
     /// Number of cells.
