@@ -77,7 +77,9 @@ function spawnOnce(script, args) {
     const timer = setTimeout(() => {
       timedOut = true
       child.kill('SIGKILL')
-    }, 60_000)
+      // a hang detector, not a time limit: a peer run takes seconds, but several ava workers each
+      // running peers on a 2-core machine under other load took over a minute
+    }, 180_000)
     child.on('close', (code, signal) => {
       clearTimeout(timer)
       resolve({ code, signal, stdout, stderr, timedOut })

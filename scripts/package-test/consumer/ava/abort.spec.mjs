@@ -2,11 +2,13 @@
 import test from 'ava'
 import { KvCache } from 'llama-kv-cache'
 
-test('an already aborted signal is refused with ERR_KV_ABORTED', (t) => {
+test('an already aborted signal rejects with ERR_KV_ABORTED', async (t) => {
   const cache = new KvCache({ size: 8, nLayer: 1, nEmbdKGqa: 4 })
   const controller = new AbortController()
   controller.abort()
-  t.is(t.throws(() => cache.update({ signal: controller.signal })).code, 'ERR_KV_ABORTED')
+  const e = await t.throwsAsync(cache.update({ signal: controller.signal }))
+  t.is(e.code, 'ERR_KV_ABORTED')
+  t.is(e.name, 'AbortError')
   t.true(cache.seqRm(-1))
 })
 
