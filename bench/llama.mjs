@@ -68,6 +68,7 @@ class JsSide {
     const bytes = this.cache.totalSize
     this.src = Buffer.alloc(bytes, 1)
     this.dst = Buffer.alloc(bytes)
+    this.out = Buffer.alloc(this.whole.length)
   }
   time(op) {
     const c = this.cache
@@ -106,6 +107,8 @@ class JsSide {
         t0 = process.hrtime.bigint()
         c.stateReadSync(this.seqBlobs[s], s)
         break
+      case 'seq_get_into': c.stateWriteIntoSync(this.out, s, { layout: 'seed' }); break
+      case 'state_get_into': c.stateWriteIntoSync(this.out, -1, { layout: 'seed' }); break
       case 'state_get': c.stateWriteSync(-1, { layout: 'seed' }); break
       case 'state_set': c.stateReadSync(this.whole); break
       case 'set_all':
@@ -139,6 +142,8 @@ const OPS = [
   ['seq_get', 'state get, one sequence'],
   ['seq_set', 'state set, one sequence'],
   ['state_get', 'state get, whole cache'],
+  ['seq_get_into', 'state get into a reused buffer, one sequence'],
+  ['state_get_into', 'state get into a reused buffer, whole cache'],
   ['state_set', 'state set, whole cache'],
   ['set_all', 'whole cache set (clear + 8 sequence sets)'],
   ['memcpy', 'baseline: memcpy of the K/V tensors'],
@@ -184,6 +189,8 @@ async function sameRun(size, core, llama) {
     // data ops as a fraction of memcpy speed over the same bytes, each side against its own memcpy
     const payload = {
       seq_get: js.seqBlobs[3 % N_SEQ].length,
+      seq_get_into: js.seqBlobs[3 % N_SEQ].length,
+      state_get_into: js.whole.length,
       seq_set: js.seqBlobs[3 % N_SEQ].length,
       state_get: js.whole.length,
       state_set: js.whole.length,

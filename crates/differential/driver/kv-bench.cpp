@@ -35,6 +35,7 @@ static int             g_len   = 0;  // cells per sequence
 static std::vector<std::vector<uint8_t>> g_seq_blobs;
 static std::vector<uint8_t> g_whole;  // llama_state_get_data of the filled context
 static std::vector<uint8_t> g_src, g_dst;  // memcpy / memset baselines, the size of the tensors
+static std::vector<uint8_t> g_out;  // a reused output buffer, as large as the whole state
 
 static void quiet_log(ggml_log_level, const char *, void *) {}
 
@@ -105,6 +106,7 @@ static bool setup(std::istringstream & in) {
     }
     g_whole.resize(llama_state_get_size(g_ctx));
     g_whole.resize(llama_state_get_data(g_ctx, g_whole.data(), g_whole.size()));
+    g_out.assign(g_whole.size(), 0);
     g_src.assign(bytes, 1);
     g_dst.assign(bytes, 0);
     printf("{\"kv_size\":%d,\"whole_bytes\":%zu}\n", n_ctx, g_whole.size());
@@ -191,6 +193,14 @@ static long long time_op(const std::string & op) {
         llama_kv_self_seq_rm(g_ctx, s, -1, -1);
         t0 = clock_type::now();
         g_sink = llama_state_seq_set_data(g_ctx, g_seq_blobs[s].data(), g_seq_blobs[s].size(), s);
+        ns = since();
+    } else if (op == "seq_get_into") {
+        t0 = clock_type::now();
+        g_sink = llama_state_seq_get_data(g_ctx, g_out.data(), g_out.size(), s);
+        ns = since();
+    } else if (op == "state_get_into") {
+        t0 = clock_type::now();
+        g_sink = llama_state_get_data(g_ctx, g_out.data(), g_out.size());
         ns = since();
     } else if (op == "state_get") {
         t0 = clock_type::now();

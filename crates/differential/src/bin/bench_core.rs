@@ -31,6 +31,8 @@ struct Bench {
     shift: ShiftParams,
     src: Vec<u8>,
     dst: Vec<u8>,
+    /// A reused output buffer, as large as the whole state.
+    out: Vec<u8>,
 }
 
 fn read_opts() -> ReadOptions {
@@ -82,6 +84,7 @@ fn setup(n_ctx: u32, n_seq: u32, dir: &Path) -> Result<(Bench, String), String> 
     std::fs::write(dir.join("whole.bin"), &whole).map_err(|e| e.to_string())?;
     let bytes = cache.total_size();
     let dim = MODEL.head_dim();
+    let whole_len = whole.len();
     let bench = Bench {
         cache,
         n_seq: n_seq as i32,
@@ -92,6 +95,7 @@ fn setup(n_ctx: u32, n_seq: u32, dir: &Path) -> Result<(Bench, String), String> 
             rope: RopeParams::new(dim, dim, MODEL.n_head_kv(), RopeType::Norm),
             per_layer: Vec::new(),
         },
+        out: vec![0; whole_len],
         src: vec![1; bytes],
         dst: vec![0; bytes],
     };
@@ -153,6 +157,20 @@ impl Bench {
                 t0 = Instant::now();
                 c.state_read(&self.seq_blobs[s as usize], s, read_opts(), None)
                     .map_err(e)?;
+            }
+            "seq_get_into" => {
+                let out = &mut self.out;
+                std::hint::black_box(
+                    c.state_write_into(out, s, Layout::Seed, 1, None)
+                        .map_err(e)?,
+                );
+            }
+            "state_get_into" => {
+                let out = &mut self.out;
+                std::hint::black_box(
+                    c.state_write_into(out, -1, Layout::Seed, 1, None)
+                        .map_err(e)?,
+                );
             }
             "state_get" => {
                 std::hint::black_box(c.state_write(-1, Layout::Seed, 1, None).map_err(e)?);
