@@ -7,10 +7,10 @@ import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { spawn, spawnSync } from 'node:child_process'
-import { once } from 'node:events'
+import { once, getEventListeners } from 'node:events'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFile } = require('../index.js')
 
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-robust-'))
 const make = (o = {}) => new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 4, ...o })
@@ -135,6 +135,113 @@ test('an already aborted signal rejects with ERR_KV_ABORTED and AbortError (issu
     c.saveSessionFile(path.join(tmp(), 's'), [], { signal: ac.signal })]) {
     isAbort(t, await t.throwsAsync(p))
   }
+  t.is(c.usedCells, 9)
+})
+
+// ---- AbortSignal without napi-rs's AbortSignal type ------------------------------------------
+// napi-rs's AbortSignal conversion overwrote `signal.onabort`, napi_wrapped the signal (refusing
+// one another napi-rs addon had wrapped) and left listeners behind; signals are now plain objects.
+
+const abortListeners = (signal) => getEventListeners(signal, 'abort').length
+const errorOf = async (fn) => {
+  try {
+    await fn()
+  } catch (e) {
+    return e
+  }
+  throw new Error('expected a throw or a rejection')
+}
+
+test("a user's signal.onabort still fires after the signal was passed to update() or a store call (napi AbortSignal overwrote onabort)", async (t) => {
+  const c = filled()
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const ac = new AbortController()
+  const seen = []
+  const handler = () => seen.push('onabort')
+  ac.signal.onabort = handler
+  const usersOwn = abortListeners(ac.signal) // Node counts the onabort handler as a listener
+  await c.update({ signal: ac.signal })
+  await store.lookup([1, 2, 3], { signal: ac.signal })
+  t.is(ac.signal.onabort, handler, 'the handler property is untouched')
+  // passed to a queued call too: both the user's handler and ours run on abort
+  const head = c.stateWrite()
+  const queued = c.update({ signal: ac.signal })
+  ac.abort()
+  t.deepEqual(seen, ['onabort'])
+  isAbort(t, await t.throwsAsync(queued))
+  await head
+  t.is(abortListeners(ac.signal), usersOwn)
+})
+
+test('one signal for 50 sequential async calls leaves no abort listeners and no MaxListeners warning (napi AbortSignal leaked listeners)', async (t) => {
+  const warnings = []
+  const onWarning = (w) => warnings.push(w)
+  process.on('warning', onWarning)
+  try {
+    const c = filled()
+    const store = new PromptStore({ model: 'm', blockTokens: 16 })
+    const { signal } = new AbortController()
+    for (let i = 0; i < 50; i++) {
+      const p = i % 2 ? c.stateWrite(-1, { signal }) : store.lookup([i], { signal })
+      t.is(abortListeners(signal), 1, 'a pending call listens')
+      await p
+      t.is(abortListeners(signal), 0, `call ${i} removed its listener`)
+    }
+    await c.update({ signal })
+    await new Promise((resolve) => setImmediate(resolve))
+    t.is(abortListeners(signal), 0)
+    t.deepEqual(warnings.map((w) => w.name), [])
+  } finally {
+    process.off('warning', onWarning)
+  }
+})
+
+test('a signal passed to two concurrent calls aborts both (napi AbortSignal kept one handler)', async (t) => {
+  const [a, b] = [filled(), filled()]
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const ac = new AbortController()
+  // the heads keep both queues busy, so the signalled calls are still waiting at abort()
+  const heads = [a.stateWrite(), b.stateWrite()]
+  const calls = [a.update({ signal: ac.signal }), store.restore(b, 2, [1, 2, 3], { signal: ac.signal })]
+  t.is(abortListeners(ac.signal), 2)
+  ac.abort()
+  for (const p of calls) isAbort(t, await t.throwsAsync(p))
+  await Promise.all(heads)
+  t.is(abortListeners(ac.signal), 0)
+  t.is(a.usedCells, 9, 'the caches are usable afterwards')
+  t.is(b.seqCellCount(2), 0)
+})
+
+test('a signal-shaped EventTarget works as a signal (napi AbortSignal refused signals it had not wrapped)', async (t) => {
+  const c = filled()
+  const target = new EventTarget()
+  target.aborted = false
+  const head = c.stateWrite()
+  const queued = c.update({ signal: target })
+  target.aborted = true
+  target.dispatchEvent(new Event('abort'))
+  isAbort(t, await t.throwsAsync(queued))
+  await head
+  t.is(abortListeners(target), 0)
+})
+
+test('a non-signal object as signal is ERR_KV_INVALID_ARG naming signal (napi AbortSignal said InvalidArg)', async (t) => {
+  const c = filled()
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const bad = [{}, { aborted: false }, { aborted: 'no', addEventListener() {} }, 5, 'signal']
+  for (const signal of bad) {
+    for (const call of [() => c.update({ signal }), () => c.stateWrite(-1, { signal }),
+      () => store.lookup([1], { signal }), () => store.restore(c, 2, [1], { signal })]) {
+      const e = await errorOf(call)
+      t.is(e.code, 'ERR_KV_INVALID_ARG', e.message)
+      t.regex(e.message, /signal/)
+    }
+  }
+  // a throwing addEventListener is refused with the same code and leaves nothing pending
+  const throwing = { aborted: false, addEventListener() { throw new Error('no') } }
+  const e = await errorOf(() => c.update({ signal: throwing }))
+  t.is(e.code, 'ERR_KV_INVALID_ARG', e.message)
+  t.regex(e.message, /signal/)
   t.is(c.usedCells, 9)
 })
 

@@ -29,7 +29,7 @@ fn type_of(env: sys::napi_env, value: sys::napi_value) -> &'static str {
     }
 }
 
-fn mismatch(env: sys::napi_env, value: sys::napi_value, expected: &str) -> napi::Error {
+pub(crate) fn mismatch(env: sys::napi_env, value: sys::napi_value, expected: &str) -> napi::Error {
     let got = type_of(env, value);
     coded_error(
         env,
@@ -100,30 +100,6 @@ impl<T: FromNapiValue> FromNapiValue for Obj<T> {
         T::from_napi_value(env, value)
             .map(Obj)
             .map_err(|e| coded_error(env, err(Code::InvalidArg, e.reason.replace('`', "'"))))
-    }
-}
-
-/// An `AbortSignal`, with whether it was already aborted when passed (napi ignores those).
-pub struct Signal {
-    pub aborted: bool,
-    pub signal: AbortSignal,
-}
-
-impl FromNapiValue for Signal {
-    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
-        if type_of(env, value) != "object" {
-            return Err(mismatch(env, value, "an AbortSignal"));
-        }
-        let mut flag = std::ptr::null_mut();
-        let mut aborted = false;
-        if sys::napi_get_named_property(env, value, c"aborted".as_ptr(), &mut flag)
-            == sys::Status::napi_ok
-        {
-            sys::napi_get_value_bool(env, flag, &mut aborted);
-        }
-        let signal = AbortSignal::from_napi_value(env, value)
-            .map_err(|_| mismatch(env, value, "an AbortSignal"))?;
-        Ok(Signal { aborted, signal })
     }
 }
 

@@ -8,7 +8,7 @@ use llama_kv_cache::{CacheParams, Layout, PrepareOptions, ReadOptions, Tensor, W
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{self, Bytes, Floats, Num, Obj, Signal, Tokens};
+use crate::args::{self, Bytes, Floats, Num, Obj, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
 use crate::error::{err, from_core, guard, js_error, Code, JsErr, JsResult};
 use crate::jobs::{
@@ -16,6 +16,7 @@ use crate::jobs::{
 };
 use crate::queue::{Deferred, JsPromise, Queue};
 use crate::restorer::SlotRestorer;
+use crate::signal::Signal;
 use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
 use crate::types::*;
 
@@ -180,24 +181,30 @@ impl KvCache {
                 deferred.settle(env.raw(), Err(js_error(env.raw(), aborted())));
                 return Ok(JsPromise(promise));
             }
-            let control = Control {
+            let mut control = Control {
                 progress,
-                aborted: Default::default(),
+                ..Default::default()
             };
             let id = self.shared.queue.next_id();
             if let Some(s) = &signal {
                 let flag = control.aborted.clone();
                 // weak: a signal that outlives the cache must not keep its tensors alive
                 let shared = Arc::downgrade(&self.shared);
-                let raw_env = env.raw();
-                s.signal.on_abort(move || {
+                let listening = s.listen(env, move |env| {
                     flag.store(true, Ordering::SeqCst);
                     // a task still waiting in the queue is rejected now; a running one stops
                     // at its next checkpoint (or before it starts) and rejects then
                     if let Some(shared) = shared.upgrade() {
-                        shared.queue.abort(&Env::from_raw(raw_env), id);
+                        shared.queue.abort(env, id);
                     }
                 });
+                match listening {
+                    Ok(listener) => control.listener = Some(listener),
+                    Err(e) => {
+                        deferred.settle(env.raw(), Err(js_error(env.raw(), e)));
+                        return Ok(JsPromise(promise));
+                    }
+                }
             }
             let task = CacheTask::new(self.shared.clone(), job, control, deferred);
             self.shared.queue.submit(env, id, Box::new(task));

@@ -16,6 +16,7 @@ mod model;
 mod prompt_store;
 mod queue;
 mod restorer;
+mod signal;
 mod store_backend;
 mod tasks;
 mod types;

@@ -14,11 +14,12 @@ use napi::sys;
 use napi_derive::napi;
 use prompt_store as store;
 
-use crate::args::{self, Num, Obj, Signal, Tokens};
+use crate::args::{self, Num, Obj, Tokens};
 use crate::convert::{i32v, u32v};
 use crate::error::{coded_error, err, from_store, guard, Code, JsErr, JsResult};
 use crate::kv_cache::KvCache;
 use crate::queue::JsPromise;
+use crate::signal::Signal;
 use crate::tasks::{aborted, Control, Job, ProgressFn};
 
 /// Options of `new PromptStore(options)`.
@@ -329,7 +330,11 @@ impl<J: StoreJob> Task for StoreTask<J> {
     type JsValue = J::Js;
 
     fn compute(&mut self) -> napi::Result<Self::Output> {
+        let refused = self.failure.take();
         let result = guard(|| {
+            if let Some(e) = refused {
+                return Err(e);
+            }
             if self.control.aborted.load(Ordering::SeqCst) {
                 return Err(aborted());
             }
@@ -352,6 +357,11 @@ impl<J: StoreJob> Task for StoreTask<J> {
             Some(coded) => coded_error(env.raw(), coded),
             None => e,
         })
+    }
+
+    fn finally(mut self, env: Env) -> napi::Result<()> {
+        self.control.release(&env);
+        Ok(())
     }
 }
 
@@ -382,26 +392,31 @@ impl PromptStore {
 
     fn run_async<J: StoreJob>(
         &self,
+        env: &Env,
         job: J,
         progress: Option<ProgressFn>,
         signal: Option<Signal>,
     ) -> AsyncTask<StoreTask<J>> {
-        let control = Control {
+        let mut control = Control {
             progress,
-            aborted: Default::default(),
+            ..Default::default()
         };
+        let mut failure = None;
         if let Some(s) = &signal {
             // an already aborted signal rejects the promise when the task starts
             control.aborted.store(s.aborted, Ordering::SeqCst);
             let flag = control.aborted.clone();
-            s.signal
-                .on_abort(move || flag.store(true, Ordering::SeqCst));
+            match s.listen(env, move |_| flag.store(true, Ordering::SeqCst)) {
+                Ok(listener) => control.listener = Some(listener),
+                // rejected when the task starts, as the promise exists only then
+                Err(e) => failure = Some(e),
+            }
         }
         AsyncTask::new(StoreTask {
             store: self.inner.clone(),
             job,
             control,
-            failure: None,
+            failure,
         })
     }
 
@@ -520,11 +535,12 @@ impl PromptStore {
     #[napi(ts_return_type = "Promise<number>")]
     pub fn lookup(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
     ) -> Result<AsyncTask<StoreTask<LookupJob>>, Code> {
         let (progress, signal) = call_options(options);
-        Ok(self.run_async(LookupJob { tokens: tokens.0 }, progress, signal))
+        Ok(self.run_async(&env, LookupJob { tokens: tokens.0 }, progress, signal))
     }
 
     /// `lookup` on the calling thread (cheap: no block is read).
@@ -567,12 +583,13 @@ impl PromptStore {
     #[napi(ts_return_type = "Promise<StorePutResult>")]
     pub fn put_file(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "string")] path: Unknown<'_>,
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
     ) -> Result<AsyncTask<StoreTask<PutFileJob>>, Code> {
         let (progress, signal) = call_options(options);
         let path = args::path("path", &path)?;
-        Ok(self.run_async(PutFileJob { path }, progress, signal))
+        Ok(self.run_async(&env, PutFileJob { path }, progress, signal))
     }
 
     /// `putFile` on the calling thread.
@@ -591,12 +608,13 @@ impl PromptStore {
     #[napi(ts_return_type = "Promise<number>")]
     pub fn write_file(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "string")] path: Unknown<'_>,
         #[napi(ts_arg_type = "StoreWriteFileOptions")] options: Option<Obj<StoreWriteFileOptions>>,
     ) -> Result<AsyncTask<StoreTask<WriteFileJob>>, Code> {
         let (job, progress, signal) = write_file_job(tokens, &path, options)?;
-        Ok(self.run_async(job, progress, signal))
+        Ok(self.run_async(&env, job, progress, signal))
     }
 
     /// `writeFile` on the calling thread.
@@ -613,8 +631,8 @@ impl PromptStore {
 
     /// Blocks, bytes, budget, evictions, and this object's hits, misses and corrupt blocks.
     #[napi(ts_return_type = "Promise<StoreStats>")]
-    pub fn stats(&self) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
-        Ok(self.run_async(StatsJob { gc: false }, None, None))
+    pub fn stats(&self, env: Env) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
+        Ok(self.run_async(&env, StatsJob { gc: false }, None, None))
     }
 
     /// `stats` on the calling thread.
@@ -626,7 +644,7 @@ impl PromptStore {
     /// Housekeeping, then stats: recounts what is stored, enforces the byte budget and removes
     /// leftovers of interrupted writes (dir: temporary files older than an hour).
     #[napi(ts_return_type = "Promise<StoreStats>")]
-    pub fn gc(&self) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
-        Ok(self.run_async(StatsJob { gc: true }, None, None))
+    pub fn gc(&self, env: Env) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
+        Ok(self.run_async(&env, StatsJob { gc: true }, None, None))
     }
 }

@@ -16,6 +16,7 @@ use napi::sys;
 use crate::error::{err, guard, js_error, Code, JsErr, JsResult};
 use crate::kv_cache::Shared;
 use crate::queue::{Deferred, Queued};
+use crate::signal::AbortListener;
 
 /// JS progress callback `(done, total) => void`, callable from the threadpool.
 pub type ProgressFn =
@@ -43,9 +44,18 @@ pub trait Job: Send + 'static {
 pub struct Control {
     pub progress: Option<ProgressFn>,
     pub aborted: Arc<AtomicBool>,
+    /// The signal's `'abort'` listener, removed when the call settles.
+    pub listener: Option<AbortListener>,
 }
 
 impl Control {
+    /// Removes the signal's listener (on the JS thread, once the call settles).
+    pub fn release(&mut self, env: &Env) {
+        if let Some(listener) = self.listener.take() {
+            listener.remove(env);
+        }
+    }
+
     /// The closure a job polls: forwards progress to JS (at most ~100 times) and reports aborts.
     pub fn poll(&self) -> impl FnMut(u64, u64) -> bool + '_ {
         let mut last = u64::MAX;
@@ -93,6 +103,7 @@ impl<J: Job> CacheTask<J> {
         if let Some(deferred) = self.deferred.take() {
             deferred.settle(env.raw(), outcome);
         }
+        self.control.release(env);
         self.shared.queue.finished(env);
     }
 }
@@ -108,6 +119,7 @@ impl<J: Job> Queued for CacheTask<J> {
         if let Some(deferred) = self.deferred.take() {
             deferred.settle(env.raw(), Err(js_error(env.raw(), aborted())));
         }
+        self.control.release(env);
     }
 }
 

@@ -217,7 +217,7 @@ pub struct UpdateOptions {
     /// Aborts the async `update` while it is queued; the promise rejects with `ERR_KV_ABORTED`
     /// (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::args::Signal>,
+    pub signal: Option<crate::signal::Signal>,
 }
 
 /// A run of cells moved by a defrag.
@@ -295,7 +295,7 @@ pub struct SaveOptions {
     /// Aborts the async operation (also while it runs); the promise rejects with
     /// `ERR_KV_ABORTED` (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::args::Signal>,
+    pub signal: Option<crate::signal::Signal>,
 }
 
 /// Options of `stateRead` and the file loaders.
@@ -317,7 +317,7 @@ pub struct LoadOptions {
     /// Aborts the async operation until data starts being written (after that it completes); the
     /// promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
     #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::args::Signal>,
+    pub signal: Option<crate::signal::Signal>,
 }
 
 /// What a state read did.
