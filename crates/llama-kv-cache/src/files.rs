@@ -831,13 +831,8 @@ pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<cr
             .ok_or_else(|| KvError::InvalidState(format!("type id {id} is not a KV type")))
     };
     let width = |t: GgmlType, row: u64| -> Result<u32> {
-        let w = row as usize / t.type_size() * t.block_size();
-        if t.row_size(w)? as u64 != row {
-            return Err(KvError::InvalidState(format!(
-                "row size {row} is not whole {t} blocks"
-            )));
-        }
-        Ok(w as u32)
+        t.row_width(row)
+            .ok_or_else(|| KvError::InvalidState(format!("row size {row} is not whole {t} blocks")))
     };
     let mut k_widths = Vec::new();
     let mut v_widths = Vec::new();

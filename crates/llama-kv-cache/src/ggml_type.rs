@@ -98,6 +98,15 @@ impl GgmlType {
         }
         Ok(self.type_size() * (n / self.block_size()))
     }
+
+    /// The width in elements of a row of `row_bytes` bytes (the inverse of [`row_size`]), or
+    /// `None` when `row_bytes` is not a whole number of this type's blocks.
+    ///
+    /// [`row_size`]: GgmlType::row_size
+    pub fn row_width(self, row_bytes: u64) -> Option<u32> {
+        let w = row_bytes as usize / self.type_size() * self.block_size();
+        (self.type_size() * (w / self.block_size()) == row_bytes as usize).then_some(w as u32)
+    }
 }
 
 impl fmt::Display for GgmlType {
@@ -125,6 +134,15 @@ impl FromStr for GgmlType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_width_inverts_row_size_and_refuses_partial_blocks() {
+        assert_eq!(GgmlType::Q8_0.row_width(34 * 4), Some(128));
+        assert_eq!(GgmlType::F16.row_width(2 * 64), Some(64));
+        assert_eq!(GgmlType::Q8_0.row_width(34 * 4 + 2), None);
+        assert_eq!(GgmlType::F32.row_width(6), None);
+        assert_eq!(GgmlType::Q4_0.row_width(0), Some(0));
+    }
 
     #[test]
     fn ids_match_ggml() {

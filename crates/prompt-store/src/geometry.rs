@@ -111,13 +111,9 @@ impl Geometry {
             .first()
             .ok_or_else(|| StoreError::InvalidArg("a geometry without layers".into()))?;
         let width = |t: GgmlType, row: u64| -> StoreResult<u32> {
-            let w = row as usize / t.type_size() * t.block_size();
-            if t.row_size(w)? as u64 != row {
-                return Err(StoreError::InvalidArg(format!(
-                    "row size {row} is not whole {t} blocks"
-                )));
-            }
-            Ok(w as u32)
+            t.row_width(row).ok_or_else(|| {
+                StoreError::InvalidArg(format!("row size {row} is not whole {t} blocks"))
+            })
         };
         let mut p = CacheParams::new(size.max(1), self.layers.len() as u32, 0, 0);
         p.type_k = first.k_type;
