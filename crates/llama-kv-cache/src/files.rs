@@ -969,6 +969,13 @@ pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
         .find(|(_, s)| !s.cells.is_empty())
         .map(|(i, s)| s.cells[0].seq_ids.first().copied().unwrap_or(i as i32))
         .unwrap_or(0);
+    // the id comes from the file: one outside the cache's range would index past its sequences
+    if !(0..crate::MAX_SEQ as i32).contains(&seq_in_file) {
+        return Err(KvError::InvalidState(format!(
+            "the file's first cell names seq_id {seq_in_file}, outside [0, {})",
+            crate::MAX_SEQ
+        )));
+    }
     let seq = opts.as_seq.or(opts.extract_seq).unwrap_or(seq_in_file);
     let mut payload = Vec::new();
     for part in &parts {

@@ -605,3 +605,18 @@ fn a_whole_cache_load_zeroes_the_rows_of_cells_it_does_not_fill() {
         assert_eq!(snapshot(&c), snapshot(&small), "flash {flash}");
     }
 }
+
+#[test]
+fn regression_converting_a_file_whose_cell_names_an_out_of_range_seq_id_is_refused_not_a_panic() {
+    // found by the fuzzer: convert took the sequence a file holds from its first cell's seq_id
+    // unchecked, and a negative one indexed past the converting cache's sequences
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fuzz-findings/convert-seq-id-from-a-cell-out-of-range.ggsq");
+    let file = std::fs::read(path).unwrap();
+    let e = llama_kv_cache::files::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(e, KvError::InvalidState(_)) && e.to_string().contains("seq_id -"),
+        "{e}"
+    );
+}
