@@ -563,7 +563,10 @@ export interface Inspection {
   byteAccounting: ByteInfo
 }
 
-/** Parses a state file (a path or its bytes) without a cache and describes it. */
+/**
+ * Parses a state file (a path or its bytes) without a cache and describes it. A path is read
+ * only where its metadata is: milliseconds and a few KiB whatever the file's size.
+ */
 export declare function inspectState(source: string | Uint8Array): Inspection
 
 /** Options of `new KvCache(options)`. Defaults follow llama.cpp's. */

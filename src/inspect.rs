@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use llama_kv_cache::files::{inspect_bytes, read_file};
+use llama_kv_cache::files::{inspect_bytes, inspect_file};
 use llama_kv_cache::parts::{Part, PartKind};
 use llama_kv_cache::state::{ParsedPayload, VBlock};
 use llama_kv_cache::{GgmlType, Layout};
@@ -248,17 +248,24 @@ fn describe(payload: &ParsedPayload) -> Described {
     }
 }
 
-/// Parses a state file (a path or its bytes) without a cache and describes it.
+/// The structure of a state file: of a path, read from its metadata only (K/V rows are never
+/// read); of bytes, parsed in place.
+pub(crate) fn inspect(source: Source) -> Result<llama_kv_cache::files::Inspection, Code> {
+    match source {
+        Source::Path(path) => inspect_file(&path),
+        Source::Bytes(bytes) => inspect_bytes(&bytes),
+    }
+    .map_err(from_core)
+}
+
+/// Parses a state file (a path or its bytes) without a cache and describes it. A path is read
+/// only where its metadata is: milliseconds and a few KiB whatever the file's size.
 #[napi]
 pub fn inspect_state(
     #[napi(ts_arg_type = "string | Uint8Array")] source: Unknown<'_>,
 ) -> Result<Inspection, Code> {
     guard(|| {
-        let bytes = match args::source("source", &source)? {
-            Source::Path(path) => read_file(&path).map_err(from_core)?,
-            Source::Bytes(b) => b,
-        };
-        let ins = inspect_bytes(&bytes).map_err(from_core)?;
+        let ins = inspect(args::source("source", &source)?)?;
         let recurrent = match (&ins.arch, ins.payload.layout) {
             // several memories: the top level describes the first part
             _ if ins.parts.len() > 1 => Some(ins.parts[0].kind == PartKind::Recurrent),
@@ -421,7 +428,7 @@ pub fn convert_state_file(
                 }
             };
         }
-        let bytes = read_file(&input).map_err(from_core)?;
+        let bytes = llama_kv_cache::files::read_file(&input).map_err(from_core)?;
         let out = llama_kv_cache::files::convert_bytes(&bytes, &opts).map_err(from_core)?;
         llama_kv_cache::files::write_atomic(&output, &out).map_err(from_core)
     })

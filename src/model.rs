@@ -6,13 +6,12 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use llama_kv_cache as core;
-use llama_kv_cache::files::{inspect_bytes, read_file};
 use llama_kv_cache::gguf;
 use llama_kv_cache::GgmlType;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{self, Obj, Source};
+use crate::args::{self, Obj};
 use crate::convert::{self, u32v};
 use crate::error::{from_core, guard, Code, JsResult};
 use crate::kv_cache::KvCache;
@@ -306,12 +305,9 @@ pub fn check_state(
     #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
 ) -> Result<FitResult, Code> {
     guard(|| {
-        let bytes = match args::source("state", &state)? {
-            Source::Path(path) => read_file(&path).map_err(from_core)?,
-            Source::Bytes(b) => b,
-        };
+        let state = args::source("state", &state)?;
         let model = read_model(&args::path("ggufPath", &gguf_path)?, false)?;
-        let ins = inspect_bytes(&bytes).map_err(from_core)?;
+        let ins = crate::inspect::inspect(state)?;
         let fit = core::check_state(&ins, &model);
         Ok(FitResult {
             fits: fit.fits,

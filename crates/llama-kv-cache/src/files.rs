@@ -13,6 +13,7 @@ use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::parts::{layouts_for_version, parse_parts, Part, PartKind, PartRole};
+use crate::source::{ByteSource, ReadSource, Sub};
 use crate::state::{Cursor, Layout, ParsedPayload, Progress, ReadOptions, ReadSummary};
 
 /// `'ggsn'`: session file magic.
@@ -97,6 +98,11 @@ pub struct FileHeader {
 
 /// Parses the magic, version and token list.
 pub fn parse_header(bytes: &[u8]) -> Result<FileHeader> {
+    parse_header_in(bytes)
+}
+
+/// [`parse_header`] of any source.
+fn parse_header_in<S: ByteSource + ?Sized>(bytes: &S) -> Result<FileHeader> {
     let mut c = Cursor::new(bytes);
     let magic = c.u32("magic")?;
     let kind = match magic {
@@ -145,12 +151,22 @@ pub struct SessionBody {
     pub payload: Range<usize>,
 }
 
-fn read_f32s(c: &mut Cursor<'_>, n: u64, what: &str) -> Result<Vec<f32>> {
+/// `n` f32 values; with `values` false they are only stepped over (an empty list).
+fn read_f32s<S: ByteSource + ?Sized>(
+    c: &mut Cursor<'_, S>,
+    n: u64,
+    what: &str,
+    values: bool,
+) -> Result<Vec<f32>> {
     let len = (n as usize)
         .checked_mul(4)
         .filter(|&l| l <= c.remaining())
         .ok_or_else(|| KvError::InvalidState(format!("{what} size {n} exceeds the file")))?;
-    Ok(c.take(len, what)?
+    if !values {
+        c.range(len, what)?;
+        return Ok(Vec::new());
+    }
+    Ok(c.bytes(len, what)?
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
@@ -193,6 +209,17 @@ fn check_outputs_size(size: u64, n_outputs: u32, what: &str) -> Result<()> {
 /// The possible splits of a session body: with and without the outputs block. `n_tokens` is
 /// the header's token count, which bounds the outputs block's ids.
 pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<SessionBody>> {
+    session_splits_in(bytes, body, n_tokens, true)
+}
+
+/// [`session_splits`] of any source; without `values`, the outputs block's logits and
+/// embeddings are checked and stepped over but not read (left empty).
+fn session_splits_in<S: ByteSource + ?Sized>(
+    bytes: &S,
+    body: usize,
+    n_tokens: usize,
+    values: bool,
+) -> Result<Vec<SessionBody>> {
     let mut c = Cursor::new(bytes);
     c.pos = body;
     let len = c.u32("arch length")?;
@@ -201,7 +228,7 @@ pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<
             "arch name length {len} is implausible"
         )));
     }
-    let arch = String::from_utf8(c.take(len as usize, "arch")?.to_vec())
+    let arch = String::from_utf8(c.bytes(len as usize, "arch")?)
         .map_err(|_| KvError::InvalidState("arch name is not UTF-8".into()))?;
     let after_arch = c.pos;
     let mut splits = vec![SessionBody {
@@ -223,10 +250,10 @@ pub fn session_splits(bytes: &[u8], body: usize, n_tokens: usize) -> Result<Vec<
         check_output_ids(&output_pos, n_tokens)?;
         let n_logits = c.u64("logits size")?;
         check_outputs_size(n_logits, n, "logits")?;
-        let logits = read_f32s(&mut c, n_logits, "logits")?;
+        let logits = read_f32s(&mut c, n_logits, "logits", values)?;
         let n_embd = c.u64("embeddings size")?;
         check_outputs_size(n_embd, n, "embeddings")?;
-        let embeddings = read_f32s(&mut c, n_embd, "embeddings")?;
+        let embeddings = read_f32s(&mut c, n_embd, "embeddings", values)?;
         Ok((
             Outputs {
                 output_pos,
@@ -493,7 +520,7 @@ impl KvCache {
         progress: Option<Progress<'_>>,
     ) -> Result<LoadedFile> {
         let layouts = file_layouts(&header, opts.layout)?;
-        let splits = body_splits(bytes, &header)?;
+        let splits = body_splits(bytes, &header, true)?;
         let (split, summary) =
             self.load_body_part(bytes, splits, &layouts, dest, opts, progress)?;
         Ok(LoadedFile {
@@ -657,10 +684,15 @@ fn file_layouts(header: &FileHeader, forced: Option<Layout>) -> Result<Vec<Layou
 
 /// The possible bodies of a file: a sequence file's one, a session's with and (seed era
 /// versions only) without the outputs block.
-fn body_splits(bytes: &[u8], header: &FileHeader) -> Result<Vec<SessionBody>> {
+/// `values`: whether the outputs block's logits and embeddings are read.
+fn body_splits<S: ByteSource + ?Sized>(
+    bytes: &S,
+    header: &FileHeader,
+    values: bool,
+) -> Result<Vec<SessionBody>> {
     Ok(match header.kind {
         FileKind::Session => {
-            let mut splits = session_splits(bytes, header.body, header.tokens.len())?;
+            let mut splits = session_splits_in(bytes, header.body, header.tokens.len(), values)?;
             if header.kind.records_rotation(header.version) {
                 splits.retain(|s| s.outputs.is_none());
             }
@@ -712,12 +744,25 @@ fn one_sequence_cells(p: &Part) -> bool {
 /// Inspects a state file's bytes without a cache: every reading its version allows (layouts,
 /// memories, outputs block) is tried; more than one is reported as ambiguous.
 pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
-    let header = parse_header(bytes)?;
+    inspect_source(bytes, true)
+}
+
+/// [`inspect_bytes`] of the file at `path`, reading only its metadata: the K/V rows (and an
+/// outputs block's logits and embeddings, left empty in [`Inspection::outputs`]) are stepped
+/// over, so a file of any size costs a few KiB of reads.
+pub fn inspect_file(path: &Path) -> Result<Inspection> {
+    inspect_source(&ReadSource::open(path)?, false)
+}
+
+/// [`inspect_bytes`] of any source. `values`: whether the outputs block's logits and embeddings
+/// are read into [`Inspection::outputs`] (without, they are checked and stepped over).
+pub fn inspect_source<S: ByteSource + ?Sized>(bytes: &S, values: bool) -> Result<Inspection> {
+    let header = parse_header_in(bytes)?;
     let layouts = file_layouts(&header, None)?;
     let mut fits = Vec::new();
     let mut errors = Vec::new();
-    for split in body_splits(bytes, &header)? {
-        let (shapes, shape_errors) = parse_parts(&bytes[split.payload.clone()], &layouts);
+    for split in body_splits(bytes, &header, values)? {
+        let (shapes, shape_errors) = parse_parts(&Sub::new(bytes, split.payload.clone()), &layouts);
         let with = if split.outputs.is_some() {
             " with outputs"
         } else {
@@ -1017,6 +1062,19 @@ pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
     }
     out.extend(payload);
     Ok(out)
+}
+
+/// [`convert_bytes`] of the file at `input`, written atomically to `output` (nothing is left
+/// behind when it fails).
+pub fn convert_file(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    _progress: Option<Progress<'_>>,
+) -> Result<()> {
+    let bytes = read_file(input)?;
+    let out = convert_bytes(&bytes, opts)?;
+    write_atomic(output, &out)
 }
 
 /// One part of [`convert_bytes`]: loaded into a cache shaped like it, re-typed, renamed, and

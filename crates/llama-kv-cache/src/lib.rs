@@ -38,6 +38,7 @@ pub mod rope;
 mod seq_ops;
 mod sink;
 mod slot;
+pub mod source;
 pub mod state;
 pub mod storage;
 pub mod transpose;

@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
+use crate::source::{ByteSource, Sub};
 use crate::state::{parse_payload, parse_stream_with, Cursor, Layout, ParsedPayload};
 
 /// What kind of memory a part is.
@@ -100,14 +101,14 @@ pub struct Parts {
     pub parts: Vec<Part>,
 }
 
-fn kv_part(
-    bytes: &[u8],
+fn kv_part<S: ByteSource + ?Sized>(
+    bytes: &S,
     start: usize,
     layout: Layout,
     role: PartRole,
     exact: bool,
 ) -> Result<Part> {
-    let payload = parse_payload(&bytes[start..], layout, exact)?;
+    let payload = parse_payload(&Sub::new(bytes, start..bytes.len()), layout, exact)?;
     Ok(Part {
         kind: PartKind::Kv,
         role,
@@ -119,8 +120,8 @@ fn kv_part(
 /// The recurrent memory of a hybrid, which must end the payload. Its data header declares
 /// every model layer but it writes blocks only for the recurrent ones, so the block count is
 /// the one that consumes the bytes exactly (largest first).
-fn recurrent_tail(bytes: &[u8], start: usize) -> Result<Part> {
-    let body = &bytes[start..];
+fn recurrent_tail<S: ByteSource + ?Sized>(bytes: &S, start: usize) -> Result<Part> {
+    let body = &Sub::new(bytes, start..bytes.len());
     let declared = {
         // peek at n_layer: cell_count, cells, s_trans, n_layer
         let mut c = Cursor::new(body);
@@ -161,7 +162,10 @@ fn recurrent_tail(bytes: &[u8], start: usize) -> Result<Part> {
 /// version allows for KV caches). Single memories come first; iSWA and hybrid shapes are tried
 /// only for layouts with a stream prefix (the seed era wrote neither). Errors of shapes that do
 /// not fit are returned with their names.
-pub fn parse_parts(bytes: &[u8], layouts: &[Layout]) -> (Vec<Parts>, Vec<String>) {
+pub fn parse_parts<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layouts: &[Layout],
+) -> (Vec<Parts>, Vec<String>) {
     let mut fits = Vec::new();
     let mut errors = Vec::new();
     let mut note = |what: String, r: Result<Parts>| match r {

@@ -12,6 +12,8 @@ use crate::cells::{SeqSet, MAX_SEQ};
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::sink::{Sink, SliceSink, WriteSink};
+use crate::source::ByteSource;
+pub(crate) use crate::source::Cursor;
 use crate::storage::{KvBuffer, Tensor};
 use crate::ubatch::UBatch;
 
@@ -83,60 +85,6 @@ pub struct ReadSummary {
     pub cells: u32,
     /// Cells that received the data, in payload order.
     pub placed: Vec<u32>,
-}
-
-/// Little-endian cursor over a byte slice; every read names what it was reading. The name is
-/// only formatted when a read fails (pass `format_args!` in loops), so the success path does no
-/// string work.
-pub(crate) struct Cursor<'a> {
-    pub bytes: &'a [u8],
-    pub pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    pub fn new(bytes: &'a [u8]) -> Self {
-        Cursor { bytes, pos: 0 }
-    }
-
-    pub fn take(&mut self, n: usize, what: impl fmt::Display) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
-        let Some(end) = end else {
-            return Err(KvError::InvalidState(format!(
-                "truncated at byte {} reading {what} ({n} bytes needed, {} left)",
-                self.pos,
-                self.bytes.len() - self.pos
-            )));
-        };
-        let s = &self.bytes[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-
-    pub fn range(&mut self, n: usize, what: impl fmt::Display) -> Result<Range<usize>> {
-        let start = self.pos;
-        self.take(n, what)?;
-        Ok(start..self.pos)
-    }
-
-    pub fn u32(&mut self, what: impl fmt::Display) -> Result<u32> {
-        let b = self.take(4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    pub fn i32(&mut self, what: impl fmt::Display) -> Result<i32> {
-        Ok(self.u32(what)? as i32)
-    }
-
-    pub fn u64(&mut self, what: impl fmt::Display) -> Result<u64> {
-        let b = self.take(8, what)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
-    }
-
-    pub fn remaining(&self) -> usize {
-        self.bytes.len() - self.pos
-    }
 }
 
 /// One cell's metadata in a payload.
@@ -212,8 +160,8 @@ const MAX_LAYERS: u32 = 4096;
 /// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
 /// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
 /// stream of today's layout ends after a 0 `cell_count`.
-fn parse_stream(
-    c: &mut Cursor<'_>,
+fn parse_stream<S: ByteSource + ?Sized>(
+    c: &mut Cursor<'_, S>,
     s: usize,
     header_when_empty: bool,
     rot: bool,
@@ -222,8 +170,8 @@ fn parse_stream(
 }
 
 /// [`parse_stream`], with `blocks` layer blocks instead of the declared `n_layer` when given.
-pub(crate) fn parse_stream_with(
-    c: &mut Cursor<'_>,
+pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
+    c: &mut Cursor<'_, S>,
     s: usize,
     header_when_empty: bool,
     rot: bool,
@@ -352,9 +300,14 @@ impl ParsedPayload {
     }
 }
 
-/// Parses a payload structurally under `layout`, consuming it from `bytes[0..]`. With
-/// `exact`, trailing bytes are an error.
-pub fn parse_payload(bytes: &[u8], layout: Layout, exact: bool) -> Result<ParsedPayload> {
+/// Parses a payload structurally under `layout`, consuming it from `bytes[0..]` (a slice, or a
+/// file through [`crate::source::ReadSource`]: only the metadata is read, K/V rows are stepped
+/// over). With `exact`, trailing bytes are an error.
+pub fn parse_payload<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layout: Layout,
+    exact: bool,
+) -> Result<ParsedPayload> {
     let mut c = Cursor::new(bytes);
     let streams = match layout {
         Layout::Seed => vec![parse_stream(&mut c, 0, true, false)?],
