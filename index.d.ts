@@ -175,6 +175,28 @@ export declare class KvCache {
    */
   stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
   /**
+   * A Readable stream of the KV state of `seqId` (-1, the default: the whole cache): the
+   * bytes `stateWrite(seqId, options)` returns, copied chunk by chunk straight from the
+   * tensors, so a state of any size (above 4 GiB too, which no Buffer holds) streams with
+   * memory for a chunk or two. `size` is the total in bytes (null until the stream holds the
+   * cache). The stream holds the cache as an async call does until its last byte or until it
+   * is destroyed: it starts when the calls queued before it have settled, and meanwhile
+   * synchronous calls throw ERR_KV_BUSY and async calls wait. Needs Node.js 20.16 or later.
+   */
+  createStateReadStream(seqId?: number, options?: ReadStreamOptions): import('node:stream').Readable & { readonly size: number | null }
+  /**
+   * A Writable stream that loads a state (the bytes of `stateWrite`, or of a
+   * `createStateReadStream`) into sequence `seqId` (-1, the default: the whole cache) as it
+   * arrives: the header and cell metadata are kept until the cells are placed, every later
+   * byte goes straight to the tensors, so a state of any size loads with memory for a chunk
+   * or two. `result` holds the ReadResult once 'finish' is emitted. A load that fails
+   * (ERR_KV_* errors emitted on the stream), ends early, or is destroyed or aborted before
+   * 'finish' leaves the cells and every live cell's rows as they were (rows of cells that
+   * held data before are kept aside while the load runs). Holds the cache as
+   * `createStateReadStream` does. Needs Node.js 20.16 or later.
+   */
+  createStateWriteStream(seqId?: number, options?: WriteStreamOptions): import('node:stream').Writable & { readonly result: ReadResult | null }
+  /**
    * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
    * atomically (a failed save leaves the previous file intact), synchronously.
    */
@@ -905,6 +927,18 @@ export interface ReadResult {
   placed: Uint32Array
 }
 
+/** Options of `createStateReadStream`. */
+export interface ReadStreamOptions {
+  /** Payload layout, as `stateWrite`'s: 'streams' (default), 'seed' or 'streams-rot'. */
+  layout?: string
+  /** Streams to write with today's layout, as `stateWrite`'s: 1 (default) or nSeqMax. */
+  nStream?: number
+  /** Bytes per chunk, and the stream's buffer (highWaterMark). Default 4 MiB. */
+  chunkSize?: number
+  /** Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'). */
+  signal?: AbortSignal
+}
+
 /** RoPE parameters of the model, for the K-shift. */
 export interface RopeOptions {
   /** Dimension of one head. */
@@ -1105,4 +1139,25 @@ export interface UpdateReport {
   shiftPending: boolean
   /** The defrag, when one was pending. */
   defrag?: DefragReport
+}
+
+/** Options of `createStateWriteStream`. */
+export interface WriteStreamOptions {
+  /**
+   * Force 'seed', 'streams' or 'streams-rot' instead of detecting the layout from the
+   * payload's header.
+   */
+  layout?: string
+  /**
+   * One-sequence loads: use free cells anywhere when no contiguous run is free. Default
+   * false (the seed's rule).
+   */
+  allowScattered?: boolean
+  /** The stream's buffer in bytes (highWaterMark). Default 4 MiB. */
+  chunkSize?: number
+  /**
+   * Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'); the cache is
+   * left as it was.
+   */
+  signal?: AbortSignal
 }

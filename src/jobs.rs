@@ -83,7 +83,8 @@ impl Job for StateWriteIntoJob {
     }
 }
 
-fn read_result(s: core::ReadSummary) -> ReadResult {
+/// A core read summary for JS.
+pub fn read_result(s: core::ReadSummary) -> ReadResult {
     ReadResult {
         layout: s.layout.name().into(),
         cells: s.cells,

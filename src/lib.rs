@@ -17,6 +17,7 @@ mod prompt_store;
 mod queue;
 mod restorer;
 mod signal;
+mod state_stream;
 mod store_backend;
 mod tasks;
 mod types;

@@ -44,6 +44,13 @@ unsafe fn property(
     Some((value, kind))
 }
 
+impl Signal {
+    /// The signal object itself (valid during the call that received it).
+    pub fn raw(&self) -> sys::napi_value {
+        self.object
+    }
+}
+
 impl FromNapiValue for Signal {
     unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
         let mut kind = 0;

@@ -320,6 +320,37 @@ pub struct LoadOptions {
     pub signal: Option<crate::signal::Signal>,
 }
 
+/// Options of `createStateReadStream`.
+#[napi(object, object_to_js = false)]
+pub struct ReadStreamOptions {
+    /// Payload layout, as `stateWrite`'s: 'streams' (default), 'seed' or 'streams-rot'.
+    pub layout: Option<String>,
+    /// Streams to write with today's layout, as `stateWrite`'s: 1 (default) or nSeqMax.
+    pub n_stream: Option<f64>,
+    /// Bytes per chunk, and the stream's buffer (highWaterMark). Default 4 MiB.
+    pub chunk_size: Option<f64>,
+    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError').
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<crate::signal::Signal>,
+}
+
+/// Options of `createStateWriteStream`.
+#[napi(object, object_to_js = false)]
+pub struct WriteStreamOptions {
+    /// Force 'seed', 'streams' or 'streams-rot' instead of detecting the layout from the
+    /// payload's header.
+    pub layout: Option<String>,
+    /// One-sequence loads: use free cells anywhere when no contiguous run is free. Default
+    /// false (the seed's rule).
+    pub allow_scattered: Option<bool>,
+    /// The stream's buffer in bytes (highWaterMark). Default 4 MiB.
+    pub chunk_size: Option<f64>,
+    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'); the cache is
+    /// left as it was.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<crate::signal::Signal>,
+}
+
 /// What a state read did.
 #[napi(object)]
 pub struct ReadResult {

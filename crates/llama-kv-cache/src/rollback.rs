@@ -23,6 +23,17 @@ pub(crate) enum CellsUndo {
     },
 }
 
+impl CellsUndo {
+    /// Whether cell `i` held data when the record was taken.
+    pub(crate) fn held_data(&self, i: usize) -> bool {
+        match self {
+            CellsUndo::All(cells, ..) => !cells.seqs(i).is_empty(),
+            // ascending: `cells_of` walks the sequence's bitmap in order
+            CellsUndo::Sequence { old, .. } => old.binary_search_by_key(&i, |(c, _)| *c).is_ok(),
+        }
+    }
+}
+
 impl KvCache {
     /// The undo record for a load into `dest` (`None`: the whole cache), taken before it starts.
     pub(crate) fn undo_record(&self, dest: Option<i32>) -> CellsUndo {

@@ -14,6 +14,12 @@ pub(crate) trait Sink {
     fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()>;
     /// Bytes appended so far.
     fn written(&self) -> usize;
+    /// Offers to count the next `len` bytes as appended without being given them; returns
+    /// whether it did. A sink that keeps only a window of the payload skips what lies outside
+    /// it, so the writer need not produce those bytes at all.
+    fn skip(&mut self, _len: usize) -> bool {
+        false
+    }
 }
 
 impl Sink for Vec<u8> {
@@ -128,5 +134,65 @@ impl Sink for WriteSink<'_> {
 
     fn written(&self) -> usize {
         self.n
+    }
+}
+
+/// Keeps the bytes `[start, start + out.len())` of the payload in `out` and counts the rest
+/// without copying it: one chunk of a payload produced piece by piece (a stream).
+pub(crate) struct WindowSink<'a> {
+    out: &'a mut [u8],
+    start: usize,
+    seen: usize,
+}
+
+impl<'a> WindowSink<'a> {
+    pub fn new(out: &'a mut [u8], start: usize) -> Self {
+        WindowSink {
+            out,
+            start,
+            seen: 0,
+        }
+    }
+
+    /// The part of the next `len` payload bytes inside the window: (offset in those bytes,
+    /// offset in `out`, length).
+    fn overlap(&self, len: usize) -> Option<(usize, usize, usize)> {
+        let from = self.seen.max(self.start);
+        let to = (self.seen + len).min(self.start + self.out.len());
+        (from < to).then(|| (from - self.seen, from - self.start, to - from))
+    }
+}
+
+impl Sink for WindowSink<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        if let Some((src, dst, n)) = self.overlap(bytes.len()) {
+            self.out[dst..dst + n].copy_from_slice(&bytes[src..src + n]);
+        }
+        self.seen += bytes.len();
+        Ok(())
+    }
+
+    fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()> {
+        if let Some((src, dst, n)) = self.overlap(len) {
+            let out = &mut self.out[dst..dst + n];
+            match buf.as_host() {
+                Some(bytes) => out.copy_from_slice(&bytes[offset + src..offset + src + n]),
+                None => buf.read(offset + src, out)?,
+            }
+        }
+        self.seen += len;
+        Ok(())
+    }
+
+    fn written(&self) -> usize {
+        self.seen
+    }
+
+    fn skip(&mut self, len: usize) -> bool {
+        if self.overlap(len).is_some() {
+            return false;
+        }
+        self.seen += len;
+        true
     }
 }

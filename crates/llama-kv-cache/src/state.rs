@@ -155,7 +155,19 @@ pub struct ParsedPayload {
     pub len: usize,
 }
 
-const MAX_LAYERS: u32 = 4096;
+/// What a state write carries, fixed before its first byte: the layout, each stream's cell
+/// ranges and sizes. Valid while the cache does not change.
+pub(crate) struct WritePlan {
+    pub seq: i32,
+    pub layout: Layout,
+    pub streams: Vec<Vec<(usize, usize)>>,
+    /// Bytes of each stream's cell count and metadata.
+    pub meta_len: Vec<usize>,
+    /// Bytes of the whole payload.
+    pub total: usize,
+}
+
+pub(crate) const MAX_LAYERS: u32 = 4096;
 
 /// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
 /// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
@@ -336,9 +348,44 @@ pub fn parse_payload<S: ByteSource + ?Sized>(
     })
 }
 
+/// The error of a payload that fits none of the candidate layouts, from each one's error.
+pub(crate) fn no_layout_fits(mut errors: Vec<(Layout, KvError)>) -> KvError {
+    if errors.len() == 1 {
+        return errors.remove(0).1;
+    }
+    // a capacity problem is the real answer when the structure itself parsed
+    if let Some((_, e)) = errors
+        .iter()
+        .find(|(_, e)| matches!(e, KvError::NoSpace(_)))
+    {
+        return e.clone();
+    }
+    KvError::InvalidState(format!(
+        "the payload fits no layout: {}",
+        errors
+            .iter()
+            .map(|(l, e)| format!("as {l}: {e}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    ))
+}
+
+/// The error of a payload that several layouts read.
+pub(crate) fn ambiguous(layouts: impl Iterator<Item = Layout>) -> KvError {
+    KvError::InvalidState(format!(
+        "the payload is ambiguous: it parses as {}; pass the layout explicitly",
+        layouts.map(|l| l.name()).collect::<Vec<_>>().join(" and ")
+    ))
+}
+
 /// Checks the cells of a payload for one sequence (`Some(seq)`) or the whole cache of a cache
 /// tracking `n_seq_max` sequences.
-fn check_meta(p: &ParsedPayload, seq: Option<i32>, recurrent: bool, n_seq_max: u32) -> Result<()> {
+pub(crate) fn check_meta(
+    p: &ParsedPayload,
+    seq: Option<i32>,
+    recurrent: bool,
+    n_seq_max: u32,
+) -> Result<()> {
     let single_ids = match (seq, p.layout, recurrent) {
         (None, _, _) => None,
         (Some(_), Layout::Seed, _) | (Some(_), _, true) => Some(0),
@@ -438,7 +485,7 @@ impl KvCache {
             .collect())
     }
 
-    fn effective_layout(&self, layout: Layout) -> Layout {
+    pub(crate) fn effective_layout(&self, layout: Layout) -> Layout {
         if self.params.recurrent {
             Layout::Seed
         } else {
@@ -485,14 +532,21 @@ impl KvCache {
         }
     }
 
-    fn stream_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
-        let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+    /// Bytes of a stream's cell count and cell metadata.
+    fn meta_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
         let mut size = 4;
         for &(a, b) in ranges {
             for i in a..b {
                 size += 8 + 4 * self.meta_id_count(i, seq, layout);
             }
         }
+        size
+    }
+
+    /// Bytes of a stream's data (its header and rows), after its metadata.
+    fn data_size(&self, ranges: &[(usize, usize)], layout: Layout) -> usize {
+        let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+        let mut size = 0;
         if n > 0 || layout == Layout::Seed {
             size += if layout.records_rotation() { 16 } else { 8 };
             for l in &self.layers {
@@ -502,16 +556,33 @@ impl KvCache {
         size
     }
 
+    /// The plan of `state_write(seq, layout, n_stream)`.
+    pub(crate) fn write_plan(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<WritePlan> {
+        let layout = self.write_layout(layout)?;
+        let streams = self.stream_plan(seq, layout, n_stream)?;
+        let meta_len: Vec<usize> = streams
+            .iter()
+            .map(|r| self.meta_size(r, seq, layout))
+            .collect();
+        let prefix = if layout.has_stream_prefix() { 4 } else { 0 };
+        let total = prefix
+            + meta_len.iter().sum::<usize>()
+            + streams
+                .iter()
+                .map(|r| self.data_size(r, layout))
+                .sum::<usize>();
+        Ok(WritePlan {
+            seq,
+            layout,
+            streams,
+            meta_len,
+            total,
+        })
+    }
+
     /// Size in bytes of `state_write(seq, layout, n_stream)`.
     pub fn state_size(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<usize> {
-        let layout = self.write_layout(layout)?;
-        let plan = self.stream_plan(seq, layout, n_stream)?;
-        let prefix = if layout.has_stream_prefix() { 4 } else { 0 };
-        Ok(prefix
-            + plan
-                .iter()
-                .map(|r| self.stream_size(r, seq, layout))
-                .sum::<usize>())
+        Ok(self.write_plan(seq, layout, n_stream)?.total)
     }
 
     /// The seed's `state_write(seq)` (seq -1: the whole cache) in `layout`. With the streams
@@ -525,12 +596,13 @@ impl KvCache {
         n_stream: u32,
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
-        let total = self.state_size(seq, layout, n_stream)?;
+        let plan = self.write_plan(seq, layout, n_stream)?;
+        let total = plan.total;
         let mut out = Vec::new();
         out.try_reserve_exact(total).map_err(|_| {
             KvError::Backend(format!("cannot allocate {total} bytes for the state"))
         })?;
-        self.write_payload(&mut out, seq, layout, n_stream, progress)?;
+        self.write_planned(&mut out, &plan, progress)?;
         Ok(out)
     }
 
@@ -545,14 +617,15 @@ impl KvCache {
         n_stream: u32,
         progress: Option<Progress<'_>>,
     ) -> Result<usize> {
-        let total = self.state_size(seq, layout, n_stream)?;
+        let plan = self.write_plan(seq, layout, n_stream)?;
+        let total = plan.total;
         if out.len() < total {
             return Err(KvError::InvalidArg(format!(
                 "a buffer of {} bytes cannot hold the {total}-byte state",
                 out.len()
             )));
         }
-        self.write_payload(&mut SliceSink::new(out), seq, layout, n_stream, progress)
+        self.write_planned(&mut SliceSink::new(out), &plan, progress)
     }
 
     /// [`KvCache::state_write`] streamed to `w` (host tensors are written straight from memory);
@@ -565,27 +638,26 @@ impl KvCache {
         n_stream: u32,
         progress: Option<Progress<'_>>,
     ) -> Result<usize> {
-        self.write_payload(&mut WriteSink::new(w), seq, layout, n_stream, progress)
+        let plan = self.write_plan(seq, layout, n_stream)?;
+        self.write_planned(&mut WriteSink::new(w), &plan, progress)
     }
 
-    fn write_payload(
+    /// Writes the payload `plan` describes; the cache must not have changed since the plan
+    /// was made.
+    pub(crate) fn write_planned(
         &self,
         out: &mut dyn Sink,
-        seq: i32,
-        layout: Layout,
-        n_stream: u32,
+        plan: &WritePlan,
         progress: Option<Progress<'_>>,
     ) -> Result<usize> {
-        let layout = self.write_layout(layout)?;
-        let plan = self.stream_plan(seq, layout, n_stream)?;
-        let total = self.state_size(seq, layout, n_stream)?;
+        let total = plan.total;
         let start = out.written();
-        if layout.has_stream_prefix() {
-            out.put(&(plan.len() as u32).to_le_bytes())?;
+        if plan.layout.has_stream_prefix() {
+            out.put(&(plan.streams.len() as u32).to_le_bytes())?;
         }
         let mut tick = progress;
-        for ranges in &plan {
-            self.write_stream(out, ranges, seq, layout, &mut |done| {
+        for (ranges, &meta_len) in plan.streams.iter().zip(&plan.meta_len) {
+            self.write_stream(out, ranges, meta_len, plan, &mut |done| {
                 let done = (done - start) as u64;
                 let go_on = tick.as_mut().is_none_or(|p| p(done, total as u64));
                 if go_on {
@@ -603,20 +675,23 @@ impl KvCache {
         &self,
         out: &mut dyn Sink,
         ranges: &[(usize, usize)],
-        seq: i32,
-        layout: Layout,
+        meta_len: usize,
+        plan: &WritePlan,
         report: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
+        let (seq, layout) = (plan.seq, plan.layout);
         let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
         // the cell metadata is small next to the rows: gather it, then write it at once
-        let mut meta = Vec::with_capacity(4 + 12 * n);
-        meta.extend_from_slice(&(n as u32).to_le_bytes());
-        for &(a, b) in ranges {
-            for i in a..b {
-                self.put_cell_meta(&mut meta, i, seq, layout);
+        if !out.skip(meta_len) {
+            let mut meta = Vec::with_capacity(meta_len);
+            meta.extend_from_slice(&(n as u32).to_le_bytes());
+            for &(a, b) in ranges {
+                for i in a..b {
+                    self.put_cell_meta(&mut meta, i, seq, layout);
+                }
             }
+            out.put(&meta)?;
         }
-        out.put(&meta)?;
         if n == 0 && layout != Layout::Seed {
             return Ok(());
         }
@@ -630,8 +705,10 @@ impl KvCache {
         for l in &self.layers {
             out.put(&self.params.type_k.id().to_le_bytes())?;
             out.put(&(l.k_row as u64).to_le_bytes())?;
-            for &(a, b) in ranges {
-                out.put_from(l.k.as_ref(), a * l.k_row, (b - a) * l.k_row)?;
+            if !out.skip(n * l.k_row) {
+                for &(a, b) in ranges {
+                    out.put_from(l.k.as_ref(), a * l.k_row, (b - a) * l.k_row)?;
+                }
             }
             report(out.written())?;
         }
@@ -642,15 +719,19 @@ impl KvCache {
                 let el = self.params.type_v.type_size();
                 put32(out, el as u32)?;
                 put32(out, l.n_embd_v as u32)?;
-                for j in 0..l.n_embd_v {
-                    for &(a, b) in ranges {
-                        out.put_from(l.v.as_ref(), (a + j * size) * el, (b - a) * el)?;
+                if !out.skip(n * el * l.n_embd_v) {
+                    for j in 0..l.n_embd_v {
+                        for &(a, b) in ranges {
+                            out.put_from(l.v.as_ref(), (a + j * size) * el, (b - a) * el)?;
+                        }
                     }
                 }
             } else {
                 out.put(&(l.v_row as u64).to_le_bytes())?;
-                for &(a, b) in ranges {
-                    out.put_from(l.v.as_ref(), a * l.v_row, (b - a) * l.v_row)?;
+                if !out.skip(n * l.v_row) {
+                    for &(a, b) in ranges {
+                        out.put_from(l.v.as_ref(), a * l.v_row, (b - a) * l.v_row)?;
+                    }
                 }
             }
             report(out.written())?;
@@ -659,7 +740,7 @@ impl KvCache {
     }
 
     /// Checks a parsed payload's data blocks against this cache's geometry.
-    fn check_data(&self, p: &ParsedPayload) -> Result<()> {
+    pub(crate) fn check_data(&self, p: &ParsedPayload) -> Result<()> {
         let total: usize = p.streams.iter().map(|s| s.cells.len()).sum();
         if total > self.params.size as usize {
             return Err(KvError::NoSpace(format!(
@@ -812,31 +893,8 @@ impl KvCache {
         }
         match fits.len() {
             1 => Ok(fits.remove(0)),
-            0 if errors.len() == 1 => Err(errors.remove(0).1),
-            0 => {
-                // a capacity problem is the real answer when the structure itself parsed
-                if let Some((_, e)) = errors
-                    .iter()
-                    .find(|(_, e)| matches!(e, KvError::NoSpace(_)))
-                {
-                    return Err(e.clone());
-                }
-                Err(KvError::InvalidState(format!(
-                    "the payload fits no layout: {}",
-                    errors
-                        .iter()
-                        .map(|(l, e)| format!("as {l}: {e}"))
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                )))
-            }
-            _ => Err(KvError::InvalidState(format!(
-                "the payload is ambiguous: it parses as {}; pass the layout explicitly",
-                fits.iter()
-                    .map(|p| p.layout.name())
-                    .collect::<Vec<_>>()
-                    .join(" and ")
-            ))),
+            0 => Err(no_layout_fits(errors)),
+            _ => Err(ambiguous(fits.iter().map(|p| p.layout))),
         }
     }
 
@@ -878,18 +936,7 @@ impl KvCache {
             }
         }
         let cells: Vec<&CellMeta> = parsed.streams.iter().flat_map(|s| s.cells.iter()).collect();
-        let undo = self.undo_record(dest);
-        let placed = match dest {
-            Some(d) => self.place_sequence(d, &cells, opts.allow_scattered),
-            None => self.place_whole(&cells),
-        };
-        let placed = match placed {
-            Ok(p) => p,
-            Err(e) => {
-                self.roll_back(undo, &[]);
-                return Err(e);
-            }
-        };
+        let (undo, placed) = self.place_cells(&cells, dest, opts.allow_scattered)?;
         let backup = match self.backup_if_device() {
             Ok(b) => b,
             Err(e) => {
@@ -897,7 +944,13 @@ impl KvCache {
                 return Err(e);
             }
         };
-        if let Err(e) = self.write_payload_data(data, parsed, &placed) {
+        // a whole-cache load leaves the rows past its cells zeroed, as llama.cpp's
+        // clear-then-read does (after the backup, so that a failure can put them back)
+        let zeroed = match dest {
+            None => self.zero_rows_from(placed.len()),
+            Some(_) => Ok(()),
+        };
+        if let Err(e) = zeroed.and_then(|()| self.write_payload_data(data, parsed, &placed)) {
             self.roll_back(undo, &placed);
             if let Some(b) = backup {
                 self.restore_backup(b)?;
@@ -909,6 +962,28 @@ impl KvCache {
             cells: placed.len() as u32,
             placed: placed.iter().map(|&c| c as u32).collect(),
         })
+    }
+
+    /// Places a payload's cells into `dest` (`None`: the whole cache) with the undo record
+    /// that takes them back out; on failure the cells are as before.
+    pub(crate) fn place_cells(
+        &mut self,
+        cells: &[&CellMeta],
+        dest: Option<i32>,
+        allow_scattered: bool,
+    ) -> Result<(crate::rollback::CellsUndo, Vec<usize>)> {
+        let undo = self.undo_record(dest);
+        let placed = match dest {
+            Some(d) => self.place_sequence(d, cells, allow_scattered),
+            None => self.place_whole(cells),
+        };
+        match placed {
+            Ok(p) => Ok((undo, p)),
+            Err(e) => {
+                self.roll_back(undo, &[]);
+                Err(e)
+            }
+        }
     }
 
     pub(crate) fn place_sequence(
@@ -966,7 +1041,7 @@ impl KvCache {
         Ok(free)
     }
 
-    fn place_whole(&mut self, cells: &[&CellMeta]) -> Result<Vec<usize>> {
+    pub(crate) fn place_whole(&mut self, cells: &[&CellMeta]) -> Result<Vec<usize>> {
         let recurrent = self.params.recurrent;
         let mut tails = vec![-1i32; self.cells.len()];
         for (i, c) in cells.iter().enumerate() {
@@ -1008,14 +1083,13 @@ impl KvCache {
         }
         self.cells.used = cells.len() as u32;
         self.cells.settle();
-        self.zero_rows_from(cells.len())?;
         Ok((0..cells.len()).collect())
     }
 
     /// Zeroes the K/V data of cells `first..` (a whole-cache load then writes cells
     /// `..first`, so the tensors end up as llama.cpp's clear-then-read leaves them, without
     /// writing every byte twice). Device buffers are cleared whole.
-    fn zero_rows_from(&mut self, first: usize) -> Result<()> {
+    pub(crate) fn zero_rows_from(&mut self, first: usize) -> Result<()> {
         let size = self.params.size as usize;
         let v_trans = self.v_trans();
         let v_el = self.params.type_v.type_size();
