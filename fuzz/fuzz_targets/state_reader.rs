@@ -7,8 +7,10 @@
 
 use libfuzzer_sys::fuzz_target;
 use llama_kv_cache::files::{convert_bytes, inspect_bytes};
+
 use llama_kv_cache::{
-    CacheParams, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, UBatch,
+    CacheParams, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, ReadSummary,
+    UBatch,
 };
 
 fn cache(flash: bool, ty: GgmlType, rotated: bool) -> KvCache {
@@ -70,6 +72,9 @@ fuzz_target!(|data: &[u8]| {
         part: PARTS[usize::from(selector >> 4 & 3)],
     };
     let seq = i32::from(selector >> 4 & 3) - 1;
+    if selector >> 6 == 3 {
+        return streamed_matches_whole(body, selector, (flash, ty), seq, opts, &before);
+    }
     let result = match selector >> 6 {
         0 => c.state_read(body, seq, opts, None).map(|_| ()),
         1 => c
@@ -99,3 +104,61 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// The streamed reader (`state_in`, bytes in chunks of 1 to 3,001) against `state_read` of the
+/// whole buffer: the same outcome, the same cache after a success, and the cache as it was
+/// after a failure.
+fn streamed_matches_whole(
+    body: &[u8],
+    selector: u8,
+    (flash, ty): (bool, GgmlType),
+    seq: i32,
+    opts: ReadOptions,
+    before: &[u8],
+) {
+    let rotated = selector & 8 == 8 && ty.is_quantized();
+    let opts = ReadOptions { part: None, ..opts };
+    let layout = if rotated {
+        Layout::StreamsRot
+    } else {
+        Layout::Streams
+    };
+    let mut whole = cache(flash, ty, rotated);
+    let whole_result = whole.state_read(body, seq, opts, None);
+    let mut streamed = cache(flash, ty, rotated);
+    let chunk = 1 + usize::from(selector >> 4 & 3) * 1000;
+    let streamed_result: Result<ReadSummary, _> = (|| {
+        let mut load = streamed.state_in(seq, opts)?;
+        for piece in body.chunks(chunk) {
+            streamed.state_in_write(&mut load, piece)?;
+        }
+        streamed.state_in_finish(&mut load)
+    })();
+    match (&whole_result, &streamed_result) {
+        (Ok(w), Ok(s)) => {
+            assert_eq!(
+                w.placed, s.placed,
+                "the readers placed the cells differently"
+            );
+            assert_eq!(
+                whole.state_write(-1, layout, 1, None).unwrap(),
+                streamed.state_write(-1, layout, 1, None).unwrap(),
+                "the readers loaded different caches"
+            );
+        }
+        (Err(_), Err(_)) => {}
+        (w, s) => panic!("state_read: {w:?}; streamed: {s:?}"),
+    }
+    if streamed_result.is_err() {
+        let seed_layout = if rotated {
+            Layout::StreamsRot
+        } else {
+            Layout::Seed
+        };
+        assert_eq!(
+            streamed.state_write(-1, seed_layout, 1, None).unwrap(),
+            before,
+            "a failed streamed load changed the cache"
+        );
+    }
+}

@@ -693,6 +693,10 @@ fn write_rows(
     mut off: usize,
     mut data: &[u8],
 ) -> Result<()> {
+    if data.is_empty() {
+        // a payload without cells still has its layer headers, and their zero-length blocks
+        return Ok(());
+    }
     if contiguous {
         return buf.write(cells[0] * row + off, data);
     }
@@ -844,6 +848,24 @@ mod tests {
                         );
                         assert_eq!(observable(&c), observable(&want));
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn regression_streaming_a_state_without_cells_in_the_seed_layout_is_not_a_panic() {
+        // found by the fuzzer: the seed layout writes the layer headers of an empty cache, and
+        // their empty row blocks indexed the first placed cell of none
+        for flash_attn in [false, true] {
+            let empty = KvCache::new(filled(flash_attn).params().clone()).unwrap();
+            for layout in [Layout::Seed, Layout::Streams] {
+                let data = empty.state_write(-1, layout, 1, None).unwrap();
+                for chunk in [1, 7, 1 << 20] {
+                    let mut c = filled(flash_attn);
+                    let r = streamed_in(&mut c, -1, &data, chunk).unwrap();
+                    assert_eq!(r.cells, 0, "{layout}, chunks of {chunk}");
+                    assert_eq!(observable(&c), observable(&empty));
                 }
             }
         }
