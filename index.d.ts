@@ -752,6 +752,13 @@ export interface ModelInfo {
   fingerprint: string
   /** Bytes read from the file. */
   bytesRead: number
+  /**
+   * The RoPE of this model's K-shift as llama.cpp 0.1.161 applies it (YaRN's attention
+   * factor as 0.1.161 computes it), as `update()`'s options. Absent when the model has no
+   * RoPE a K-shift can apply, or needs frequency-factor tensors (`rope.factorTensors`),
+   * which modelInfo does not read: `KvCache.fromModel` reads them.
+   */
+  shift?: ModelShift
 }
 
 /** Options of `modelInfo`. */
@@ -822,6 +829,14 @@ export interface ModelRope {
   sections: Array<number>
   /** Tensors holding per-dimension frequency factors (`rope_freqs.weight`, ...). */
   factorTensors: Array<string>
+}
+
+/** A model's K-shift, shaped as the options of `update()`: `await cache.update(info.shift)`. */
+export interface ModelShift {
+  /** RoPE of every layer without a replacement. */
+  rope: RopeOptions
+  /** Per-layer replacements (e.g. sliding-window layers with their own base frequency). */
+  ropeLayers: Array<LayerRope>
 }
 
 /** The sliding window. */

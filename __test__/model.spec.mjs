@@ -94,6 +94,66 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.regex(jamba.unsupported, /hybrid/)
 })
 
+// a minimal GGUF v3: u32 and string metadata, f32 tensors of zeros
+function gguf(kv, tensors) {
+  const parts = []
+  const u32 = (n) => { const b = Buffer.alloc(4); b.writeUInt32LE(n); parts.push(b) }
+  const u64 = (n) => { const b = Buffer.alloc(8); b.writeBigUInt64LE(BigInt(n)); parts.push(b) }
+  const str = (s) => { u64(Buffer.byteLength(s)); parts.push(Buffer.from(s)) }
+  parts.push(Buffer.from('GGUF'))
+  u32(3)
+  u64(tensors.length)
+  u64(Object.keys(kv).length)
+  for (const [k, v] of Object.entries(kv)) {
+    str(k)
+    if (typeof v === 'string') { u32(8); str(v) } else { u32(4); u32(v) }
+  }
+  let offset = 0
+  for (const [name, n] of tensors) {
+    str(name)
+    u32(1)
+    u64(n)
+    u32(0) // f32
+    u64(offset)
+    offset += Math.ceil((4 * n) / 32) * 32
+  }
+  const head = Buffer.concat(parts)
+  return Buffer.concat([head, Buffer.alloc((32 - (head.length % 32)) % 32), Buffer.alloc(offset)])
+}
+
+mtest('modelInfo().shift is the K-shift of update(): norm, NeoX and YaRN as llama.cpp 0.1.161 applies them', async (t) => {
+  const h16 = modelInfo(model('llama-h16.gguf'))
+  t.deepEqual(h16.shift, {
+    rope: { headDim: 16, nHead: 2, nRot: 16, type: 'norm', freqBase: 10000, freqScale: 1, extFactor: 0, attnFactor: 1, betaFast: 32, betaSlow: 1, nCtxOrig: 256 },
+    ropeLayers: [],
+  })
+  t.is(modelInfo(model('qwen2-h64.gguf')).shift.rope.type, 'neox')
+  t.like(modelInfo(model('qwen2-h64-yarn.gguf')).shift.rope, { type: 'neox', freqScale: 0.25, extFactor: 1, attnFactor: 1, nCtxOrig: 64 })
+  t.like(modelInfo(model('llama-h64-yarn.gguf')).shift.rope, { type: 'norm', extFactor: 1, attnFactor: 1 - 2 ** -24, nCtxOrig: 64 })
+  t.is(modelInfo(model('mamba.gguf')).shift, undefined, 'no RoPE')
+  // a model whose RoPE needs its rope_freqs tensor: modelInfo does not read tensor data
+  const llama = {
+    'general.architecture': 'llama',
+    'llama.context_length': 4096,
+    'llama.embedding_length': 64,
+    'llama.block_count': 2,
+    'llama.attention.head_count': 4,
+  }
+  fs.writeFileSync(tmp('plain.gguf'), gguf(llama, []))
+  fs.writeFileSync(tmp('freqs.gguf'), gguf(llama, [['rope_freqs.weight', 8]]))
+  t.is(modelInfo(tmp('plain.gguf')).shift.rope.headDim, 16)
+  const freqs = modelInfo(tmp('freqs.gguf'))
+  t.deepEqual(freqs.rope.factorTensors, ['rope_freqs.weight'])
+  t.is(freqs.shift, undefined)
+  // the options work as they are
+  const c = new KvCache({ size: 8, nLayer: 2, nEmbdKGqa: 32 })
+  c.prepareBatch({ pos: [0, 1, 2], seqIds: [0, 0, 0] })
+  c.writeKF32(0, 0, new Float32Array(3 * 32).fill(1))
+  c.seqAdd(0, 1, -1, 5)
+  t.is((await c.update(h16.shift)).shiftedCells, 2) // the cells that moved
+  t.notDeepEqual(c.readKF32(0, 1, 1), new Float32Array(32).fill(1))
+})
+
 mtest('modelInfo reads the header only, and the fingerprint covers header and data size, or the whole file', (t) => {
   const file = model('llama-h32.gguf')
   const a = modelInfo(file)
@@ -137,19 +197,22 @@ const sidecar = (name) => JSON.parse(fs.readFileSync(path.join(FIXTURES, `${name
 const FIXTURE_NAMES = fs.readdirSync(FIXTURES).filter((f) => /\.gg(sn|sq)$/.test(f)).sort()
 const T161 = path.join(FIXTURES, 't161')
 const T161_NAMES = fs.existsSync(T161) ? fs.readdirSync(T161).filter((f) => /\.gg(sn|sq)$/.test(f)).sort() : []
-const ALL_MODELS = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf']
+const ALL_MODELS = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf']
 
 /**
  * Whether nothing a state file records can tell model `a` from model `b`: the same memory, the same
- * sliding-window layers and per-layer K/V widths, and (for a rotated state) the same head size. llama.cpp
- * itself loads such a state into either model (llama-h32 and llama-h64 both have 64-wide K rows).
+ * sliding-window layers and per-layer K/V widths, (for a rotated state) the same head size, and (for a
+ * session that names its architecture) the same architecture. llama.cpp itself loads such a state into
+ * either model (llama-h32 and llama-h64 both have 64-wide K rows; llama-h64 and qwen2-h64 the same cache).
  */
 function indistinguishable(a, b, file) {
   const [x, y] = [modelInfo(model(a)), modelInfo(model(b))]
-  const rotated = (inspectState(file).nRotK ?? 0) > 0
+  const state = inspectState(file)
+  const rotated = (state.nRotK ?? 0) > 0
   return x.memory === y.memory &&
     JSON.stringify([x.nEmbdKGqa, x.nEmbdVGqa, x.layers.map((l) => l.swa)]) === JSON.stringify([y.nEmbdKGqa, y.nEmbdVGqa, y.layers.map((l) => l.swa)]) &&
-    (!rotated || x.nEmbdHeadK === y.nEmbdHeadK)
+    (!rotated || x.nEmbdHeadK === y.nEmbdHeadK) &&
+    (state.arch === undefined || x.arch === y.arch)
 }
 
 /** checkState: the fixture fits its own model, and every other model either says why not, or cannot be told apart. */

@@ -11,7 +11,7 @@ import { createRequire } from 'node:module'
 import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, inspectState, convertStateFile, modelInfo } = require('../index.js')
 const FIXTURES = path.join(import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname), 'fixtures', 't161')
 const CLI = path.join(FIXTURES, '..', '..', '..', 'bin', 'llama-kv-cache.js')
 const fixture = (name) => path.join(FIXTURES, `t161-${name}`)
@@ -19,6 +19,7 @@ const sidecar = (name) => JSON.parse(fs.readFileSync(fixture(`${name}.json`), 'u
 const SPECS = fs.readdirSync(FIXTURES).filter((f) => /^t161-.*\.json$/.test(f)).map((f) => f.slice(5, -5))
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-t161-'))
 const CONTINUE = path.join(FIXTURES, '..', '..', '..', 'interop', 'continue.mjs')
+const MODELS = path.join(FIXTURES, '..', '..', '..', 'interop', 'models')
 const NLC_TYPE = { 0: 'F32', 1: 'F16', 2: 'Q4_0', 8: 'Q8_0' }
 
 const TYPE_SIZE = { f32: [4, 1], f16: [2, 1], q8_0: [34, 32], q4_0: [18, 32] }
@@ -109,6 +110,75 @@ test('a rotated quantized cache loads a v11 session with the same rotation, writ
   t.true(c.updateSync({ rope: { headDim: 64, nHead: 1, type: 'norm', freqBase: 10000 } }).shiftedCells > 0)
   t.notDeepEqual(c.readK(0, 5, 1), before)
   t.is(c.seqPosMax(0), 7)
+})
+
+// K rows of sequence 0 by position, layer after layer
+function kByPos(c) {
+  const rows = []
+  const cells = c.cells()
+  for (let layer = 0; layer < c.nLayer; layer++) {
+    for (let i = 0; i < c.size; i++) {
+      if (cells.pos[i] >= 0) rows.push([`${layer}:${cells.pos[i]}`, Buffer.from(c.readK(layer, i, 1))])
+    }
+  }
+  return new Map(rows)
+}
+
+// our shift of a shift fixture's state before 0.1.161's shift, and that state after it
+function shiftBoth(name, options) {
+  const { p0, p1, delta } = sidecar(name).shift
+  const c = cacheFor(inspectState(fixture(`${name}.ggsn`)))
+  c.loadSessionFileSync(fixture(`${name}.ggsn`))
+  c.seqRm(0, p0, p1)
+  c.seqAdd(0, p1, -1, -delta)
+  const shifted = c.updateSync(options).shiftedCells
+  const post = cacheFor(inspectState(fixture(`${name}.post.ggsn`)))
+  post.loadSessionFileSync(fixture(`${name}.post.ggsn`))
+  return { shifted, ours: kByPos(c), theirs: kByPos(post) }
+}
+
+const SHIFTS = SPECS.filter((name) => sidecar(name).shift)
+
+test('the K-shift through JS with modelInfo().shift (norm, NeoX, YaRN; rotated q8_0/q4_0 K) is bit-identical to 0.1.161\'s', (t) => {
+  const quantized = SHIFTS.filter((name) => sidecar(name).typeK !== 0)
+  t.true(quantized.length >= 10)
+  const kinds = new Set()
+  for (const name of quantized) {
+    const side = sidecar(name)
+    const info = modelInfo(path.join(MODELS, side.model))
+    const { rope, ropeLayers } = info.shift
+    t.deepEqual(ropeLayers, [])
+    // what the GGUF says, in update()'s terms
+    t.is(rope.type, info.rope.type, name)
+    t.is(rope.extFactor, info.rope.scalingType === 'yarn' ? 1 : 0, name)
+    t.is(Math.fround(rope.freqScale), Math.fround(info.rope.freqScale), name)
+    kinds.add(`${rope.type}${rope.extFactor ? '+yarn' : ''}`)
+    const { shifted, ours, theirs } = shiftBoth(name, info.shift)
+    t.true(shifted > 0, name)
+    t.is(ours.size, 2 * (side.prompts[0].length - (side.shift.p1 - side.shift.p0)), name)
+    for (const [at, row] of ours) t.deepEqual(row, theirs.get(at), `${name}: K at layer:position ${at}`)
+    // the comparison can fail: NeoX shifted as norm, YaRN without its extrapolation mix
+    if (rope.type === 'neox' || rope.extFactor) {
+      const wrong = shiftBoth(name, { rope: { ...rope, type: 'norm', extFactor: 0 } })
+      t.true([...wrong.ours].some(([at, row]) => !row.equals(wrong.theirs.get(at))), `${name}: a wrong RoPE matched`)
+    }
+  }
+  t.deepEqual([...kinds].sort(), ['neox', 'neox+yarn', 'norm', 'norm+yarn'])
+})
+
+test('regression: modelInfo().shift carries 0.1.161\'s YaRN attention factor (1 - 2^-24 for factor 12), not the metadata\'s 1', (t) => {
+  const name = 'h64-yarn-f32-fa-shift'
+  const info = modelInfo(path.join(MODELS, sidecar(name).model))
+  t.is(info.rope.attnFactor, 1)
+  t.is(info.shift.rope.attnFactor, 1 - 2 ** -24)
+  // f32 K: the cells the shift does not move (positions < p0) are bit-identical to the peer's
+  // only with that factor (moved cells differ from the peer's FMA-fused arithmetic in the last bits)
+  const unmoved = (rows) => [...rows].filter(([at]) => Number(at.split(':')[1]) < sidecar(name).shift.p0)
+  const right = shiftBoth(name, info.shift)
+  t.is(unmoved(right.ours).length, 4)
+  for (const [at, row] of unmoved(right.ours)) t.deepEqual(row, right.theirs.get(at), at)
+  const old = shiftBoth(name, { rope: { ...info.shift.rope, attnFactor: 1 } })
+  t.true(unmoved(old.ours).some(([at, row]) => !row.equals(old.theirs.get(at))))
 })
 
 test('a rotation mismatch is refused naming n_rot_k, and the cache is unchanged', (t) => {

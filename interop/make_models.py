@@ -14,6 +14,12 @@ Models
                   pattern 2 (layer 0 SWA, layer 1 full): an iSWA memory (base + SWA caches)
   jamba.gguf      jamba, 2 layers, n_embd 64: layer 0 Mamba (d_inner 128, d_state 16), layer 1
                   attention (n_head 4, n_head_kv 2): a hybrid memory (attention + recurrent)
+  qwen2-h64.gguf  qwen2 (NeoX RoPE), shaped like llama-h64 (head_dim 64) with Q/K/V biases:
+                  the K-shift of a rotated quantized K with NeoX pairing
+  qwen2-h64-yarn.gguf   as qwen2-h64, plus YaRN scaling (factor 4, original context 64)
+  llama-h64-yarn.gguf   as llama-h64 (norm RoPE), plus YaRN scaling (factor 12, original context
+                  64; 12 is a factor whose YaRN attention factor llama.cpp 0.1.161 computes as
+                  1 - 2^-24, not 1)
 
 Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
   0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
@@ -130,20 +136,35 @@ def add_vocab_and_io(w, rng, n_embd):
     w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
 
 
-def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+def write_qwen2(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, yarn=None):
+    """qwen2: llama's tensors plus Q/K/V biases (0.1.103 requires them), NeoX RoPE.
+    `yarn`: (factor, original context) adds YaRN scaling metadata."""
+    write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="qwen2", biases=True, yarn=yarn)
+
+
+def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="llama", biases=False, yarn=None):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    w = begin(path, "llama", os.path.splitext(os.path.basename(path))[0], n_embd, n_layer, n_ff, n_head)
+    w = begin(path, arch, os.path.splitext(os.path.basename(path))[0], n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
+    if yarn is not None:
+        factor, orig_ctx = yarn
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(orig_ctx)
     w.add_layer_norm_rms_eps(1e-5)
     add_vocab_and_io(w, rng, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         add_attention(w, rng, p, n_embd, n_embd_gqa)
+        if biases:
+            w.add_tensor(p + "attn_q.bias", rnd(rng, (n_embd,), 0.1))
+            w.add_tensor(p + "attn_k.bias", rnd(rng, (n_embd_gqa,), 0.1))
+            w.add_tensor(p + "attn_v.bias", rnd(rng, (n_embd_gqa,), 0.1))
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
         add_ffn(w, rng, p, n_embd, n_ff)
     finish(w)
@@ -260,6 +281,9 @@ def main():
     write_llama(os.path.join(out, "llama-h64.gguf"), 128, 2, 1, 128, 2, seed=6464)
     write_gemma3_swa(os.path.join(out, "gemma3-swa.gguf"), 128, 2, 1, 128, 2, 4, 2, seed=3)
     write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)
+    write_qwen2(os.path.join(out, "qwen2-h64.gguf"), 128, 2, 1, 128, 2, seed=264)
+    write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
+    write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

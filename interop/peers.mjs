@@ -24,6 +24,9 @@ export const REQUIRED = [
   'interop/models/llama-h64.gguf',
   'interop/models/gemma3-swa.gguf',
   'interop/models/jamba.gguf',
+  'interop/models/qwen2-h64.gguf',
+  'interop/models/qwen2-h64-yarn.gguf',
+  'interop/models/llama-h64-yarn.gguf',
   'interop/models/vocab.json',
 ]
 

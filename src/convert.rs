@@ -7,7 +7,7 @@ use napi::bindgen_prelude::*;
 
 use crate::args::Num;
 use crate::error::{err, Code, JsResult};
-use crate::types::{RopeOptions, UBatchInput, UpdateOptions};
+use crate::types::{LayerRope, RopeOptions, UBatchInput, UpdateOptions};
 
 /// An integer in `[min, max]`.
 pub fn int(name: &str, v: f64, min: i64, max: i64) -> JsResult<i64> {
@@ -158,6 +158,45 @@ pub fn rope(prefix: &str, r: &RopeOptions) -> JsResult<RopeParams> {
         err(Code::InvalidArg, format!("{prefix}: {detail}"))
     })?;
     Ok(p)
+}
+
+/// Core RoPE parameters as the options `update()` takes (every field set, so the JS object
+/// says what the shift uses); f32 values widen to f64 exactly and narrow back unchanged.
+pub fn rope_to_js(p: &RopeParams) -> RopeOptions {
+    RopeOptions {
+        head_dim: p.head_dim as f64,
+        n_head: p.n_head as f64,
+        n_rot: Some(p.n_dims as f64),
+        rope_type: Some(
+            match p.rope_type {
+                RopeType::Norm => "norm",
+                RopeType::Neox => "neox",
+            }
+            .into(),
+        ),
+        freq_base: Some(p.freq_base.into()),
+        freq_scale: Some(p.freq_scale.into()),
+        ext_factor: Some(p.ext_factor.into()),
+        attn_factor: Some(p.attn_factor.into()),
+        beta_fast: Some(p.beta_fast.into()),
+        beta_slow: Some(p.beta_slow.into()),
+        n_ctx_orig: Some(p.n_ctx_orig.into()),
+        freq_factors: p
+            .freq_factors
+            .as_ref()
+            .map(|f| f.iter().map(|&x| x.into()).collect()),
+    }
+}
+
+/// Per-layer replacements of core shift parameters as `update()`'s `ropeLayers`.
+pub fn rope_layers_to_js(s: &ShiftParams) -> Vec<LayerRope> {
+    s.per_layer
+        .iter()
+        .map(|(layer, p)| LayerRope {
+            layer: (*layer).into(),
+            rope: rope_to_js(p),
+        })
+        .collect()
 }
 
 /// Update options into the shift parameters and the node budget.

@@ -15,6 +15,7 @@ use crate::args::{self, Obj};
 use crate::convert::{self, u32v};
 use crate::error::{from_core, guard, Code, JsResult};
 use crate::kv_cache::KvCache;
+use crate::types::{LayerRope, RopeOptions};
 
 /// Geometry of one layer of a model.
 #[napi(object)]
@@ -146,6 +147,20 @@ pub struct ModelInfo {
     pub fingerprint: String,
     /// Bytes read from the file.
     pub bytes_read: f64,
+    /// The RoPE of this model's K-shift as llama.cpp 0.1.161 applies it (YaRN's attention
+    /// factor as 0.1.161 computes it), as `update()`'s options. Absent when the model has no
+    /// RoPE a K-shift can apply, or needs frequency-factor tensors (`rope.factorTensors`),
+    /// which modelInfo does not read: `KvCache.fromModel` reads them.
+    pub shift: Option<ModelShift>,
+}
+
+/// A model's K-shift, shaped as the options of `update()`: `await cache.update(info.shift)`.
+#[napi(object)]
+pub struct ModelShift {
+    /// RoPE of every layer without a replacement.
+    pub rope: RopeOptions,
+    /// Per-layer replacements (e.g. sliding-window layers with their own base frequency).
+    pub rope_layers: Vec<LayerRope>,
 }
 
 /// Options of `modelInfo`.
@@ -233,6 +248,15 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
         header_size: m.header_size as f64,
         fingerprint: m.fingerprint.clone(),
         bytes_read: m.bytes_read as f64,
+        shift: r
+            .factor_tensors
+            .is_empty()
+            .then(|| m.shift_params(None))
+            .flatten()
+            .map(|s| ModelShift {
+                rope: convert::rope_to_js(&s.rope),
+                rope_layers: convert::rope_layers_to_js(&s),
+            }),
     }
 }
 

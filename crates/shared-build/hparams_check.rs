@@ -6,13 +6,16 @@ use llama_kv_cache::ModelInfo;
 use serde_json::Value;
 
 /// The tiny models of `interop/make_models.py`.
-pub const TINY_MODELS: [&str; 6] = [
+pub const TINY_MODELS: [&str; 9] = [
     "llama-h16.gguf",
     "llama-h32.gguf",
     "llama-h64.gguf",
     "mamba.gguf",
     "gemma3-swa.gguf",
     "jamba.gguf",
+    "qwen2-h64.gguf",
+    "qwen2-h64-yarn.gguf",
+    "llama-h64-yarn.gguf",
 ];
 
 /// A per-layer array of the driver's answer.

@@ -745,17 +745,13 @@ impl ModelInfo {
         } else {
             self.rope.freq_scale
         };
+        let attn_factor = self.shift_attn_factor(freq_scale, yarn);
         let layer = |il: usize| -> RopeParams {
             let swa = self.layers[il].swa;
             let (base, scale) = if swa {
                 (self.rope.freq_base_swa, self.rope.freq_scale_swa)
             } else {
                 (self.rope.freq_base, freq_scale)
-            };
-            let attn_factor = if self.arch == "deepseek2" {
-                1.0 / (1.0 + 0.1 * (1.0 / scale).ln())
-            } else {
-                self.rope.attn_factor
             };
             let mut p = RopeParams::new(
                 self.n_rot() as usize,
@@ -781,6 +777,47 @@ impl ModelInfo {
 
     fn n_rot(&self) -> u32 {
         self.rope.n_rot
+    }
+
+    /// The magnitude factor llama.cpp 0.1.161 gives its K-shift (`cparams.yarn_attn_factor`,
+    /// set in `llama_context`'s constructor from the context's frequency scale). With YaRN on,
+    /// ggml's `rope_yarn` multiplies cos and sin by `1 + 0.1 ln(factor)`; 0.1.161 cancels that
+    /// with `1 / (1 + 0.1 ln(factor))` and puts back `get_mscale(factor, 1)` (with a
+    /// `yarn_log_multiplier`, a ratio of two such scales), all in f32, so the product is not
+    /// always 1: for a factor of 12 it is 1 - 2^-24, which an f32 K shows in every row (below
+    /// 1, `get_mscale` is 1 and the cancelled magnitude is not put back). 0.1.103 passed
+    /// `rope.scaling.attn_factor` unchanged (and `1 / (1 + 0.1 ln(1 / scale))` for DeepSeek 2).
+    fn shift_attn_factor(&self, freq_scale: f32, yarn: bool) -> f32 {
+        if !yarn {
+            return self.rope.attn_factor;
+        }
+        let get_mscale = |scale: f32, mscale: f32| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * mscale * scale.ln() + 1.0
+            }
+        };
+        let factor = 1.0 / freq_scale;
+        // `hparams.rope_yarn_log_mul`: DeepSeek 2 / 3.2 store the key divided by 0.1 (their
+        // converter multiplies it by 0.1), Mistral 3 as it is; other architectures never read it
+        let log_mul = match self.arch.as_str() {
+            "deepseek2" | "deepseek32" => self.rope.yarn_log_mul / 0.1,
+            "mistral3" => self.rope.yarn_log_mul,
+            _ => 0.0,
+        };
+        let mut attn = if log_mul != 0.0 {
+            let mscale = if self.arch == "deepseek2" && log_mul != 1.0 {
+                log_mul
+            } else {
+                1.0
+            };
+            get_mscale(factor, mscale) / get_mscale(factor, log_mul)
+        } else {
+            get_mscale(factor, 1.0)
+        };
+        attn *= 1.0 / (1.0 + 0.1 * factor.ln());
+        attn * self.rope.attn_factor
     }
 
     /// The factor tensor llama.cpp uses for RoPE with `n_ctx_per_seq` tokens per sequence:
@@ -1013,6 +1050,61 @@ mod tests {
             (s.rope.ext_factor, s.rope.freq_scale, s.rope.n_ctx_orig),
             (1.0, 0.25, 1024)
         );
+    }
+
+    fn yarn(factor: f32, attn_factor: Option<f32>) -> ModelInfo {
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.scaling.type", GgufValue::Str("yarn".into()))
+            .kv("llama.rope.scaling.factor", GgufValue::F32(factor));
+        if let Some(a) = attn_factor {
+            g.kv("llama.rope.scaling.attn_factor", GgufValue::F32(a));
+        }
+        info(&g).unwrap()
+    }
+
+    fn shift_attn(m: &ModelInfo) -> f32 {
+        m.shift_params(None).unwrap().rope.attn_factor
+    }
+
+    /// Regression (found against llama.cpp 0.1.161's own shift of an f32 K, crates/today):
+    /// the YaRN attention factor was `rope.scaling.attn_factor` as 0.1.103 passes it; 0.1.161
+    /// computes `get_mscale(f, 1) * (1 / (1 + 0.1 ln f)) * attn_factor` in f32.
+    #[test]
+    fn regression_yarn_attention_factor_is_computed_as_llama_cpp_0_1_161_does() {
+        // factor 12: 1 - 2^-24 (the peer's f32 K agrees bit for bit); factor 4: exactly 1
+        assert_eq!(shift_attn(&yarn(12.0, None)).to_bits(), 0x3f7f_ffff);
+        assert_eq!(shift_attn(&yarn(4.0, None)), 1.0);
+        assert_eq!(shift_attn(&yarn(4.0, Some(0.5))), 0.5);
+        // below 1, get_mscale is 1: the cancelled magnitude is not put back
+        let below = shift_attn(&yarn(0.5, None));
+        assert_eq!(below, 1.0 / (1.0 + 0.1 * 0.5f32.ln()));
+        assert!(below > 1.07);
+        // without YaRN the metadata value passes unchanged
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.scaling.factor", GgufValue::F32(12.0))
+            .kv("llama.rope.scaling.attn_factor", GgufValue::F32(0.75));
+        let linear = info(&g).unwrap();
+        assert_eq!(linear.rope.scaling_type, "linear");
+        assert_eq!(shift_attn(&linear), 0.75);
+    }
+
+    #[test]
+    fn yarn_log_multiplier_gives_the_ratio_of_two_mscales_where_llama_cpp_reads_it() {
+        let cancel = 1.0 / (1.0 + 0.1 * 40f32.ln());
+        // DeepSeek 2: the key (0.1 * mscale_all_dim) is divided by 0.1 again; with mscale ==
+        // mscale_all_dim the ratio is 1, leaving 0.1.103's 1 / (1 + 0.1 ln f)
+        let mut m = yarn(40.0, None);
+        m.arch = "deepseek2".into();
+        m.rope.yarn_log_mul = 0.1 * 0.707;
+        assert_eq!(shift_attn(&m), cancel);
+        // Mistral 3 reads the key as it is, with mscale 1
+        m.arch = "mistral3".into();
+        m.rope.yarn_log_mul = 0.5;
+        let get = |mscale: f32| 0.1 * mscale * 40f32.ln() + 1.0;
+        assert_eq!(shift_attn(&m), get(1.0) / get(0.5) * cancel);
+        // a llama never reads it
+        m.arch = "llama".into();
+        assert_eq!(shift_attn(&m), get(1.0) * cancel);
     }
 
     #[test]

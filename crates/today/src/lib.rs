@@ -64,6 +64,7 @@ pub struct Spec {
     pub shift: Option<(i32, i32, i32)>,
 }
 
+const F32: i32 = 0;
 const F16: i32 = 1;
 const Q4_0: i32 = 2;
 const Q8_0: i32 = 8;
@@ -71,27 +72,80 @@ const Q8_0: i32 = 8;
 pub const CTX: u32 = 32;
 
 /// The K-shift fixtures: 0.1.161's own shift of the first prompt (positions [2, 4) removed, the
-/// rest moved down by 2), rotated quantized K and an unrotated control.
+/// rest moved down by 2). Rotated quantized K (q8_0 and q4_0, `n_rot_k` 64) under norm RoPE
+/// (llama), NeoX RoPE (qwen2) and YaRN scaling (qwen2: NeoX with factor 4; llama: norm with
+/// factor 12), and an unrotated control. The NeoX and YaRN ones exist only as shift fixtures.
 pub fn kshift_specs() -> Vec<Spec> {
-    let by_name = |name: &str| {
-        specs()
-            .into_iter()
-            .find(|s| s.name == name)
-            .expect("a spec")
-    };
-    [
-        ("h64-q8_0-fa-shift", "h64-q8_0-fa"),
-        ("h64-q4_0-fa-shift", "h64-q4_0-fa"),
-        ("h64-q8_0k-shift", "h64-q8_0k"),
-        ("h16-f16-shift", "h16-f16"),
-    ]
-    .into_iter()
-    .map(|(name, base)| Spec {
+    let by_name = |name: &str| find(specs(), name);
+    let shifted = |name, base: Spec| Spec {
         name,
         shift: Some((2, 4, 2)),
-        ..by_name(base)
-    })
-    .collect()
+        ..base
+    };
+    let rotated = |name, model, types| {
+        shifted(
+            name,
+            Spec {
+                model,
+                types,
+                fa: true,
+                n_rot: (64, 64),
+                ..by_name("h64-q8_0-fa")
+            },
+        )
+    };
+    vec![
+        shifted("h64-q8_0-fa-shift", by_name("h64-q8_0-fa")),
+        shifted("h64-q4_0-fa-shift", by_name("h64-q4_0-fa")),
+        shifted("h64-q8_0k-shift", by_name("h64-q8_0k")),
+        shifted("h16-f16-shift", by_name("h16-f16")),
+        rotated("neox-q8_0-fa-shift", "qwen2-h64.gguf", (Q8_0, Q8_0)),
+        rotated("neox-q4_0-fa-shift", "qwen2-h64.gguf", (Q4_0, Q4_0)),
+        rotated(
+            "neox-yarn-q8_0-fa-shift",
+            "qwen2-h64-yarn.gguf",
+            (Q8_0, Q8_0),
+        ),
+        rotated(
+            "neox-yarn-q4_0-fa-shift",
+            "qwen2-h64-yarn.gguf",
+            (Q4_0, Q4_0),
+        ),
+        rotated(
+            "h64-yarn-q8_0-fa-shift",
+            "llama-h64-yarn.gguf",
+            (Q8_0, Q8_0),
+        ),
+        rotated(
+            "h64-yarn-q4_0-fa-shift",
+            "llama-h64-yarn.gguf",
+            (Q4_0, Q4_0),
+        ),
+        // f32 K keeps every bit of the rotation: YaRN's attention factor to the last ulp
+        shifted(
+            "h64-yarn-f32-fa-shift",
+            Spec {
+                model: "llama-h64-yarn.gguf",
+                types: (F32, F32),
+                ..by_name("h64-f16-fa")
+            },
+        ),
+    ]
+}
+
+fn find(specs: Vec<Spec>, name: &str) -> Spec {
+    specs
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no fixture spec named {name}"))
+}
+
+/// The fixture spec named `name`, of [`specs`] or [`kshift_specs`].
+pub fn spec_named(name: &str) -> Spec {
+    match specs().into_iter().find(|s| s.name == name) {
+        Some(spec) => spec,
+        None => find(kshift_specs(), name),
+    }
 }
 
 /// `(head_dim, n_head_kv)` of a model's attention layers (RoPE of the K-shift).
@@ -99,7 +153,9 @@ pub fn rope_geometry(model: &str) -> (usize, usize) {
     match model {
         "llama-h16.gguf" => (16, 2),
         "llama-h32.gguf" => (32, 2),
-        "llama-h64.gguf" => (64, 1),
+        "llama-h64.gguf" | "qwen2-h64.gguf" | "qwen2-h64-yarn.gguf" | "llama-h64-yarn.gguf" => {
+            (64, 1)
+        }
         other => panic!("no RoPE geometry for {other}"),
     }
 }
