@@ -94,7 +94,8 @@ class JsSide {
         for (let q = 1; q < N_SEQ; q += 2) c.seqRm(q, -1, -1)
         t0 = process.hrtime.bigint()
         c.defrag()
-        c.updateSync(this.rope)
+        // the bytes it moved: the same plan on all three sides (the differential suite pins it)
+        this.defragBytes = c.updateSync(this.rope).defrag.bytesCopied
         break
       case 'kshift_all':
         for (let q = 0; q < N_SEQ; q++) c.seqAdd(q, 0, -1, 1)
@@ -196,10 +197,11 @@ async function sameRun(size, core, llama) {
       state_set: js.whole.length,
       set_all: js.whole.length,
       kshift_all: bytes / 2,
+      defrag_update: js.defragBytes,
       clear: bytes,
     }
     console.log()
-    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved:`)
+    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved (K-shift: the K bytes; defrag: the bytes its moves copy, ${(js.defragBytes / 2 ** 20).toFixed(1)} MiB):`)
     console.log()
     console.log(`| ${padEnd('op', 48)} | ${pad('llama.cpp', 9)} | ${pad('core', 6)} | ${pad('JS', 6)} |`)
     console.log(`|${'-'.repeat(50)}|${'-'.repeat(11)}|${'-'.repeat(8)}|${'-'.repeat(8)}|`)

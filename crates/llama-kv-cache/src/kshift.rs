@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use crate::cache::KvCache;
 use crate::defrag::{DefragReport, DEFAULT_MAX_NODES};
 use crate::error::{KvError, Result};
+use crate::f16_simd::{self, F16Rope};
 use crate::quant;
 use crate::rope::{RopeParams, RopeTable};
 use crate::storage::KvBuffer;
@@ -72,39 +73,68 @@ pub(crate) fn for_each_row(
     Ok(())
 }
 
-/// f32 values converted per step of the host K-shift (64 KiB of scratch).
+/// f32 values converted per step of the generic host K-shift (64 KiB of scratch).
 const SHIFT_CHUNK_VALUES: usize = 16 * 1024;
 
-/// The host K-shift: runs of adjacent cells with the same delta are converted to f32 in one
-/// call (the f16 conversion is SIMD over the whole run instead of one short row at a time),
-/// rotated row by row with one table per run, and converted back in one call. Each element's
-/// arithmetic is the same as row by row, so the result is bit-identical.
+/// A run of adjacent cells with the same delta: `(first cell, cells, delta)`.
+type ShiftRun = (usize, usize, i32);
+
+/// The runs of adjacent cells with equal deltas that a shift rotates, in cell order: every cell,
+/// or only those with a nonzero delta when a rotation by 0 changes nothing.
+fn shift_runs(deltas: &[i32], skip_zero: bool) -> Vec<ShiftRun> {
+    let mut runs = Vec::new();
+    let mut first = 0;
+    for run in deltas.chunk_by(|a, b| a == b) {
+        if !(skip_zero && run[0] == 0) {
+            runs.push((first, run.len(), run[0]));
+        }
+        first += run.len();
+    }
+    runs
+}
+
+/// The host K-shift, a run of equal deltas at a time. f16 K on a CPU with F16C goes through
+/// the fused kernel ([`F16Rope`]: widen, rotate, narrow 8 values at a time, straight on the
+/// tensor); other types are converted to f32 a chunk of rows at a time (one conversion call per
+/// chunk instead of per short row), rotated row by row with one table per run, and converted
+/// back. Each element's arithmetic is the same as row by row, so the result is bit-identical.
 fn rotate_host_runs(
     bytes: &mut [u8],
     ty: crate::GgmlType,
     row: usize,
     p: &RopeParams,
-    cells: &[usize],
-    deltas: &[i32],
+    runs: &[ShiftRun],
     tables: &mut HashMap<i32, RopeTable>,
 ) -> Result<()> {
+    let fused = ty == crate::GgmlType::F16 && f16_simd::available();
+    let mut kernels: HashMap<i32, F16Rope> = HashMap::new();
     let row_len = p.row_len();
     let rows_per_chunk = (SHIFT_CHUNK_VALUES / row_len.max(1)).max(1);
-    let mut values = vec![0f32; rows_per_chunk * row_len];
-    let same_run = |a: &usize, b: &usize| *b == *a + 1 && deltas[*a] == deltas[*b];
-    for run in cells.chunk_by(same_run) {
+    let mut values = Vec::new();
+    for &(first, len, delta) in runs {
         let table = tables
-            .entry(deltas[run[0]])
-            .or_insert_with(|| RopeTable::new(p, deltas[run[0]]));
-        for part in run.chunks(rows_per_chunk) {
-            let n = part.len();
-            let data = &mut bytes[part[0] * row..(part[0] + n) * row];
-            let vals = &mut values[..n * row_len];
-            quant::dequantize_row(ty, data, vals)?;
+            .entry(delta)
+            .or_insert_with(|| RopeTable::new(p, delta));
+        let data = &mut bytes[first * row..(first + len) * row];
+        if fused {
+            if let std::collections::hash_map::Entry::Vacant(e) = kernels.entry(delta) {
+                if let Some(k) = F16Rope::new(table) {
+                    e.insert(k);
+                }
+            }
+            if let Some(kernel) = kernels.get(&delta) {
+                kernel.rotate_rows(data);
+                continue;
+            }
+        }
+        values.resize(rows_per_chunk * row_len, 0f32);
+        for part in data.chunks_mut(rows_per_chunk * row) {
+            let vals = &mut values[..part.len() / row * row_len];
+            quant::dequantize_row(ty, part, vals)?;
             for r in vals.chunks_exact_mut(row_len) {
                 table.rotate(r);
             }
-            quant::quantize_row(ty, vals, data)?;
+            quant::quantize_row(ty, vals, part)?;
         }
     }
     Ok(())
@@ -184,20 +214,22 @@ impl KvCache {
             // llama.cpp rotates all cells; a rotation by 0 is the identity only when it does
             // not scale (YaRN's mscale) and the type round-trips f32 exactly
             let zero_is_identity = !ty.is_quantized() && zero.is_identity();
-            let cells: Vec<usize> = (0..size)
-                .filter(|&c| deltas[c] != 0 || !zero_is_identity)
-                .collect();
             let layer = &mut self.layers[il as usize];
             let row = layer.k_row;
-            #[cfg(feature = "cuda")]
-            if rotate_on_device(layer.k.as_mut(), ty, row, p, &cells, &deltas)? {
-                shifted = shifted.max(cells.len() as u32);
-                continue;
-            }
             let mut tables: HashMap<i32, RopeTable> = HashMap::new();
             // (a rotated quantized K takes the row path below, which adds the Hadamard steps)
             if let (None, Some(bytes)) = (hadamard, layer.k.as_host_mut()) {
-                rotate_host_runs(bytes, ty, row, p, &cells, &deltas, &mut tables)?;
+                let runs = shift_runs(&deltas, zero_is_identity);
+                rotate_host_runs(bytes, ty, row, p, &runs, &mut tables)?;
+                let cells: usize = runs.iter().map(|r| r.1).sum();
+                shifted = shifted.max(cells as u32);
+                continue;
+            }
+            let cells: Vec<usize> = (0..size)
+                .filter(|&c| deltas[c] != 0 || !zero_is_identity)
+                .collect();
+            #[cfg(feature = "cuda")]
+            if rotate_on_device(layer.k.as_mut(), ty, row, p, &cells, &deltas)? {
                 shifted = shifted.max(cells.len() as u32);
                 continue;
             }
@@ -309,17 +341,26 @@ mod tests {
                         }
                     })
                     .collect();
-                let cells: Vec<usize> = (0..size)
-                    .filter(|&c| deltas[c] != 0 || c % 7 == 0)
-                    .collect();
-                let mut expected = bytes.clone();
-                rotate_row_by_row(&mut expected, ty, row, &p, &cells, &deltas);
-                let mut tables = HashMap::new();
-                rotate_host_runs(&mut bytes, ty, row, &p, &cells, &deltas, &mut tables).unwrap();
-                assert!(
-                    bytes == expected,
-                    "{ty} head_dim {head_dim} x {n_head}: rows differ"
-                );
+                for skip_zero in [false, true] {
+                    let runs = shift_runs(&deltas, skip_zero);
+                    let cells: Vec<usize> = runs
+                        .iter()
+                        .flat_map(|&(first, len, _)| first..first + len)
+                        .collect();
+                    let want: Vec<usize> = (0..size)
+                        .filter(|&c| deltas[c] != 0 || !skip_zero)
+                        .collect();
+                    assert_eq!(cells, want, "the runs cover exactly the rotated cells");
+                    let mut expected = bytes.clone();
+                    rotate_row_by_row(&mut expected, ty, row, &p, &cells, &deltas);
+                    let mut got = bytes.clone();
+                    let mut tables = HashMap::new();
+                    rotate_host_runs(&mut got, ty, row, &p, &runs, &mut tables).unwrap();
+                    assert!(
+                        got == expected,
+                        "{ty} head_dim {head_dim} x {n_head}, skip_zero {skip_zero}: rows differ"
+                    );
+                }
             }
         }
     }

@@ -22,6 +22,7 @@ pub mod cells;
 pub mod cuda;
 mod defrag;
 mod error;
+mod f16_simd;
 pub mod files;
 pub mod fit;
 mod ggml_type;

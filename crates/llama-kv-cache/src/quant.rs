@@ -250,9 +250,14 @@ fn inverse_or_zero(d: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Float rows
 
-/// f16 little-endian bytes to f32, through a stack buffer so `half`'s slice conversion (which
-/// uses F16C when the CPU has it) does the work.
+/// f16 little-endian bytes to f32: F16C straight from the bytes where the CPU has it (see
+/// `f16_simd` for why not through `half`), else through a stack buffer for `half`'s slice
+/// conversion.
 fn f16_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::f16_simd::f16_to_f32(src, dst) {
+        return;
+    }
     let mut buf = [f16::ZERO; F16_CHUNK];
     for (s, d) in src.chunks(2 * F16_CHUNK).zip(dst.chunks_mut(F16_CHUNK)) {
         let halves = &mut buf[..d.len()];
@@ -263,8 +268,13 @@ fn f16_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// f32 to f16 little-endian bytes (round to nearest even), through a stack buffer.
+/// f32 to f16 little-endian bytes (round to nearest even): F16C where the CPU has it, else
+/// through a stack buffer.
 fn f32_to_f16_bytes(src: &[f32], dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::f16_simd::f32_to_f16(src, dst) {
+        return;
+    }
     let mut buf = [f16::ZERO; F16_CHUNK];
     for (s, d) in src.chunks(F16_CHUNK).zip(dst.chunks_mut(2 * F16_CHUNK)) {
         let halves = &mut buf[..s.len()];

@@ -318,6 +318,26 @@ impl RopeTable {
         self.pos
     }
 
+    /// `cos` and `sin` (magnitude-scaled) of each rotated pair, for the vector kernels.
+    pub(crate) fn cos_sin(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
+    /// Rotated dimensions of each head (even, at most [`RopeTable::head_dim`]).
+    pub(crate) fn n_dims(&self) -> usize {
+        self.n_dims
+    }
+
+    /// Values per head.
+    pub(crate) fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// How dimensions are paired.
+    pub(crate) fn rope_type(&self) -> RopeType {
+        self.rope_type
+    }
+
     /// Whether rotating by this table changes nothing (every pair has cos 1 and sin 0, i.e. a
     /// zero angle without YaRN's magnitude scaling).
     pub fn is_identity(&self) -> bool {

@@ -319,10 +319,15 @@ impl LayerTensors {
         let row_bytes = lay.size * el;
         match self.v.as_host_mut() {
             Some(bytes) => {
-                for row in bytes.chunks_exact_mut(row_bytes).take(self.n_embd_v) {
-                    for &(src, dst, n) in moves {
-                        move_bytes(row, src * el, dst * el, n * el);
-                    }
+                let rows = bytes.chunks_exact_mut(row_bytes).take(self.n_embd_v);
+                match el {
+                    2 => rows.for_each(|row| move_elements::<2>(row, moves)),
+                    4 => rows.for_each(|row| move_elements::<4>(row, moves)),
+                    _ => rows.for_each(|row| {
+                        for &(src, dst, n) in moves {
+                            row.copy_within(src * el..(src + n) * el, dst * el);
+                        }
+                    }),
                 }
                 Ok(())
             }
@@ -357,7 +362,7 @@ impl LayerTensors {
 fn move_rows(buf: &mut dyn KvBuffer, row: usize, moves: &[(usize, usize, usize)]) -> Result<()> {
     if let Some(bytes) = buf.as_host_mut() {
         for &(src, dst, n) in moves {
-            move_bytes(bytes, src * row, dst * row, n * row);
+            bytes.copy_within(src * row..(src + n) * row, dst * row);
         }
         return Ok(());
     }
@@ -367,14 +372,26 @@ fn move_rows(buf: &mut dyn KvBuffer, row: usize, moves: &[(usize, usize, usize)]
     Ok(())
 }
 
-/// `copy_within` that avoids a library call for the few bytes of a transposed-V element.
-fn move_bytes(bytes: &mut [u8], src: usize, dst: usize, len: usize) {
-    if len <= 8 && (src + len <= dst || dst + len <= src) {
-        for k in 0..len {
-            bytes[dst + k] = bytes[src + k];
+/// Runs of this many elements or fewer are moved element by element in a transposed V row: a
+/// fragmented cache moves many single cells, and a library call per 2-byte element cost more
+/// than the copy.
+const SHORT_RUN: usize = 8;
+
+/// Applies the moves (in cells) to one row of a transposed V whose elements are `N` bytes.
+/// Each element of a short run is one `N`-byte load and store (the copy is forward, which is
+/// right when the run moves down or does not overlap itself; otherwise `copy_within`).
+fn move_elements<const N: usize>(row: &mut [u8], moves: &[(usize, usize, usize)]) {
+    for &(src, dst, n) in moves {
+        if n <= SHORT_RUN && (dst <= src || src + n <= dst) {
+            for k in 0..n {
+                let s = (src + k) * N;
+                let e: [u8; N] = row[s..s + N].try_into().expect("a slice of N bytes");
+                let d = (dst + k) * N;
+                row[d..d + N].copy_from_slice(&e);
+            }
+        } else {
+            row.copy_within(src * N..(src + n) * N, dst * N);
         }
-    } else {
-        bytes.copy_within(src..src + len, dst);
     }
 }
 
