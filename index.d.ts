@@ -444,11 +444,19 @@ export interface ConvertFileOptions {
    * 'recurrent') as a file of a single memory. Default: every part.
    */
   part?: string
+  /**
+   * Called during the conversion (synchronously, on this thread) with `(doneBytes,
+   * totalBytes)` of the output after each layer's K and V rows. An exception it throws stops
+   * the conversion (nothing is written) with `ERR_KV_ABORTED`.
+   */
+  onProgress?: (done: number, total: number) => void
 }
 
 /**
  * Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
- * writes the result atomically to `output`.
+ * writes the result atomically to `output`. The input is read layer by layer and the output
+ * written as it is converted: memory holds a few MiB of rows whatever the file's size, and a
+ * failed conversion leaves no file behind.
  */
 export declare function convertStateFile(input: string | Uint8Array, output: string | Uint8Array, options?: ConvertFileOptions): void
 

@@ -73,3 +73,69 @@ test('inspectState of a sparse 4 GiB file reads its metadata only (RSS growth un
   t.deepEqual(result.layers[1], { kType: 'f16', kRowSize: 64 * 2 ** 20, vType: 'f16', vRowSize: 64 * 2 ** 20 })
   t.true(grew < 16 * 2 ** 20, `RSS grew by ${grew} bytes`)
 })
+
+/** A sequence file of a 2-layer, 8192-wide f16 cache (16 KiB rows): `cells` cells of sequence 0, rows filled. */
+function bigSequenceFile(file, cells) {
+  const { KvCache } = require('../index.js')
+  const c = new KvCache({ size: cells, nLayer: 2, nEmbdKGqa: 8192, nSeqMax: 1, flashAttn: true })
+  c.findSlot({ pos: Int32Array.from({ length: cells }, (_, i) => i), seqIds: [0], nSeqTokens: cells })
+  const rows = Float32Array.from({ length: 8192 * 256 }, (_, i) => Math.sin(i) * 4)
+  for (let il = 0; il < 2; il++) {
+    for (let first = 0; first < cells; first += 256) {
+      c.writeKF32(il, first, rows)
+      c.writeVF32(il, first, rows)
+    }
+  }
+  c.saveSequenceFileSync(file, 0, [1, 2, 3], { version: 3 })
+  c.dispose()
+  return fs.statSync(file).size
+}
+
+test('convertStateFile reports progress after each layer up to the output size', (t) => {
+  const { convertStateFile } = require('../index.js')
+  const dir = tmp()
+  const src = path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')
+  const out = path.join(dir, 'out.ggsn')
+  const seen = []
+  convertStateFile(src, out, { version: 10, onProgress: (done, total) => seen.push([done, total]) })
+  const size = fs.statSync(out).size
+  t.true(seen.length >= 4, `${seen.length} progress calls`)
+  t.true(seen.every(([d, tot], i) => tot === size && d <= tot && (i === 0 || d >= seen[i - 1][0])))
+  t.is(seen.at(-1)[0], size)
+  t.is(inspectState(out).memory, 'iswa')
+  fs.rmSync(dir, { recursive: true })
+})
+
+test('convertStateFile: an onProgress that throws stops it with ERR_KV_ABORTED, leaving the old output and no litter', (t) => {
+  const { convertStateFile } = require('../index.js')
+  const dir = tmp()
+  const out = path.join(dir, 'out.ggsq')
+  fs.writeFileSync(out, 'old')
+  const e = t.throws(() => convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, {
+    typeK: 'f32',
+    onProgress: () => { throw new Error('stop here') },
+  }))
+  t.is(e.code, 'ERR_KV_ABORTED')
+  t.regex(e.message, /stop here/)
+  t.deepEqual(fs.readdirSync(dir), ['out.ggsq'])
+  t.is(fs.readFileSync(out, 'utf8'), 'old')
+  const bad = t.throws(() => convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, { onProgress: 3 }))
+  t.is(bad.code, 'ERR_KV_INVALID_ARG')
+  fs.rmSync(dir, { recursive: true })
+})
+
+test('convertStateFile streams: converting a 256 MiB file to q8_0 K grows RSS by under 48 MiB', (t) => {
+  const dir = tmp()
+  const src = path.join(dir, 'big.ggsq')
+  const size = bigSequenceFile(src, 4096)
+  t.true(size > 256 * 2 ** 20)
+  const out = path.join(dir, 'out.ggsq')
+  const { result, grew } = inChild(`
+    addon.convertStateFile(file, ${JSON.stringify(out)}, { typeK: 'q8_0', version: 2 })
+    return addon.inspectState(${JSON.stringify(out)}).layers[0]`, src)
+  t.is(result.kType, 'q8_0')
+  t.is(result.vType, 'f16')
+  t.log(`RSS grew by ${(grew / 2 ** 20).toFixed(1)} MiB converting ${(size / 2 ** 20).toFixed(0)} MiB`)
+  t.true(grew < 48 * 2 ** 20, `RSS grew by ${grew} bytes converting ${size} bytes`)
+  fs.rmSync(dir, { recursive: true })
+})

@@ -223,11 +223,18 @@ function main(argv) {
       if (flags.recurrent && flags.transformer) fail('--recurrent and --transformer exclude each other')
       const [input, output] = flags.positional
       if (!input || !output) fail(`convert needs an input and an output file\n${USAGE}`)
-      convertStateFile(input, output, {
-        layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
-        typeK: flags['type-k'], typeV: flags['type-v'], nRotK: flags['n-rot-k'], nRotV: flags['n-rot-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
-        recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,
-      })
+      // streamed layer by layer; the bar (stderr, terminals only) moves after each layer's K and V
+      const bar = progressBar(path.basename(output))
+      try {
+        convertStateFile(input, output, {
+          layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
+          typeK: flags['type-k'], typeV: flags['type-v'], nRotK: flags['n-rot-k'], nRotV: flags['n-rot-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
+          recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,
+          onProgress: bar.onProgress,
+        })
+      } finally {
+        bar.done()
+      }
       process.stdout.write(`${output}\n`)
     } else if (command === 'store') {
       return storeCommand(rest)

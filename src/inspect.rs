@@ -350,7 +350,7 @@ pub fn inspect_state(
 
 /// Options of `convertStateFile`.
 #[napi(object, object_to_js = false)]
-pub struct ConvertFileOptions {
+pub struct ConvertFileOptions<'a> {
     /// Output payload layout: 'streams' (default), 'seed' or 'streams-rot' (versions 11 / 4).
     pub layout: Option<String>,
     /// Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads; 'streams-rot':
@@ -383,16 +383,45 @@ pub struct ConvertFileOptions {
     /// Of an iSWA or hybrid file, write only this part ('base', 'swa', 'attention',
     /// 'recurrent') as a file of a single memory. Default: every part.
     pub part: Option<String>,
+    /// Called during the conversion (synchronously, on this thread) with `(doneBytes,
+    /// totalBytes)` of the output after each layer's K and V rows. An exception it throws stops
+    /// the conversion (nothing is written) with `ERR_KV_ABORTED`.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<Unknown<'a>>,
+}
+
+/// A JS progress callback, called on this thread.
+type SyncProgress<'a> = Function<'a, FnArgs<(f64, f64)>, Unknown<'a>>;
+
+/// `onProgress`: a function (anything else is refused by name, not called and found wanting).
+fn progress_fn<'a>(v: Option<Unknown<'a>>) -> Result<Option<SyncProgress<'a>>, Code> {
+    let Some(v) = v else { return Ok(None) };
+    let ty = v
+        .get_type()
+        .map_err(|e| crate::error::err(Code::InvalidArg, e.reason))?;
+    match ty {
+        ValueType::Undefined => Ok(None),
+        // SAFETY: the value is a function, which is what `Function` wraps
+        ValueType::Function => unsafe { v.cast() }
+            .map(Some)
+            .map_err(|e| crate::error::err(Code::InvalidArg, e.reason)),
+        other => Err(crate::error::err(
+            Code::InvalidArg,
+            format!("onProgress must be a function, got {other}"),
+        )),
+    }
 }
 
 /// Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
-/// writes the result atomically to `output`.
+/// writes the result atomically to `output`. The input is read layer by layer and the output
+/// written as it is converted: memory holds a few MiB of rows whatever the file's size, and a
+/// failed conversion leaves no file behind.
 #[napi]
 pub fn convert_state_file(
     #[napi(ts_arg_type = "string | Uint8Array")] input: Unknown<'_>,
     #[napi(ts_arg_type = "string | Uint8Array")] output: Unknown<'_>,
     #[napi(ts_arg_type = "ConvertFileOptions")] options: Option<
-        crate::args::Obj<ConvertFileOptions>,
+        crate::args::Obj<ConvertFileOptions<'_>>,
     >,
 ) -> Result<(), Code> {
     use crate::convert::{ggml_type_opt, i32v, u32v};
@@ -400,7 +429,9 @@ pub fn convert_state_file(
         let (input, output) = (args::path("input", &input)?, args::path("output", &output)?);
         let o = options.map(|o| o.0);
         let mut opts = llama_kv_cache::ConvertOptions::default();
+        let mut on_progress = None;
         if let Some(o) = o {
+            on_progress = progress_fn(o.on_progress)?;
             opts.write.layout = crate::jobs::layout(o.layout.as_deref())?
                 .unwrap_or(llama_kv_cache::Layout::Streams);
             opts.write.version = o.version.map(|v| u32v("version", v)).transpose()?;
@@ -428,8 +459,25 @@ pub fn convert_state_file(
                 }
             };
         }
-        let bytes = llama_kv_cache::files::read_file(&input).map_err(from_core)?;
-        let out = llama_kv_cache::files::convert_bytes(&bytes, &opts).map_err(from_core)?;
-        llama_kv_cache::files::write_atomic(&output, &out).map_err(from_core)
+        // the callback's failure, kept to name it in the error (the conversion stops at once)
+        let mut thrown = None;
+        let mut report = |done: u64, total: u64| match &on_progress {
+            None => true,
+            Some(f) => match f.call(FnArgs::from((done as f64, total as f64))) {
+                Ok(_) => true,
+                Err(e) => {
+                    thrown = Some(e.reason);
+                    false
+                }
+            },
+        };
+        let result = llama_kv_cache::files::convert_file(&input, &output, &opts, Some(&mut report));
+        if let Some(reason) = thrown {
+            return Err(crate::error::err(
+                Code::Aborted,
+                format!("convertStateFile: onProgress threw: {reason}"),
+            ));
+        }
+        result.map_err(from_core)
     })
 }

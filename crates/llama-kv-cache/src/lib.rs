@@ -18,6 +18,7 @@ pub mod alloc;
 mod atomic_write;
 mod cache;
 pub mod cells;
+pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod defrag;

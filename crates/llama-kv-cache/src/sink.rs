@@ -87,6 +87,9 @@ impl Sink for SliceSink<'_> {
     }
 }
 
+/// The most bytes [`WriteSink`] stages at once from a buffer that is not in host memory.
+const STAGE_BYTES: usize = 4 << 20;
+
 /// A writer (a file): host tensor bytes are written straight from the tensors; device bytes go
 /// through a staging buffer.
 pub(crate) struct WriteSink<'a> {
@@ -123,9 +126,16 @@ impl Sink for WriteSink<'_> {
                 .write_all(&bytes[offset..offset + len])
                 .map_err(io_error)?,
             None => {
-                self.stage.resize(len, 0);
-                buf.read(offset, &mut self.stage)?;
-                self.w.write_all(&self.stage).map_err(io_error)?;
+                // in pieces: a layer of a device cache (or of a conversion's input) can be
+                // gigabytes, and this staging buffer is all the memory a streamed save needs
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(STAGE_BYTES);
+                    self.stage.resize(n, 0);
+                    buf.read(offset + done, &mut self.stage)?;
+                    self.w.write_all(&self.stage).map_err(io_error)?;
+                    done += n;
+                }
             }
         }
         self.n += len;

@@ -97,6 +97,11 @@ impl<R: Read + Seek> ReadSource<R> {
         })
     }
 
+    /// The reader.
+    pub fn into_inner(self) -> R {
+        self.inner.into_inner()
+    }
+
     /// Bytes read from the underlying reader so far.
     pub fn bytes_read(&self) -> u64 {
         self.bytes_read.get()
@@ -223,14 +228,6 @@ impl<'a, S: ByteSource + ?Sized> Cursor<'a, S> {
 
     pub fn remaining(&self) -> usize {
         self.src.len() - self.pos
-    }
-}
-
-impl<'a> Cursor<'a, [u8]> {
-    /// The next `n` bytes, borrowed from the slice.
-    pub fn take(&mut self, n: usize, what: impl fmt::Display) -> Result<&'a [u8]> {
-        let start = self.advance(n, what)?;
-        Ok(&self.src[start..self.pos])
     }
 }
 
