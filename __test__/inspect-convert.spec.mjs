@@ -139,3 +139,26 @@ test('convertStateFile streams: converting a 256 MiB file to q8_0 K grows RSS by
   t.true(grew < 48 * 2 ** 20, `RSS grew by ${grew} bytes converting ${size} bytes`)
   fs.rmSync(dir, { recursive: true })
 })
+
+test('CLI convert draws a progress bar on a terminal and nothing on a pipe', (t) => {
+  const cli = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
+  const dir = tmp()
+  const src = path.join(FIXTURES, 't161', 't161-h16-f16.ggsn')
+  const piped = spawnSync(process.execPath, [cli, 'convert', src, path.join(dir, 'a.ggsn'), '--version', '10'], { encoding: 'utf8' })
+  t.is(piped.status, 0, piped.stderr)
+  t.is(piped.stderr, '')
+  t.is(piped.stdout.trim(), path.join(dir, 'a.ggsn'))
+  // util-linux `script` runs the command on a pseudo-terminal
+  const quote = (s) => `'${s.replace(/'/g, "'\\''")}'`
+  const cmd = [process.execPath, cli, 'convert', src, path.join(dir, 'b.ggsn'), '--version', '10'].map(quote).join(' ')
+  const tty = spawnSync('script', ['-qec', cmd, '/dev/null'], { encoding: 'utf8' })
+  if (tty.error) {
+    t.log(`no script(1) here (${tty.error.code}): the terminal half is skipped`)
+  } else {
+    t.is(tty.status, 0, tty.stdout)
+    const size = fs.statSync(path.join(dir, 'b.ggsn')).size
+    t.regex(tty.stdout, new RegExp(`\\rb\\.ggsn \\[#{30}\\] ${size}/${size}`))
+    t.deepEqual(fs.readFileSync(path.join(dir, 'b.ggsn')), fs.readFileSync(path.join(dir, 'a.ggsn')))
+  }
+  fs.rmSync(dir, { recursive: true })
+})
