@@ -726,17 +726,32 @@ impl InputView {
         let mut column = vec![0u8; width * el_in];
         let mut row = vec![0u8; width * el_out];
         let mut values = vec![0f32; width];
-        let mut element = vec![0u8; el_in];
+        // each stream's block of this layer, read at once (one layer of V, like `out`)
+        let mut blocks: Vec<Option<(Block, Vec<u8>)>> = Vec::new();
+        for b in &side.blocks[self.il] {
+            blocks.push(match b {
+                None => None,
+                Some(b) => {
+                    let mut bytes = crate::alloc::zeroed(b.n * width * el_in, "a block of V")?;
+                    self.input.read_at(b.at, &mut bytes)?;
+                    Some((*b, bytes))
+                }
+            });
+        }
         for cell in 0..size {
             let (s, r) = self.v().map[cell];
-            if s == u32::MAX {
-                column.fill(0);
-            } else {
-                let block = self.block(side, s)?;
-                for j in 0..width {
-                    let pos = block.at + ((j * block.n + r as usize) * el_in) as u64;
-                    self.input.read_at(pos, &mut element)?;
-                    column[j * el_in..(j + 1) * el_in].copy_from_slice(&element);
+            match blocks.get(s as usize).and_then(|b| b.as_ref()) {
+                None if s == u32::MAX => column.fill(0),
+                None => {
+                    return Err(KvError::InvalidState(
+                        "a cell maps to a stream without data".into(),
+                    ))
+                }
+                Some((block, bytes)) => {
+                    for j in 0..width {
+                        let at = (j * block.n + r as usize) * el_in;
+                        column[j * el_in..(j + 1) * el_in].copy_from_slice(&bytes[at..at + el_in]);
+                    }
                 }
             }
             convert_row(side, &column, &mut row, &mut values)?;

@@ -1,12 +1,16 @@
 //! Inspecting a file reads its metadata only: the same description as inspecting its bytes, at
-//! a cost in reads that does not grow with the K/V rows.
+//! a cost in reads that does not grow with the K/V rows. Converting a file streams it (the
+//! option matrix over the peer fixtures is in `convert_golden.rs`).
 
 #[path = "common/fixtures.rs"]
 mod fixtures;
 
 use std::io::{Seek, SeekFrom, Write};
 
-use llama_kv_cache::files::{inspect_bytes, inspect_file, inspect_source, Inspection};
+use llama_kv_cache::files::{
+    convert_bytes, convert_file, inspect_bytes, inspect_file, inspect_source, ConvertOptions,
+    Inspection,
+};
 use llama_kv_cache::source::ReadSource;
 use llama_kv_cache::{
     CacheParams, KvCache, Layout, MemoryKind, Outputs, Tensor, UBatch, WriteOptions,
@@ -147,4 +151,39 @@ fn inspecting_a_sparse_4_gib_file_reads_a_few_kib() {
     assert_eq!(stream.layers.len(), 2);
     assert_eq!(stream.layers[1].k_row_size, 64 << 20);
     assert_eq!(ins.header.tokens, vec![11, 22]);
+}
+
+#[test]
+fn convert_keeps_a_seed_sessions_outputs_block_byte_for_byte() {
+    let dir = std::env::temp_dir().join(format!("kv-convert-outputs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = seed_session_with_outputs();
+    let (input, output) = (dir.join("in.ggsn"), dir.join("out.ggsn"));
+    std::fs::write(&input, &bytes).unwrap();
+    let mut opts = ConvertOptions::default();
+    opts.write.layout = Layout::Seed;
+    let mut calls = 0;
+    let mut progress = |_: u64, _: u64| {
+        calls += 1;
+        true
+    };
+    convert_file(&input, &output, &opts, Some(&mut progress)).unwrap();
+    let streamed = std::fs::read(&output).unwrap();
+    assert_eq!(streamed, bytes, "the seed session did not round-trip");
+    assert_eq!(convert_bytes(&bytes, &opts).unwrap(), bytes);
+    assert!(calls >= 4, "{calls} progress calls for 2 layers");
+    // today's layout drops the block
+    let today = convert_bytes(&bytes, &ConvertOptions::default()).unwrap();
+    assert!(inspect_bytes(&today).unwrap().outputs.is_none());
+    // a progress callback that says stop: Aborted, no file, no litter
+    let mut stop = |_: u64, _: u64| false;
+    let e = convert_file(&input, &dir.join("x.ggsn"), &opts, Some(&mut stop)).unwrap_err();
+    assert!(matches!(e, llama_kv_cache::KvError::Aborted(_)), "{e:?}");
+    let mut left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["in.ggsn", "out.ggsn"]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
