@@ -14,12 +14,13 @@ use std::sync::{Arc, Mutex};
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::files::{
-    header_bytes, inspect_bytes, inspect_source, is_recurrent_arch, params_for_payload,
-    resolve_version, session_prefix, write_atomic_with, FileKind, Inspection, WriteOptions,
+    header_bytes, inspect_bytes, inspect_source, is_recurrent_arch, open_seekable,
+    params_for_payload, read_file, resolve_version, session_prefix, write_atomic_with, FileKind,
+    Inspection, WriteOptions,
 };
 use crate::ggml_type::GgmlType;
 use crate::parts::{Part, PartKind, PartRole};
-use crate::source::{Cursor, ReadSource};
+use crate::source::Cursor;
 use crate::state::{CellMeta, Layout, Progress, VBlock};
 use crate::storage::{Device, KvBuffer};
 use crate::CacheParams;
@@ -88,13 +89,22 @@ pub fn convert_file(
     opts: &ConvertOptions,
     progress: Option<Progress<'_>>,
 ) -> Result<()> {
-    let src = ReadSource::open(input)?;
-    let ins = inspect_source(&src, false)?;
-    let file = Input::File {
-        file: Mutex::new(src.into_inner()),
-        name: input.display().to_string(),
+    let (ins, input) = match open_seekable(input)? {
+        Some(src) => {
+            let ins = inspect_source(&src, false)?;
+            let file = Input::File {
+                file: Mutex::new(src.into_inner()),
+                name: input.display().to_string(),
+            };
+            (ins, file)
+        }
+        // a pipe or a device cannot seek: read it whole
+        None => {
+            let bytes = read_file(input)?;
+            (inspect_bytes(&bytes)?, Input::Bytes(bytes))
+        }
     };
-    let plan = Plan::new(&ins, Arc::new(file), opts)?;
+    let plan = Plan::new(&ins, Arc::new(input), opts)?;
     let mut progress = progress;
     write_atomic_with(output, &mut |w| plan.write(w, progress.take()))
 }

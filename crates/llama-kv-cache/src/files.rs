@@ -752,7 +752,21 @@ pub fn inspect_bytes(bytes: &[u8]) -> Result<Inspection> {
 /// outputs block's logits and embeddings, left empty in [`Inspection::outputs`]) are stepped
 /// over, so a file of any size costs a few KiB of reads.
 pub fn inspect_file(path: &Path) -> Result<Inspection> {
-    inspect_source(&ReadSource::open(path)?, false)
+    match open_seekable(path)? {
+        Some(src) => inspect_source(&src, false),
+        None => inspect_bytes(&read_file(path)?),
+    }
+}
+
+/// The regular file at `path`, to be read in place; `None` for a pipe or a device
+/// (`/dev/stdin`), which cannot seek and is read whole instead.
+pub(crate) fn open_seekable(path: &Path) -> Result<Option<ReadSource<fs::File>>> {
+    let meta = fs::metadata(path)
+        .map_err(|e| KvError::Io(format!("cannot read {}: {e}", path.display())))?;
+    if !meta.is_file() {
+        return Ok(None);
+    }
+    ReadSource::open(path).map(Some)
 }
 
 /// [`inspect_bytes`] of any source. `values`: whether the outputs block's logits and embeddings

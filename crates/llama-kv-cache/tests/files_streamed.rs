@@ -187,3 +187,36 @@ fn convert_keeps_a_seed_sessions_outputs_block_byte_for_byte() {
     assert_eq!(left, ["in.ggsn", "out.ggsn"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Writes `bytes` into a FIFO at `path` from another thread, once a reader opens it.
+#[cfg(unix)]
+fn serve_fifo(path: &std::path::Path, bytes: Vec<u8>) -> std::thread::JoinHandle<()> {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkfifo failed");
+    let path = path.to_path_buf();
+    std::thread::spawn(move || std::fs::write(&path, &bytes).unwrap())
+}
+
+#[cfg(unix)]
+#[test]
+fn a_pipe_is_inspected_and_converted_as_a_file_is() {
+    let dir = std::env::temp_dir().join(format!("kv-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = fixtures::fixture_dir().join("nlc-h16-f16.ggsq");
+    let bytes = std::fs::read(&file).unwrap();
+    let fifo = dir.join("state.fifo");
+    let writer = serve_fifo(&fifo, bytes.clone());
+    assert_eq!(inspect_file(&fifo).unwrap(), inspect_bytes(&bytes).unwrap());
+    writer.join().unwrap();
+    std::fs::remove_file(&fifo).unwrap();
+    let writer = serve_fifo(&fifo, bytes.clone());
+    let out = dir.join("out.ggsq");
+    convert_file(&fifo, &out, &ConvertOptions::default(), None).unwrap();
+    writer.join().unwrap();
+    let want = convert_bytes(&bytes, &ConvertOptions::default()).unwrap();
+    assert_eq!(std::fs::read(&out).unwrap(), want);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
