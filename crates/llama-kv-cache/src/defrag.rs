@@ -3,7 +3,7 @@
 
 use crate::cache::KvCache;
 use crate::cells::Cell;
-use crate::error::Result;
+use crate::error::{KvError, Result};
 
 /// llama.cpp's default graph node budget (`graph_max_nodes()` is at least 65536).
 pub const DEFAULT_MAX_NODES: u32 = 65536;
@@ -45,6 +45,9 @@ impl KvCache {
         let mut n_moves = 0u32;
 
         let mut i0 = 0usize;
+        // every cell from `top` up is empty or already moved: the seed rescans them from
+        // n_kv - 1 for each hole (quadratic in a fragmented cache), finding the same cells
+        let mut top = n_kv;
         while i0 < n_used.min(n_kv) {
             if !self.cells.is_empty_cell(i0) {
                 ids[i0] = i0;
@@ -57,7 +60,7 @@ impl KvCache {
             }
             // find the nh last non-empty cells not yet moved
             let mut nf = 0;
-            let mut is = n_kv - 1;
+            let mut is = top - 1;
             while is > i0 {
                 if !self.cells.is_empty_cell(is) && ids[is] == absent {
                     nf += 1;
@@ -104,6 +107,8 @@ impl KvCache {
             if stop || n_moves == max_moves {
                 break;
             }
+            // the nh cells found were every unmoved non-empty cell from `is` up, and all moved
+            top = is;
             i0 += nh;
         }
         self.cells.settle();
@@ -116,6 +121,19 @@ impl KvCache {
     /// Applies planned moves to every layer's K and V, in plan order.
     pub fn apply_moves(&mut self, moves: &[CellMove]) -> Result<DefragReport> {
         let lay = self.layout();
+        // checked before any tensor is touched, so a bad list changes nothing
+        for m in moves {
+            let fits = |at: u32| {
+                at.checked_add(m.len)
+                    .is_some_and(|end| end <= self.params.size)
+            };
+            if !fits(m.src) || !fits(m.dst) {
+                return Err(KvError::OutOfRange(format!(
+                    "move of {} cells from {} to {}: out of range [0, {})",
+                    m.len, m.src, m.dst, self.params.size
+                )));
+            }
+        }
         let mut report = DefragReport {
             moves: moves.to_vec(),
             ..DefragReport::default()
@@ -185,4 +203,133 @@ fn runs(ids: &[usize]) -> Vec<CellMove> {
         i += nm;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CacheParams, UBatch};
+
+    /// The seed's `defrag_prepare`, literally (a rescan from the top for every hole), over a
+    /// cell map (`pos[i] < 0`: empty): the moves, with `pos` updated as the seed's cells.
+    fn seed_plan(pos: &mut [i32], n_used: usize, n_layer: u32, n_max_nodes: u32) -> Vec<CellMove> {
+        let n_kv = pos.iter().rposition(|&p| p >= 0).map_or(0, |i| i + 1);
+        let max_moves = n_max_nodes.saturating_sub(2 * n_layer) / (6 * n_layer);
+        let mut ids = vec![n_kv; n_kv];
+        let mut n_moves = 0;
+        let mut i0 = 0;
+        while i0 < n_used.min(n_kv) {
+            if pos[i0] >= 0 {
+                ids[i0] = i0;
+                i0 += 1;
+                continue;
+            }
+            let mut nh = 1;
+            while i0 + nh < n_used && pos[i0 + nh] < 0 {
+                nh += 1;
+            }
+            let (mut nf, mut is) = (0, n_kv - 1);
+            while is > i0 {
+                if pos[is] >= 0 && ids[is] == n_kv {
+                    nf += 1;
+                    if nf == nh {
+                        break;
+                    }
+                }
+                is -= 1;
+            }
+            if nf != nh {
+                break;
+            }
+            let (mut nf, mut cont, mut stop, mut i1) = (0, false, false, is);
+            while i1 < n_kv {
+                if pos[i1] < 0 || ids[i1] != n_kv {
+                    if n_moves == max_moves {
+                        stop = true;
+                        break;
+                    }
+                    cont = false;
+                    i1 += 1;
+                    continue;
+                }
+                ids[i1] = i0 + nf;
+                pos[i0 + nf] = pos[i1];
+                pos[i1] = -1;
+                if !cont {
+                    n_moves += 1;
+                    cont = true;
+                }
+                nf += 1;
+                if nf == nh {
+                    break;
+                }
+                i1 += 1;
+            }
+            if stop || n_moves == max_moves {
+                break;
+            }
+            i0 += nh;
+        }
+        if n_moves == 0 {
+            return Vec::new();
+        }
+        runs(&ids)
+    }
+
+    proptest::proptest! {
+        /// The plan with the scan cursor is the seed's rescanning plan, move for move and cell
+        /// for cell, on any fragmentation and move cap.
+        #[test]
+        fn the_plan_is_the_seeds(
+            size in 1u32..200,
+            holes in proptest::collection::vec(0u32..200, 0..120),
+            n_max_nodes in proptest::prop_oneof![proptest::strategy::Just(65536u32), 4u32..80],
+        ) {
+            let mut p = CacheParams::new(size, 2, 8, 8);
+            p.n_seq_max = 1;
+            let mut c = KvCache::new(p).unwrap();
+            c.find_slot(&UBatch::sequence(0, 0, size)).unwrap().unwrap();
+            for h in holes {
+                let h = (h % size) as i32;
+                c.seq_rm(0, h, h + 1).unwrap();
+            }
+            let mut pos: Vec<i32> = (0..size as usize).map(|i| c.cells.pos(i)).collect();
+            let want = seed_plan(&mut pos, c.cells.used as usize, 2, n_max_nodes);
+            let got = c.defrag_plan(n_max_nodes);
+            proptest::prop_assert_eq!(got, want);
+            let after: Vec<i32> = (0..size as usize).map(|i| c.cells.pos(i)).collect();
+            proptest::prop_assert_eq!(after, pos);
+        }
+    }
+
+    #[test]
+    fn moves_out_of_the_cache_are_refused_before_any_tensor_changes() {
+        let mut c = KvCache::new(CacheParams::new(8, 2, 8, 8)).unwrap();
+        c.find_slot(&UBatch::sequence(0, 0, 8)).unwrap().unwrap();
+        let rows: Vec<u8> = (0..8 * 16).map(|i| i as u8).collect();
+        c.write_rows(0, crate::Tensor::K, 0, &rows).unwrap();
+        let bad = [
+            CellMove {
+                src: 0,
+                dst: 1,
+                len: 2,
+            },
+            CellMove {
+                src: 7,
+                dst: 0,
+                len: 2,
+            },
+        ];
+        assert!(matches!(c.apply_moves(&bad), Err(KvError::OutOfRange(_))));
+        assert_eq!(c.read_rows(0, crate::Tensor::K, 0, 8).unwrap(), rows);
+        let overflow = [CellMove {
+            src: u32::MAX,
+            dst: 0,
+            len: 2,
+        }];
+        assert!(matches!(
+            c.apply_moves(&overflow),
+            Err(KvError::OutOfRange(_))
+        ));
+    }
 }

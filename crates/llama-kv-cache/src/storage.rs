@@ -319,17 +319,25 @@ impl LayerTensors {
         let row_bytes = lay.size * el;
         match self.v.as_host_mut() {
             Some(bytes) => {
-                let rows = bytes.chunks_exact_mut(row_bytes).take(self.n_embd_v);
+                let (len, want) = (bytes.len(), row_bytes * self.n_embd_v);
+                let rows = bytes.get_mut(..want).ok_or_else(|| {
+                    KvError::OutOfRange(format!(
+                        "transposed V of {len} bytes is shorter than {} rows of {row_bytes}",
+                        self.n_embd_v
+                    ))
+                })?;
                 match el {
-                    2 => rows.for_each(|row| move_elements::<2>(row, moves)),
-                    4 => rows.for_each(|row| move_elements::<4>(row, moves)),
-                    _ => rows.for_each(|row| {
-                        for &(src, dst, n) in moves {
-                            row.copy_within(src * el..(src + n) * el, dst * el);
+                    2 => move_transposed::<2>(rows, row_bytes, moves),
+                    4 => move_transposed::<4>(rows, row_bytes, moves),
+                    _ => {
+                        for row in rows.chunks_exact_mut(row_bytes) {
+                            for &(src, dst, n) in moves {
+                                row.copy_within(src * el..(src + n) * el, dst * el);
+                            }
                         }
-                    }),
+                        Ok(())
+                    }
                 }
-                Ok(())
             }
             None => {
                 for &(src, dst, n) in moves {
@@ -372,25 +380,111 @@ fn move_rows(buf: &mut dyn KvBuffer, row: usize, moves: &[(usize, usize, usize)]
     Ok(())
 }
 
-/// Runs of this many elements or fewer are moved element by element in a transposed V row: a
-/// fragmented cache moves many single cells, and a library call per 2-byte element cost more
-/// than the copy.
+/// Runs of this many cells or fewer are moved element by element in a transposed V: a
+/// fragmented cache moves many single cells, and a `memmove` call per 2-byte element costs far
+/// more than the copy.
 const SHORT_RUN: usize = 8;
 
-/// Applies the moves (in cells) to one row of a transposed V whose elements are `N` bytes.
-/// Each element of a short run is one `N`-byte load and store (the copy is forward, which is
-/// right when the run moves down or does not overlap itself; otherwise `copy_within`).
-fn move_elements<const N: usize>(row: &mut [u8], moves: &[(usize, usize, usize)]) {
+/// Rows of a transposed V moved together: each element move of the plan is applied to all of
+/// them before the next, so the plan is read once per group instead of once per row.
+const ROWS_PER_PASS: usize = 4;
+
+/// One step of a transposed-V move plan, the same for every row.
+enum VStep {
+    /// Element copies `pairs[range]`, each `(source byte, destination byte)` of an `N`-byte
+    /// element.
+    Elements(std::ops::Range<usize>),
+    /// `copy_within(src..src + len, dst)`, in bytes: a long run, or one that overlaps itself
+    /// moving up.
+    Span(usize, usize, usize),
+}
+
+/// Applies `moves` (in cells, in order) to every row of a transposed V whose elements are `N`
+/// bytes (`rows`: whole rows of `row_bytes`). The moves are checked against the row once and
+/// turned into one plan of byte offsets; then rows are processed [`ROWS_PER_PASS`] at a time,
+/// every step of the plan on each row of the group, in plan order, so each row sees exactly
+/// the copies, in the order, of applying the moves to it alone.
+fn move_transposed<const N: usize>(
+    rows: &mut [u8],
+    row_bytes: usize,
+    moves: &[(usize, usize, usize)],
+) -> Result<()> {
+    let size = row_bytes / N;
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    let mut steps: Vec<VStep> = Vec::new();
     for &(src, dst, n) in moves {
+        let fits = |at: usize| at.checked_add(n).is_some_and(|end| end <= size);
+        if !fits(src) || !fits(dst) {
+            return Err(KvError::OutOfRange(format!(
+                "move of {n} cells from {src} to {dst} exceeds the {size} cells of a V row"
+            )));
+        }
         if n <= SHORT_RUN && (dst <= src || src + n <= dst) {
-            for k in 0..n {
-                let s = (src + k) * N;
-                let e: [u8; N] = row[s..s + N].try_into().expect("a slice of N bytes");
-                let d = (dst + k) * N;
-                row[d..d + N].copy_from_slice(&e);
+            let first = pairs.len();
+            pairs.extend((0..n).map(|k| ((src + k) * N, (dst + k) * N)));
+            match steps.last_mut() {
+                Some(VStep::Elements(range)) => range.end = pairs.len(),
+                _ => steps.push(VStep::Elements(first..pairs.len())),
             }
         } else {
-            row.copy_within(src * N..(src + n) * N, dst * N);
+            steps.push(VStep::Span(src * N, dst * N, n * N));
+        }
+    }
+    for group in rows.chunks_mut(ROWS_PER_PASS * row_bytes) {
+        let n_rows = group.len() / row_bytes;
+        for step in &steps {
+            match step {
+                VStep::Span(src, dst, len) => {
+                    for row in group.chunks_exact_mut(row_bytes) {
+                        row.copy_within(*src..*src + *len, *dst);
+                    }
+                }
+                // SAFETY: every pair's source and destination element lies inside a row
+                // (checked above: both runs end within `size` elements of `N` bytes, so
+                // offset + N <= row_bytes), and row r < n_rows of the group starts at
+                // r * row_bytes inside `group`; reads and writes are unaligned-safe.
+                VStep::Elements(range) => unsafe {
+                    copy_elements::<N>(group.as_mut_ptr(), row_bytes, n_rows, &pairs[range.clone()])
+                },
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies each `(source, destination)` element of `pairs` in `n_rows` rows at `base`,
+/// `row_bytes` apart: pair by pair, all rows of the group for each pair.
+///
+/// # Safety
+/// `base` is valid for reads and writes of `n_rows * row_bytes` bytes, and every offset in
+/// `pairs` plus `N` is at most `row_bytes`.
+#[inline]
+unsafe fn copy_elements<const N: usize>(
+    base: *mut u8,
+    row_bytes: usize,
+    n_rows: usize,
+    pairs: &[(usize, usize)],
+) {
+    if n_rows == ROWS_PER_PASS {
+        // a full group: the row loop has a constant count, so it unrolls
+        for &(src, dst) in pairs {
+            for r in 0..ROWS_PER_PASS {
+                unsafe {
+                    let row = base.add(r * row_bytes);
+                    let e = std::ptr::read_unaligned(row.add(src).cast::<[u8; N]>());
+                    std::ptr::write_unaligned(row.add(dst).cast::<[u8; N]>(), e);
+                }
+            }
+        }
+        return;
+    }
+    for r in 0..n_rows {
+        for &(src, dst) in pairs {
+            unsafe {
+                let row = base.add(r * row_bytes);
+                let e = std::ptr::read_unaligned(row.add(src).cast::<[u8; N]>());
+                std::ptr::write_unaligned(row.add(dst).cast::<[u8; N]>(), e);
+            }
         }
     }
 }
@@ -449,6 +543,67 @@ mod tests {
             l.apply_moves(lay, &[(3, 0, 1)]).unwrap();
             assert_eq!(l.read_rows(Tensor::V, lay, 0, 1).unwrap(), rows);
             assert_eq!(l.read_rows(Tensor::K, lay, 0, 1).unwrap(), vec![9, 9, 9, 9]);
+        }
+    }
+
+    /// The plain definition of a transposed-V move: every row, every move in order, one
+    /// `copy_within` each.
+    fn move_row_by_row(
+        rows: &mut [u8],
+        row_bytes: usize,
+        el: usize,
+        moves: &[(usize, usize, usize)],
+    ) {
+        for row in rows.chunks_exact_mut(row_bytes) {
+            for &(src, dst, n) in moves {
+                row.copy_within(src * el..(src + n) * el, dst * el);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Any moves (short and long runs, up and down, self-overlapping, chained: a later move
+        /// reading what an earlier one wrote), rows not a multiple of a group: the grouped
+        /// element plan leaves every row as applying the moves to it one by one does.
+        #[test]
+        fn transposed_moves_match_moving_row_by_row(
+            size in 1usize..300,
+            n_rows in 1usize..11,
+            el4 in proptest::bool::ANY,
+            raw in proptest::collection::vec((0usize..1000, 0usize..1000, 1usize..40), 0..60),
+        ) {
+            let el = if el4 { 4 } else { 2 };
+            let moves: Vec<(usize, usize, usize)> = raw
+                .into_iter()
+                .map(|(s, d, n)| {
+                    let n = if n > 12 { n % 12 + 1 } else { n }.min(size);
+                    (s % (size - n + 1), d % (size - n + 1), n)
+                })
+                .collect();
+            let row_bytes = size * el;
+            let mut want: Vec<u8> = (0..n_rows * row_bytes).map(|i| (i * 7 + i / 251) as u8).collect();
+            let mut got = want.clone();
+            move_row_by_row(&mut want, row_bytes, el, &moves);
+            if el4 {
+                move_transposed::<4>(&mut got, row_bytes, &moves).unwrap();
+            } else {
+                move_transposed::<2>(&mut got, row_bytes, &moves).unwrap();
+            }
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn a_transposed_move_past_the_row_is_an_error_not_a_panic() {
+        let mut rows = vec![0u8; 2 * 8 * 2];
+        for moves in [
+            [(7, 0, 2)],
+            [(0, 7, 2)],
+            [(usize::MAX, 0, 1)],
+            [(0, 0, usize::MAX)],
+        ] {
+            let err = move_transposed::<2>(&mut rows, 16, &moves).unwrap_err();
+            assert!(matches!(err, KvError::OutOfRange(_)), "{moves:?}: {err}");
         }
     }
 
