@@ -105,6 +105,16 @@ export declare class KvCache {
   /** Places a ubatch (llama.cpp's `find_slot`). Returns null when it does not fit. */
   findSlot(ubatch: UBatchInput): Slot | null
   /**
+   * `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
+   * fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
+   * holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
+   * ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
+   * (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
+   * holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
+   * or null when the ubatch does not fit.
+   */
+  findSlotPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number): number | null
+  /**
    * The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
    * `findSlot`, `n` update, head advance. Returns null when it does not fit.
    */

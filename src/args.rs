@@ -42,10 +42,12 @@ pub struct Num(pub f64);
 
 impl FromNapiValue for Num {
     unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
-        if type_of(env, value) != "number" {
+        // one napi call on the hot path: `napi_get_value_double` itself refuses a non-number
+        let mut v = 0f64;
+        if sys::napi_get_value_double(env, value, &mut v) != sys::Status::napi_ok {
             return Err(mismatch(env, value, "a number"));
         }
-        f64::from_napi_value(env, value).map(Num)
+        Ok(Num(v))
     }
 }
 
@@ -89,6 +91,42 @@ impl FromNapiValue for Floats {
     }
 }
 
+/// The values of an Int32Array, borrowed for the call (no copy).
+pub struct I32s<'a>(pub &'a [i32]);
+
+impl FromNapiValue for I32s<'_> {
+    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
+        // one napi call on the hot path: `napi_get_typedarray_info` refuses a non-typed-array
+        let mut kind = -1;
+        let (mut len, mut data, mut buf, mut off) =
+            (0usize, std::ptr::null_mut(), std::ptr::null_mut(), 0usize);
+        let status = sys::napi_get_typedarray_info(
+            env, value, &mut kind, &mut len, &mut data, &mut buf, &mut off,
+        );
+        if status != sys::Status::napi_ok || kind != sys::TypedarrayType::int32_array {
+            let got = if status == sys::Status::napi_ok {
+                "a typed array other than Int32Array".into()
+            } else {
+                describe(env, value)
+            };
+            return Err(coded_error(
+                env,
+                err(
+                    Code::InvalidArg,
+                    format!("expected an Int32Array, got {got}"),
+                ),
+            ));
+        }
+        if len == 0 {
+            return Ok(I32s(&[]));
+        }
+        // SAFETY: napi reports `len` i32 values at `data` (an Int32Array's data is 4-byte
+        // aligned); the array is an argument of this call, so it stays alive and unmoved while
+        // the synchronous call that borrows it runs, and no JS runs meanwhile
+        Ok(I32s(std::slice::from_raw_parts(data as *const i32, len)))
+    }
+}
+
 /// An options object converted with its field-level message kept and a coded error.
 pub struct Obj<T>(pub T);
 
@@ -124,7 +162,7 @@ impl FromNapiValue for Tokens {
             .map_err(|_| mismatch(env, value, "an array of token ids or an Int32Array"))?;
         list.iter()
             .enumerate()
-            .map(|(i, &t)| crate::convert::i32v(&format!("tokens[{i}]"), t))
+            .map(|(i, &t)| crate::convert::i32_named(|| format!("tokens[{i}]"), t))
             .collect::<Result<Vec<i32>, crate::error::Code>>()
             .map(Tokens)
             .map_err(|e| coded_error(env, e))

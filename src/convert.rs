@@ -36,6 +36,15 @@ pub fn u32v(name: &str, v: impl Into<f64>) -> JsResult<u32> {
     Ok(int(name, v.into(), 0, u32::MAX as i64)? as u32)
 }
 
+/// An i32 whose name is built only when `v` is refused: per-token conversions call this once
+/// per value, and formatting every name up front cost more than the conversion.
+pub fn i32_named(name: impl FnOnce() -> String, v: f64) -> JsResult<i32> {
+    if v.fract() == 0.0 && v >= i32::MIN as f64 && v <= i32::MAX as f64 {
+        return Ok(v as i32);
+    }
+    i32v(&name(), v)
+}
+
 /// An optional i32 with a default.
 pub fn opt_i32(name: &str, v: Option<Num>, default: i32) -> JsResult<i32> {
     v.map_or(Ok(default), |v| i32v(name, v))
@@ -75,7 +84,7 @@ pub fn ubatch(u: &UBatchInput) -> JsResult<UBatch> {
         Either::A(list) => list
             .iter()
             .enumerate()
-            .map(|(i, &p)| i32v(&format!("pos[{i}]"), p))
+            .map(|(i, &p)| i32_named(|| format!("pos[{i}]"), p))
             .collect::<JsResult<_>>()?,
         Either::B(typed) => typed.to_vec(),
     };
@@ -84,11 +93,11 @@ pub fn ubatch(u: &UBatchInput) -> JsResult<UBatch> {
         .iter()
         .enumerate()
         .map(|(g, ids)| match ids {
-            Either::A(id) => Ok(vec![i32v(&format!("seqIds[{g}]"), *id)?]),
+            Either::A(id) => Ok(vec![i32_named(|| format!("seqIds[{g}]"), *id)?]),
             Either::B(list) => list
                 .iter()
                 .enumerate()
-                .map(|(j, &id)| i32v(&format!("seqIds[{g}][{j}]"), id))
+                .map(|(j, &id)| i32_named(|| format!("seqIds[{g}][{j}]"), id))
                 .collect(),
         })
         .collect::<JsResult<Vec<Vec<i32>>>>()?;
@@ -98,6 +107,62 @@ pub fn ubatch(u: &UBatchInput) -> JsResult<UBatch> {
     };
     Ok(UBatch {
         pos,
+        n_seq_tokens,
+        seq_ids,
+    })
+}
+
+/// A ubatch in llama_batch's packed form: `pos` per token; per group either one id
+/// (`n_seq_ids` absent) or `n_seq_ids[g]` ids, all groups' ids concatenated in `seq_ids`.
+/// The shape against `pos` and the ids themselves are checked by the core.
+pub fn packed_ubatch(
+    pos: &[i32],
+    seq_ids: &[i32],
+    n_seq_ids: Option<&[i32]>,
+    n_seq_tokens: Option<Num>,
+) -> JsResult<UBatch> {
+    let n_seq_tokens = match n_seq_tokens {
+        Some(n) => u32v("nSeqTokens", n)?,
+        None => 1,
+    };
+    let seq_ids = match n_seq_ids {
+        None => seq_ids.iter().map(|&id| vec![id]).collect(),
+        Some(counts) => {
+            let mut groups = Vec::with_capacity(counts.len());
+            let mut at = 0usize;
+            for (g, &n) in counts.iter().enumerate() {
+                if n < 1 {
+                    return Err(err(
+                        Code::InvalidArg,
+                        format!("nSeqIds[{g}] must be at least 1, got {n}"),
+                    ));
+                }
+                let ids = seq_ids.get(at..at + n as usize).ok_or_else(|| {
+                    err(
+                        Code::InvalidArg,
+                        format!(
+                            "nSeqIds asks for more seq ids than seqIds holds ({}) at group {g}",
+                            seq_ids.len()
+                        ),
+                    )
+                })?;
+                groups.push(ids.to_vec());
+                at += n as usize;
+            }
+            if at != seq_ids.len() {
+                return Err(err(
+                    Code::InvalidArg,
+                    format!(
+                        "nSeqIds sums to {at} but seqIds holds {} seq ids",
+                        seq_ids.len()
+                    ),
+                ));
+            }
+            groups
+        }
+    };
+    Ok(UBatch {
+        pos: pos.to_vec(),
         n_seq_tokens,
         seq_ids,
     })

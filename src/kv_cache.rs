@@ -8,7 +8,7 @@ use llama_kv_cache::{CacheParams, Layout, PrepareOptions, ReadOptions, Tensor, W
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{self, Bytes, Floats, Num, Obj, Tokens};
+use crate::args::{self, Bytes, Floats, I32s, Num, Obj, Tokens};
 use crate::convert::{self, i32v, opt_i32, u32v};
 use crate::error::{err, from_core, guard, js_error, Code, JsErr, JsResult};
 use crate::jobs::{
@@ -636,6 +636,25 @@ impl KvCache {
     ) -> Result<Option<Slot>, Code> {
         let ub = convert::ubatch(&ubatch.0)?;
         self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(slot)))
+    }
+
+    /// `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
+    /// fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
+    /// holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
+    /// ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
+    /// (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
+    /// holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
+    /// or null when the ubatch does not fit.
+    #[napi]
+    pub fn find_slot_packed(
+        &self,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
+    ) -> Result<Option<u32>, Code> {
+        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head)))
     }
 
     /// The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,

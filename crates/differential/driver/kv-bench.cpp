@@ -157,6 +157,22 @@ static long long time_op(const std::string & op) {
         t0 = clock_type::now();
         llama_kv_self_seq_cp(g_ctx, s, (s + 1) % g_n_seq, 0, -1);
         ns = since();
+    } else if (op == "seq_rm_short") {
+        t0 = clock_type::now();
+        llama_kv_self_seq_rm(g_ctx, s, L / 2, L / 2 + 16);
+        ns = since();
+    } else if (op == "seq_add_short") {
+        t0 = clock_type::now();
+        llama_kv_self_seq_add(g_ctx, s, L - 16, -1, 16);
+        ns = since();
+    } else if (op == "seq_div_short") {
+        t0 = clock_type::now();
+        llama_kv_self_seq_div(g_ctx, s, L - 16, -1, 2);
+        ns = since();
+    } else if (op == "seq_cp_short") {
+        t0 = clock_type::now();
+        llama_kv_self_seq_cp(g_ctx, s, (s + 1) % g_n_seq, L / 2, L / 2 + 16);
+        ns = since();
     } else if (op == "seq_keep") {
         t0 = clock_type::now();
         llama_kv_self_seq_keep(g_ctx, s);

@@ -1,15 +1,17 @@
 //! Cell metadata, stored column-wise, with exact per-sequence bookkeeping.
 //!
 //! The seed keeps a `std::set<llama_seq_id>` in every cell and answers every question with a
-//! scan of all cells. Here a cell's sequences are a 64-bit mask, and two kinds of bitmaps index
-//! the cells: one of occupied cells (`pos >= 0`, what slot search looks at) and one per sequence
-//! (the cells it owns). Operations on one sequence walk only that sequence's cells, slot search
-//! skips 64 occupied cells per word, and each sequence's cell count and largest position are kept
-//! exact, so `seq_pos_max` is O(1).
+//! scan of all cells. Here a cell's sequences are a 64-bit mask, and two kinds of cell sets
+//! ([`crate::cell_set`]: a bitmap with position bounds per 64-cell word and per 4,096 cells)
+//! index the cells: one of occupied cells (`pos >= 0`, what slot search looks at) and one per
+//! sequence (the cells it owns). An operation on a range of one sequence's positions visits only
+//! the words holding positions in that range, slot search skips 64 occupied cells per word, and
+//! each sequence's cell count and largest position are kept exact, so `seq_pos_max` is O(1).
 
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
 pub const MAX_SEQ: usize = 64;
 
+use crate::cell_set::{bits, select, CellSet, Cursor, NO_HI, NO_LO};
 use crate::error::Result;
 
 /// Marker for "no position" in the per-sequence maximum.
@@ -59,19 +61,6 @@ impl SeqSet {
     }
 }
 
-/// The set bit indices of `word`, ascending.
-#[inline(always)]
-fn bits(mut word: u64) -> impl Iterator<Item = usize> {
-    std::iter::from_fn(move || {
-        if word == 0 {
-            return None;
-        }
-        let b = word.trailing_zeros() as usize;
-        word &= word - 1;
-        Some(b)
-    })
-}
-
 /// Cells freed by a bulk operation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Freed {
@@ -83,9 +72,7 @@ pub struct Freed {
 
 impl Freed {
     fn note(&mut self, i: usize, pos: i32) {
-        if self.first.is_none() {
-            self.first = Some(i);
-        }
+        self.first = Some(self.first.map_or(i, |f| f.min(i)));
         if pos >= 0 {
             self.with_pos += 1;
         }
@@ -122,25 +109,46 @@ impl Default for Cell {
 /// All cells of a cache plus the indexes derived from them.
 ///
 /// Every mutation goes through a method here, so `used`-independent bookkeeping (occupied
-/// bitmap, per-sequence bitmaps, counts and maxima) never drifts from the cells. `used` is the
+/// set, per-sequence sets, counts and maxima) never drifts from the cells. `used` is the
 /// seed's own counter and is maintained by the operations exactly as the seed does.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Cells {
     pos: Vec<i32>,
     delta: Vec<i32>,
     src: Vec<i32>,
     tail: Vec<i32>,
     seqs: Vec<SeqSet>,
-    /// Bit i set when `pos[i] >= 0`.
-    occupied: Vec<u64>,
-    /// Per sequence, bit i set when cell i holds it.
-    seq_bits: Vec<Vec<u64>>,
-    seq_cells: Vec<u32>,
+    /// The cells with `pos >= 0`.
+    occupied: CellSet,
+    /// Per sequence, the cells that hold it.
+    seq: Vec<CellSet>,
     seq_pos_max: Vec<i32>,
     /// Sequences whose maximum must be recomputed (a cell at the maximum lost it).
     dirty: u64,
     /// The seed's `used` counter.
     pub used: u32,
+}
+
+/// Two cell tables are equal when their cells and `used` are: the indexes are derived from
+/// the cells, and their position bounds may differ in how loose they are.
+impl PartialEq for Cells {
+    fn eq(&self, other: &Cells) -> bool {
+        self.pos == other.pos
+            && self.delta == other.delta
+            && self.src == other.src
+            && self.tail == other.tail
+            && self.seqs == other.seqs
+            && self.used == other.used
+    }
+}
+
+impl Eq for Cells {}
+
+/// The groups of a set an operation visited, tightened once it is done.
+fn tighten(set: &mut CellSet, cursor: &Cursor) {
+    if let Some((first, last)) = cursor.visited() {
+        set.tighten_groups(first, last);
+    }
 }
 
 impl Cells {
@@ -150,9 +158,9 @@ impl Cells {
         use crate::alloc::{filled, zeroed};
         let words = size.div_ceil(64);
         let what = "the cell columns";
-        let mut seq_bits = crate::alloc::with_capacity(n_seq, what)?;
+        let mut seq = crate::alloc::with_capacity(n_seq, what)?;
         for _ in 0..n_seq {
-            seq_bits.push(zeroed(words, what)?);
+            seq.push(CellSet::new(words, what)?);
         }
         Ok(Cells {
             pos: filled(size, -1, what)?,
@@ -160,9 +168,8 @@ impl Cells {
             src: filled(size, -1, what)?,
             tail: filled(size, -1, what)?,
             seqs: filled(size, SeqSet::EMPTY, what)?,
-            occupied: zeroed(words, what)?,
-            seq_bits,
-            seq_cells: vec![0; n_seq],
+            occupied: CellSet::new(words, what)?,
+            seq,
             seq_pos_max: vec![NO_POS; n_seq],
             dirty: 0,
             used: 0,
@@ -247,42 +254,45 @@ impl Cells {
 
     /// Number of sequences tracked.
     pub fn n_seq(&self) -> usize {
-        self.seq_cells.len()
+        self.seq.len()
     }
 
     /// Cells holding `seq`.
     pub fn seq_cell_count(&self, seq: usize) -> u32 {
-        self.seq_cells[seq]
+        self.seq[seq].count()
     }
 
     /// Largest position among the cells holding `seq`, `None` when it has none.
     pub fn seq_pos_max(&self, seq: usize) -> Option<i32> {
-        if self.seq_cells[seq] == 0 {
+        if self.seq[seq].count() == 0 {
             return None;
         }
         if self.dirty & (1 << seq) != 0 {
-            return Some(self.compute_max(seq));
+            return self.seq[seq].max_pos(&self.pos);
         }
         Some(self.seq_pos_max[seq])
     }
 
     /// Sum over cells of the number of sequences (the seed's `get_n_tokens`).
     pub fn n_tokens(&self) -> u64 {
-        self.seq_cells.iter().map(|&c| c as u64).sum()
+        self.seq.iter().map(|s| s.count() as u64).sum()
     }
 
     /// The cells holding `seq`, ascending; walks only the sequence's bitmap.
     pub fn cells_of(&self, seq: usize) -> impl Iterator<Item = usize> + '_ {
-        self.seq_bits[seq]
+        self.seq[seq]
+            .words()
             .iter()
             .enumerate()
+            .filter(|(_, &word)| word != 0)
             .flat_map(|(w, &word)| bits(word).map(move |b| w * 64 + b))
     }
 
     /// The first cell not holding `seq`, if any.
     pub fn first_without(&self, seq: usize) -> Option<usize> {
         let n = self.pos.len();
-        self.seq_bits[seq]
+        self.seq[seq]
+            .words()
             .iter()
             .enumerate()
             .find(|(_, &w)| w != u64::MAX)
@@ -305,18 +315,19 @@ impl Cells {
         if from >= n {
             return n;
         }
+        let occupied = self.occupied.words();
         let mut w = from / 64;
         let flip = if free { u64::MAX } else { 0 };
-        let mut word = (self.occupied[w] ^ flip) & (u64::MAX << (from % 64));
+        let mut word = (occupied[w] ^ flip) & (u64::MAX << (from % 64));
         loop {
             if word != 0 {
                 return (w * 64 + word.trailing_zeros() as usize).min(n);
             }
             w += 1;
-            if w >= self.occupied.len() {
+            if w >= occupied.len() {
                 return n;
             }
-            word = self.occupied[w] ^ flip;
+            word = occupied[w] ^ flip;
         }
     }
 
@@ -327,13 +338,13 @@ impl Cells {
             return;
         }
         self.pos[i] = pos;
-        let bit = 1u64 << (i % 64);
         if pos >= 0 {
-            self.occupied[i / 64] |= bit;
+            self.occupied.insert(i, pos);
         } else {
-            self.occupied[i / 64] &= !bit;
+            self.occupied.remove(i);
         }
         for seq in self.seqs[i].iter() {
+            self.seq[seq].moved(i, pos);
             if pos > self.seq_pos_max[seq] {
                 self.seq_pos_max[seq] = pos;
             } else if old == self.seq_pos_max[seq] {
@@ -368,9 +379,8 @@ impl Cells {
             return;
         }
         self.seqs[i].insert(seq);
-        self.seq_bits[seq][i / 64] |= 1u64 << (i % 64);
-        self.seq_cells[seq] += 1;
-        if self.seq_cells[seq] == 1 {
+        self.seq[seq].insert(i, self.pos[i]);
+        if self.seq[seq].count() == 1 {
             self.seq_pos_max[seq] = self.pos[i];
             self.dirty &= !(1 << seq);
         } else if self.pos[i] > self.seq_pos_max[seq] {
@@ -384,9 +394,8 @@ impl Cells {
             return;
         }
         self.seqs[i].remove(seq);
-        self.seq_bits[seq][i / 64] &= !(1u64 << (i % 64));
-        self.seq_cells[seq] -= 1;
-        if self.seq_cells[seq] == 0 {
+        self.seq[seq].remove(i);
+        if self.seq[seq].count() == 0 {
             self.seq_pos_max[seq] = NO_POS;
             self.dirty &= !(1 << seq);
         } else if self.pos[i] == self.seq_pos_max[seq] {
@@ -422,16 +431,98 @@ impl Cells {
         self.set_seqs(i, cell.seqs);
     }
 
+    /// Frees cell `i` of word `w`, whose sequences the caller has already dropped from their
+    /// sets (the occupied set is the caller's too).
+    #[inline(always)]
+    fn free_cell(&mut self, i: usize) {
+        self.seqs[i] = SeqSet::EMPTY;
+        self.pos[i] = -1;
+        self.src[i] = -1;
+    }
+
+    /// The sequences other than `m` that hold any cell (a mask).
+    fn others(&self, m: u64) -> u64 {
+        let mut active = 0u64;
+        for (s, set) in self.seq.iter().enumerate() {
+            if set.count() > 0 {
+                active |= 1 << s;
+            }
+        }
+        active & !m
+    }
+
+    /// Whether no sequence of `others` holds a cell of word `w` (a whole word inside the
+    /// cache), read from their bitmaps: a word per sequence instead of the 512 bytes of the
+    /// word's sequence masks.
+    #[inline(always)]
+    fn word_alone(&self, w: usize, others: u64) -> bool {
+        w * 64 + 64 <= self.pos.len() && bits(others).all(|s| self.seq[s].word(w) == 0)
+    }
+
+    /// Frees the 64 cells of word `w` with column fills (the caller updates the sets).
+    fn free_word(&mut self, w: usize) {
+        let cells = w * 64..w * 64 + 64;
+        self.seqs[cells.clone()].fill(SeqSet::EMPTY);
+        self.pos[cells.clone()].fill(-1);
+        // transformer caches rarely set `src`: skip the write when nothing changes
+        if self.src[cells.clone()].iter().any(|&s| s != -1) {
+            self.src[cells].fill(-1);
+        }
+    }
+
+    /// Moves the 64 cells of word `w` to `new_pos(pos)` in one vectorizable pass, when no
+    /// sequence of `others` holds any of them and `old` (bounds on their positions) maps to
+    /// non-negative positions. `new_pos` does not decrease, so the image of `old` bounds the new
+    /// positions without reading them; returns it, or `None` (changing nothing).
+    #[inline(always)]
+    fn shift_word_alone(
+        &mut self,
+        w: usize,
+        others: u64,
+        old: (i32, i32),
+        new_pos: &impl Fn(i32) -> i32,
+    ) -> Option<(i32, i32)> {
+        let (lo, hi) = (new_pos(old.0), new_pos(old.1));
+        if lo < 0 || !self.word_alone(w, others) {
+            return None;
+        }
+        let cells = w * 64..w * 64 + 64;
+        let pos = <&mut [i32; 64]>::try_from(&mut self.pos[cells.clone()]).ok()?;
+        let delta = <&mut [i32; 64]>::try_from(&mut self.delta[cells]).ok()?;
+        for (p, d) in pos.iter_mut().zip(delta.iter_mut()) {
+            let new = new_pos(*p);
+            *d = d.wrapping_add(new.wrapping_sub(*p));
+            *p = new;
+        }
+        Some((lo, hi))
+    }
+
     /// Removes `seq` from its cells with `p0 <= pos < p1`; cells left without a sequence are
-    /// freed (pos -1, src -1). Walks only the sequence's cells.
+    /// freed (pos -1, src -1). Visits only the words holding positions in the range.
     pub fn remove_seq_in_range(&mut self, seq: usize, p0: i32, p1: i32) -> Freed {
         let m = 1u64 << seq;
+        let others = self.others(m);
         let max = self.seq_pos_max[seq];
         let mut out = Freed::default();
-        for w in 0..self.occupied.len() {
-            let cleared = self.in_range(self.seq_bits[seq][w], w, p0, p1);
+        let mut cur = self.seq[seq].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[seq]) {
+            let word = self.seq[seq].word(w);
+            let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
+            if hits == u64::MAX && self.word_alone(w, others) {
+                // 64 cells of this sequence alone, all in the range: free them with fills
+                let (wlo, whi) = self.seq[seq].bounds(w);
+                if (wlo..=whi).contains(&max) {
+                    self.dirty |= m;
+                }
+                self.free_word(w);
+                out.note(w * 64, 0);
+                out.with_pos += 63;
+                self.seq[seq].set_word(w, 0, NO_LO, NO_HI);
+                self.occupied.remove_bits(w, u64::MAX);
+                continue;
+            }
             let mut emptied = 0u64;
-            for b in bits(cleared) {
+            for b in bits(hits) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
                 if pos == max {
@@ -441,14 +532,13 @@ impl Cells {
                 if self.seqs[i].0 == 0 {
                     emptied |= 1 << b;
                     out.note(i, pos);
-                    self.pos[i] = -1;
-                    self.src[i] = -1;
+                    self.free_cell(i);
                 }
             }
-            self.seq_bits[seq][w] &= !cleared;
-            self.occupied[w] &= !emptied;
-            self.seq_cells[seq] -= cleared.count_ones();
+            self.seq[seq].set_word(w, word & !hits, lo, hi);
+            self.occupied.remove_bits(w, emptied);
         }
+        tighten(&mut self.seq[seq], &cur);
         self.fix_empty(seq);
         out
     }
@@ -456,25 +546,25 @@ impl Cells {
     /// Frees every cell with `p0 <= pos < p1`, whatever its sequences (`seq_rm(-1, ..)`).
     pub fn free_range(&mut self, p0: i32, p1: i32) -> Freed {
         let mut out = Freed::default();
-        for w in 0..self.occupied.len() {
-            let emptied = self.in_range(self.occupied[w], w, p0, p1);
-            for b in bits(emptied) {
+        let mut cur = self.occupied.cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.occupied) {
+            let word = self.occupied.word(w);
+            let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
+            for b in bits(hits) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
                 for seq in bits(self.seqs[i].0) {
-                    self.seq_bits[seq][w] &= !(1 << b);
-                    self.seq_cells[seq] -= 1;
+                    self.seq[seq].remove(i);
                     if pos == self.seq_pos_max[seq] {
                         self.dirty |= 1 << seq;
                     }
                 }
-                self.seqs[i] = SeqSet::EMPTY;
                 out.note(i, pos);
-                self.pos[i] = -1;
-                self.src[i] = -1;
+                self.free_cell(i);
             }
-            self.occupied[w] &= !emptied;
+            self.occupied.set_word(w, word & !hits, lo, hi);
         }
+        tighten(&mut self.occupied, &cur);
         for seq in 0..self.n_seq() {
             self.fix_empty(seq);
         }
@@ -484,24 +574,55 @@ impl Cells {
     /// Adds `dst` to the cells of `src` with `p0 <= pos < p1`.
     pub fn copy_seq_in_range(&mut self, src: usize, dst: usize, p0: i32, p1: i32) {
         let m = 1u64 << dst;
-        for w in 0..self.occupied.len() {
-            let added = self.in_range(self.seq_bits[src][w] & !self.seq_bits[dst][w], w, p0, p1);
-            for b in bits(added) {
+        let mut cur = self.seq[src].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[src]) {
+            let word = self.seq[src].word(w);
+            let (hits, mut lo, mut hi) = select(&self.pos, word, w, inside, p0, p1);
+            let added = hits & !self.seq[dst].word(w);
+            if let (u64::MAX, Some(seqs)) = (added, self.seqs.get_mut(w * 64..w * 64 + 64)) {
+                // 64 cells, all in the range and new to `dst`: one vectorizable pass; the source
+                // word's bounds, clamped to the range, bound their positions
+                for s in seqs {
+                    s.0 |= m;
+                }
+                let (wlo, whi) = self.seq[src].bounds(w);
+                let (lo, hi) = (wlo.max(p0), whi.min(p1 - 1));
+                if self.seq[dst].count() == 0 || hi >= self.seq_pos_max[dst] {
+                    // a bound, not the exact maximum: `settle` finds it
+                    self.seq_pos_max[dst] = hi;
+                    self.dirty |= m;
+                }
+                self.seq[dst].add_bits(w, added, lo, hi);
+                continue;
+            }
+            let (mut added_lo, mut added_hi) = (NO_LO, NO_HI);
+            for b in bits(hits) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
-                self.seqs[i].0 |= m;
-                if self.seq_cells[dst] == 0 || pos > self.seq_pos_max[dst] {
-                    self.seq_pos_max[dst] = pos;
+                lo = lo.min(pos);
+                hi = hi.max(pos);
+                if added >> b & 1 == 1 {
+                    self.seqs[i].0 |= m;
+                    added_lo = added_lo.min(pos);
+                    added_hi = added_hi.max(pos);
                 }
-                self.seq_cells[dst] += 1;
             }
-            self.seq_bits[dst][w] |= added;
+            if added != 0 {
+                if self.seq[dst].count() == 0 || added_hi > self.seq_pos_max[dst] {
+                    self.seq_pos_max[dst] = added_hi;
+                }
+                self.seq[dst].add_bits(w, added, added_lo, added_hi);
+            }
+            // every member of the source word was read: its bounds are exact again
+            self.seq[src].set_word(w, word, lo, hi);
         }
+        tighten(&mut self.seq[src], &cur);
     }
 
     /// Moves the cells of `seq` with `p0 <= pos < p1` to `new_pos(pos)`, adding the change to
-    /// their delta; cells pushed below 0 are freed with all their sequences. Returns whether any
-    /// cell matched and what was freed.
+    /// their delta; cells pushed below 0 are freed with all their sequences. `new_pos` must not
+    /// decrease when `pos` increases (adding a constant or dividing does not). Returns whether
+    /// any cell matched and what was freed.
     pub fn shift_seq_in_range(
         &mut self,
         seq: usize,
@@ -509,32 +630,60 @@ impl Cells {
         p1: i32,
         new_pos: impl Fn(i32) -> i32,
     ) -> (bool, Freed) {
+        let m = 1u64 << seq;
+        let others = self.others(m);
+        let max = self.seq_pos_max(seq).unwrap_or(NO_POS);
         let mut matched = false;
         let mut out = Freed::default();
-        for w in 0..self.occupied.len() {
-            let hits = self.in_range(self.seq_bits[seq][w], w, p0, p1);
+        let mut cur = self.seq[seq].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[seq]) {
+            let word = self.seq[seq].word(w);
+            let (hits, mut lo, mut hi) = select(&self.pos, word, w, inside, p0, p1);
             matched |= hits != 0;
+            if hits == u64::MAX {
+                // every cell is in the range and at most `max`: clamped, the word's bounds
+                // bound them, and `new_pos` maps them to bounds of the new positions
+                let (wlo, whi) = self.seq[seq].bounds(w);
+                let old = (wlo.max(p0), whi.min(p1 - 1).min(max));
+                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, others, old, &new_pos) {
+                    // bounds, not the exact values: `settle` finds the new maximum
+                    if old.1 == max || new_hi >= self.seq_pos_max[seq] {
+                        self.dirty |= m;
+                    }
+                    self.seq[seq].set_word(w, word, new_lo, new_hi);
+                    self.occupied.moved_within(w, new_lo, new_hi);
+                    continue;
+                }
+            }
+            let mut emptied = 0u64;
+            let (mut moved_lo, mut moved_hi) = (NO_LO, NO_HI);
             for b in bits(hits) {
                 let i = w * 64 + b;
                 let old = self.pos[i];
                 let new = new_pos(old);
                 self.delta[i] = self.delta[i].wrapping_add(new.wrapping_sub(old));
+                if old == max {
+                    self.dirty |= m;
+                }
+                let others = self.seqs[i].0 & !m;
                 if new < 0 {
                     out.note(i, 0);
-                    for s in bits(self.seqs[i].0) {
-                        self.seq_bits[s][w] &= !(1 << b);
-                        self.seq_cells[s] -= 1;
+                    emptied |= 1 << b;
+                    for s in bits(others) {
+                        self.seq[s].remove(i);
                         if old == self.seq_pos_max[s] {
                             self.dirty |= 1 << s;
                         }
                     }
                     self.seqs[i] = SeqSet::EMPTY;
                     self.pos[i] = -1;
-                    self.occupied[w] &= !(1 << b);
                     continue;
                 }
                 self.pos[i] = new;
-                for s in bits(self.seqs[i].0) {
+                moved_lo = moved_lo.min(new);
+                moved_hi = moved_hi.max(new);
+                for s in bits(others) {
+                    self.seq[s].moved(i, new);
                     if new > self.seq_pos_max[s] {
                         self.seq_pos_max[s] = new;
                     } else if old == self.seq_pos_max[s] {
@@ -542,7 +691,18 @@ impl Cells {
                     }
                 }
             }
+            if moved_hi > self.seq_pos_max[seq] {
+                self.seq_pos_max[seq] = moved_hi;
+            }
+            lo = lo.min(moved_lo);
+            hi = hi.max(moved_hi);
+            self.seq[seq].set_word(w, word & !emptied, lo, hi);
+            self.occupied.remove_bits(w, emptied);
+            if moved_lo <= moved_hi {
+                self.occupied.moved_within(w, moved_lo, moved_hi);
+            }
         }
+        tighten(&mut self.seq[seq], &cur);
         for s in 0..self.n_seq() {
             self.fix_empty(s);
         }
@@ -554,58 +714,40 @@ impl Cells {
     pub fn keep_only(&mut self, seq: usize) -> u32 {
         let single = SeqSet::single(seq);
         let mut freed = 0;
-        for w in 0..self.occupied.len() {
-            let keep = self.seq_bits[seq][w];
-            let drop = self.occupied[w] & !keep;
+        let n = self.pos.len();
+        for w in 0..self.occupied.words().len() {
+            let keep = self.seq[seq].word(w);
+            let drop = self.occupied.word(w) & !keep;
             freed += drop.count_ones();
-            for b in bits(drop) {
-                let i = w * 64 + b;
-                self.seqs[i] = SeqSet::EMPTY;
-                self.pos[i] = -1;
-                self.src[i] = -1;
+            if drop == u64::MAX && w * 64 + 64 <= n {
+                // a whole word of cells to free: column fills the compiler vectorizes
+                self.free_word(w);
+            } else {
+                for b in bits(drop) {
+                    self.free_cell(w * 64 + b);
+                }
             }
             for b in bits(keep) {
-                self.seqs[w * 64 + b] = single;
+                let i = w * 64 + b;
+                if self.seqs[i] != single {
+                    self.seqs[i] = single;
+                }
             }
-            self.occupied[w] &= keep;
+            self.occupied.remove_bits(w, drop);
         }
         for s in (0..self.n_seq()).filter(|&s| s != seq) {
-            self.seq_bits[s].fill(0);
-            self.seq_cells[s] = 0;
+            self.seq[s].clear();
             self.seq_pos_max[s] = NO_POS;
         }
         self.dirty &= 1 << seq;
         freed
     }
 
-    /// The cells of `word` (cells `64 w ..`) whose position is in `[p0, p1)`.
-    #[inline(always)]
-    fn in_range(&self, word: u64, w: usize, p0: i32, p1: i32) -> u64 {
-        let mut hits = 0u64;
-        for b in bits(word) {
-            let pos = self.pos[w * 64 + b];
-            if pos >= p0 && pos < p1 {
-                hits |= 1 << b;
-            }
-        }
-        hits
-    }
-
     fn fix_empty(&mut self, seq: usize) {
-        if self.seq_cells[seq] == 0 {
+        if self.seq[seq].count() == 0 {
             self.seq_pos_max[seq] = NO_POS;
             self.dirty &= !(1 << seq);
         }
-    }
-
-    fn compute_max(&self, seq: usize) -> i32 {
-        let mut max = NO_POS;
-        for (w, &word) in self.seq_bits[seq].iter().enumerate() {
-            for b in bits(word) {
-                max = max.max(self.pos[w * 64 + b]);
-            }
-        }
-        max
     }
 
     /// Recomputes the maxima marked stale; called at the end of every mutating operation so
@@ -614,7 +756,7 @@ impl Cells {
         while self.dirty != 0 {
             let seq = self.dirty.trailing_zeros() as usize;
             self.dirty &= self.dirty - 1;
-            self.seq_pos_max[seq] = self.compute_max(seq);
+            self.seq_pos_max[seq] = self.seq[seq].max_pos(&self.pos).unwrap_or(NO_POS);
         }
     }
 
@@ -624,11 +766,10 @@ impl Cells {
         self.src.fill(-1);
         self.tail.fill(-1);
         self.seqs.fill(SeqSet::EMPTY);
-        self.occupied.fill(0);
-        for b in &mut self.seq_bits {
-            b.fill(0);
+        self.occupied.clear();
+        for s in &mut self.seq {
+            s.clear();
         }
-        self.seq_cells.fill(0);
         self.seq_pos_max.fill(NO_POS);
         self.dirty = 0;
         self.used = 0;
@@ -636,31 +777,12 @@ impl Cells {
 
     /// Checks every index against the columns (tests and debug builds).
     pub fn check_consistency(&self) -> Result<(), String> {
-        for i in 0..self.pos.len() {
-            let occ = self.occupied[i / 64] >> (i % 64) & 1 == 1;
-            if occ != (self.pos[i] >= 0) {
-                return Err(format!(
-                    "cell {i}: occupied bit {occ} but pos {}",
-                    self.pos[i]
-                ));
-            }
-            for seq in 0..self.n_seq() {
-                let bit = self.seq_bits[seq][i / 64] >> (i % 64) & 1 == 1;
-                if bit != self.seqs[i].contains(seq) {
-                    return Err(format!(
-                        "cell {i}: seq {seq} bitmap {bit} disagrees with the mask"
-                    ));
-                }
-            }
-        }
+        self.occupied
+            .check("occupied", &self.pos, |i| self.pos[i] >= 0)?;
         for seq in 0..self.n_seq() {
-            let count = self.seqs.iter().filter(|s| s.contains(seq)).count() as u32;
-            if count != self.seq_cells[seq] {
-                return Err(format!(
-                    "seq {seq}: count {} but {count} cells",
-                    self.seq_cells[seq]
-                ));
-            }
+            self.seq[seq].check(&format!("seq {seq}"), &self.pos, |i| {
+                self.seqs[i].contains(seq)
+            })?;
             let max = (0..self.pos.len())
                 .filter(|&i| self.seqs[i].contains(seq))
                 .map(|i| self.pos[i])

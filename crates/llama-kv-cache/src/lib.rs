@@ -17,6 +17,7 @@
 pub mod alloc;
 mod atomic_write;
 mod cache;
+mod cell_set;
 pub mod cells;
 pub mod convert;
 #[cfg(feature = "cuda")]

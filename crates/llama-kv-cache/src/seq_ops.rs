@@ -84,6 +84,7 @@ impl KvCache {
         }
         self.head = 0;
         self.cells.copy_seq_in_range(s, d, p0, p1);
+        self.cells.settle();
         Ok(())
     }
 
@@ -214,7 +215,8 @@ impl KvCache {
             }
             return Ok(());
         }
-        let (shifted, _) = self.cells.shift_seq_in_range(s, p0, p1, |pos| pos / d);
+        let div = Divisor::new(d);
+        let (shifted, _) = self.cells.shift_seq_in_range(s, p0, p1, |pos| div.of(pos));
         self.cells.settle();
         self.has_shift |= shifted;
         Ok(())
@@ -252,8 +254,85 @@ impl KvCache {
     }
 }
 
+/// Division of non-negative positions by a divisor fixed for a whole `seq_div`, as one
+/// multiplication: a hardware division per cell was most of that operation's time.
+///
+/// With `m = ceil(2^64 / d)`, `n / d == (m * n) >> 64` for every 32-bit `n` and every `d >= 2`
+/// (Lemire, Kaser and Kurz, "Faster remainder by direct computation", 2019, for 32-bit
+/// numerators and a 64-bit `m`).
+#[derive(Clone, Copy)]
+struct Divisor {
+    m: u64,
+}
+
+impl Divisor {
+    /// `d` must be at least 2 (`seq_div` returns early for 1).
+    fn new(d: i32) -> Divisor {
+        debug_assert!(d >= 2);
+        Divisor {
+            m: u64::MAX / d as u64 + 1,
+        }
+    }
+
+    /// `pos / d` for `pos >= 0` (range positions are never negative): `(m * n) >> 64` as two
+    /// 32 x 32 -> 64-bit products, which vector units have (a 64 x 64 -> 128 one they lack).
+    /// Exact: `m * n = m_hi * n * 2^32 + m_lo * n`, and dropping the low 32 bits of `m_lo * n`
+    /// before the second shift cannot change the floor; `m_hi * n < 2^63` leaves no overflow.
+    #[inline(always)]
+    fn of(self, pos: i32) -> i32 {
+        let n = pos as u32 as u64;
+        let (m_hi, m_lo) = (self.m >> 32, self.m & 0xffff_ffff);
+        ((m_hi * n + ((m_lo * n) >> 32)) >> 32) as i32
+    }
+}
+
 fn overflow(seq: i32, pos: i32, delta: i32) -> KvError {
     KvError::OutOfRange(format!(
         "seqAdd: position {pos} of seq {seq} plus delta {delta} overflows a 32-bit position"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Divisor;
+
+    #[test]
+    fn divisor_matches_integer_division() {
+        let ds = [
+            2,
+            3,
+            5,
+            7,
+            10,
+            64,
+            100,
+            1000,
+            65_537,
+            1 << 30,
+            i32::MAX - 1,
+            i32::MAX,
+        ];
+        let ns = [0, 1, 2, 3, 63, 64, 65, 999, 1 << 20, i32::MAX - 1, i32::MAX];
+        for &d in &ds {
+            let div = Divisor::new(d);
+            for &n in &ns {
+                assert_eq!(div.of(n), n / d, "{n} / {d}");
+            }
+        }
+        // xorshift32 over many more pairs
+        let mut x = 0x2545_f491u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for _ in 0..200_000 {
+            let d = (next() >> (next() % 31)).max(2) as i32 & i32::MAX;
+            let n = (next() >> 1) as i32;
+            if d >= 2 {
+                assert_eq!(Divisor::new(d).of(n), n / d, "{n} / {d}");
+            }
+        }
+    }
 }

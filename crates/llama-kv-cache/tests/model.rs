@@ -70,6 +70,29 @@ fn big_transformer_op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Long runs of one sequence (as prompts are placed) mixed with scattered tokens, in caches of
+/// several 4,096-cell groups: exercises the per-word and per-group position bounds that range
+/// operations use to skip cells, loose bounds included.
+fn group_spanning_op() -> impl Strategy<Value = Op> {
+    let range = (-1..3000i32, -1..3200i32);
+    prop_oneof![
+        4 => (seq_list(), 0..3000i32, 1..700i32).prop_map(|(seqs, p0, n)| Op::Place {
+            pos: (p0..p0 + n).collect(),
+            seqs: vec![seqs; n as usize],
+            n_seq_tokens: 1,
+        }),
+        2 => (prop::collection::vec((0..3000i32, seq_list()), 1..40)).prop_map(|toks| {
+            let (pos, seqs) = toks.into_iter().unzip();
+            Op::Place { pos, seqs, n_seq_tokens: 1 }
+        }),
+        3 => (-1..N_SEQ, range.clone()).prop_map(|(s, (a, b))| Op::Rm(s, a, b)),
+        2 => (0..N_SEQ, 0..N_SEQ, range.clone()).prop_map(|(s, d, (a, b))| Op::Cp(s, d, a, b)),
+        1 => (0..N_SEQ).prop_map(Op::Keep),
+        3 => (0..N_SEQ, range.clone(), -1500..1500i32).prop_map(|(s, (a, b), d)| Op::Add(s, a, b, d)),
+        2 => (0..N_SEQ, range, 1..5i32).prop_map(|(s, (a, b), d)| Op::Div(s, a, b, d)),
+    ]
+}
+
 fn recurrent_place() -> impl Strategy<Value = Op> {
     (
         prop::collection::btree_set(0..N_SEQ, 1..=3),
@@ -267,4 +290,76 @@ proptest! {
     fn recurrent_matches_the_seed_model(size in 4u32..8, ops in prop::collection::vec(recurrent_op(), 1..40)) {
         run(size, true, &ops);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Caches of two and more 4,096-cell index groups, with long runs and shifts of thousands
+    /// of positions: range operations that skip words and groups by their position bounds must
+    /// still match the seed's scan of every cell.
+    #[test]
+    fn group_spanning_caches_match_the_seed_model(size in 4100u32..9000, ops in prop::collection::vec(group_spanning_op(), 1..25)) {
+        run(size, false, &ops);
+    }
+}
+
+/// Whole 64-cell words of one sequence take the vectorized paths of `seq_rm`, `seq_cp`,
+/// `seq_add` and `seq_div`; a fixed script makes sure each of them runs, with shared cells
+/// and cells pushed below 0 sending some words down the cell-by-cell path.
+#[test]
+fn whole_word_fast_paths_match_the_seed_model() {
+    let run_of = |seq: i32, p0: i32, n: i32| Op::Place {
+        pos: (p0..p0 + n).collect(),
+        seqs: vec![vec![seq]; n as usize],
+        n_seq_tokens: 1,
+    };
+    let ops = [
+        run_of(0, 0, 1000),
+        run_of(2, 0, 300),
+        Op::Cp(0, 1, 64, 900),
+        Op::Cp(0, 3, -1, -1),
+        Op::Add(2, 0, -1, 7),
+        Op::Div(2, -1, -1, 3),
+        Op::Rm(3, 128, 640),
+        Op::Add(0, 900, -1, -200),
+        Op::Add(3, 0, -1, -100),
+        Op::Div(0, 0, 512, 2),
+        Op::Rm(2, -1, -1),
+        run_of(2, 5000, 700),
+        Op::Rm(0, 0, 700),
+        Op::Cp(2, 0, 5100, 5600),
+        Op::Add(2, 5000, 5700, -5000),
+        Op::Div(2, 0, -1, 64),
+        Op::Keep(1),
+    ];
+    run(4200, false, &ops);
+}
+
+/// A word's position bounds can be loose (a cell at a far position came and went); the whole
+/// word paths use bounds instead of reading positions, and must still leave every
+/// `seq_pos_max` exact.
+#[test]
+fn loose_word_bounds_never_leak_into_seq_pos_max() {
+    let run_of = |seq: i32, p0: i32, n: i32| Op::Place {
+        pos: (p0..p0 + n).collect(),
+        seqs: vec![vec![seq]; n as usize],
+        n_seq_tokens: 1,
+    };
+    let ops = [
+        run_of(0, 0, 63),
+        run_of(0, 5000, 1),
+        // freeing by position (seq -1) drops the cell from its sequences without narrowing
+        // their bounds
+        Op::Rm(-1, 5000, 5001),
+        run_of(0, 63, 1),
+        // the source word's bounds say up to 5000, its cells stop at 63
+        Op::Cp(0, 1, -1, -1),
+        run_of(2, 100, 128),
+        // a whole word moved above the sequence's old maximum, whose word stays put
+        Op::Add(2, 100, 164, 1000),
+        Op::Div(2, 1100, 1164, 2),
+        Op::Add(1, -1, -1, 9),
+    ];
+    run(256, false, &ops);
 }

@@ -129,6 +129,14 @@ impl Bench {
             "seq_add" => c.seq_add(s, len / 2, -1, -(len / 4)).map_err(e)?,
             "seq_div" => c.seq_div(s, 0, -1, 2).map_err(e)?,
             "seq_cp" => c.seq_cp(s, (s + 1) % self.n_seq, 0, -1).map_err(e)?,
+            "seq_rm_short" => {
+                c.seq_rm(s, len / 2, len / 2 + 16).map_err(e)?;
+            }
+            "seq_add_short" => c.seq_add(s, len - 16, -1, 16).map_err(e)?,
+            "seq_div_short" => c.seq_div(s, len - 16, -1, 2).map_err(e)?,
+            "seq_cp_short" => c
+                .seq_cp(s, (s + 1) % self.n_seq, len / 2, len / 2 + 16)
+                .map_err(e)?,
             "seq_keep" => c.seq_keep(s).map_err(e)?,
             "seq_pos_max" => {
                 std::hint::black_box(c.seq_pos_max(s).map_err(e)?);
