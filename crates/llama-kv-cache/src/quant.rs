@@ -203,6 +203,27 @@ fn c_float_to_int(v: f32) -> i32 {
     }
 }
 
+/// C's `roundf` (halves away from zero) without the libm call that `f32::round` compiles to on
+/// baseline x86-64 (it was a fifth of a q8_0 conversion): truncation through an integer is
+/// exact below 2^23, and so is the fraction. Larger values, infinities and NaN are already
+/// `roundf`'s answer or go to it. The sign of a zero result may differ, which no caller sees:
+/// every result is converted to an integer.
+#[inline]
+fn round_half_away(x: f32) -> f32 {
+    if x.is_nan() || x.abs() >= 8_388_608.0 {
+        return x.round();
+    }
+    let t = (x as i32) as f32;
+    let frac = x - t;
+    if frac >= 0.5 {
+        t + 1.0
+    } else if frac <= -0.5 {
+        t - 1.0
+    } else {
+        t
+    }
+}
+
 /// The element of largest magnitude (the first one on ties) and that magnitude, as the
 /// q4_0/q5_0/iq4_nl quantizers pick it (`if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`).
 /// NaN elements are never picked.
@@ -467,7 +488,7 @@ fn quantize_block_q8_0(x: &[f32; QK], out: &mut [u8]) {
     let id = inverse_or_zero(d);
     out[0..2].copy_from_slice(&fp16_bytes(d));
     for (q, &v) in out[2..34].iter_mut().zip(x) {
-        *q = c_float_to_int((v * id).round()) as u8;
+        *q = c_float_to_int(round_half_away(v * id)) as u8;
     }
 }
 
@@ -572,6 +593,49 @@ fn quantize_block_iq4_nl(x: &[f32; QK], out: &mut [u8], ntry: i32) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn round_half_away_is_roundf_for_every_value_a_quantizer_rounds() {
+        let mut xs: Vec<f32> = vec![
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.499_999_97,
+            -0.499_999_97,
+            126.5,
+            -127.5,
+            8_388_607.5,
+            8_388_608.0,
+            1e10,
+            -1e10,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-45,
+        ];
+        let mut bits = 0x1234_5678u32;
+        for _ in 0..200_000 {
+            bits ^= bits << 13;
+            bits ^= bits >> 17;
+            bits ^= bits << 5;
+            xs.push(f32::from_bits(bits));
+            xs.push((bits % 100_000) as f32 / 391.0 - 128.0);
+        }
+        for x in xs {
+            let (ours, libm) = (round_half_away(x), x.round());
+            assert!(
+                ours == libm || (ours.is_nan() && libm.is_nan()),
+                "{x:e}: {ours} vs {libm}"
+            );
+            assert_eq!(c_float_to_int(ours), c_float_to_int(libm), "{x:e}");
+        }
+    }
+
     use super::*;
 
     /// The ramp -16, -15, ..., 15.
