@@ -18,7 +18,7 @@ use llama_kv_cache::files::{read_file, write_atomic};
 use llama_kv_cache::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
     CacheParams, GgmlType, KvCache, Layout, ReadOptions, RopeParams, RopeTable, RopeType,
-    ShiftParams, UBatch, WriteOptions, DEFAULT_MAX_NODES,
+    ShiftParams, Tensor, UBatch, WriteOptions, DEFAULT_MAX_NODES,
 };
 
 const CELLS: u32 = 4096;
@@ -111,9 +111,17 @@ const DEFRAG_CASES: [DefragCase; 3] = [
 ];
 
 impl DefragCase {
-    /// The fragmented cache, ready to defrag.
+    /// The fragmented cache, ready to defrag. Every K/V row is written first, as decoding
+    /// would: a defrag of never-written tensors times the page faults of their first writes
+    /// (the zero pages the OS hands out lazily), not the moves.
     fn prepare(&self) -> KvCache {
         let mut c = filled(params(self.flash_attn), self.owner);
+        let rows = vec![0x3cu8; CELLS as usize * EMBD as usize * 2];
+        for il in 0..LAYERS {
+            for which in [Tensor::K, Tensor::V] {
+                c.write_rows(il, which, 0, &rows).unwrap();
+            }
+        }
         c.seq_rm(1, -1, -1).unwrap();
         c
     }
