@@ -27,6 +27,12 @@ export declare class KvCache {
   static cudaDevices(): Array<CudaDevice>
   /** Whether CUDA memory can be used here, and why not. */
   static cudaStatus(): CudaStatus
+  /**
+   * Host tensor bytes the cache holds in memory now: tensors are zeroed lazily by the OS, so
+   * a tensor counts once it is written (`clear()` zeroes it in place and keeps its memory for
+   * the next writes). This is also what V8 is told the cache costs.
+   */
+  get residentBytes(): number
   /** Tensor bytes per device. */
   get bytesPerDevice(): Array<DeviceBytes>
   /** Whether `dispose()` was called. */

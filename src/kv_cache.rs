@@ -25,9 +25,53 @@ use crate::types::*;
 pub struct Shared {
     pub cache: Mutex<Option<core::KvCache>>,
     pub queue: Queue,
+    /// The env of the JS thread that made the cache.
+    env: JsEnv,
+    /// Host tensor bytes V8 was told about.
+    external: AtomicI64,
 }
 
+/// A JS thread's env.
+struct JsEnv(napi::sys::napi_env);
+
+// SAFETY: the env is only handed to Node-API on the JS thread that created the cache (its
+// synchronous calls and its tasks' completions run there); other threads only carry it
+unsafe impl Send for JsEnv {}
+// SAFETY: as above
+unsafe impl Sync for JsEnv {}
+
 impl Shared {
+    /// Tells V8 how many host tensor bytes the cache holds in memory, so that the GC weighs an
+    /// undisposed cache by what it costs. Tensors are zeroed lazily, so only written ones
+    /// count: reporting a new cache's whole size made V8 run a full collection inside every
+    /// `new KvCache` of a few GiB ("external memory pressure"), 3-70 ms of a creation that
+    /// otherwise takes microseconds. Call on the JS thread.
+    pub fn account(&self, cache: &core::KvCache) {
+        self.report(cache.host_resident_bytes() as i64);
+    }
+
+    /// [`Shared::account`] when the cache is not locked (after a task or a stream).
+    pub fn account_if_free(&self) {
+        if let Ok(lock) = self.cache.try_lock() {
+            if let Some(cache) = lock.as_ref() {
+                self.account(cache);
+            }
+        }
+    }
+
+    /// Reports `bytes` in place of the amount reported before.
+    fn report(&self, bytes: i64) {
+        let before = self.external.swap(bytes, Ordering::SeqCst);
+        if bytes != before {
+            let mut total = 0;
+            // SAFETY: on the JS thread of the env (see JsEnv); a failure only leaves V8's
+            // estimate stale
+            unsafe {
+                napi::sys::napi_adjust_external_memory(self.env.0, bytes - before, &mut total)
+            };
+        }
+    }
+
     /// Runs a synchronous call on the cache: refused while async work is queued or running
     /// (`ERR_KV_BUSY`) or after `dispose()`.
     pub fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
@@ -93,16 +137,12 @@ fn poisoned() -> JsErr {
 #[napi(custom_finalize)]
 pub struct KvCache {
     shared: Arc<Shared>,
-    external_bytes: AtomicI64,
     model_shift: Option<core::ShiftParams>,
 }
 
 impl ObjectFinalize for KvCache {
-    fn finalize(self, env: Env) -> napi::Result<()> {
-        let bytes = self.external_bytes.swap(0, Ordering::SeqCst);
-        if bytes != 0 {
-            env.adjust_external_memory(-bytes)?;
-        }
+    fn finalize(self, _: Env) -> napi::Result<()> {
+        self.shared.report(0);
         Ok(())
     }
 }
@@ -131,21 +171,17 @@ impl KvCache {
         let devices = crate::device::devices(device, params.n_layer)?;
         let mut alloc = crate::device::allocator(devices)?;
         let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
-        // V8 is told about host memory only
-        let bytes = cache
-            .bytes_per_device()
-            .iter()
-            .filter(|(d, _)| *d == core::Device::Host)
-            .map(|(_, b)| *b as i64)
-            .sum::<i64>();
-        env.adjust_external_memory(bytes)
-            .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+        let shared = Arc::new(Shared {
+            cache: Mutex::new(None),
+            queue: Queue::default(),
+            env: JsEnv(env.raw()),
+            external: AtomicI64::new(0),
+        });
+        // V8 is told about host memory only, as it gets written
+        shared.account(&cache);
+        *shared.cache.lock().map_err(|_| poisoned())? = Some(cache);
         Ok(KvCache {
-            shared: Arc::new(Shared {
-                cache: Mutex::new(Some(cache)),
-                queue: Queue::default(),
-            }),
-            external_bytes: AtomicI64::new(bytes),
+            shared,
             model_shift,
         })
     }
@@ -157,7 +193,9 @@ impl KvCache {
     /// Runs `job` on the calling thread (refused while the cache is busy).
     pub(crate) fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
         self.with(|c| {
-            let output = job.run(c, &mut |_, _| true)?;
+            let output = job.run(c, &mut |_, _| true);
+            self.shared.account(c);
+            let output = output?;
             J::to_js(output)
         })
     }
@@ -240,7 +278,11 @@ impl KvCache {
     fn write(&self, layer: Num, v: bool, first: Num, data: &[u8]) -> Result<(), Code> {
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
-        self.with(|c| c.write_rows(il, which, first, data).map_err(from_core))
+        self.with(|c| {
+            let written = c.write_rows(il, which, first, data).map_err(from_core);
+            self.shared.account(c);
+            written
+        })
     }
 
     fn read_f32(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Float32Array, Code> {
@@ -257,8 +299,11 @@ impl KvCache {
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
         self.with(|c| {
-            c.write_rows_f32(il, which, first, values)
-                .map_err(from_core)
+            let written = c
+                .write_rows_f32(il, which, first, values)
+                .map_err(from_core);
+            self.shared.account(c);
+            written
         })
     }
 }
@@ -312,7 +357,7 @@ impl KvCache {
 
     /// Frees the tensors now. Any later call throws `ERR_KV_DISPOSED`; disposing twice is a no-op.
     #[napi]
-    pub fn dispose(&self, env: Env) -> Result<(), Code> {
+    pub fn dispose(&self) -> Result<(), Code> {
         guard(|| {
             if self.shared.queue.is_pending() {
                 return Err(err(
@@ -321,11 +366,7 @@ impl KvCache {
                 ));
             }
             if self.shared.take_for_dispose()?.is_some() {
-                let bytes = self.external_bytes.swap(0, Ordering::SeqCst);
-                if bytes != 0 {
-                    env.adjust_external_memory(-bytes)
-                        .map_err(|e| err(Code::Internal, e.reason.clone()))?;
-                }
+                self.shared.report(0);
             }
             Ok(())
         })
@@ -333,8 +374,8 @@ impl KvCache {
 
     /// `using cache = new KvCache(...)`: disposes at the end of the scope.
     #[napi(well_known_symbol = "dispose")]
-    pub fn symbol_dispose(&self, env: Env) -> Result<(), Code> {
-        self.dispose(env)
+    pub fn symbol_dispose(&self) -> Result<(), Code> {
+        self.dispose()
     }
 
     /// The CUDA devices present; empty where there is no NVIDIA driver.
@@ -347,6 +388,14 @@ impl KvCache {
     #[napi]
     pub fn cuda_status() -> CudaStatus {
         crate::device::status()
+    }
+
+    /// Host tensor bytes the cache holds in memory now: tensors are zeroed lazily by the OS, so
+    /// a tensor counts once it is written (`clear()` zeroes it in place and keeps its memory for
+    /// the next writes). This is also what V8 is told the cache costs.
+    #[napi(getter)]
+    pub fn resident_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.host_resident_bytes() as f64))
     }
 
     /// Tensor bytes per device.
@@ -594,7 +643,11 @@ impl KvCache {
     /// Frees every cell and zeroes the tensors.
     #[napi]
     pub fn clear(&self) -> Result<(), Code> {
-        self.with(|c| c.clear().map_err(from_core))
+        self.with(|c| {
+            let cleared = c.clear().map_err(from_core);
+            self.shared.account(c);
+            cleared
+        })
     }
 
     /// Schedules a defrag for the next `update`.
@@ -864,12 +917,21 @@ impl KvCache {
     #[napi]
     pub fn state_write_sync(
         &self,
+        env: Env,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<Buffer, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = save_options(options)?;
-        self.run_sync(StateWriteJob { seq, opts })
+        self.with(|c| {
+            let plan = c
+                .state_out(seq, opts.layout, opts.n_stream)
+                .map_err(from_core)?;
+            let mut buf = jobs::node_buffer(&env, plan.size())?;
+            c.state_out_all(&plan, buf.as_mut(), None)
+                .map_err(from_core)?;
+            Ok(buf)
+        })
     }
 
     /// The KV state of sequence `seqId` (-1: the whole cache), on the threadpool.
@@ -882,7 +944,25 @@ impl KvCache {
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, _, progress, signal) = save_options(options)?;
-        self.run_async(&env, StateWriteJob { seq, opts }, progress, signal)
+        // an idle cache is what the task will find (calls from now on queue or are busy), so
+        // the Buffer can come from Node's allocator here; a failed plan is left to the task,
+        // which rejects with it
+        let plan = match self.shared.queue.is_pending() {
+            true => None,
+            false => self.with(|c| Ok(c.state_out(seq, opts.layout, opts.n_stream).ok()))?,
+        };
+        let (planned, failure) = match plan.map(|p| (jobs::node_buffer(&env, p.size()), p)) {
+            Some((Ok(buf), plan)) => (Some((plan, buf)), None),
+            Some((Err(e), _)) => (None, Some(e)),
+            None => (None, None),
+        };
+        let job = StateWriteJob {
+            seq,
+            opts,
+            planned,
+            failure,
+        };
+        self.run_async(&env, job, progress, signal)
     }
 
     /// Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of

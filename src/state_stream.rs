@@ -139,6 +139,7 @@ impl Session {
         let was_open = state.open;
         drop(state);
         if was_open {
+            self.shared.account_if_free();
             self.shared.queue.finished(env);
         } else {
             self.shared.queue.abort(env, self.id);

@@ -104,6 +104,7 @@ impl<J: Job> CacheTask<J> {
             deferred.settle(env.raw(), outcome);
         }
         self.control.release(env);
+        self.shared.account_if_free();
         self.shared.queue.finished(env);
     }
 }

@@ -179,6 +179,17 @@ impl KvCache {
         self.size_k_bytes() + self.size_v_bytes()
     }
 
+    /// Host tensor bytes in memory now: tensors are zeroed lazily, so a buffer counts once it
+    /// was written (`clear` zeroes it in place and keeps its pages for the next writes).
+    pub fn host_resident_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [l.k.as_ref(), l.v.as_ref()])
+            .filter(|b| b.device() == Device::Host)
+            .map(|b| b.resident_bytes())
+            .sum()
+    }
+
     /// Bytes of tensors per device.
     pub fn bytes_per_device(&self) -> Vec<(Device, usize)> {
         let mut out: Vec<(Device, usize)> = Vec::new();

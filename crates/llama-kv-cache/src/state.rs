@@ -873,9 +873,23 @@ impl KvCache {
                 candidates.push(l);
             }
         }
-        let mut fits = Vec::new();
+        // streams first: the layout this cache writes by default; a rotated cache can only
+        // read streams-rot, so that goes first there
+        let rotated = self.params.n_rot_k != 0 || self.params.n_rot_v != 0;
+        candidates.sort_by_key(|l| match (l, rotated) {
+            (Layout::StreamsRot, true) | (Layout::Streams, false) => 0,
+            (Layout::StreamsRot | Layout::Streams, _) => 1,
+            (Layout::Seed, _) => 2,
+        });
+        let mut fits: Vec<ParsedPayload> = Vec::new();
         let mut errors = Vec::new();
         for l in candidates {
+            // the twin of a layout that fits parses the same metadata: its first data header
+            // decides it without a second parse of every cell
+            if let Some(e) = fits.iter().find_map(|p| self.refute_twin(data, p, l)) {
+                errors.push((l, e));
+                continue;
+            }
             let attempt = parse_payload(data, l, true).and_then(|p| {
                 check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
                 self.check_data(&p)?;
@@ -895,6 +909,46 @@ impl KvCache {
             1 => Ok(fits.remove(0)),
             0 => Err(no_layout_fits(errors)),
             _ => Err(ambiguous(fits.iter().map(|p| p.layout))),
+        }
+    }
+
+    /// Whether `twin`, the other of the streams and streams-rot layouts, certainly does not
+    /// fit a payload that `fit` (one of them) parsed: both read the same cell metadata, so the
+    /// first data header sits at the same offset under both, and `twin` fits only if it reads
+    /// there what this cache requires (V layout, layer count, rotation, first K type and row
+    /// size). `Some(error)` when refuted.
+    fn refute_twin(&self, data: &[u8], fit: &ParsedPayload, twin: Layout) -> Option<KvError> {
+        if !fit.layout.has_stream_prefix() || !twin.has_stream_prefix() || fit.layout == twin {
+            return None;
+        }
+        let (s, first) = fit
+            .streams
+            .iter()
+            .enumerate()
+            .find(|(_, s)| !s.layers.is_empty())?;
+        let header = if fit.layout.records_rotation() { 16 } else { 8 };
+        let mut c = Cursor::new(data);
+        c.pos = first.layers[0].k_data.start.checked_sub(12 + header)?;
+        let mut fits = || -> Result<bool> {
+            let v_trans = c.u32("v_trans")?;
+            let n_layer = c.u32("n_layer")?;
+            let rot = if twin.records_rotation() {
+                (c.u32("n_rot_k")?, c.u32("n_rot_v")?)
+            } else {
+                (0, 0)
+            };
+            let (k_type, k_row) = (c.i32("k_type")?, c.u64("k_row_size")?);
+            Ok(v_trans == self.v_trans() as u32
+                && n_layer as usize == self.layers.len()
+                && rot == (self.params.n_rot_k, self.params.n_rot_v)
+                && k_type == self.params.type_k.id()
+                && k_row == self.layers[0].k_row as u64)
+        };
+        match fits() {
+            Ok(true) => None,
+            _ => Some(KvError::InvalidState(format!(
+                "stream {s}: its data header does not fit this cache in the {twin} layout"
+            ))),
         }
     }
 
@@ -1209,4 +1263,83 @@ fn write_rows_at(
         buf.write(c * row, &rows[k * row..(k + 1) * row])?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CacheParams, ReadOptions};
+
+    fn cache(n_rot: u32, type_k: GgmlType) -> KvCache {
+        let mut p = CacheParams::new(32, 2, 64, 64);
+        p.n_seq_max = 2;
+        p.flash_attn = true;
+        p.type_k = type_k;
+        p.type_v = type_k;
+        (p.n_rot_k, p.n_rot_v) = (n_rot, n_rot);
+        let mut c = KvCache::new(p).unwrap();
+        c.find_slot(&UBatch::sequence(0, 0, 5)).unwrap();
+        c.find_slot(&UBatch::sequence(1, 0, 3)).unwrap();
+        c
+    }
+
+    /// Whether `layout` reads `data` for `c` (the full parse and checks).
+    fn reads(c: &KvCache, data: &[u8], layout: Layout) -> bool {
+        parse_payload(data, layout, true)
+            .and_then(|p| c.check_payload(&p, None))
+            .is_ok()
+    }
+
+    #[test]
+    fn a_twin_layout_is_refuted_only_when_its_full_parse_would_fail() {
+        let mut rng = 0x2545_f491u32;
+        let mut refuted = 0;
+        for (n_rot, ty) in [
+            (0, GgmlType::F16),
+            (0, GgmlType::Q8_0),
+            (64, GgmlType::Q8_0),
+        ] {
+            let c = cache(n_rot, ty);
+            for written in [Layout::Streams, Layout::StreamsRot] {
+                let Ok(data) = c.state_write(-1, written, 1, None) else {
+                    continue;
+                };
+                assert_eq!(
+                    c.detect_payload(&data, None, None).unwrap().layout,
+                    written,
+                    "detected as written"
+                );
+                let fit = parse_payload(&data[..], written, true).unwrap();
+                let twin = match written {
+                    Layout::Streams => Layout::StreamsRot,
+                    _ => Layout::Streams,
+                };
+                // mutate the first data header: the refutation must agree with a full parse
+                let start = fit.streams[0].layers[0].k_data.start;
+                for _ in 0..300 {
+                    let mut bytes = data.clone();
+                    rng ^= rng << 13;
+                    rng ^= rng >> 17;
+                    rng ^= rng << 5;
+                    let at = start - 28 + (rng as usize % 28);
+                    bytes[at] = (rng >> 8) as u8 & 0x41;
+                    let Ok(fit) = parse_payload(&bytes[..], written, true) else {
+                        continue;
+                    };
+                    if c.refute_twin(&bytes, &fit, twin).is_some() {
+                        refuted += 1;
+                        assert!(!reads(&c, &bytes, twin), "refuted a twin that reads");
+                    }
+                }
+            }
+        }
+        assert!(refuted > 100, "{refuted} refutations");
+        // a detected whole-cache read still loads what was written
+        let mut c = cache(0, GgmlType::F16);
+        let data = c.state_write(-1, Layout::Streams, 1, None).unwrap();
+        let r = c
+            .state_read(&data, -1, ReadOptions::default(), None)
+            .unwrap();
+        assert_eq!((r.layout, r.cells), (Layout::Streams, 8));
+    }
 }

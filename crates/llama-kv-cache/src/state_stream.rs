@@ -53,6 +53,25 @@ impl KvCache {
         })
     }
 
+    /// Writes the whole payload of `out` into the front of `buf` (at least [`StateOut::size`]
+    /// bytes: a buffer sized by the caller from the plan, such as a JS Buffer from Node's
+    /// allocator), reporting progress between layers; returns its size.
+    pub fn state_out_all(
+        &self,
+        out: &StateOut,
+        buf: &mut [u8],
+        progress: Option<crate::state::Progress<'_>>,
+    ) -> Result<usize> {
+        let total = out.plan.total;
+        let Some(dst) = buf.get_mut(..total) else {
+            return Err(KvError::InvalidArg(format!(
+                "a buffer of {} bytes cannot hold the {total}-byte state",
+                buf.len()
+            )));
+        };
+        self.write_planned(&mut crate::sink::SliceSink::new(dst), &out.plan, progress)
+    }
+
     /// Copies the next bytes of the payload into `buf` and returns how many (0 at the end).
     /// Each call skips the tensor blocks before its window, so a chunk costs its own bytes,
     /// not the bytes before it.
@@ -824,6 +843,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_whole_planned_payload_is_state_write_and_a_small_buffer_is_refused() {
+        let c = filled(false);
+        let out = c.state_out(-1, Layout::Streams, 1).unwrap();
+        let mut buf = vec![0u8; out.size() + 1];
+        assert_eq!(c.state_out_all(&out, &mut buf, None).unwrap(), out.size());
+        assert_eq!(
+            buf[..out.size()],
+            c.state_write(-1, Layout::Streams, 1, None).unwrap()[..]
+        );
+        let e = c.state_out_all(&out, &mut buf[..10], None).unwrap_err();
+        assert!(matches!(e, KvError::InvalidArg(_)), "{e}");
     }
 
     #[test]

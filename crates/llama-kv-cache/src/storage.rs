@@ -42,6 +42,11 @@ pub trait KvBuffer: Send + Sync {
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()>;
     /// Sets every byte to zero.
     fn fill_zero(&mut self) -> Result<()>;
+    /// Bytes this buffer keeps in memory: all of them, except for a host buffer never written
+    /// since it was created (the OS has not committed its zero pages).
+    fn resident_bytes(&self) -> usize {
+        self.len()
+    }
     /// `rows` strided copies inside the buffer: row `r` copies `width` bytes from
     /// `src + r * pitch` to `dst + r * pitch`. Transposed V moves are this shape; a device backend
     /// can do it as one 2D copy.
@@ -91,7 +96,10 @@ pub struct HostBuffer {
     bytes: Vec<u8>,
     /// Nothing was written since the buffer was allocated or zeroed: the zero pages the OS
     /// handed out lazily need not be touched to zero them again.
-    pristine: bool,
+    zero: bool,
+    /// Something was written since the buffer was allocated: the OS committed its pages
+    /// (zeroing keeps them, for the next writes).
+    committed: bool,
 }
 
 impl HostBuffer {
@@ -100,7 +108,8 @@ impl HostBuffer {
     pub fn new(len: usize) -> Result<HostBuffer> {
         Ok(HostBuffer {
             bytes: crate::alloc::zeroed(len, "a tensor in host memory")?,
-            pristine: true,
+            zero: true,
+            committed: false,
         })
     }
 }
@@ -111,6 +120,14 @@ fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()>
         _ => Err(KvError::OutOfRange(format!(
             "{what} of {len} bytes at offset {offset} exceeds the buffer size {size}"
         ))),
+    }
+}
+
+impl HostBuffer {
+    /// Marks the buffer written.
+    fn touch(&mut self) {
+        self.zero = false;
+        self.committed = true;
     }
 }
 
@@ -131,7 +148,7 @@ impl KvBuffer for HostBuffer {
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.bytes.len())?;
-        self.pristine = false;
+        self.touch();
         self.bytes[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
@@ -139,17 +156,25 @@ impl KvBuffer for HostBuffer {
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
         check_range("copy source", src, len, self.bytes.len())?;
         check_range("copy destination", dst, len, self.bytes.len())?;
-        self.pristine = false;
+        self.touch();
         self.bytes.copy_within(src..src + len, dst);
         Ok(())
     }
 
     fn fill_zero(&mut self) -> Result<()> {
-        if !self.pristine {
+        if !self.zero {
             self.bytes.fill(0);
-            self.pristine = true;
+            self.zero = true;
         }
         Ok(())
+    }
+
+    fn resident_bytes(&self) -> usize {
+        if self.committed {
+            self.bytes.len()
+        } else {
+            0
+        }
     }
 
     fn as_host(&self) -> Option<&[u8]> {
@@ -157,7 +182,7 @@ impl KvBuffer for HostBuffer {
     }
 
     fn as_host_mut(&mut self) -> Option<&mut [u8]> {
-        self.pristine = false;
+        self.touch();
         Some(&mut self.bytes)
     }
 }
@@ -605,6 +630,19 @@ mod tests {
             let err = move_transposed::<2>(&mut rows, 16, &moves).unwrap_err();
             assert!(matches!(err, KvError::OutOfRange(_)), "{moves:?}: {err}");
         }
+    }
+
+    #[test]
+    fn a_buffer_is_resident_once_written_and_stays_so_after_zeroing() {
+        let mut b = HostBuffer::new(1 << 16).unwrap();
+        assert_eq!(b.resident_bytes(), 0, "calloc'd pages are not committed");
+        b.fill_zero().unwrap();
+        assert_eq!(b.resident_bytes(), 0);
+        b.write(100, &[1, 2]).unwrap();
+        assert_eq!(b.resident_bytes(), 1 << 16);
+        b.fill_zero().unwrap();
+        assert_eq!(b.resident_bytes(), 1 << 16, "zeroed in place");
+        assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
     }
 
     #[test]

@@ -1,0 +1,48 @@
+import test from 'ava'
+import { spawnSync } from 'node:child_process'
+import { createRequire } from 'node:module'
+
+const require = createRequire(import.meta.url)
+const ADDON = require.resolve('../index.js')
+const { KvCache } = require(ADDON)
+
+// one 32 MiB K and V tensor per layer: 8,192 cells of 1,024-wide f16 rows, 4 layers
+const geometry = { size: 8192, nLayer: 4, nEmbdKGqa: 1024, flashAttn: true }
+const TENSOR = 8192 * 2048
+
+test('residentBytes (what V8 is told) counts tensors as they are written, not at creation (creation ran a full GC)', (t) => {
+  const c = new KvCache(geometry)
+  t.is(c.residentBytes, 0, 'a new cache holds no tensor memory')
+  c.writeK(0, 5, Buffer.alloc(2048, 1))
+  t.is(c.residentBytes, TENSOR, 'one written tensor counts whole')
+  c.writeVF32(3, 0, new Float32Array(1024))
+  t.is(c.residentBytes, 2 * TENSOR)
+  c.findSlot({ pos: [0, 1], seqIds: [0, 0] })
+  const blob = c.stateWriteSync(-1)
+  c.clear()
+  t.is(c.residentBytes, 2 * TENSOR, 'clear() zeroes in place: the memory stays for the next writes')
+  t.true(c.readK(0, 5, 1).every((b) => b === 0))
+  c.stateReadSync(blob)
+  t.is(c.residentBytes, 4 * 2 * TENSOR, 'a whole-cache load writes every tensor')
+  c.dispose()
+})
+
+test('creating a 16 GiB cache runs no garbage collection and commits no tensor memory', (t) => {
+  const script = `
+    const { KvCache } = require(${JSON.stringify(ADDON)})
+    const kb = () => Number(require('fs').readFileSync('/proc/self/status', 'utf8').match(/VmRSS:\\s+(\\d+)/)[1])
+    const before = kb()
+    const t0 = process.hrtime.bigint()
+    const caches = [16384, 131072].map((size) => new KvCache({ size, nLayer: 32, nEmbdKGqa: 1024 }))
+    const ms = Number(process.hrtime.bigint() - t0) / 1e6
+    console.log('@@' + JSON.stringify({ ms, rssMiB: (kb() - before) / 1024, gib: caches.map((c) => c.totalSize / 2 ** 30) }))
+  `
+  const r = spawnSync(process.execPath, ['--trace-gc', '-e', script], { encoding: 'utf8' })
+  t.is(r.status, 0, r.stderr)
+  const gcs = r.stdout.split('\n').filter((l) => /Mark-Compact|Scavenge/.test(l) && /external memory/.test(l))
+  t.deepEqual(gcs, [], 'no collection for external memory pressure')
+  const out = JSON.parse(r.stdout.split('\n').find((l) => l.startsWith('@@')).slice(2))
+  t.deepEqual(out.gib, [2, 16])
+  t.true(out.rssMiB < 64, `creating 18 GiB of caches grew RSS by ${out.rssMiB} MiB`)
+  t.log(`2 GiB + 16 GiB caches created in ${out.ms.toFixed(2)} ms, RSS +${out.rssMiB.toFixed(1)} MiB`)
+})
