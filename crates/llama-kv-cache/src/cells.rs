@@ -431,6 +431,40 @@ impl Cells {
         self.set_seqs(i, cell.seqs);
     }
 
+    /// Defrag's move of cell `src` into the free cell `dst`: afterwards `dst` is what `src` was
+    /// and `src` is a default (free) cell, exactly as `set_cell(dst, get(src))` then
+    /// `set_cell(src, Cell::default())`. When `dst` is free (no position, no sequence), as
+    /// every defrag destination is, each sequence keeps the same positions, so its count and
+    /// maximum stay as they are and only the set bits move: no removal marks a maximum stale.
+    pub fn move_cell(&mut self, src: usize, dst: usize) {
+        if src == dst || self.pos[dst] >= 0 || !self.seqs[dst].is_empty() {
+            let moved = self.get(src);
+            self.set_cell(dst, moved);
+            self.set_cell(src, Cell::default());
+            return;
+        }
+        let (pos, seqs) = (self.pos[src], self.seqs[src]);
+        self.pos[dst] = pos;
+        self.delta[dst] = self.delta[src];
+        self.src[dst] = self.src[src];
+        self.tail[dst] = self.tail[src];
+        self.seqs[dst] = seqs;
+        if pos >= 0 {
+            self.occupied.remove(src);
+            self.occupied.insert(dst, pos);
+        }
+        for seq in seqs.iter() {
+            self.seq[seq].remove(src);
+            self.seq[seq].insert(dst, pos);
+        }
+        let free = Cell::default();
+        self.pos[src] = free.pos;
+        self.delta[src] = free.delta;
+        self.src[src] = free.src;
+        self.tail[src] = free.tail;
+        self.seqs[src] = free.seqs;
+    }
+
     /// Frees cell `i` of word `w`, whose sequences the caller has already dropped from their
     /// sets (the occupied set is the caller's too).
     #[inline(always)]

@@ -2,7 +2,6 @@
 //! to a compute graph, done here on every layer's K and V.
 
 use crate::cache::KvCache;
-use crate::cells::Cell;
 use crate::error::{KvError, Result};
 
 /// llama.cpp's default graph node budget (`graph_max_nodes()` is at least 65536).
@@ -90,9 +89,7 @@ impl KvCache {
                     continue;
                 }
                 ids[i1] = i0 + nf;
-                let moved = self.cells.get(i1);
-                self.cells.set_cell(i0 + nf, moved);
-                self.cells.set_cell(i1, Cell::default());
+                self.cells.move_cell(i1, i0 + nf);
                 self.head = n_used as u32;
                 if !cont {
                     n_moves += 1;
@@ -212,7 +209,13 @@ mod tests {
 
     /// The seed's `defrag_prepare`, literally (a rescan from the top for every hole), over a
     /// cell map (`pos[i] < 0`: empty): the moves, with `pos` updated as the seed's cells.
-    fn seed_plan(pos: &mut [i32], n_used: usize, n_layer: u32, n_max_nodes: u32) -> Vec<CellMove> {
+    fn seed_plan(
+        pos: &mut [i32],
+        seqs: &mut [u64],
+        n_used: usize,
+        n_layer: u32,
+        n_max_nodes: u32,
+    ) -> Vec<CellMove> {
         let n_kv = pos.iter().rposition(|&p| p >= 0).map_or(0, |i| i + 1);
         let max_moves = n_max_nodes.saturating_sub(2 * n_layer) / (6 * n_layer);
         let mut ids = vec![n_kv; n_kv];
@@ -255,6 +258,8 @@ mod tests {
                 ids[i1] = i0 + nf;
                 pos[i0 + nf] = pos[i1];
                 pos[i1] = -1;
+                seqs[i0 + nf] = seqs[i1];
+                seqs[i1] = 0;
                 if !cont {
                     n_moves += 1;
                     cont = true;
@@ -282,23 +287,33 @@ mod tests {
         #[test]
         fn the_plan_is_the_seeds(
             size in 1u32..200,
-            holes in proptest::collection::vec(0u32..200, 0..120),
+            shared in 0u32..200,
+            holes in proptest::collection::vec((0u32..200, 0i32..3), 0..120),
             n_max_nodes in proptest::prop_oneof![proptest::strategy::Just(65536u32), 4u32..80],
         ) {
+            // sequence 0 fills the cache, sequence 1 shares a prefix of it; holes drop one
+            // sequence of a cell (the cell stays while the other holds it) or both
             let mut p = CacheParams::new(size, 2, 8, 8);
-            p.n_seq_max = 1;
+            p.n_seq_max = 2;
             let mut c = KvCache::new(p).unwrap();
             c.find_slot(&UBatch::sequence(0, 0, size)).unwrap().unwrap();
-            for h in holes {
+            c.seq_cp(0, 1, 0, (shared % size) as i32).unwrap();
+            for (h, seq) in holes {
                 let h = (h % size) as i32;
-                c.seq_rm(0, h, h + 1).unwrap();
+                c.seq_rm(if seq == 2 { -1 } else { seq }, h, h + 1).unwrap();
             }
-            let mut pos: Vec<i32> = (0..size as usize).map(|i| c.cells.pos(i)).collect();
-            let want = seed_plan(&mut pos, c.cells.used as usize, 2, n_max_nodes);
+            let n = size as usize;
+            let mut pos: Vec<i32> = (0..n).map(|i| c.cells.pos(i)).collect();
+            let mut seqs: Vec<u64> = (0..n).map(|i| c.cells.seqs(i).0).collect();
+            let want = seed_plan(&mut pos, &mut seqs, c.cells.used as usize, 2, n_max_nodes);
             let got = c.defrag_plan(n_max_nodes);
             proptest::prop_assert_eq!(got, want);
-            let after: Vec<i32> = (0..size as usize).map(|i| c.cells.pos(i)).collect();
+            let after: Vec<i32> = (0..n).map(|i| c.cells.pos(i)).collect();
             proptest::prop_assert_eq!(after, pos);
+            let after: Vec<u64> = (0..n).map(|i| c.cells.seqs(i).0).collect();
+            proptest::prop_assert_eq!(after, seqs);
+            // the indexes (occupied set, per-sequence sets, counts, maxima) followed the moves
+            proptest::prop_assert_eq!(c.cells.check_consistency(), Ok(()));
         }
     }
 
