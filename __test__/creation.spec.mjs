@@ -46,3 +46,22 @@ test('creating a 16 GiB cache runs no garbage collection and commits no tensor m
   t.true(out.rssMiB < 64, `creating 18 GiB of caches grew RSS by ${out.rssMiB} MiB`)
   t.log(`2 GiB + 16 GiB caches created in ${out.ms.toFixed(2)} ms, RSS +${out.rssMiB.toFixed(1)} MiB`)
 })
+
+test('a state of 8 MiB or more is written into a Buffer from Node\'s allocator: the same bytes, sync and async', async (t) => {
+  // 16,384 cells of 4 x 64-wide f16 rows: a 16 MiB whole-cache state, 2 MiB per sequence
+  const c = new KvCache({ size: 16384, nLayer: 4, nEmbdKGqa: 64, nSeqMax: 2, flashAttn: true })
+  c.findSlot({ pos: Int32Array.from({ length: 16384 }, (_, i) => i >> 1), seqIds: Array.from({ length: 16384 }, (_, i) => i & 1) })
+  for (let il = 0; il < 4; il++) c.writeK(il, 0, Buffer.alloc(16384 * 128, il + 1))
+  for (const seq of [-1, 1]) {
+    const expected = Buffer.alloc(c.stateSize(seq))
+    c.stateWriteIntoSync(expected, seq)
+    t.true(seq !== -1 || expected.length >= 8 << 20)
+    // (Buffer.equals: ava's deepEqual enumerates every index of a typed array)
+    t.true(c.stateWriteSync(seq).equals(expected), `stateWriteSync(${seq})`)
+    t.true((await c.stateWrite(seq)).equals(expected), `stateWrite(${seq})`)
+  }
+  // queued behind another call, the task allocates the payload itself
+  const [first, second] = await Promise.all([c.stateWrite(-1), c.stateWrite(-1)])
+  t.true(first.equals(second))
+  c.dispose()
+})

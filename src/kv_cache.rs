@@ -927,6 +927,10 @@ impl KvCache {
             let plan = c
                 .state_out(seq, opts.layout, opts.n_stream)
                 .map_err(from_core)?;
+            if plan.size() < jobs::NODE_BUFFER_FROM {
+                let payload = c.state_write(seq, opts.layout, opts.n_stream, None);
+                return Ok(payload.map_err(from_core)?.into());
+            }
             let mut buf = jobs::node_buffer(&env, plan.size())?;
             c.state_out_all(&plan, buf.as_mut(), None)
                 .map_err(from_core)?;
@@ -951,6 +955,7 @@ impl KvCache {
             true => None,
             false => self.with(|c| Ok(c.state_out(seq, opts.layout, opts.n_stream).ok()))?,
         };
+        let plan = plan.filter(|p| p.size() >= jobs::NODE_BUFFER_FROM);
         let (planned, failure) = match plan.map(|p| (jobs::node_buffer(&env, p.size()), p)) {
             Some((Ok(buf), plan)) => (Some((plan, buf)), None),
             Some((Err(e), _)) => (None, Some(e)),
