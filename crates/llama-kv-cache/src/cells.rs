@@ -302,30 +302,44 @@ impl Cells {
 
     /// The first cell `>= from` with `pos >= 0` (slot search), or `len()`.
     pub fn next_occupied(&self, from: usize) -> usize {
-        self.next_with(from, false)
+        self.next_with(from, self.pos.len(), false)
     }
 
     /// The first cell `>= from` with `pos < 0`, or `len()`.
     pub fn next_free(&self, from: usize) -> usize {
-        self.next_with(from, true)
+        self.next_with(from, self.pos.len(), true)
     }
 
-    fn next_with(&self, from: usize, free: bool) -> usize {
-        let n = self.pos.len();
-        if from >= n {
-            return n;
+    /// The first cell in `[from, end)` with `pos >= 0`, or `end` when there is none: slot
+    /// search only asks whether a window is free, and the search stops at the window's end
+    /// instead of walking the free cells after it (up to the whole cache).
+    pub fn next_occupied_before(&self, from: usize, end: usize) -> usize {
+        self.next_with(from, end.min(self.pos.len()), false)
+    }
+
+    /// The first cell in `[from, end)` with `pos < 0`, or `end` when there is none.
+    pub fn next_free_before(&self, from: usize, end: usize) -> usize {
+        self.next_with(from, end.min(self.pos.len()), true)
+    }
+
+    /// The first cell in `[from, end)` (`end <= len()`) that is free (`free`) or occupied,
+    /// else `end`.
+    fn next_with(&self, from: usize, end: usize, free: bool) -> usize {
+        if from >= end {
+            return end;
         }
         let occupied = self.occupied.words();
+        let last = (end - 1) / 64;
         let mut w = from / 64;
         let flip = if free { u64::MAX } else { 0 };
         let mut word = (occupied[w] ^ flip) & (u64::MAX << (from % 64));
         loop {
             if word != 0 {
-                return (w * 64 + word.trailing_zeros() as usize).min(n);
+                return (w * 64 + word.trailing_zeros() as usize).min(end);
             }
             w += 1;
-            if w >= occupied.len() {
-                return n;
+            if w > last {
+                return end;
             }
             word = occupied[w] ^ flip;
         }
@@ -880,6 +894,13 @@ mod tests {
         c.set_pos(150, 1);
         assert_eq!(c.next_occupied(131), 150);
         assert_eq!(c.next_free(150), 151);
+        assert_eq!(c.next_occupied_before(131, 150), 150);
+        assert_eq!(c.next_occupied_before(131, 151), 150);
+        assert_eq!(c.next_occupied_before(151, 199), 199);
+        assert_eq!(c.next_free_before(0, 64), 64);
+        assert_eq!(c.next_free_before(0, 131), 130);
+        assert_eq!(c.next_free_before(5, 5), 5);
+        assert_eq!(c.next_occupied_before(190, 900), 200);
         c.insert_seq(3, 0);
         assert_eq!(c.first_without(0), Some(0));
     }

@@ -65,7 +65,7 @@ impl KvCache {
                 head = 0;
                 continue;
             }
-            let first_occupied = self.cells.next_occupied(head);
+            let first_occupied = self.cells.next_occupied_before(head, head + n);
             if first_occupied >= head + n {
                 break;
             }
@@ -77,7 +77,7 @@ impl KvCache {
             }
             // every window starting on an occupied cell fails at once, one cell at a time
             if head + n <= size {
-                let run_end = self.cells.next_free(head).min(size - n + 1);
+                let run_end = self.cells.next_free_before(head, size - n + 1);
                 if run_end > head {
                     let k = run_end - head;
                     if n_tested + k >= size {
