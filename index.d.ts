@@ -126,6 +126,13 @@ export declare class KvCache {
    */
   prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
   /**
+   * `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
+   * for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
+   * null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
+   * the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
+   */
+  prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions): number | null
+  /**
    * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
    * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
    * on a failed ubatch to roll them all back as the seed does.

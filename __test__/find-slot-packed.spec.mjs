@@ -114,3 +114,26 @@ test('malformed packed ubatches are coded errors naming the bad value and change
   c.dispose()
   code(t, () => c.findSlotPacked(i32(3), i32(0)), 'ERR_KV_DISPOSED')
 })
+
+test('prepareBatchPacked takes the steps of prepareBatch, head and n included', (t) => {
+  const a = make({ size: 64 })
+  const b = make({ size: 64 })
+  for (const [groups, advanceHead] of [
+    [[{ pos: [0], ids: [0] }, { pos: [1], ids: [0] }, { pos: [2], ids: [0] }], undefined],
+    [[{ pos: [3], ids: [0, 1] }], false],
+    [[{ pos: [0], ids: [2] }, { pos: [1], ids: [2] }], true],
+  ]) {
+    const { object, packed } = both(groups)
+    const options = advanceHead === undefined ? undefined : { advanceHead }
+    const slot = a.prepareBatch(object, options)
+    const head = b.prepareBatchPacked(packed[0], packed[1], packed[2] ?? null, undefined, options)
+    t.is(head, slot.head)
+    t.is(b.n, slot.n)
+    t.deepEqual(snapshot(b), snapshot(a))
+  }
+  const full = make({ size: 8 })
+  t.is(full.prepareBatchPacked(i32(0, 1, 2, 3, 4, 5, 6, 7, 8), i32(0, 0, 0, 0, 0, 0, 0, 0, 0)), null)
+  code(t, () => full.prepareBatchPacked(i32(0), i32(9)), 'ERR_KV_OUT_OF_RANGE', /seq id 9/)
+  code(t, () => full.prepareBatchPacked(i32(0), i32(0), null, 1, { advanceHead: 'yes' }), 'ERR_KV_INVALID_ARG')
+  t.is(full.usedCells, 0)
+})

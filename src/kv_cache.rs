@@ -725,6 +725,30 @@ impl KvCache {
         self.with(|c| Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot)))
     }
 
+    /// `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
+    /// for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
+    /// null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
+    /// the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
+    #[napi]
+    pub fn prepare_batch_packed(
+        &self,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
+        #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+    ) -> Result<Option<u32>, Code> {
+        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        let opts = PrepareOptions {
+            advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
+        };
+        self.with(|c| {
+            Ok(c.prepare_batch(&ub, opts)
+                .map_err(from_core)?
+                .map(|s| s.head))
+        })
+    }
+
     /// Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
     /// keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
     /// on a failed ubatch to roll them all back as the seed does.
