@@ -489,10 +489,13 @@ impl Cells {
     }
 
     /// The sequences other than `m` that hold any cell (a mask).
+    /// Read from the maxima, one cache line, rather than from each set's count: between
+    /// operations a sequence's maximum is `NO_POS` exactly when it has no cell
+    /// (`check_consistency` checks it), and this runs at the start of one.
     fn others(&self, m: u64) -> u64 {
         let mut active = 0u64;
-        for (s, set) in self.seq.iter().enumerate() {
-            if set.count() > 0 {
+        for (s, &max) in self.seq_pos_max.iter().enumerate() {
+            if max != NO_POS {
                 active |= 1 << s;
             }
         }
@@ -751,8 +754,11 @@ impl Cells {
             }
         }
         tighten(&mut self.seq[seq], &cur);
-        for s in 0..self.n_seq() {
-            self.fix_empty(s);
+        // only a freed cell changes counts
+        if out.first.is_some() {
+            for s in 0..self.n_seq() {
+                self.fix_empty(s);
+            }
         }
         (matched, out)
     }
@@ -831,6 +837,13 @@ impl Cells {
             self.seq[seq].check(&format!("seq {seq}"), &self.pos, |i| {
                 self.seqs[i].contains(seq)
             })?;
+            if (self.seq_pos_max[seq] == NO_POS) != (self.seq[seq].count() == 0) {
+                return Err(format!(
+                    "seq {seq}: stored maximum {} with {} cells",
+                    self.seq_pos_max[seq],
+                    self.seq[seq].count()
+                ));
+            }
             let max = (0..self.pos.len())
                 .filter(|&i| self.seqs[i].contains(seq))
                 .map(|i| self.pos[i])
