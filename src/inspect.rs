@@ -200,7 +200,7 @@ fn describe(payload: &ParsedPayload) -> Described {
             let ids: Vec<i32> = if c.seq_ids.is_empty() {
                 vec![-1]
             } else {
-                c.seq_ids.clone()
+                c.seq_ids.to_vec()
             };
             for id in ids {
                 let e = seqs

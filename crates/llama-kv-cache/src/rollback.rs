@@ -142,7 +142,7 @@ mod tests {
             let metas: Vec<CellMeta> = (0..1 + rng.below(40))
                 .map(|p| CellMeta {
                     pos: p as i32,
-                    seq_ids: Vec::new(),
+                    seq_ids: Default::default(),
                 })
                 .collect();
             let refs: Vec<&CellMeta> = metas.iter().collect();

@@ -87,13 +87,18 @@ pub struct ReadSummary {
     pub placed: Vec<u32>,
 }
 
+/// The seq ids of one cell: inline up to two (a cell almost always holds one), so parsing a
+/// state of 65,536 cells does not make 65,536 heap allocations (they were a quarter of a
+/// whole-cache load).
+pub type SeqIds = smallvec::SmallVec<[i32; 2]>;
+
 /// One cell's metadata in a payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CellMeta {
     /// Position.
     pub pos: i32,
     /// Seq ids as written (empty for the seed's single-sequence cells).
-    pub seq_ids: Vec<i32>,
+    pub seq_ids: SeqIds,
 }
 
 /// The V block of one layer.
@@ -206,7 +211,7 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
                 "cell {i}: n_seq_id {n} is implausible"
             )));
         }
-        let mut seq_ids = Vec::with_capacity(n as usize);
+        let mut seq_ids = SeqIds::with_capacity(n as usize);
         for j in 0..n {
             seq_ids.push(c.i32(format_args!("cell {i} seq_id {j}"))?);
         }
@@ -1119,18 +1124,17 @@ impl KvCache {
         }
         self.cells.reset();
         self.head = 0;
-        for (i, c) in cells.iter().enumerate() {
+        self.cells.fill_after_reset(cells.iter().map(|c| {
             let mut set = SeqSet::EMPTY;
             for &id in &c.seq_ids {
                 set.insert(id as usize);
             }
-            self.cells.set_pos(i, c.pos);
-            self.cells.set_seqs(i, set);
-            if recurrent {
+            (c.pos, set)
+        }));
+        if recurrent {
+            for i in 0..cells.len() {
                 self.cells.set_src(i, i as i32);
             }
-        }
-        if recurrent {
             for (seq, &t) in tails.iter().enumerate() {
                 self.cells.set_tail(seq, t);
             }

@@ -20,7 +20,7 @@ use crate::rollback::CellsUndo;
 use crate::sink::WindowSink;
 use crate::state::{
     ambiguous, check_meta, no_layout_fits, CellMeta, LayerBlock, Layout, ParsedPayload,
-    ReadOptions, ReadSummary, StreamBlock, VBlock, WritePlan, MAX_LAYERS,
+    ReadOptions, ReadSummary, SeqIds, StreamBlock, VBlock, WritePlan, MAX_LAYERS,
 };
 
 /// More cells than any llama.cpp context has (16 M).
@@ -404,7 +404,7 @@ impl KvCache {
                         "cell {i}: n_seq_id {n} is implausible"
                     )));
                 }
-                let mut seq_ids = Vec::with_capacity(n as usize);
+                let mut seq_ids = SeqIds::with_capacity(n as usize);
                 for _ in 0..n {
                     seq_ids.push(need!(r.i32()));
                 }
