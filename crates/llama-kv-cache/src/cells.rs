@@ -814,18 +814,23 @@ impl Cells {
         }
     }
 
-    /// Fills cells `0..` of a table just [`reset`](Cells::reset) with `(pos, seqs)`, as
-    /// `set_pos` then `set_seqs` of each cell would, but gives every index one exact update
-    /// per 64 cells instead of one per cell (a whole-cache load of 65,536 cells spent more
-    /// time in the per-cell updates than in copying its rows).
-    pub fn fill_after_reset(&mut self, cells: impl IntoIterator<Item = (i32, SeqSet)>) {
-        debug_assert!(self.occupied.count() == 0 && self.seq.iter().all(|s| s.count() == 0));
-        // per sequence: the word's members and their position bounds
+    /// Fills the free cells `first..` (no position, no sequence) with `(pos, seqs)`, as
+    /// `set_pos` then an `insert_seq` per sequence of each cell would, but gives every index
+    /// one update per 64 cells instead of one per cell: slot placement of a long ubatch and
+    /// whole-cache loads (65,536 cells spent more time in per-cell index updates than in
+    /// copying their rows).
+    pub fn fill_free(&mut self, first: usize, cells: impl IntoIterator<Item = (i32, SeqSet)>) {
+        // per sequence: its members among the word's new cells and their position bounds
         let mut members = [(0u64, i32::MAX, i32::MIN); MAX_SEQ];
         let mut word = (0u64, i32::MAX, i32::MIN);
         let mut present = 0u64;
-        let mut cells = cells.into_iter().enumerate().peekable();
-        while let Some((i, (pos, seqs))) = cells.next() {
+        let mut cells = cells.into_iter().peekable();
+        let mut i = first;
+        while let Some((pos, seqs)) = cells.next() {
+            debug_assert!(
+                self.pos[i] < 0 && self.seqs[i] == SeqSet::EMPTY,
+                "cell {i} is not free"
+            );
             let bit = 1u64 << (i % 64);
             self.pos[i] = pos;
             self.seqs[i] = seqs;
@@ -837,19 +842,17 @@ impl Cells {
                 *m = (m.0 | bit, m.1.min(pos), m.2.max(pos));
             }
             present |= seqs.0;
-            let word_ends = i % 64 == 63 || cells.peek().is_none();
-            if !word_ends {
+            i += 1;
+            if !i.is_multiple_of(64) && cells.peek().is_some() {
                 continue;
             }
-            let w = i / 64;
-            if word.0 != 0 {
-                self.occupied.set_word(w, word.0, word.1, word.2);
-            }
+            let w = (i - 1) / 64;
+            self.occupied.add_bits(w, word.0, word.1, word.2);
             for seq in SeqSet(present).iter() {
                 let (bits, lo, hi) = std::mem::replace(&mut members[seq], (0, i32::MAX, i32::MIN));
-                let first = self.seq[seq].count() == 0;
-                self.seq[seq].set_word(w, bits, lo, hi);
-                if first || hi > self.seq_pos_max[seq] {
+                self.seq[seq].add_bits(w, bits, lo, hi);
+                // a sequence without cells has the maximum NO_POS, below any position
+                if hi > self.seq_pos_max[seq] {
                     self.seq_pos_max[seq] = hi;
                 }
             }
@@ -921,32 +924,42 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn filling_after_a_reset_matches_setting_each_cell(
+        fn filling_free_cells_matches_setting_each_cell(
+            before in proptest::collection::vec((-1i32..200, 0u64..16), 0..200),
             cells in proptest::collection::vec((-1i32..200, 0u64..16), 0..300),
             size_extra in 0usize..70,
         ) {
-            // the table a whole-cache load builds word by word is the one cell-by-cell updates
-            // build: same columns, consistent indexes, same maxima
-            let size = cells.len() + size_extra;
-            let cells: Vec<(i32, SeqSet)> = cells
-                .into_iter()
-                .map(|(pos, seqs)| (pos, if pos < 0 { SeqSet::EMPTY } else { SeqSet(seqs) }))
-                .collect();
+            // cells `before.len()..` filled at once equal cell-by-cell updates: same columns,
+            // consistent indexes, same counts and maxima, also where the run starts inside a
+            // word that already has members
+            let as_cell = |(pos, seqs): (i32, u64)| (pos, if pos < 0 { SeqSet::EMPTY } else { SeqSet(seqs) });
+            let before: Vec<(i32, SeqSet)> = before.into_iter().map(as_cell).collect();
+            let cells: Vec<(i32, SeqSet)> = cells.into_iter().map(as_cell).collect();
+            let size = before.len() + cells.len() + size_extra;
             let mut one_by_one = Cells::new(size, 4).unwrap();
             let mut filled = Cells::new(size, 4).unwrap();
             for t in [&mut one_by_one, &mut filled] {
-                // a used table first, so the reset matters
-                if size > 0 {
-                    t.set_pos(0, 7);
+                for (i, &(pos, seqs)) in before.iter().enumerate() {
+                    t.set_pos(i, pos);
+                    t.set_seqs(i, seqs);
                 }
-                t.reset();
+                // a stale maximum to carry over
+                if let Some(i) = (0..before.len()).rev().find(|&i| t.seqs[i].contains(1)) {
+                    t.remove_seq(i, 1);
+                    if t.seqs[i] == SeqSet::EMPTY {
+                        t.set_pos(i, -1);
+                    }
+                }
             }
-            for (i, &(pos, seqs)) in cells.iter().enumerate() {
-                one_by_one.set_pos(i, pos);
-                one_by_one.set_seqs(i, seqs);
+            let first = before.len();
+            for (k, &(pos, seqs)) in cells.iter().enumerate() {
+                one_by_one.set_pos(first + k, pos);
+                for seq in seqs.iter() {
+                    one_by_one.insert_seq(first + k, seq);
+                }
             }
             one_by_one.settle();
-            filled.fill_after_reset(cells.iter().copied());
+            filled.fill_free(first, cells.iter().copied());
             filled.settle();
             proptest::prop_assert!(filled == one_by_one);
             proptest::prop_assert_eq!(filled.check_consistency(), Ok(()));

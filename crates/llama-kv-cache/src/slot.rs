@@ -91,18 +91,14 @@ impl KvCache {
         }
         let head = head as u32;
         self.head = head;
+        // the window is free (the scan above stopped on it)
         let per_group = ubatch.n_seq_tokens as usize;
-        for g in 0..ubatch.seq_ids.len() {
-            let seqs = ubatch.seq_set(g);
-            for t in 0..per_group {
-                let k = g * per_group + t;
-                let cell = head as usize + k;
-                self.cells.set_pos(cell, ubatch.pos[k]);
-                for seq in seqs.iter() {
-                    self.cells.insert_seq(cell, seq);
-                }
-            }
-        }
+        let groups = (0..ubatch.seq_ids.len()).map(|g| ubatch.seq_set(g));
+        let tokens = groups.flat_map(|seqs| std::iter::repeat_n(seqs, per_group));
+        self.cells.fill_free(
+            head as usize,
+            ubatch.pos.iter().copied().zip(tokens).take(n),
+        );
         self.cells.used += n_tokens;
         self.cells.settle();
         Some(Slot {

@@ -1124,13 +1124,16 @@ impl KvCache {
         }
         self.cells.reset();
         self.head = 0;
-        self.cells.fill_after_reset(cells.iter().map(|c| {
-            let mut set = SeqSet::EMPTY;
-            for &id in &c.seq_ids {
-                set.insert(id as usize);
-            }
-            (c.pos, set)
-        }));
+        self.cells.fill_free(
+            0,
+            cells.iter().map(|c| {
+                let mut set = SeqSet::EMPTY;
+                for &id in &c.seq_ids {
+                    set.insert(id as usize);
+                }
+                (c.pos, set)
+            }),
+        );
         if recurrent {
             for i in 0..cells.len() {
                 self.cells.set_src(i, i as i32);
