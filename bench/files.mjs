@@ -13,32 +13,20 @@ import os from 'node:os'
 import path from 'node:path'
 import { spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
+import { BIG_TOKENS, bigCache, median } from './timing.mjs'
 
 const require = createRequire(import.meta.url)
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 const OURS = path.join(HERE, '..', 'index.js')
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3)
-const TOKENS = 8000
-
-const median = (v) => [...v].sort((a, b) => a - b)[Math.floor(v.length / 2)]
 const pad = (s, n) => String(s).padStart(n)
 const padEnd = (s, n) => String(s).padEnd(n)
 
 /** The 0.98 GiB sequence file of the issue's 8B geometry. */
 function makeFile(file) {
-  const { KvCache } = require(OURS)
-  const c = new KvCache({ size: 8192, nLayer: 32, nEmbdKGqa: 1024, flashAttn: true, typeK: 'f16', typeV: 'f16' })
+  const c = bigCache(require(OURS).KvCache)
   try {
-    for (let p = 0; p < TOKENS; p += 500) {
-      c.findSlot({ pos: Int32Array.from({ length: 500 }, (_, i) => p + i), seqIds: new Array(500).fill(0) })
-    }
-    const rows = Buffer.alloc(TOKENS * 2048)
-    for (let i = 0; i < rows.length; i += 2) rows.writeUInt16LE(0x3c00 ^ ((i * 2654435761) >>> 20) & 0x3ff, i)
-    for (let il = 0; il < 32; il++) {
-      c.writeK(il, 0, rows)
-      c.writeV(il, 0, rows)
-    }
-    c.saveSequenceFileSync(file, 0, Int32Array.from({ length: TOKENS }, (_, i) => i % 300))
+    c.saveSequenceFileSync(file, 0, Int32Array.from({ length: BIG_TOKENS }, (_, i) => i % 300))
   } finally {
     c.dispose()
   }
@@ -82,7 +70,7 @@ try {
       }
     }
   }
-  console.log(`## inspect and convert of a ${(size / 2 ** 30).toFixed(2)} GiB sequence file (32 layers, 1,024-wide f16 K/V, ${TOKENS.toLocaleString('en')} tokens); median of ${ROUNDS}, fresh process each`)
+  console.log(`## inspect and convert of a ${(size / 2 ** 30).toFixed(2)} GiB sequence file (32 layers, 1,024-wide f16 K/V, ${BIG_TOKENS.toLocaleString('en')} tokens); median of ${ROUNDS}, fresh process each`)
   console.log()
   const who = addons.map(([w]) => w)
   console.log(`| ${padEnd('operation', 36)} | ${who.map((w) => `${pad(`${w} ms`, 12)} | ${pad(`${w} RSS+`, 14)}`).join(' | ')} |`)

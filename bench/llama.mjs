@@ -20,7 +20,7 @@ import { fileURLToPath } from 'node:url'
 import fs from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { median, perCall } from './timing.mjs'
+import { BIG_TOKENS, bigCache, median, perCall } from './timing.mjs'
 
 const require = createRequire(import.meta.url)
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
@@ -291,20 +291,11 @@ function placements(place) {
 
 /** The 8B geometry: 32 layers, 1,024-wide f16 K and V, flash attention, 8,000 tokens. */
 async function big() {
-  const TOKENS = 8000
+  const TOKENS = BIG_TOKENS
   const ROUNDS_BIG = Number(process.env.BENCH_BIG_ROUNDS ?? 6)
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-bench-8b-'))
-  const c = new KvCache({ size: 8192, nLayer: 32, nEmbdKGqa: 1024, flashAttn: true, typeK: 'f16', typeV: 'f16' })
+  const c = bigCache(KvCache)
   try {
-    for (let p = 0; p < TOKENS; p += 500) {
-      c.findSlot({ pos: Int32Array.from({ length: 500 }, (_, i) => p + i), seqIds: new Array(500).fill(0) })
-    }
-    const rows = Buffer.alloc(TOKENS * 2048)
-    for (let i = 0; i < rows.length; i += 2) rows.writeUInt16LE(0x3c00 ^ ((i * 2654435761) >>> 20) & 0x3ff, i)
-    for (let il = 0; il < 32; il++) {
-      c.writeK(il, 0, rows)
-      c.writeV(il, 0, rows)
-    }
     const tokens = Int32Array.from({ length: TOKENS }, (_, i) => i % 300)
     const ours = path.join(dir, 'ours.ggsq')
     const plain = path.join(dir, 'plain.bin')
