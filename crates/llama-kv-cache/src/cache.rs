@@ -380,6 +380,14 @@ impl KvCache {
         Ok(out)
     }
 
+    /// Where a state read goes: `None` for -1 (the whole cache), else the checked sequence.
+    pub(crate) fn read_dest(&self, seq: i32) -> Result<Option<i32>> {
+        match seq {
+            -1 => Ok(None),
+            seq => Ok(Some(self.check_seq("stateRead", seq)? as i32)),
+        }
+    }
+
     /// Validates a sequence id for operations on one sequence.
     pub(crate) fn check_seq(&self, what: &str, seq: i32) -> Result<usize> {
         if seq < 0 || seq as u32 >= self.params.n_seq_max {

@@ -30,6 +30,11 @@ impl SeqSet {
         SeqSet(1u64 << seq)
     }
 
+    /// The set of `ids` (each in `0..MAX_SEQ`, validated by the caller).
+    pub fn of(ids: &[i32]) -> SeqSet {
+        SeqSet(ids.iter().fold(0, |set, &id| set | 1u64 << id))
+    }
+
     /// Whether `seq` is in the set.
     pub fn contains(self, seq: usize) -> bool {
         seq < MAX_SEQ && self.0 & (1u64 << seq) != 0

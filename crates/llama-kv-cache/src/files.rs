@@ -541,11 +541,7 @@ impl KvCache {
         opts: ReadOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<ReadSummary> {
-        let dest = if seq == -1 {
-            None
-        } else {
-            Some(self.check_seq("stateRead", seq)? as i32)
-        };
+        let dest = self.read_dest(seq)?;
         let all = [Layout::Seed, Layout::Streams, Layout::StreamsRot];
         let layouts: Vec<Layout> = match opts.layout {
             Some(l) => vec![l],

@@ -971,11 +971,7 @@ impl KvCache {
         if opts.part.is_some() {
             return self.state_read_part(data, seq, opts, progress);
         }
-        let dest = if seq == -1 {
-            None
-        } else {
-            Some(self.check_seq("stateRead", seq)? as i32)
-        };
+        let dest = self.read_dest(seq)?;
         let parsed = self.detect_payload(data, dest, opts.layout)?;
         self.apply_payload(data, &parsed, dest, opts, progress)
     }
@@ -1124,16 +1120,8 @@ impl KvCache {
         }
         self.cells.reset();
         self.head = 0;
-        self.cells.fill_free(
-            0,
-            cells.iter().map(|c| {
-                let mut set = SeqSet::EMPTY;
-                for &id in &c.seq_ids {
-                    set.insert(id as usize);
-                }
-                (c.pos, set)
-            }),
-        );
+        self.cells
+            .fill_free(0, cells.iter().map(|c| (c.pos, SeqSet::of(&c.seq_ids))));
         if recurrent {
             for i in 0..cells.len() {
                 self.cells.set_src(i, i as i32);

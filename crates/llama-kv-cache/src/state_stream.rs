@@ -202,11 +202,7 @@ impl KvCache {
                     .into(),
             ));
         }
-        let dest = if seq == -1 {
-            None
-        } else {
-            Some(self.check_seq("stateRead", seq)? as i32)
-        };
+        let dest = self.read_dest(seq)?;
         Ok(StateIn {
             dest,
             opts,

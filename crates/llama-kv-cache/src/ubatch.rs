@@ -87,10 +87,6 @@ impl UBatch {
     }
 
     pub(crate) fn seq_set(&self, group: usize) -> SeqSet {
-        let mut set = SeqSet::EMPTY;
-        for &id in &self.seq_ids[group] {
-            set.insert(id as usize);
-        }
-        set
+        SeqSet::of(&self.seq_ids[group])
     }
 }
