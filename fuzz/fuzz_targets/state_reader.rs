@@ -59,7 +59,9 @@ fuzz_target!(|data: &[u8]| {
     } else {
         GgmlType::F16
     };
-    let mut c = cache(flash, ty, quantized && selector & 8 == 8);
+    let rotated = quantized && selector & 8 == 8;
+    let new_cache = || cache(flash, ty, rotated);
+    let mut c = new_cache();
     let layout = if c.params().n_rot_k != 0 {
         Layout::StreamsRot
     } else {
@@ -73,7 +75,8 @@ fuzz_target!(|data: &[u8]| {
     };
     let seq = i32::from(selector >> 4 & 3) - 1;
     if selector >> 6 == 3 {
-        return streamed_matches_whole(body, selector, (flash, ty), seq, opts, &before);
+        let chunk = 1 + usize::from(selector >> 4 & 3) * 1000;
+        return streamed_matches_whole(body, &new_cache, seq, chunk, opts, (&before, layout));
     }
     let result = match selector >> 6 {
         0 => c.state_read(body, seq, opts, None).map(|_| ()),
@@ -105,28 +108,27 @@ fuzz_target!(|data: &[u8]| {
     }
 });
 
-/// The streamed reader (`state_in`, bytes in chunks of 1 to 3,001) against `state_read` of the
+/// The streamed reader (`state_in`, bytes in chunks of `chunk`) against `state_read` of the
 /// whole buffer: the same outcome, the same cache after a success, and the cache as it was
 /// after a failure.
 fn streamed_matches_whole(
     body: &[u8],
-    selector: u8,
-    (flash, ty): (bool, GgmlType),
+    new_cache: &dyn Fn() -> KvCache,
     seq: i32,
+    chunk: usize,
     opts: ReadOptions,
-    before: &[u8],
+    (before, before_layout): (&[u8], Layout),
 ) {
-    let rotated = selector & 8 == 8 && ty.is_quantized();
     let opts = ReadOptions { part: None, ..opts };
-    let layout = if rotated {
+    // a success is compared in a layout that records the cells of every sequence
+    let layout = if before_layout == Layout::StreamsRot {
         Layout::StreamsRot
     } else {
         Layout::Streams
     };
-    let mut whole = cache(flash, ty, rotated);
+    let mut whole = new_cache();
     let whole_result = whole.state_read(body, seq, opts, None);
-    let mut streamed = cache(flash, ty, rotated);
-    let chunk = 1 + usize::from(selector >> 4 & 3) * 1000;
+    let mut streamed = new_cache();
     let streamed_result: Result<ReadSummary, _> = (|| {
         let mut load = streamed.state_in(seq, opts)?;
         for piece in body.chunks(chunk) {
@@ -150,13 +152,8 @@ fn streamed_matches_whole(
         (w, s) => panic!("state_read: {w:?}; streamed: {s:?}"),
     }
     if streamed_result.is_err() {
-        let seed_layout = if rotated {
-            Layout::StreamsRot
-        } else {
-            Layout::Seed
-        };
         assert_eq!(
-            streamed.state_write(-1, seed_layout, 1, None).unwrap(),
+            streamed.state_write(-1, before_layout, 1, None).unwrap(),
             before,
             "a failed streamed load changed the cache"
         );
