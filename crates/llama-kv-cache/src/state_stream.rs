@@ -357,6 +357,10 @@ impl KvCache {
             0 if waiting => Ok(None),
             0 => Err(no_layout_fits(errors)),
             1 => Ok(fits.pop()),
+            // a header that fits two layouts (crafted bytes): only the payload's length can
+            // decide, as stateRead decides; a payload that ends within the header buffer is
+            // read whole by state_in_finish
+            _ if buf.len() < cap => Ok(None),
             _ => Err(ambiguous(fits.iter().map(|h| h.layout))),
         }
     }
@@ -879,6 +883,45 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn regression_a_header_fitting_two_layouts_is_decided_by_the_payload_length_as_state_read_does()
+    {
+        // found by the fuzzer: a small payload whose header parses both as the seed layout and
+        // as the streams layout was refused as ambiguous by the streamed load, while state_read
+        // (which sees where the payload ends) loads it as seed
+        let data = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fuzz-findings/stream-header-fits-seed-and-streams.bin"
+        ))
+        .unwrap();
+        let cache = || {
+            let mut p = CacheParams::new(16, 2, 32, 32);
+            p.n_seq_max = 4;
+            p.flash_attn = true;
+            p.type_k = crate::GgmlType::Q8_0;
+            p.type_v = crate::GgmlType::Q8_0;
+            let mut c = KvCache::new(p).unwrap();
+            c.find_slot(&UBatch::per_token(
+                vec![0, 1, 2],
+                vec![vec![0, 1], vec![1], vec![2]],
+            ))
+            .unwrap()
+            .unwrap();
+            c
+        };
+        let mut whole = cache();
+        let expected = whole
+            .state_read(&data, 0, ReadOptions::default(), None)
+            .unwrap();
+        assert_eq!(expected.layout, Layout::Seed);
+        for chunk in [1, 64, 1001, 1 << 20] {
+            let mut c = cache();
+            let r = streamed_in(&mut c, 0, &data, chunk).unwrap();
+            assert_eq!(r, expected, "chunks of {chunk}");
+            assert_eq!(observable(&c), observable(&whole), "chunks of {chunk}");
         }
     }
 
