@@ -195,7 +195,7 @@ fn describe(payload: &ParsedPayload) -> Described {
     let mut streams = Vec::new();
     for s in &payload.streams {
         let mut seqs = SeqStats::new();
-        for c in &s.cells {
+        for c in s.cells.iter() {
             meta += 8 + 4 * c.seq_ids.len();
             let ids: Vec<i32> = if c.seq_ids.is_empty() {
                 vec![-1]

@@ -12,6 +12,9 @@ use crate::storage::{host_allocator, Allocator, Device, LayerTensors, Layout, Te
 pub struct KvCache {
     pub(crate) params: CacheParams,
     pub(crate) cells: Cells,
+    /// A cell table of the same shape, kept between whole-cache loads: a load fills it and
+    /// keeps the live one as its undo record, instead of copying the live one first.
+    pub(crate) spare_cells: Option<Box<Cells>>,
     pub(crate) head: u32,
     pub(crate) n: u32,
     pub(crate) has_shift: bool,
@@ -51,6 +54,7 @@ impl KvCache {
         let cells = Cells::new(size, params.n_seq_max as usize)?;
         Ok(KvCache {
             cells,
+            spare_cells: None,
             head: 0,
             // a worst-case graph reserve leaves n = size before the first decode
             n: params.size,

@@ -91,6 +91,29 @@ impl CellSet {
         (self.lo[w], self.hi[w])
     }
 
+    /// The members as runs `start..end` of consecutive cells, ascending, read a word at a time
+    /// (a full word extends a run in one step).
+    pub fn runs(&self) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for (w, &word) in self.bits.iter().enumerate().filter(|(_, &b)| b != 0) {
+            let mut rest = word;
+            while rest != 0 {
+                let skip = rest.trailing_zeros() as usize;
+                let len = (rest >> skip).trailing_ones() as usize;
+                let (a, b) = (w * 64 + skip, w * 64 + skip + len);
+                match out.last_mut() {
+                    Some(last) if last.1 == a => last.1 = b,
+                    _ => out.push((a, b)),
+                }
+                // drop the bits up to the run's end
+                rest = u64::MAX
+                    .checked_shl(skip as u32 + len as u32)
+                    .map_or(0, |m| rest & m);
+            }
+        }
+        out
+    }
+
     /// Whether cell `i` is a member.
     #[inline]
     pub fn contains(&self, i: usize) -> bool {

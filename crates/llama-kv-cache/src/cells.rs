@@ -262,6 +262,11 @@ impl Cells {
         self.seq.len()
     }
 
+    /// The cells holding `seq` as runs `start..end` of consecutive cells, ascending.
+    pub fn runs_of(&self, seq: usize) -> Vec<(usize, usize)> {
+        self.seq[seq].runs()
+    }
+
     /// Cells holding `seq`.
     pub fn seq_cell_count(&self, seq: usize) -> u32 {
         self.seq[seq].count()
@@ -819,51 +824,86 @@ impl Cells {
         }
     }
 
-    /// Fills the free cells `first..` (no position, no sequence) with `(pos, seqs)`, as
-    /// `set_pos` then an `insert_seq` per sequence of each cell would, but gives every index
-    /// one update per 64 cells instead of one per cell: slot placement of a long ubatch and
-    /// whole-cache loads (65,536 cells spent more time in per-cell index updates than in
-    /// copying their rows).
-    pub fn fill_free(&mut self, first: usize, cells: impl IntoIterator<Item = (i32, SeqSet)>) {
+    /// Fills the free cells `first..first + pos.len()` (no position, no sequence) with the
+    /// positions `pos` and the sequences `seqs(k)` of the `k`-th, as `set_pos` then an
+    /// `insert_seq` per sequence of each cell would, but gives every index one update per 64
+    /// cells instead of one per cell: slot placement of a long ubatch and whole-cache loads
+    /// (65,536 cells spent more time in per-cell index updates than in copying their rows). The
+    /// cells of a word that share one set of sequences, as a sequence's cells almost always do,
+    /// take column copies and a min/max pass instead of a loop over each cell's sequences.
+    pub fn fill_free(&mut self, first: usize, pos: &[i32], seqs: impl Fn(usize) -> SeqSet) {
+        let end = first + pos.len();
+        let mut at = first;
+        while at < end {
+            let w = at / 64;
+            let stop = (w * 64 + 64).min(end);
+            let (new_pos, cells) = (&pos[at - first..stop - first], at..stop);
+            debug_assert!(
+                cells
+                    .clone()
+                    .all(|i| self.pos[i] < 0 && self.seqs[i] == SeqSet::EMPTY),
+                "cells {cells:?} are not all free"
+            );
+            let set = seqs(at - first);
+            let (lo, hi) = new_pos
+                .iter()
+                .fold((i32::MAX, i32::MIN), |(lo, hi), &p| (lo.min(p), hi.max(p)));
+            if lo >= 0 && (at + 1..stop).all(|i| seqs(i - first) == set) {
+                let bits = (u64::MAX >> (64 - (stop - at))) << (at % 64);
+                self.pos[cells.clone()].copy_from_slice(new_pos);
+                self.seqs[cells].fill(set);
+                self.occupied.add_bits(w, bits, lo, hi);
+                for seq in set.iter() {
+                    self.seq[seq].add_bits(w, bits, lo, hi);
+                    self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
+                }
+            } else {
+                self.fill_cell_by_cell(at, at - first, new_pos, &seqs);
+            }
+            at = stop;
+        }
+    }
+
+    /// [`Cells::fill_free`] of the cells `at..at + pos.len()`, all in one word, one cell at a
+    /// time: the `k`-th gets `pos[k]` and the sequences `seqs(offset + k)`.
+    fn fill_cell_by_cell(
+        &mut self,
+        at: usize,
+        offset: usize,
+        pos: &[i32],
+        seqs: &impl Fn(usize) -> SeqSet,
+    ) {
         // per sequence: its members among the word's new cells and their position bounds
         let mut members = [(0u64, i32::MAX, i32::MIN); MAX_SEQ];
         let mut word = (0u64, i32::MAX, i32::MIN);
         let mut present = 0u64;
-        let mut cells = cells.into_iter().peekable();
-        let mut i = first;
-        while let Some((pos, seqs)) = cells.next() {
-            debug_assert!(
-                self.pos[i] < 0 && self.seqs[i] == SeqSet::EMPTY,
-                "cell {i} is not free"
-            );
+        let w = at / 64;
+        for (k, &p) in pos.iter().enumerate() {
+            let (i, set) = (at + k, seqs(offset + k));
             let bit = 1u64 << (i % 64);
-            self.pos[i] = pos;
-            self.seqs[i] = seqs;
-            if pos >= 0 {
-                word = (word.0 | bit, word.1.min(pos), word.2.max(pos));
+            self.pos[i] = p;
+            self.seqs[i] = set;
+            if p >= 0 {
+                word = (word.0 | bit, word.1.min(p), word.2.max(p));
             }
-            for seq in seqs.iter() {
+            for seq in set.iter() {
                 let m = &mut members[seq];
-                *m = (m.0 | bit, m.1.min(pos), m.2.max(pos));
+                *m = (m.0 | bit, m.1.min(p), m.2.max(p));
             }
-            present |= seqs.0;
-            i += 1;
-            if !i.is_multiple_of(64) && cells.peek().is_some() {
-                continue;
-            }
-            let w = (i - 1) / 64;
-            self.occupied.add_bits(w, word.0, word.1, word.2);
-            for seq in SeqSet(present).iter() {
-                let (bits, lo, hi) = std::mem::replace(&mut members[seq], (0, i32::MAX, i32::MIN));
-                self.seq[seq].add_bits(w, bits, lo, hi);
-                // a sequence without cells has the maximum NO_POS, below any position
-                if hi > self.seq_pos_max[seq] {
-                    self.seq_pos_max[seq] = hi;
-                }
-            }
-            word = (0, i32::MAX, i32::MIN);
-            present = 0;
+            present |= set.0;
         }
+        self.occupied.add_bits(w, word.0, word.1, word.2);
+        for seq in SeqSet(present).iter() {
+            let (bits, lo, hi) = members[seq];
+            self.seq[seq].add_bits(w, bits, lo, hi);
+            // a sequence without cells has the maximum NO_POS, below any position
+            self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
+        }
+    }
+
+    /// Takes the deltas of `other`, a table of the same size.
+    pub fn copy_deltas_from(&mut self, other: &Cells) {
+        self.delta.copy_from_slice(&other.delta);
     }
 
     /// Resets every cell's pos, seqs, src and tail (not delta: the seed's `clear` keeps it).
@@ -929,17 +969,43 @@ mod tests {
 
     proptest::proptest! {
         #[test]
+        fn runs_of_a_sequence_are_its_cells_in_order(
+            cells in proptest::collection::vec(0u64..8, 1..400),
+        ) {
+            // runs across word boundaries, full words, lone cells and the cache's last cell
+            let mut t = Cells::new(cells.len(), 3).unwrap();
+            for (i, &seqs) in cells.iter().enumerate() {
+                if seqs != 0 {
+                    t.set_pos(i, i as i32);
+                    t.set_seqs(i, SeqSet(seqs));
+                }
+            }
+            for seq in 0..3 {
+                let flat: Vec<usize> = t.runs_of(seq).iter().flat_map(|&(a, b)| a..b).collect();
+                let want: Vec<usize> = (0..cells.len()).filter(|&i| cells[i] >> seq & 1 == 1).collect();
+                proptest::prop_assert_eq!(flat, want);
+                let runs = t.runs_of(seq);
+                proptest::prop_assert!(runs.windows(2).all(|w| w[0].1 < w[1].0), "runs touch: {:?}", runs);
+            }
+        }
+
+        #[test]
         fn filling_free_cells_matches_setting_each_cell(
             before in proptest::collection::vec((-1i32..200, 0u64..16), 0..200),
             cells in proptest::collection::vec((-1i32..200, 0u64..16), 0..300),
             size_extra in 0usize..70,
+            one_set in proptest::option::of(1u64..16),
         ) {
             // cells `before.len()..` filled at once equal cell-by-cell updates: same columns,
             // consistent indexes, same counts and maxima, also where the run starts inside a
-            // word that already has members
+            // word that already has members; `one_set` gives every new cell the same sequences
+            // (whole words of one set take the column path)
             let as_cell = |(pos, seqs): (i32, u64)| (pos, if pos < 0 { SeqSet::EMPTY } else { SeqSet(seqs) });
             let before: Vec<(i32, SeqSet)> = before.into_iter().map(as_cell).collect();
-            let cells: Vec<(i32, SeqSet)> = cells.into_iter().map(as_cell).collect();
+            let cells: Vec<(i32, SeqSet)> = match one_set {
+                Some(set) => cells.into_iter().map(|(p, _)| (p.max(0), SeqSet(set))).collect(),
+                None => cells.into_iter().map(as_cell).collect(),
+            };
             let size = before.len() + cells.len() + size_extra;
             let mut one_by_one = Cells::new(size, 4).unwrap();
             let mut filled = Cells::new(size, 4).unwrap();
@@ -964,7 +1030,8 @@ mod tests {
                 }
             }
             one_by_one.settle();
-            filled.fill_free(first, cells.iter().copied());
+            let pos: Vec<i32> = cells.iter().map(|c| c.0).collect();
+            filled.fill_free(first, &pos, |k| cells[k].1);
             filled.settle();
             proptest::prop_assert!(filled == one_by_one);
             proptest::prop_assert_eq!(filled.check_consistency(), Ok(()));

@@ -21,7 +21,7 @@ use crate::files::{
 use crate::ggml_type::GgmlType;
 use crate::parts::{Part, PartKind, PartRole};
 use crate::source::Cursor;
-use crate::state::{CellMeta, Layout, Progress, VBlock};
+use crate::state::{Layout, PayloadCells, Progress, VBlock};
 use crate::storage::{Device, KvBuffer};
 use crate::CacheParams;
 
@@ -206,7 +206,7 @@ impl Plan {
             .iter()
             .flat_map(|p| p.payload.streams.iter().enumerate())
             .find(|(_, s)| !s.cells.is_empty())
-            .map(|(i, s)| s.cells[0].seq_ids.first().copied().unwrap_or(i as i32))
+            .map(|(i, s)| s.cells.seq_ids(0).first().copied().unwrap_or(i as i32))
             .unwrap_or(0);
         // the id comes from the file: one outside the cache's range would index past its sequences
         if !(0..crate::MAX_SEQ as i32).contains(&seq_in_file) {
@@ -349,12 +349,7 @@ impl PartJob<'_> {
         }
         // a cache only to place the cells in: its tensors have no data
         let mut cells = view_cache(params.clone(), input, None)?;
-        let metas: Vec<&CellMeta> = part
-            .payload
-            .streams
-            .iter()
-            .flat_map(|s| s.cells.iter())
-            .collect();
+        let metas = PayloadCells::concat(part.payload.streams.iter().map(|s| &s.cells))?;
         let loaded_seq = if self.kinds.0 == FileKind::Session {
             cells.check_payload(&part.payload, None)?;
             cells.place_whole(&metas)?;

@@ -731,11 +731,7 @@ fn one_sequence_cells(p: &Part) -> bool {
         (PartKind::Recurrent, _) | (_, Layout::Seed) => 0,
         _ => 1,
     };
-    p.payload
-        .streams
-        .iter()
-        .flat_map(|s| &s.cells)
-        .all(|c| c.seq_ids.len() == want)
+    p.payload.streams.iter().all(|s| s.cells.all_have_ids(want))
 }
 
 /// Inspects a state file's bytes without a cache: every reading its version allows (layouts,
@@ -913,7 +909,7 @@ pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<cr
     let max_seq = payload
         .streams
         .iter()
-        .flat_map(|s| s.cells.iter().flat_map(|c| c.seq_ids.iter()))
+        .flat_map(|s| s.cells.all_ids())
         .copied()
         .max()
         .unwrap_or(0)

@@ -34,6 +34,7 @@ mod kshift;
 pub mod model;
 mod params;
 pub mod parts;
+pub mod payload_cells;
 pub mod quant;
 mod restorer;
 mod rollback;

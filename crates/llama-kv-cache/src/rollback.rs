@@ -6,6 +6,11 @@
 //! counters is enough, so a small restore into a large cache no longer copies the whole cell
 //! table. Recurrent placement moves tails between cells; recurrent caches have one cell per
 //! sequence, so they keep a full copy too.
+//!
+//! A whole-cache load copies nothing: the live table becomes the record, and the load fills a
+//! spare table of the same shape, the one a previous load left behind (reset, with the live
+//! deltas, which llama.cpp's clear-then-read keeps). A successful load leaves the record as the
+//! next spare; a failed one swaps the tables back.
 
 use crate::cache::KvCache;
 use crate::cells::{Cell, Cells};
@@ -36,7 +41,18 @@ impl CellsUndo {
 
 impl KvCache {
     /// The undo record for a load into `dest` (`None`: the whole cache), taken before it starts.
-    pub(crate) fn undo_record(&self, dest: Option<i32>) -> CellsUndo {
+    /// For a whole-cache load the live cells move into the record, and the cache gets the
+    /// spare table (or a copy, the first time), which the load resets.
+    pub(crate) fn undo_record(&mut self, dest: Option<i32>) -> CellsUndo {
+        if dest.is_none() {
+            let mut fresh = match self.spare_cells.take() {
+                Some(spare) => *spare,
+                None => self.cells.clone(),
+            };
+            fresh.copy_deltas_from(&self.cells);
+            let old = std::mem::replace(&mut self.cells, fresh);
+            return CellsUndo::All(Box::new(old), self.head, self.n);
+        }
         match dest {
             Some(seq) if !self.params.recurrent => CellsUndo::Sequence {
                 old: self
@@ -52,12 +68,21 @@ impl KvCache {
         }
     }
 
+    /// Ends a load that succeeded: a record of every cell becomes the spare table of the next
+    /// whole-cache load.
+    pub(crate) fn commit(&mut self, undo: CellsUndo) {
+        if let CellsUndo::All(cells, ..) = undo {
+            self.spare_cells = Some(cells);
+        }
+    }
+
     /// Puts the cells back as they were when `undo` was taken; `placed` are the cells the load
     /// filled (free before it, or the destination's own).
     pub(crate) fn roll_back(&mut self, undo: CellsUndo, placed: &[usize]) {
         match undo {
             CellsUndo::All(cells, head, n) => {
-                self.cells = *cells;
+                let failed = std::mem::replace(&mut self.cells, *cells);
+                self.spare_cells = Some(Box::new(failed));
                 self.head = head;
                 self.n = n;
             }
@@ -81,7 +106,7 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
-    use crate::state::CellMeta;
+    use crate::state::PayloadCells;
     use crate::{CacheParams, KvCache, UBatch};
 
     /// xorshift32, so the cases are reproducible without a dependency.
@@ -139,16 +164,11 @@ mod tests {
             let mut c = random_cache(&mut rng);
             let (cells, head, n) = (c.cells.clone(), c.head, c.n);
             let dest = rng.below(4) as i32;
-            let metas: Vec<CellMeta> = (0..1 + rng.below(40))
-                .map(|p| CellMeta {
-                    pos: p as i32,
-                    seq_ids: Default::default(),
-                })
-                .collect();
-            let refs: Vec<&CellMeta> = metas.iter().collect();
+            let mut metas = PayloadCells::new();
+            (0..1 + rng.below(40)).for_each(|p| metas.push(p as i32, &[]));
             let undo = c.undo_record(Some(dest));
             let placed = c
-                .place_sequence(dest, &refs, rng.below(2) == 0)
+                .place_sequence(dest, &metas, rng.below(2) == 0)
                 .unwrap_or_default();
             placed_somewhere += !placed.is_empty() as u32;
             c.roll_back(undo, &placed);
@@ -163,5 +183,58 @@ mod tests {
             placed_somewhere > 100,
             "too few placements: {placed_somewhere}"
         );
+    }
+
+    #[test]
+    fn whole_cache_loads_through_the_spare_table_give_what_the_first_load_gives() {
+        use crate::state::{Layout, ReadOptions};
+        let mut rng = Rng(0x2545_f491);
+        let opts = ReadOptions::default();
+        for case in 0..60 {
+            let seed = rng.0;
+            let mut c = random_cache(&mut rng);
+            let other = random_cache(&mut rng)
+                .state_write(-1, Layout::Streams, 1, None)
+                .unwrap();
+            let own = c.state_write(-1, Layout::Streams, 1, None).unwrap();
+            // the same cache again: its only load takes the first-time path (a copy)
+            let mut once = random_cache(&mut Rng(seed));
+            once.state_read(&other, -1, opts, None).unwrap();
+            // loads alternate the live and the spare table; an abandoned streamed load swaps
+            // them back; each load keeps the deltas it finds, as llama.cpp's clear-then-read
+            // does (a shift between loads moves them)
+            for data in [&other, &own, &other] {
+                c.seq_add(rng.below(4) as i32, 0, -1, 1 + rng.below(3) as i32)
+                    .unwrap();
+                let deltas = c.cells.delta_column().to_vec();
+                c.state_read(data, -1, opts, None).unwrap();
+                assert_eq!(
+                    c.cells.delta_column(),
+                    &deltas[..],
+                    "case {case}: deltas changed"
+                );
+                let before = c.cells.clone();
+                let mut load = c.state_in(-1, opts).unwrap();
+                c.state_in_write(&mut load, &own[..own.len() - 1]).unwrap();
+                c.state_in_abort(&mut load).unwrap();
+                assert_eq!(
+                    c.cells, before,
+                    "case {case}: the abandoned load changed the cells"
+                );
+            }
+            let columns = |k: &KvCache| {
+                (
+                    k.cells.pos_column().to_vec(),
+                    k.cells.seqs_column().to_vec(),
+                )
+            };
+            assert_eq!(
+                columns(&c),
+                columns(&once),
+                "case {case}: cells differ from a single load"
+            );
+            assert_eq!((c.head, c.n), (once.head, once.n), "case {case}");
+            c.cells.check_consistency().unwrap();
+        }
     }
 }

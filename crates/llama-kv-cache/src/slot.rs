@@ -93,12 +93,9 @@ impl KvCache {
         self.head = head;
         // the window is free (the scan above stopped on it)
         let per_group = ubatch.n_seq_tokens as usize;
-        let groups = (0..ubatch.seq_ids.len()).map(|g| ubatch.seq_set(g));
-        let tokens = groups.flat_map(|seqs| std::iter::repeat_n(seqs, per_group));
-        self.cells.fill_free(
-            head as usize,
-            ubatch.pos.iter().copied().zip(tokens).take(n),
-        );
+        self.cells.fill_free(head as usize, &ubatch.pos[..n], |k| {
+            ubatch.seq_set(k / per_group)
+        });
         self.cells.used += n_tokens;
         self.cells.settle();
         Some(Slot {

@@ -20,6 +20,18 @@ pub trait ByteSource {
     }
     /// Copies the bytes at `pos..pos + dst.len()` (inside `0..len()`, checked by the caller).
     fn read_at(&self, pos: usize, dst: &mut [u8]) -> Result<()>;
+    /// At least the `want` bytes at `pos` (inside `0..len()`, checked by the caller), read into
+    /// `scratch` where they are not in memory already. A source in memory lends every byte
+    /// from `pos` on without copying.
+    fn window<'s>(&'s self, pos: usize, want: usize, scratch: &'s mut Vec<u8>) -> Result<&'s [u8]> {
+        scratch.clear();
+        scratch.try_reserve_exact(want).map_err(|_| {
+            KvError::Backend(format!("cannot allocate {want} bytes to read a state"))
+        })?;
+        scratch.resize(want, 0);
+        self.read_at(pos, scratch)?;
+        Ok(scratch)
+    }
 }
 
 impl ByteSource for [u8] {
@@ -31,6 +43,10 @@ impl ByteSource for [u8] {
     fn read_at(&self, pos: usize, dst: &mut [u8]) -> Result<()> {
         dst.copy_from_slice(&self[pos..pos + dst.len()]);
         Ok(())
+    }
+
+    fn window<'s>(&'s self, pos: usize, _: usize, _: &'s mut Vec<u8>) -> Result<&'s [u8]> {
+        Ok(&self[pos..])
     }
 }
 
@@ -62,6 +78,11 @@ impl<S: ByteSource + ?Sized> ByteSource for Sub<'_, S> {
     #[inline]
     fn read_at(&self, pos: usize, dst: &mut [u8]) -> Result<()> {
         self.src.read_at(self.start + pos, dst)
+    }
+
+    fn window<'s>(&'s self, pos: usize, want: usize, scratch: &'s mut Vec<u8>) -> Result<&'s [u8]> {
+        let bytes = self.src.window(self.start + pos, want, scratch)?;
+        Ok(&bytes[..bytes.len().min(self.len - pos)])
     }
 }
 
@@ -164,6 +185,13 @@ impl<R: Read + Seek> ByteSource for ReadSource<R> {
     }
 }
 
+/// The error of a payload that ends at byte `pos`, in the field `what` of `n` bytes.
+pub(crate) fn truncated(pos: usize, what: impl fmt::Display, n: usize, left: usize) -> KvError {
+    KvError::InvalidState(format!(
+        "truncated at byte {pos} reading {what} ({n} bytes needed, {left} left)"
+    ))
+}
+
 /// Little-endian cursor over a [`ByteSource`]; every read names what it was reading. The name is
 /// only formatted when a read fails (pass `format_args!` in loops), so the success path does no
 /// string work.
@@ -182,11 +210,7 @@ impl<'a, S: ByteSource + ?Sized> Cursor<'a, S> {
         let len = self.src.len();
         let end = self.pos.checked_add(n).filter(|&e| e <= len);
         let Some(end) = end else {
-            return Err(KvError::InvalidState(format!(
-                "truncated at byte {} reading {what} ({n} bytes needed, {} left)",
-                self.pos,
-                len - self.pos
-            )));
+            return Err(truncated(self.pos, what, n, len - self.pos));
         };
         let start = self.pos;
         self.pos = end;

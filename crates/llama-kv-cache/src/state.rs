@@ -8,9 +8,10 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::cache::KvCache;
-use crate::cells::{SeqSet, MAX_SEQ};
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
+use crate::payload_cells::{parse_cells, MAX_PAYLOAD_SEQS};
+pub use crate::payload_cells::{CellMeta, PayloadCells};
 use crate::sink::{Sink, SliceSink, WriteSink};
 use crate::source::ByteSource;
 pub(crate) use crate::source::Cursor;
@@ -87,20 +88,6 @@ pub struct ReadSummary {
     pub placed: Vec<u32>,
 }
 
-/// The seq ids of one cell: inline up to two (a cell almost always holds one), so parsing a
-/// state of 65,536 cells does not make 65,536 heap allocations (they were a quarter of a
-/// whole-cache load).
-pub type SeqIds = smallvec::SmallVec<[i32; 2]>;
-
-/// One cell's metadata in a payload.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CellMeta {
-    /// Position.
-    pub pos: i32,
-    /// Seq ids as written (empty for the seed's single-sequence cells).
-    pub seq_ids: SeqIds,
-}
-
 /// The V block of one layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VBlock {
@@ -136,7 +123,7 @@ pub struct LayerBlock {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamBlock {
     /// Cells in payload order.
-    pub cells: Vec<CellMeta>,
+    pub cells: PayloadCells,
     /// Whether V is transposed (absent for an empty stream).
     pub v_trans: Option<bool>,
     /// Layers (empty for an empty stream).
@@ -202,21 +189,7 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
             c.remaining()
         )));
     }
-    let mut cells = crate::alloc::with_capacity(cell_count as usize, "the cells of a state")?;
-    for i in 0..cell_count {
-        let pos = c.i32(format_args!("cell {i} pos"))?;
-        let n = c.u32(format_args!("cell {i} n_seq_id"))?;
-        if n as usize > MAX_SEQ.max(256) {
-            return Err(KvError::InvalidState(format!(
-                "cell {i}: n_seq_id {n} is implausible"
-            )));
-        }
-        let mut seq_ids = SeqIds::with_capacity(n as usize);
-        for j in 0..n {
-            seq_ids.push(c.i32(format_args!("cell {i} seq_id {j}"))?);
-        }
-        cells.push(CellMeta { pos, seq_ids });
-    }
+    let cells = parse_cells(c, cell_count)?;
     if cell_count == 0 && !header_when_empty {
         return Ok(StreamBlock {
             cells,
@@ -330,7 +303,7 @@ pub fn parse_payload<S: ByteSource + ?Sized>(
         Layout::Seed => vec![parse_stream(&mut c, 0, true, false)?],
         Layout::Streams | Layout::StreamsRot => {
             let n_stream = c.u32("n_stream")?;
-            if n_stream == 0 || n_stream as usize > MAX_SEQ.max(256) {
+            if n_stream == 0 || n_stream > MAX_PAYLOAD_SEQS {
                 return Err(KvError::InvalidState(format!(
                     "n_stream {n_stream} is implausible"
                 )));
@@ -397,7 +370,19 @@ pub(crate) fn check_meta(
         (Some(_), Layout::Streams | Layout::StreamsRot, false) => Some(1),
     };
     for (s, stream) in p.streams.iter().enumerate() {
-        for (i, cell) in stream.cells.iter().enumerate() {
+        let cells = &stream.cells;
+        // whole columns first (vectorizable passes); the cell loop runs only to name a culprit
+        let fine = match single_ids {
+            Some(n) => cells.all_have_ids(n),
+            None => cells
+                .all_ids()
+                .iter()
+                .all(|&id| id >= 0 && (id as u32) < n_seq_max),
+        } && (recurrent || cells.positions().iter().all(|&p| p >= 0));
+        if fine {
+            continue;
+        }
+        for (i, cell) in cells.iter().enumerate() {
             if let Some(n) = single_ids {
                 if cell.seq_ids.len() != n {
                     return Err(KvError::InvalidState(format!(
@@ -406,14 +391,14 @@ pub(crate) fn check_meta(
                         cell.seq_ids.len()
                     )));
                 }
-            } else {
-                for &id in &cell.seq_ids {
-                    if id < 0 || id as u32 >= n_seq_max {
-                        return Err(KvError::InvalidState(format!(
-                            "stream {s} cell {i}: seq id {id} is out of range [0, {n_seq_max}) of this cache"
-                        )));
-                    }
-                }
+            } else if let Some(&id) = cell
+                .seq_ids
+                .iter()
+                .find(|&&id| id < 0 || id as u32 >= n_seq_max)
+            {
+                return Err(KvError::InvalidState(format!(
+                    "stream {s} cell {i}: seq id {id} is out of range [0, {n_seq_max}) of this cache"
+                )));
             }
             if cell.pos < 0 && !recurrent {
                 return Err(KvError::InvalidState(format!(
@@ -427,17 +412,16 @@ pub(crate) fn check_meta(
 }
 
 impl KvCache {
+    /// The cells a write of `seq` (-1: every cell with a sequence) carries, as runs.
     fn cell_ranges(&self, seq: i32) -> Vec<(usize, usize)> {
+        if seq >= 0 {
+            return self.cells.runs_of(seq as usize);
+        }
         let seqs = self.cells.seqs_column();
         let mut ranges = Vec::new();
         let mut start = None;
         for (i, s) in seqs.iter().enumerate() {
-            let keep = if seq < 0 {
-                !s.is_empty()
-            } else {
-                s.contains(seq as usize)
-            };
-            match (keep, start) {
+            match (!s.is_empty(), start) {
                 (true, None) => start = Some(i),
                 (false, Some(b)) => {
                     ranges.push((b, i));
@@ -990,8 +974,15 @@ impl KvCache {
                 return Err(KvError::Aborted("state read aborted".into()));
             }
         }
-        let cells: Vec<&CellMeta> = parsed.streams.iter().flat_map(|s| s.cells.iter()).collect();
-        let (undo, placed) = self.place_cells(&cells, dest, opts.allow_scattered)?;
+        let joined;
+        let cells = match parsed.streams.as_slice() {
+            [one] => &one.cells,
+            many => {
+                joined = PayloadCells::concat(many.iter().map(|s| &s.cells))?;
+                &joined
+            }
+        };
+        let (undo, placed) = self.place_cells(cells, dest, opts.allow_scattered)?;
         let backup = match self.backup_if_device() {
             Ok(b) => b,
             Err(e) => {
@@ -1012,6 +1003,7 @@ impl KvCache {
             }
             return Err(e);
         }
+        self.commit(undo);
         Ok(ReadSummary {
             layout: parsed.layout,
             cells: placed.len() as u32,
@@ -1023,7 +1015,7 @@ impl KvCache {
     /// that takes them back out; on failure the cells are as before.
     pub(crate) fn place_cells(
         &mut self,
-        cells: &[&CellMeta],
+        cells: &PayloadCells,
         dest: Option<i32>,
         allow_scattered: bool,
     ) -> Result<(crate::rollback::CellsUndo, Vec<usize>)> {
@@ -1044,7 +1036,7 @@ impl KvCache {
     pub(crate) fn place_sequence(
         &mut self,
         dest: i32,
-        cells: &[&CellMeta],
+        cells: &PayloadCells,
         allow_scattered: bool,
     ) -> Result<Vec<usize>> {
         self.seq_rm(dest, -1, -1)?;
@@ -1053,7 +1045,7 @@ impl KvCache {
         }
         let n = cells.len();
         let ub = UBatch {
-            pos: cells.iter().map(|c| c.pos.max(0)).collect(),
+            pos: cells.positions().iter().map(|&p| p.max(0)).collect(),
             n_seq_tokens: n as u32,
             seq_ids: vec![vec![dest]],
         };
@@ -1067,7 +1059,7 @@ impl KvCache {
                 KvError::NoSpace(format!("no free state cell for sequence {dest}"))
             })?;
             let cell = slot.head as usize;
-            self.cells.set_pos(cell, cells[0].pos);
+            self.cells.set_pos(cell, cells.positions()[0]);
             self.cells.set_src(cell, cell as i32);
             return Ok(vec![cell]);
         }
@@ -1088,7 +1080,7 @@ impl KvCache {
             )));
         }
         for (k, &cell) in free.iter().enumerate() {
-            self.cells.set_pos(cell, cells[k].pos);
+            self.cells.set_pos(cell, cells.positions()[k]);
             self.cells.insert_seq(cell, dest as usize);
         }
         self.cells.used += n as u32;
@@ -1096,12 +1088,13 @@ impl KvCache {
         Ok(free)
     }
 
-    pub(crate) fn place_whole(&mut self, cells: &[&CellMeta]) -> Result<Vec<usize>> {
+    pub(crate) fn place_whole(&mut self, cells: &PayloadCells) -> Result<Vec<usize>> {
         let recurrent = self.params.recurrent;
-        let mut tails = vec![-1i32; self.cells.len()];
-        for (i, c) in cells.iter().enumerate() {
-            for &id in &c.seq_ids {
-                if recurrent {
+        let mut tails = Vec::new();
+        if recurrent {
+            tails = vec![-1i32; self.cells.len()];
+            for (i, c) in cells.iter().enumerate() {
+                for &id in c.seq_ids {
                     let t = tails.get_mut(id as usize).ok_or_else(|| {
                         KvError::InvalidState(format!(
                             "seq id {id} has no state cell in a cache of {} cells",
@@ -1121,7 +1114,7 @@ impl KvCache {
         self.cells.reset();
         self.head = 0;
         self.cells
-            .fill_free(0, cells.iter().map(|c| (c.pos, SeqSet::of(&c.seq_ids))));
+            .fill_free(0, cells.positions(), |k| cells.seq_set(k));
         if recurrent {
             for i in 0..cells.len() {
                 self.cells.set_src(i, i as i32);

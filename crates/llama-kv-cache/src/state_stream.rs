@@ -14,13 +14,13 @@
 //! their calls (the Node binding holds the cache busy while a stream is open).
 
 use crate::cache::KvCache;
-use crate::cells::MAX_SEQ;
 use crate::error::{KvError, Result};
+use crate::payload_cells::{CellParser, PayloadCells, MAX_PAYLOAD_SEQS};
 use crate::rollback::CellsUndo;
 use crate::sink::WindowSink;
 use crate::state::{
-    ambiguous, check_meta, no_layout_fits, CellMeta, LayerBlock, Layout, ParsedPayload,
-    ReadOptions, ReadSummary, SeqIds, StreamBlock, VBlock, WritePlan, MAX_LAYERS,
+    ambiguous, check_meta, no_layout_fits, LayerBlock, Layout, ParsedPayload, ReadOptions,
+    ReadSummary, StreamBlock, VBlock, WritePlan, MAX_LAYERS,
 };
 
 /// More cells than any llama.cpp context has (16 M).
@@ -119,7 +119,7 @@ struct Head {
     n_stream: u32,
     /// Index of the stream with cells.
     stream: u32,
-    cells: Vec<CellMeta>,
+    cells: PayloadCells,
     /// Bytes before the first layer's K header.
     len: usize,
 }
@@ -288,7 +288,7 @@ impl KvCache {
                 self.undo_data(*data)?;
                 Err(e)
             }
-            Phase::Data(data) => {
+            Phase::Data(mut data) => {
                 if load.dest.is_none() {
                     // rows past the loaded cells end up zeroed, as after llama.cpp's
                     // clear-then-read (deferred to here so an abandoned load keeps them)
@@ -296,6 +296,9 @@ impl KvCache {
                         self.undo_data(*data)?;
                         return Err(e);
                     }
+                }
+                if let Some(undo) = data.undo.take() {
+                    self.commit(undo);
                 }
                 Ok(ReadSummary {
                     layout: data.layout,
@@ -323,7 +326,7 @@ impl KvCache {
     /// the stream prefix, every cell with every seq id, the data header.
     fn head_cap(&self) -> usize {
         let ids = self.params.n_seq_max.max(1) as usize;
-        4 + 4 * MAX_SEQ.max(256) + self.params.size as usize * (8 + 4 * ids) + 64
+        4 + 4 * MAX_PAYLOAD_SEQS as usize + self.params.size as usize * (8 + 4 * ids) + 64
     }
 
     /// Parses the buffered header under each candidate layout. `Ok(None)`: not decided yet.
@@ -371,7 +374,7 @@ impl KvCache {
         let mut r = Reader { bytes: buf, pos: 0 };
         let n_stream = if layout.has_stream_prefix() {
             let n = need!(r.u32());
-            if n == 0 || n as usize > MAX_SEQ.max(256) {
+            if n == 0 || n > MAX_PAYLOAD_SEQS {
                 return Err(KvError::InvalidState(format!(
                     "n_stream {n} is implausible"
                 )));
@@ -395,21 +398,12 @@ impl KvCache {
                     self.params.size
                 )));
             }
-            let mut cells = crate::alloc::with_capacity(count as usize, "the cells of a state")?;
-            for i in 0..count {
-                let pos = need!(r.i32());
-                let n = need!(r.u32());
-                if n as usize > MAX_SEQ.max(256) {
-                    return Err(KvError::InvalidState(format!(
-                        "cell {i}: n_seq_id {n} is implausible"
-                    )));
-                }
-                let mut seq_ids = SeqIds::with_capacity(n as usize);
-                for _ in 0..n {
-                    seq_ids.push(need!(r.i32()));
-                }
-                cells.push(CellMeta { pos, seq_ids });
+            let mut parser = CellParser::new(count)?;
+            r.pos += parser.feed(&r.bytes[r.pos..])?;
+            if !parser.done() {
+                return Ok(HeadParse::NeedMore);
             }
+            let cells = parser.finish();
             if count == 0 && layout.has_stream_prefix() {
                 continue;
             }
@@ -504,8 +498,7 @@ impl KvCache {
         dest: Option<i32>,
         opts: ReadOptions,
     ) -> Result<Box<DataPhase>> {
-        let cells: Vec<&CellMeta> = head.cells.iter().collect();
-        let (undo, placed) = self.place_cells(&cells, dest, opts.allow_scattered)?;
+        let (undo, placed) = self.place_cells(&head.cells, dest, opts.allow_scattered)?;
         let saved = match self.save_rows(&undo, &placed) {
             Ok(s) => s,
             Err(e) => {

@@ -50,14 +50,14 @@ fn peer_files_converted_to_v11_and_v4_continue_in_llama_cpp_0_1_161() {
             .find(|(_, s)| !s.cells.is_empty())
             .map(|(i, s)| {
                 (
-                    s.cells[0].seq_ids.first().copied().unwrap_or(i as i32),
+                    s.cells.seq_ids(0).first().copied().unwrap_or(i as i32),
                     s.cells.len(),
                 )
             })
             .unwrap();
         let seq = if session { 0 } else { seq };
         let pos = if recurrent {
-            ins.payload.streams[0].cells[0].pos as usize + 1
+            ins.payload.streams[0].cells.positions()[0] as usize + 1
         } else {
             cells
         };
