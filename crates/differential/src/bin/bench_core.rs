@@ -118,6 +118,8 @@ impl Bench {
         std::hint::black_box((c.used_cells(), c.seq_pos_max(0).ok(), c.seq_pos_max(1).ok()));
         let s = 3 % self.n_seq;
         let len = self.len;
+        // a payload made by the op, freed after the timer (as the other sides free theirs)
+        let mut made: Option<Vec<u8>> = None;
         let mut t0 = Instant::now();
         match op {
             "seq_rm_mid" => {
@@ -157,9 +159,7 @@ impl Bench {
                 t0 = Instant::now();
                 c.update(Some(&self.shift), None).map_err(e)?;
             }
-            "seq_get" => {
-                std::hint::black_box(c.state_write(s, Layout::Seed, 1, None).map_err(e)?);
-            }
+            "seq_get" => made = Some(c.state_write(s, Layout::Seed, 1, None).map_err(e)?),
             "seq_set" => {
                 c.seq_rm(s, -1, -1).map_err(e)?;
                 t0 = Instant::now();
@@ -180,9 +180,10 @@ impl Bench {
                         .map_err(e)?,
                 );
             }
-            "state_get" => {
-                std::hint::black_box(c.state_write(-1, Layout::Seed, 1, None).map_err(e)?);
-            }
+            "state_get" => made = Some(c.state_write(-1, Layout::Seed, 1, None).map_err(e)?),
+            // the baselines of a state get: the same bytes copied into a fresh allocation
+            "copy_new_seq" => made = Some(self.seq_blobs[s as usize].to_vec()),
+            "copy_new_whole" => made = Some(self.whole.to_vec()),
             "state_set" => {
                 c.state_read(&self.whole, -1, read_opts(), None)
                     .map_err(e)?;
@@ -204,6 +205,7 @@ impl Bench {
             _ => return Ok(None),
         }
         let ns = t0.elapsed().as_nanos();
+        drop(std::hint::black_box(made));
         // a pending K-shift of seq_add / seq_div must not leak into the next op's timing
         self.cache.update(Some(&self.shift), None).map_err(e)?;
         Ok(Some(ns))
