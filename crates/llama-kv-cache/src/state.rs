@@ -161,6 +161,35 @@ pub(crate) struct WritePlan {
 
 pub(crate) const MAX_LAYERS: u32 = 4096;
 
+/// A payload's `n_stream`, refused when no context has that many streams.
+pub(crate) fn checked_n_stream(n: u32) -> Result<u32> {
+    if n == 0 || n > MAX_PAYLOAD_SEQS {
+        return Err(KvError::InvalidState(format!(
+            "n_stream {n} is implausible"
+        )));
+    }
+    Ok(n)
+}
+
+/// A stream's `v_trans` flag, 0 or 1.
+pub(crate) fn checked_v_trans(x: u32) -> Result<bool> {
+    match x {
+        0 => Ok(false),
+        1 => Ok(true),
+        x => Err(KvError::InvalidState(format!(
+            "v_trans must be 0 or 1, got {x}"
+        ))),
+    }
+}
+
+/// A stream's `n_layer`, refused when no model has that many layers.
+pub(crate) fn checked_n_layer(n: u32) -> Result<u32> {
+    if n == 0 || n > MAX_LAYERS {
+        return Err(KvError::InvalidState(format!("n_layer {n} is implausible")));
+    }
+    Ok(n)
+}
+
 /// Parses one stream. In the seed's layout (and the stream-less recurrent one) the data header
 /// (V layout, layer count, per-layer types and row sizes) follows even when no cell does; a
 /// stream of today's layout ends after a 0 `cell_count`.
@@ -199,21 +228,8 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
             n_layer_declared: 0,
         });
     }
-    let v_trans = match c.u32("v_trans")? {
-        0 => false,
-        1 => true,
-        x => {
-            return Err(KvError::InvalidState(format!(
-                "v_trans must be 0 or 1, got {x}"
-            )))
-        }
-    };
-    let n_layer = c.u32("n_layer")?;
-    if n_layer == 0 || n_layer > MAX_LAYERS {
-        return Err(KvError::InvalidState(format!(
-            "n_layer {n_layer} is implausible"
-        )));
-    }
+    let v_trans = checked_v_trans(c.u32("v_trans")?)?;
+    let n_layer = checked_n_layer(c.u32("n_layer")?)?;
     let n_rot = if rot {
         Some((c.u32("n_rot_k")?, c.u32("n_rot_v")?))
     } else {
@@ -302,12 +318,7 @@ pub fn parse_payload<S: ByteSource + ?Sized>(
     let streams = match layout {
         Layout::Seed => vec![parse_stream(&mut c, 0, true, false)?],
         Layout::Streams | Layout::StreamsRot => {
-            let n_stream = c.u32("n_stream")?;
-            if n_stream == 0 || n_stream > MAX_PAYLOAD_SEQS {
-                return Err(KvError::InvalidState(format!(
-                    "n_stream {n_stream} is implausible"
-                )));
-            }
+            let n_stream = checked_n_stream(c.u32("n_stream")?)?;
             (0..n_stream as usize)
                 .map(|s| parse_stream(&mut c, s, false, layout.records_rotation()))
                 .collect::<Result<_>>()?

@@ -19,8 +19,8 @@ use crate::payload_cells::{CellParser, PayloadCells, MAX_PAYLOAD_SEQS};
 use crate::rollback::CellsUndo;
 use crate::sink::WindowSink;
 use crate::state::{
-    ambiguous, check_meta, no_layout_fits, LayerBlock, Layout, ParsedPayload, ReadOptions,
-    ReadSummary, StreamBlock, VBlock, WritePlan, MAX_LAYERS,
+    ambiguous, check_meta, checked_n_layer, checked_n_stream, checked_v_trans, no_layout_fits,
+    LayerBlock, Layout, ParsedPayload, ReadOptions, ReadSummary, StreamBlock, VBlock, WritePlan,
 };
 
 /// More cells than any llama.cpp context has (16 M).
@@ -373,13 +373,7 @@ impl KvCache {
     fn parse_head(&self, buf: &[u8], layout: Layout, dest: Option<i32>) -> Result<HeadParse> {
         let mut r = Reader { bytes: buf, pos: 0 };
         let n_stream = if layout.has_stream_prefix() {
-            let n = need!(r.u32());
-            if n == 0 || n > MAX_PAYLOAD_SEQS {
-                return Err(KvError::InvalidState(format!(
-                    "n_stream {n} is implausible"
-                )));
-            }
-            n
+            checked_n_stream(need!(r.u32()))?
         } else {
             1
         };
@@ -407,21 +401,8 @@ impl KvCache {
             if count == 0 && layout.has_stream_prefix() {
                 continue;
             }
-            let v_trans = match need!(r.u32()) {
-                0 => false,
-                1 => true,
-                x => {
-                    return Err(KvError::InvalidState(format!(
-                        "v_trans must be 0 or 1, got {x}"
-                    )))
-                }
-            };
-            let n_layer = need!(r.u32());
-            if n_layer == 0 || n_layer > MAX_LAYERS {
-                return Err(KvError::InvalidState(format!(
-                    "n_layer {n_layer} is implausible"
-                )));
-            }
+            let v_trans = checked_v_trans(need!(r.u32()))?;
+            let n_layer = checked_n_layer(need!(r.u32()))?;
             let n_rot = if layout.records_rotation() {
                 Some((need!(r.u32()), need!(r.u32())))
             } else {
