@@ -115,12 +115,7 @@ impl KvCache {
 
     /// One past the last cell that holds a position and a sequence (0 when none does).
     pub fn cell_max(&self) -> u32 {
-        let pos = self.cells.pos_column();
-        let seqs = self.cells.seqs_column();
-        (0..pos.len())
-            .rev()
-            .find(|&i| pos[i] >= 0 && !seqs[i].is_empty())
-            .map_or(0, |i| i as u32 + 1)
+        self.cells.cell_max() as u32
     }
 
     /// Whether the cache can apply a K-shift (not recurrent, not disabled).

@@ -229,6 +229,26 @@ impl CellSet {
         }
     }
 
+    /// Whether any of the cells `first..first + len` is a member.
+    pub fn any_in(&self, first: usize, len: usize) -> bool {
+        spans(first, first, len).any(|(w, b, _, _, mask)| self.bits[w] >> b & mask != 0)
+    }
+
+    /// Moves the members among cells `src..src + len` to the same offsets from `dst`, whose
+    /// cells must not be members. Each destination word takes the bounds of the source word its
+    /// members came from: valid, though looser than exact when only part of it moved.
+    pub fn move_members(&mut self, src: usize, dst: usize, len: usize) {
+        for (sw, sb, dw, db, mask) in spans(src, dst, len) {
+            let moving = self.bits[sw] >> sb & mask;
+            if moving == 0 {
+                continue;
+            }
+            let (lo, hi) = (self.lo[sw], self.hi[sw]);
+            self.remove_bits(sw, moving << sb);
+            self.add_bits(dw, moving << db, lo, hi);
+        }
+    }
+
     /// Removes every member.
     pub fn clear(&mut self) {
         self.bits.fill(0);
@@ -373,6 +393,27 @@ impl Cursor {
     pub fn visited(&self) -> Option<(usize, usize)> {
         (self.first_group != usize::MAX).then_some((self.first_group, self.group))
     }
+}
+
+/// Cells `src..src + len` and `dst..dst + len` cut where either crosses a word boundary: per
+/// piece, the source word and bit, the destination word and bit, and the mask of its length
+/// (at the low bits). At most two pieces per 64 cells.
+fn spans(
+    src: usize,
+    dst: usize,
+    len: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize, u64)> {
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        if k >= len {
+            return None;
+        }
+        let (s, d) = (src + k, dst + k);
+        let n = (64 - s % 64).min(64 - d % 64).min(len - k);
+        k += n;
+        let mask = u64::MAX >> (64 - n);
+        Some((s / 64, s % 64, d / 64, d % 64, mask))
+    })
 }
 
 /// Bounds `[lo, hi]` widened to include `[l, h]`, or set to it when they bounded nothing.
