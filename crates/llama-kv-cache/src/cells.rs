@@ -1006,7 +1006,9 @@ impl Cells {
         let apart = src.checked_add(len).is_some_and(|e| e <= dst.min(n))
             || dst.checked_add(len).is_some_and(|e| e <= src.min(n));
         let fits = src.max(dst).checked_add(len).is_some_and(|e| e <= n);
-        if len == 0 || !apart || !fits || !self.all_free(dst, len) {
+        // a short run costs less cell by cell than the fixed cost of the bitmap moves below
+        // (a fragmented cache moves thousands of single cells)
+        if len <= SHORT_RUN || !apart || !fits || !self.all_free(dst, len) {
             for k in 0..len {
                 self.move_cell(src + k, dst + k);
             }
@@ -1040,6 +1042,9 @@ fn move_column<T: Copy>(col: &mut [T], src: usize, dst: usize, len: usize, free:
     col.copy_within(src..src + len, dst);
     col[src..src + len].fill(free);
 }
+
+/// Runs of at most this many cells move cell by cell (`Cells::move_run`).
+const SHORT_RUN: usize = 4;
 
 #[cfg(test)]
 mod tests {

@@ -73,7 +73,12 @@ impl KvCache {
             holes.push(moves.len());
             let (mut nf, mut at, mut stop) = (0, is, false);
             while nf < nh {
-                let first = next_bit(&live, at, top, true);
+                // the first run starts at `is`, a source
+                let first = if nf == 0 {
+                    at
+                } else {
+                    next_bit(&live, at, top, true)
+                };
                 if nf > 0 && n_moves == max_moves {
                     // the seed stops at the gap before a run it may not start
                     stop = true;
