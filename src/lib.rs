@@ -13,6 +13,7 @@ mod inspect;
 mod jobs;
 mod kv_cache;
 mod model;
+mod move_list;
 mod prompt_store;
 mod queue;
 mod restorer;

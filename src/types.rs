@@ -232,10 +232,11 @@ pub struct CellMove {
 }
 
 /// What a defrag did.
-#[napi(object)]
+#[napi(object, object_from_js = false)]
 pub struct DefragReport {
     /// The runs moved.
-    pub moves: Vec<CellMove>,
+    #[napi(ts_type = "Array<CellMove>")]
+    pub moves: crate::move_list::MoveList,
     /// Cells moved.
     pub cells_moved: u32,
     /// Bytes copied across all layers.
@@ -243,7 +244,7 @@ pub struct DefragReport {
 }
 
 /// What `update` did.
-#[napi(object)]
+#[napi(object, object_from_js = false)]
 pub struct UpdateReport {
     /// Cells whose K was rotated.
     pub shifted_cells: u32,
@@ -259,15 +260,7 @@ impl From<llama_kv_cache::UpdateReport> for UpdateReport {
             shifted_cells: r.shifted_cells,
             shift_pending: r.shift_pending,
             defrag: r.defrag.map(|d| DefragReport {
-                moves: d
-                    .moves
-                    .iter()
-                    .map(|m| CellMove {
-                        src: m.src,
-                        dst: m.dst,
-                        len: m.len,
-                    })
-                    .collect(),
+                moves: crate::move_list::MoveList(d.moves),
                 cells_moved: d.cells_moved,
                 bytes_copied: d.bytes_copied as f64,
             }),
