@@ -320,7 +320,7 @@ async function big() {
     c.saveSequenceFileSync(ours, 0, tokens)
     const bytes = fs.statSync(ours).size
     const blob = c.stateWriteSync(0)
-    const t = { save: [], write: [], writeSync: [], load: [], read: [], stateRead: [], copy: [] }
+    const t = { save: [], write: [], writeDurable: [], fsync: [], writeSync: [], load: [], read: [], stateRead: [], copy: [] }
     const time = async (key, f) => {
       const t0 = process.hrtime.bigint()
       await f()
@@ -333,6 +333,13 @@ async function big() {
     const writes = [
       ['save', () => c.saveSequenceFile(ours, 0, tokens), ours],
       ['write', () => fs.promises.writeFile(plain, data), plain],
+      // the same durability as ours: the write, then an fsync of the file (timed on its own too)
+      ['writeDurable', async () => {
+        await fs.promises.writeFile(plain, data)
+        const fh = await fs.promises.open(plain, 'r+')
+        await time('fsync', () => fh.sync())
+        await fh.close()
+      }, plain],
       ['writeSync', () => {
         const fd = fs.openSync(plain, 'w')
         fs.writeSync(fd, data)
@@ -361,6 +368,8 @@ async function big() {
     console.log(`|${'-'.repeat(36)}|${'-'.repeat(10)}|${'-'.repeat(46)}|${'-'.repeat(8)}|${'-'.repeat(12)}|`)
     const row = (name, ours, plainName, plainMs) =>
       console.log(`| ${padEnd(name, 34)} | ${pad(ours.toFixed(0), 8)} | ${padEnd(plainName, 44)} | ${pad(plainMs.toFixed(0), 6)} | ${pad((plainMs / ours).toFixed(2), 10)} |`)
+    row('saveSequenceFile (with fsync)', m.save, 'fs.promises.writeFile + FileHandle.sync', m.writeDurable)
+    console.log(`| ${padEnd('  of which the fsync (plain side)', 34)} | ${pad('', 8)} | ${padEnd('FileHandle.sync after the writeFile', 44)} | ${pad(m.fsync.toFixed(0), 6)} | ${pad('', 10)} |`)
     row('saveSequenceFile (with fsync)', m.save, 'fs.promises.writeFile (no fsync)', m.write)
     row('saveSequenceFile (with fsync)', m.save, 'fs.writeSync + fs.fsyncSync', m.writeSync)
     row('loadSequenceFile', m.load, 'fs.promises.readFile', m.read)
