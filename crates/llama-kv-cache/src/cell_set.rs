@@ -39,6 +39,29 @@ pub(crate) fn bits(mut word: u64) -> impl Iterator<Item = usize> {
     })
 }
 
+/// The set bits of `words` (64 cells to a word) as runs `start..end` of consecutive cells,
+/// ascending, read a word at a time (a full word extends a run in one step).
+pub(crate) fn runs_of_words(words: &[u64]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (w, &word) in words.iter().enumerate().filter(|(_, &b)| b != 0) {
+        let mut rest = word;
+        while rest != 0 {
+            let skip = rest.trailing_zeros() as usize;
+            let len = (rest >> skip).trailing_ones() as usize;
+            let (a, b) = (w * 64 + skip, w * 64 + skip + len);
+            match out.last_mut() {
+                Some(last) if last.1 == a => last.1 = b,
+                _ => out.push((a, b)),
+            }
+            // drop the bits up to the run's end
+            rest = u64::MAX
+                .checked_shl(skip as u32 + len as u32)
+                .map_or(0, |m| rest & m);
+        }
+    }
+    out
+}
+
 /// A set of cells with position bounds per word and per group of words.
 #[derive(Clone, Debug)]
 pub(crate) struct CellSet {
@@ -91,27 +114,9 @@ impl CellSet {
         (self.lo[w], self.hi[w])
     }
 
-    /// The members as runs `start..end` of consecutive cells, ascending, read a word at a time
-    /// (a full word extends a run in one step).
+    /// The members as runs `start..end` of consecutive cells, ascending.
     pub fn runs(&self) -> Vec<(usize, usize)> {
-        let mut out: Vec<(usize, usize)> = Vec::new();
-        for (w, &word) in self.bits.iter().enumerate().filter(|(_, &b)| b != 0) {
-            let mut rest = word;
-            while rest != 0 {
-                let skip = rest.trailing_zeros() as usize;
-                let len = (rest >> skip).trailing_ones() as usize;
-                let (a, b) = (w * 64 + skip, w * 64 + skip + len);
-                match out.last_mut() {
-                    Some(last) if last.1 == a => last.1 = b,
-                    _ => out.push((a, b)),
-                }
-                // drop the bits up to the run's end
-                rest = u64::MAX
-                    .checked_shl(skip as u32 + len as u32)
-                    .map_or(0, |m| rest & m);
-            }
-        }
-        out
+        runs_of_words(&self.bits)
     }
 
     /// Whether cell `i` is a member.

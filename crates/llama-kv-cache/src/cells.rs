@@ -11,7 +11,7 @@
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
 pub const MAX_SEQ: usize = 64;
 
-use crate::cell_set::{bits, select, CellSet, Cursor, NO_HI, NO_LO};
+use crate::cell_set::{bits, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
 use crate::error::Result;
 
 /// Marker for "no position" in the per-sequence maximum.
@@ -265,6 +265,11 @@ impl Cells {
     /// The cells holding `seq` as runs `start..end` of consecutive cells, ascending.
     pub fn runs_of(&self, seq: usize) -> Vec<(usize, usize)> {
         self.seq[seq].runs()
+    }
+
+    /// The cells held by any sequence as runs `start..end` of consecutive cells, ascending.
+    pub fn nonempty_runs(&self) -> Vec<(usize, usize)> {
+        runs_of_words(&self.nonempty_words())
     }
 
     /// Cells holding `seq`.

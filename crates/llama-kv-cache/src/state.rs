@@ -423,28 +423,14 @@ pub(crate) fn check_meta(
 }
 
 impl KvCache {
-    /// The cells a write of `seq` (-1: every cell with a sequence) carries, as runs.
+    /// The cells a write of `seq` (-1: every cell with a sequence) carries, as runs, read from
+    /// the sequences' bitmaps a word at a time.
     fn cell_ranges(&self, seq: i32) -> Vec<(usize, usize)> {
         if seq >= 0 {
-            return self.cells.runs_of(seq as usize);
+            self.cells.runs_of(seq as usize)
+        } else {
+            self.cells.nonempty_runs()
         }
-        let seqs = self.cells.seqs_column();
-        let mut ranges = Vec::new();
-        let mut start = None;
-        for (i, s) in seqs.iter().enumerate() {
-            match (!s.is_empty(), start) {
-                (true, None) => start = Some(i),
-                (false, Some(b)) => {
-                    ranges.push((b, i));
-                    start = None;
-                }
-                _ => {}
-            }
-        }
-        if let Some(b) = start {
-            ranges.push((b, seqs.len()));
-        }
-        ranges
     }
 
     /// Cell ranges per stream: one stream, or (today's non-unified contexts) one per sequence,
@@ -506,41 +492,52 @@ impl KvCache {
         Ok(layout)
     }
 
-    /// How many seq ids a cell carries in a payload: all of its sequences in a whole-cache
-    /// save; in a one-sequence save none (seed) or the saved one (today's layouts).
-    fn meta_id_count(&self, cell: usize, seq: i32, layout: Layout) -> usize {
-        match (seq, layout) {
-            (-1, _) => self.cells.seqs(cell).len(),
+    /// Bytes of a stream's cell count and cell metadata: per cell its position and seq id
+    /// count, and its seq ids: all of its sequences in a whole-cache save; in a one-sequence
+    /// save none (seed) or the saved one (today's layouts).
+    fn meta_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
+        let cells: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+        let ids = match (seq, layout) {
+            (-1, _) => {
+                let seqs = self.cells.seqs_column();
+                ranges
+                    .iter()
+                    .map(|&(a, b)| seqs[a..b].iter().map(|s| s.len()).sum::<usize>())
+                    .sum()
+            }
             (_, Layout::Seed) => 0,
-            (_, Layout::Streams | Layout::StreamsRot) => 1,
-        }
+            (_, Layout::Streams | Layout::StreamsRot) => cells,
+        };
+        4 + 8 * cells + 4 * ids
     }
 
-    /// Appends a cell's metadata (position, seq id count, seq ids) without allocating.
-    fn put_cell_meta(&self, out: &mut Vec<u8>, cell: usize, seq: i32, layout: Layout) {
-        out.extend_from_slice(&self.cells.pos(cell).to_le_bytes());
-        let n = self.meta_id_count(cell, seq, layout) as u32;
-        out.extend_from_slice(&n.to_le_bytes());
+    /// Appends the metadata of the cells `ranges` as [`KvCache::meta_size`] counts it.
+    fn put_cells_meta(
+        &self,
+        out: &mut Vec<u8>,
+        ranges: &[(usize, usize)],
+        seq: i32,
+        layout: Layout,
+    ) {
+        let (pos, seqs) = (self.cells.pos_column(), self.cells.seqs_column());
+        let cells = ranges.iter().flat_map(|&(a, b)| a..b);
         match (seq, layout) {
             (-1, _) => {
-                for id in self.cells.seqs(cell).iter() {
-                    out.extend_from_slice(&(id as i32).to_le_bytes());
+                for i in cells {
+                    let set = seqs[i];
+                    out.extend_from_slice(&pack::<2, 8>([pos[i], set.len() as i32]));
+                    for id in set.iter() {
+                        out.extend_from_slice(&(id as i32).to_le_bytes());
+                    }
                 }
             }
-            (_, Layout::Seed) => {}
-            (s, Layout::Streams | Layout::StreamsRot) => out.extend_from_slice(&s.to_le_bytes()),
-        }
-    }
-
-    /// Bytes of a stream's cell count and cell metadata.
-    fn meta_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
-        let mut size = 4;
-        for &(a, b) in ranges {
-            for i in a..b {
-                size += 8 + 4 * self.meta_id_count(i, seq, layout);
+            (_, Layout::Seed) => {
+                cells.for_each(|i| out.extend_from_slice(&pack::<2, 8>([pos[i], 0])));
+            }
+            (s, Layout::Streams | Layout::StreamsRot) => {
+                cells.for_each(|i| out.extend_from_slice(&pack::<3, 12>([pos[i], 1, s])));
             }
         }
-        size
     }
 
     /// Bytes of a stream's data (its header and rows), after its metadata.
@@ -685,11 +682,7 @@ impl KvCache {
         if !out.skip(meta_len) {
             let mut meta = Vec::with_capacity(meta_len);
             meta.extend_from_slice(&(n as u32).to_le_bytes());
-            for &(a, b) in ranges {
-                for i in a..b {
-                    self.put_cell_meta(&mut meta, i, seq, layout);
-                }
-            }
+            self.put_cells_meta(&mut meta, ranges, seq, layout);
             out.put(&meta)?;
         }
         if n == 0 && layout != Layout::Seed {
@@ -1243,6 +1236,15 @@ impl KvCache {
         }
         Ok(out)
     }
+}
+
+/// Little-endian bytes of consecutive 32-bit fields (`B` = 4 `N`).
+fn pack<const N: usize, const B: usize>(fields: [i32; N]) -> [u8; B] {
+    let mut out = [0u8; B];
+    for (chunk, f) in out.chunks_exact_mut(4).zip(fields) {
+        chunk.copy_from_slice(&f.to_le_bytes());
+    }
+    out
 }
 
 /// A layer's K and V bytes, kept while a load writes to device memory.
