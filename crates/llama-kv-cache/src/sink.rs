@@ -20,6 +20,12 @@ pub(crate) trait Sink {
     fn skip(&mut self, _len: usize) -> bool {
         false
     }
+    /// The next `len` bytes of the destination, to be written in place and counted as
+    /// appended, where the sink is memory (so small fields need no staging buffer); `None`
+    /// where it is not.
+    fn place(&mut self, _len: usize) -> Option<&mut [u8]> {
+        None
+    }
 }
 
 impl Sink for Vec<u8> {
@@ -42,6 +48,12 @@ impl Sink for Vec<u8> {
 
     fn written(&self) -> usize {
         self.len()
+    }
+
+    fn place(&mut self, len: usize) -> Option<&mut [u8]> {
+        let start = self.len();
+        self.resize(start + len, 0);
+        Some(&mut self[start..])
     }
 }
 
@@ -71,6 +83,10 @@ impl Sink for SliceSink<'_> {
     fn put(&mut self, bytes: &[u8]) -> Result<()> {
         self.next(bytes.len())?.copy_from_slice(bytes);
         Ok(())
+    }
+
+    fn place(&mut self, len: usize) -> Option<&mut [u8]> {
+        self.next(len).ok()
     }
 
     fn put_from(&mut self, buf: &dyn KvBuffer, offset: usize, len: usize) -> Result<()> {

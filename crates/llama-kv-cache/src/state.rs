@@ -511,31 +511,51 @@ impl KvCache {
         4 + 8 * cells + 4 * ids
     }
 
-    /// Appends the metadata of the cells `ranges` as [`KvCache::meta_size`] counts it.
-    fn put_cells_meta(
-        &self,
-        out: &mut Vec<u8>,
-        ranges: &[(usize, usize)],
-        seq: i32,
-        layout: Layout,
-    ) {
+    /// Writes the cell count and the metadata of the cells `ranges` into `out`, which is
+    /// [`KvCache::meta_size`] bytes long. Fixed-size cells go out as fixed-size chunks, which
+    /// compile to plain stores (a cursor over the slice cost 3.5 ns per cell).
+    fn put_cells_meta(&self, out: &mut [u8], ranges: &[(usize, usize)], seq: i32, layout: Layout) {
         let (pos, seqs) = (self.cells.pos_column(), self.cells.seqs_column());
+        let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
+        let (count, out) = out.split_at_mut(4);
+        count.copy_from_slice(&(n as u32).to_le_bytes());
         let cells = ranges.iter().flat_map(|&(a, b)| a..b);
         match (seq, layout) {
             (-1, _) => {
+                let mut at = 0;
                 for i in cells {
                     let set = seqs[i];
-                    out.extend_from_slice(&pack::<2, 8>([pos[i], set.len() as i32]));
-                    for id in set.iter() {
-                        out.extend_from_slice(&(id as i32).to_le_bytes());
+                    // a cell of one sequence, the common case: one fixed-size write
+                    if set.0.is_power_of_two() {
+                        let id = set.0.trailing_zeros() as i32;
+                        let dst: &mut [u8; 12] = (&mut out[at..at + 12]).try_into().unwrap();
+                        dst[..4].copy_from_slice(&pos[i].to_le_bytes());
+                        dst[4..8].copy_from_slice(&1u32.to_le_bytes());
+                        dst[8..].copy_from_slice(&id.to_le_bytes());
+                        at += 12;
+                        continue;
                     }
+                    let dst = &mut out[at..at + 8 + 4 * set.len()];
+                    dst[..4].copy_from_slice(&pos[i].to_le_bytes());
+                    dst[4..8].copy_from_slice(&(set.len() as u32).to_le_bytes());
+                    for (id, f) in dst[8..].chunks_exact_mut(4).zip(set.iter()) {
+                        id.copy_from_slice(&(f as i32).to_le_bytes());
+                    }
+                    at += dst.len();
                 }
             }
             (_, Layout::Seed) => {
-                cells.for_each(|i| out.extend_from_slice(&pack::<2, 8>([pos[i], 0])));
+                for (dst, i) in out.chunks_exact_mut(8).zip(cells) {
+                    dst[..4].copy_from_slice(&pos[i].to_le_bytes());
+                    dst[4..].copy_from_slice(&0u32.to_le_bytes());
+                }
             }
             (s, Layout::Streams | Layout::StreamsRot) => {
-                cells.for_each(|i| out.extend_from_slice(&pack::<3, 12>([pos[i], 1, s])));
+                for (dst, i) in out.chunks_exact_mut(12).zip(cells) {
+                    dst[..4].copy_from_slice(&pos[i].to_le_bytes());
+                    dst[4..8].copy_from_slice(&1u32.to_le_bytes());
+                    dst[8..].copy_from_slice(&s.to_le_bytes());
+                }
             }
         }
     }
@@ -678,12 +698,17 @@ impl KvCache {
     ) -> Result<()> {
         let (seq, layout) = (plan.seq, plan.layout);
         let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
-        // the cell metadata is small next to the rows: gather it, then write it at once
+        // the cell metadata is small next to the rows: written in place where the payload is
+        // in memory, else gathered and written at once
         if !out.skip(meta_len) {
-            let mut meta = Vec::with_capacity(meta_len);
-            meta.extend_from_slice(&(n as u32).to_le_bytes());
-            self.put_cells_meta(&mut meta, ranges, seq, layout);
-            out.put(&meta)?;
+            match out.place(meta_len) {
+                Some(dst) => self.put_cells_meta(dst, ranges, seq, layout),
+                None => {
+                    let mut meta = vec![0u8; meta_len];
+                    self.put_cells_meta(&mut meta, ranges, seq, layout);
+                    out.put(&meta)?;
+                }
+            }
         }
         if n == 0 && layout != Layout::Seed {
             return Ok(());
@@ -1236,15 +1261,6 @@ impl KvCache {
         }
         Ok(out)
     }
-}
-
-/// Little-endian bytes of consecutive 32-bit fields (`B` = 4 `N`).
-fn pack<const N: usize, const B: usize>(fields: [i32; N]) -> [u8; B] {
-    let mut out = [0u8; B];
-    for (chunk, f) in out.chunks_exact_mut(4).zip(fields) {
-        chunk.copy_from_slice(&f.to_le_bytes());
-    }
-    out
 }
 
 /// A layer's K and V bytes, kept while a load writes to device memory.
