@@ -101,6 +101,12 @@ class JsSide {
         // the bytes it moved: the same plan on all three sides (the differential suite pins it)
         this.defragBytes = c.updateSync(this.rope).defrag.bytesCopied
         break
+      case 'defrag_scattered':
+        for (let q = 0; q < N_SEQ; q++) for (let p = 0; p < L; p += 64) c.seqRm(q, p, p + 1)
+        t0 = process.hrtime.bigint()
+        c.defrag()
+        this.scatteredBytes = c.updateSync(this.rope).defrag.bytesCopied
+        break
       case 'kshift_all':
         for (let q = 0; q < N_SEQ; q++) c.seqAdd(q, 0, -1, 1)
         t0 = process.hrtime.bigint()
@@ -149,6 +155,7 @@ const OPS = [
   ['seq_pos_max', 'seq_pos_max'],
   ['clear', 'clear'],
   ['defrag_update', 'defrag + update (every other sequence removed)'],
+  ['defrag_scattered', 'defrag + update, a 1-cell hole every 64 cells'],
   ['kshift_all', 'K-shift of every cell (update)'],
   ['seq_get', 'state get, one sequence'],
   ['seq_set', 'state set, one sequence'],
@@ -210,6 +217,7 @@ async function sameRun(size, core, llama) {
       set_all: js.whole.length,
       kshift_all: bytes / 2,
       defrag_update: js.defragBytes,
+      defrag_scattered: js.scatteredBytes,
       clear: bytes,
     }
     // new memory against a copy into new memory of the same bytes; the rest against memcpy
@@ -221,7 +229,7 @@ async function sameRun(size, core, llama) {
       return (m[base][side] * payload[op]) / bytes / m[op][side]
     }
     console.log()
-    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved (K-shift: the K bytes; defrag: the bytes its moves copy, ${(js.defragBytes / 2 ** 20).toFixed(1)} MiB). A state get into new memory is measured against a copy of its bytes into new memory (first-touch page faults cost as much as the copy here):`)
+    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved (K-shift: the K bytes; defrag: the bytes its moves copy, ${(js.defragBytes / 2 ** 20).toFixed(1)} MiB, scattered ${(js.scatteredBytes / 2 ** 10).toFixed(0)} KiB). A state get into new memory is measured against a copy of its bytes into new memory (first-touch page faults cost as much as the copy here):`)
     console.log()
     console.log(`| ${padEnd('op', 48)} | ${pad('llama.cpp', 9)} | ${pad('core', 6)} | ${pad('JS', 6)} |`)
     console.log(`|${'-'.repeat(50)}|${'-'.repeat(11)}|${'-'.repeat(8)}|${'-'.repeat(8)}|`)

@@ -193,6 +193,18 @@ static long long time_op(const std::string & op) {
         llama_kv_self_defrag(g_ctx);
         llama_kv_self_update(g_ctx);
         ns = since();
+    } else if (op == "defrag_scattered") {
+        // a hole of one cell every 64 positions of every sequence: the defrag fills each with
+        // one of the last cells, 1,024 moves of one cell at 65,536 cells
+        for (int q = 0; q < g_n_seq; q++) {
+            for (int p = 0; p < g_len; p += 64) {
+                llama_kv_self_seq_rm(g_ctx, q, p, p + 1);
+            }
+        }
+        t0 = clock_type::now();
+        llama_kv_self_defrag(g_ctx);
+        llama_kv_self_update(g_ctx);
+        ns = since();
     } else if (op == "kshift_all") {
         for (int q = 0; q < g_n_seq; q++) {
             llama_kv_self_seq_add(g_ctx, q, 0, -1, 1);

@@ -152,6 +152,16 @@ impl Bench {
                 c.defrag();
                 c.update(Some(&self.shift), None).map_err(e)?;
             }
+            "defrag_scattered" => {
+                for q in 0..self.n_seq {
+                    for p in (0..len).step_by(64) {
+                        c.seq_rm(q, p, p + 1).map_err(e)?;
+                    }
+                }
+                t0 = Instant::now();
+                c.defrag();
+                c.update(Some(&self.shift), None).map_err(e)?;
+            }
             "kshift_all" => {
                 for q in 0..self.n_seq {
                     c.seq_add(q, 0, -1, 1).map_err(e)?;
