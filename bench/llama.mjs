@@ -128,6 +128,7 @@ class JsSide {
         break
       case 'copy_new_seq': globalThis.__sink = Buffer.from(this.seqBlobs[s]); break
       case 'copy_new_whole': globalThis.__sink = Buffer.from(this.whole); break
+      case 'memcpy_seq': this.seqBlobs[s].copy(this.out); break
       case 'memcpy': this.src.copy(this.dst); break
       case 'memset': this.dst.fill(0); break
       default: throw new Error(`unknown op ${op}`)
@@ -166,6 +167,7 @@ const OPS = [
   ['set_all', 'whole cache set (clear + 8 sequence sets)'],
   ['copy_new_seq', 'baseline: one sequence\'s state copied to new memory'],
   ['copy_new_whole', 'baseline: the whole state copied to new memory'],
+  ['memcpy_seq', 'baseline: memcpy of one sequence\'s state'],
   ['memcpy', 'baseline: memcpy of the K/V tensors'],
   ['memset', 'baseline: memset of the K/V tensors'],
 ]
@@ -223,13 +225,15 @@ async function sameRun(size, core, llama) {
     // new memory against a copy into new memory of the same bytes; the rest against memcpy
     // (memset for clear) of the tensors, scaled to the bytes the op moves
     const newMemory = { seq_get: 'copy_new_seq', state_get: 'copy_new_whole' }
+    const sameBytes = { seq_set: 'memcpy_seq', seq_get_into: 'memcpy_seq' }
     const fraction = (op, side) => {
       if (newMemory[op]) return m[newMemory[op]][side] / m[op][side]
+      if (sameBytes[op]) return m[sameBytes[op]][side] / m[op][side]
       const base = op === 'clear' ? 'memset' : 'memcpy'
       return (m[base][side] * payload[op]) / bytes / m[op][side]
     }
     console.log()
-    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved (K-shift: the K bytes; defrag: the bytes its moves copy, ${(js.defragBytes / 2 ** 20).toFixed(1)} MiB, scattered ${(js.scatteredBytes / 2 ** 10).toFixed(0)} KiB). A state get into new memory is measured against a copy of its bytes into new memory (first-touch page faults cost as much as the copy here):`)
+    console.log(`Speed as a fraction of the same side's memcpy (memset for clear) over the bytes moved (K-shift: the K bytes; defrag: the bytes its moves copy, ${(js.defragBytes / 2 ** 20).toFixed(1)} MiB, scattered ${(js.scatteredBytes / 2 ** 10).toFixed(0)} KiB). A one-sequence set or get into a buffer is measured against a memcpy of exactly its bytes, a state get into new memory against a copy of its bytes into new memory (first-touch page faults cost as much as the copy here):`)
     console.log()
     console.log(`| ${padEnd('op', 48)} | ${pad('llama.cpp', 9)} | ${pad('core', 6)} | ${pad('JS', 6)} |`)
     console.log(`|${'-'.repeat(50)}|${'-'.repeat(11)}|${'-'.repeat(8)}|${'-'.repeat(8)}|`)

@@ -204,6 +204,11 @@ impl Bench {
                     c.state_read(blob, q as i32, read_opts(), None).map_err(e)?;
                 }
             }
+            "memcpy_seq" => {
+                let blob = &self.seq_blobs[s as usize];
+                self.out[..blob.len()].copy_from_slice(blob);
+                std::hint::black_box(&mut self.out);
+            }
             "memcpy" => {
                 self.dst.copy_from_slice(&self.src);
                 std::hint::black_box(&mut self.dst);
