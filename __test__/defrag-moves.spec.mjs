@@ -45,6 +45,39 @@ for (const size of [64, 512, 4096]) {
   })
 }
 
+test('regression: a program that replaced the global Array still gets its defrag report (the JS builder called `new Array`)', (t) => {
+  const c = fragmented(512)
+  const saved = globalThis.Array
+  let moves
+  // synchronous from the replacement to the restore: no other test runs in between
+  try {
+    globalThis.Array = function Array() {
+      throw new Error('replaced')
+    }
+    moves = c.updateSync().defrag.moves
+  } finally {
+    globalThis.Array = saved
+  }
+  t.deepEqual(moves, expectedMoves(512))
+})
+
+test('a builder that throws (Array.prototype.push replaced) falls back to napi-rs objects, with no exception left pending', (t) => {
+  const c = fragmented(512)
+  const saved = Array.prototype.push
+  let moves
+  try {
+    Array.prototype.push = function push() {
+      throw new Error('replaced')
+    }
+    moves = c.updateSync().defrag.moves
+  } finally {
+    Array.prototype.push = saved
+  }
+  t.deepEqual(moves, expectedMoves(512))
+  // the next call runs normally: the builder's exception was cleared, not left to surface
+  t.is(c.seqPosMax(0), 255)
+})
+
 test('the async update reports many runs the same way', async (t) => {
   const c = fragmented(512)
   const report = await c.update()

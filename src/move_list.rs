@@ -19,10 +19,12 @@ const BUILD_IN_JS_FROM: usize = 64;
 
 /// The builder: property order and attributes (writable, enumerable, configurable) as napi-rs
 /// gives `CellMove`, so both paths return the same objects.
+/// It names no global (an array literal, not `Array`), so a program that replaces globals
+/// gets the same report.
 const BUILDER_JS: &str = "(function cellMoves(flat) {
   const n = flat.length / 3
-  const out = new Array(n)
-  for (let i = 0, j = 0; i < n; i++, j += 3) out[i] = { src: flat[j], dst: flat[j + 1], len: flat[j + 2] }
+  const out = []
+  for (let j = 0; j < 3 * n; j += 3) out.push({ src: flat[j], dst: flat[j + 1], len: flat[j + 2] })
   return out
 })";
 
@@ -41,34 +43,53 @@ impl TypeName for MoveList {
 
 impl ToNapiValue for MoveList {
     unsafe fn to_napi_value(env: sys::napi_env, val: Self) -> Result<sys::napi_value> {
-        if val.0.len() < BUILD_IN_JS_FROM {
-            let moves: Vec<CellMove> = val
-                .0
-                .iter()
-                .map(|m| CellMove {
-                    src: m.src,
-                    dst: m.dst,
-                    len: m.len,
-                })
-                .collect();
-            // SAFETY: forwarded from our caller: `env` is the current environment
-            return unsafe { Vec::<CellMove>::to_napi_value(env, moves) };
+        if val.0.len() >= BUILD_IN_JS_FROM {
+            // SAFETY: forwarded from our caller: on the JS thread of `env`
+            if let Ok(array) = unsafe { build_in_js(env, &val.0) } {
+                return Ok(array);
+            }
+            // a host that refuses to compile the builder (a locked-down embedder) still gets
+            // its report, the slower way, without the exception the refusal left pending
+            let mut pending = std::ptr::null_mut();
+            // SAFETY: on the JS thread of `env`, with an out-pointer to a local
+            unsafe { sys::napi_get_and_clear_last_exception(env, &mut pending) };
         }
-        let flat: Vec<u32> = val.0.iter().flat_map(|m| [m.src, m.dst, m.len]).collect();
-        // SAFETY: on the JS thread of `env` (our caller's contract), with out-pointers to locals;
-        // the builder is a function of this environment
-        unsafe {
-            let flat = Uint32Array::to_napi_value(env, Uint32Array::new(flat))?;
-            let builder = builder(env)?;
-            let mut global = std::ptr::null_mut();
-            check(sys::napi_get_global(env, &mut global), "get the global")?;
-            let mut out = std::ptr::null_mut();
-            check(
-                sys::napi_call_function(env, global, builder, 1, &flat, &mut out),
-                "build the moves",
-            )?;
-            Ok(out)
-        }
+        let moves: Vec<CellMove> = val
+            .0
+            .iter()
+            .map(|m| CellMove {
+                src: m.src,
+                dst: m.dst,
+                len: m.len,
+            })
+            .collect();
+        // SAFETY: forwarded from our caller: `env` is the current environment
+        unsafe { Vec::<CellMove>::to_napi_value(env, moves) }
+    }
+}
+
+/// The runs as objects built by the JS builder from one `Uint32Array` of triples.
+///
+/// # Safety
+/// On the JS thread of `env`.
+unsafe fn build_in_js(
+    env: sys::napi_env,
+    runs: &[llama_kv_cache::CellMove],
+) -> Result<sys::napi_value> {
+    let flat: Vec<u32> = runs.iter().flat_map(|m| [m.src, m.dst, m.len]).collect();
+    // SAFETY: on the JS thread of `env` (our caller's contract), with out-pointers to locals;
+    // the builder is a function of this environment
+    unsafe {
+        let flat = Uint32Array::to_napi_value(env, Uint32Array::new(flat))?;
+        let builder = builder(env)?;
+        let mut global = std::ptr::null_mut();
+        check(sys::napi_get_global(env, &mut global), "get the global")?;
+        let mut out = std::ptr::null_mut();
+        check(
+            sys::napi_call_function(env, global, builder, 1, &flat, &mut out),
+            "build the moves",
+        )?;
+        Ok(out)
     }
 }
 
