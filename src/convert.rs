@@ -10,7 +10,7 @@ use crate::error::{err, Code, JsResult};
 use crate::types::{LayerRope, RopeOptions, UBatchInput, UpdateOptions};
 
 /// An integer in `[min, max]`.
-pub fn int(name: &str, v: f64, min: i64, max: i64) -> JsResult<i64> {
+pub fn int(name: impl std::fmt::Display, v: f64, min: i64, max: i64) -> JsResult<i64> {
     if !v.is_finite() || v.fract() != 0.0 {
         return Err(err(
             Code::InvalidArg,
@@ -32,7 +32,7 @@ pub fn i32v(name: &str, v: impl Into<f64>) -> JsResult<i32> {
 }
 
 /// A u32 (cell indices, counts).
-pub fn u32v(name: &str, v: impl Into<f64>) -> JsResult<u32> {
+pub fn u32v(name: impl std::fmt::Display, v: impl Into<f64>) -> JsResult<u32> {
     Ok(int(name, v.into(), 0, u32::MAX as i64)? as u32)
 }
 
@@ -73,7 +73,7 @@ pub fn widths(name: &str, v: &Either<f64, Vec<f64>>) -> JsResult<Vec<u32>> {
         Either::B(list) => list
             .iter()
             .enumerate()
-            .map(|(i, &n)| u32v(&format!("{name}[{i}]"), n))
+            .map(|(i, &n)| u32v(format_args!("{name}[{i}]"), n))
             .collect(),
     }
 }
@@ -168,7 +168,7 @@ pub fn packed_ubatch(
     })
 }
 
-fn f32_or(name: &str, v: Option<f64>, default: f32) -> JsResult<f32> {
+fn f32_or(name: impl std::fmt::Display, v: Option<f64>, default: f32) -> JsResult<f32> {
     match v {
         None => Ok(default),
         Some(x) if x.is_finite() => Ok(x as f32),
@@ -181,8 +181,9 @@ fn f32_or(name: &str, v: Option<f64>, default: f32) -> JsResult<f32> {
 
 /// RoPE options into core parameters (validated again by the core against the cache).
 pub fn rope(prefix: &str, r: &RopeOptions) -> JsResult<RopeParams> {
+    // names are formatted only when a value is refused: every `update({ rope })` converts these
     let usz = |name: &str, v: f64| -> JsResult<usize> {
-        Ok(int(&format!("{prefix}.{name}"), v, 1, 1 << 20)? as usize)
+        Ok(int(format_args!("{prefix}.{name}"), v, 1, 1 << 20)? as usize)
     };
     let head_dim = usz("headDim", r.head_dim)?;
     let rope_type = match r.rope_type.as_deref() {
@@ -200,18 +201,26 @@ pub fn rope(prefix: &str, r: &RopeOptions) -> JsResult<RopeParams> {
         None => head_dim,
     };
     let mut p = RopeParams::new(n_dims, head_dim, usz("nHead", r.n_head)?, rope_type);
-    p.freq_base = f32_or(&format!("{prefix}.freqBase"), r.freq_base, p.freq_base)?;
-    p.freq_scale = f32_or(&format!("{prefix}.freqScale"), r.freq_scale, p.freq_scale)?;
-    p.ext_factor = f32_or(&format!("{prefix}.extFactor"), r.ext_factor, p.ext_factor)?;
+    p.freq_base = f32_or(format_args!("{prefix}.freqBase"), r.freq_base, p.freq_base)?;
+    p.freq_scale = f32_or(
+        format_args!("{prefix}.freqScale"),
+        r.freq_scale,
+        p.freq_scale,
+    )?;
+    p.ext_factor = f32_or(
+        format_args!("{prefix}.extFactor"),
+        r.ext_factor,
+        p.ext_factor,
+    )?;
     p.attn_factor = f32_or(
-        &format!("{prefix}.attnFactor"),
+        format_args!("{prefix}.attnFactor"),
         r.attn_factor,
         p.attn_factor,
     )?;
-    p.beta_fast = f32_or(&format!("{prefix}.betaFast"), r.beta_fast, p.beta_fast)?;
-    p.beta_slow = f32_or(&format!("{prefix}.betaSlow"), r.beta_slow, p.beta_slow)?;
+    p.beta_fast = f32_or(format_args!("{prefix}.betaFast"), r.beta_fast, p.beta_fast)?;
+    p.beta_slow = f32_or(format_args!("{prefix}.betaSlow"), r.beta_slow, p.beta_slow)?;
     if let Some(n) = r.n_ctx_orig {
-        p.n_ctx_orig = u32v(&format!("{prefix}.nCtxOrig"), n)?;
+        p.n_ctx_orig = u32v(format_args!("{prefix}.nCtxOrig"), n)?;
     }
     p.freq_factors = r
         .freq_factors
@@ -274,7 +283,7 @@ pub fn shift(opts: &Option<UpdateOptions>) -> JsResult<(Option<ShiftParams>, Opt
         Some(r) => {
             let mut per_layer = Vec::new();
             for (i, l) in o.rope_layers.iter().flatten().enumerate() {
-                let layer = u32v(&format!("ropeLayers[{i}].layer"), l.layer)?;
+                let layer = u32v(format_args!("ropeLayers[{i}].layer"), l.layer)?;
                 per_layer.push((layer, rope(&format!("ropeLayers[{i}]"), &l.rope)?));
             }
             Some(ShiftParams {
