@@ -21,7 +21,7 @@ use crate::files::{
 use crate::ggml_type::GgmlType;
 use crate::parts::{Part, PartKind, PartRole};
 use crate::source::Cursor;
-use crate::state::{Layout, PayloadCells, Progress, VBlock};
+use crate::state::{Layout, Progress, VBlock};
 use crate::storage::{Device, KvBuffer};
 use crate::CacheParams;
 
@@ -349,7 +349,7 @@ impl PartJob<'_> {
         }
         // a cache only to place the cells in: its tensors have no data
         let mut cells = view_cache(params.clone(), input, None)?;
-        let metas = PayloadCells::concat(part.payload.streams.iter().map(|s| &s.cells))?;
+        let metas = part.payload.cells()?;
         let loaded_seq = if self.kinds.0 == FileKind::Session {
             cells.check_payload(&part.payload, None)?;
             cells.place_whole(&metas)?;

@@ -44,16 +44,16 @@ impl KvCache {
     /// For a whole-cache load the live cells move into the record, and the cache gets the
     /// spare table (or a copy, the first time), which the load resets.
     pub(crate) fn undo_record(&mut self, dest: Option<i32>) -> CellsUndo {
-        if dest.is_none() {
-            let mut fresh = match self.spare_cells.take() {
-                Some(spare) => *spare,
-                None => self.cells.clone(),
-            };
-            fresh.copy_deltas_from(&self.cells);
-            let old = std::mem::replace(&mut self.cells, fresh);
-            return CellsUndo::All(Box::new(old), self.head, self.n);
-        }
         match dest {
+            None => {
+                let mut fresh = match self.spare_cells.take() {
+                    Some(spare) => *spare,
+                    None => self.cells.clone(),
+                };
+                fresh.copy_deltas_from(&self.cells);
+                let old = std::mem::replace(&mut self.cells, fresh);
+                CellsUndo::All(Box::new(old), self.head, self.n)
+            }
             Some(seq) if !self.params.recurrent => CellsUndo::Sequence {
                 old: self
                     .cells
@@ -64,7 +64,8 @@ impl KvCache {
                 head: self.head,
                 n: self.n,
             },
-            _ => CellsUndo::All(Box::new(self.cells.clone()), self.head, self.n),
+            // a recurrent load moves tails between cells in place: a copy of them all
+            Some(_) => CellsUndo::All(Box::new(self.cells.clone()), self.head, self.n),
         }
     }
 

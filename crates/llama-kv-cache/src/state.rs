@@ -304,6 +304,14 @@ impl ParsedPayload {
     pub fn has_no_data_header(&self) -> bool {
         self.layout.has_stream_prefix() && self.streams.iter().all(|s| s.v_trans.is_none())
     }
+
+    /// Every stream's cells, in payload order: the one stream's own, or several joined.
+    pub fn cells(&self) -> Result<std::borrow::Cow<'_, PayloadCells>> {
+        Ok(match self.streams.as_slice() {
+            [one] => std::borrow::Cow::Borrowed(&one.cells),
+            many => std::borrow::Cow::Owned(PayloadCells::concat(many.iter().map(|s| &s.cells))?),
+        })
+    }
 }
 
 /// Parses a payload structurally under `layout`, consuming it from `bytes[0..]` (a slice, or a
@@ -1003,15 +1011,8 @@ impl KvCache {
                 return Err(KvError::Aborted("state read aborted".into()));
             }
         }
-        let joined;
-        let cells = match parsed.streams.as_slice() {
-            [one] => &one.cells,
-            many => {
-                joined = PayloadCells::concat(many.iter().map(|s| &s.cells))?;
-                &joined
-            }
-        };
-        let (undo, placed) = self.place_cells(cells, dest, opts.allow_scattered)?;
+        let cells = parsed.cells()?;
+        let (undo, placed) = self.place_cells(&cells, dest, opts.allow_scattered)?;
         let backup = match self.backup_if_device() {
             Ok(b) => b,
             Err(e) => {
