@@ -39,27 +39,41 @@ pub(crate) fn bits(mut word: u64) -> impl Iterator<Item = usize> {
     })
 }
 
-/// The set bits of `words` (64 cells to a word) as runs `start..end` of consecutive cells,
-/// ascending, read a word at a time (a full word extends a run in one step).
-pub(crate) fn runs_of_words(words: &[u64]) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (w, &word) in words.iter().enumerate().filter(|(_, &b)| b != 0) {
-        let mut rest = word;
-        while rest != 0 {
-            let skip = rest.trailing_zeros() as usize;
-            let len = (rest >> skip).trailing_ones() as usize;
-            let (a, b) = (w * 64 + skip, w * 64 + skip + len);
-            match out.last_mut() {
-                Some(last) if last.1 == a => last.1 = b,
-                _ => out.push((a, b)),
-            }
-            // drop the bits up to the run's end
-            rest = u64::MAX
-                .checked_shl(skip as u32 + len as u32)
-                .map_or(0, |m| rest & m);
-        }
+/// The first cell in `[from, end)` whose bit in `words` is `set`, or `end` (`end` within
+/// the words).
+pub(crate) fn next_bit(words: &[u64], from: usize, end: usize, set: bool) -> usize {
+    if from >= end {
+        return end;
     }
-    out
+    let flip = if set { 0 } else { u64::MAX };
+    let mut w = from / 64;
+    let mut word = (words[w] ^ flip) & (u64::MAX << (from % 64));
+    loop {
+        if word != 0 {
+            return (w * 64 + word.trailing_zeros() as usize).min(end);
+        }
+        w += 1;
+        if w * 64 >= end {
+            return end;
+        }
+        word = words[w] ^ flip;
+    }
+}
+
+/// The set bits of `words` (64 cells to a word) as runs `start..end` of consecutive cells,
+/// ascending, found a word at a time (a full word extends a run in one step).
+pub(crate) fn runs_of_words(words: &[u64]) -> Vec<(usize, usize)> {
+    let end = words.len() * 64;
+    let mut out = Vec::new();
+    let mut at = 0;
+    loop {
+        let start = next_bit(words, at, end, true);
+        if start == end {
+            return out;
+        }
+        at = next_bit(words, start, end, false);
+        out.push((start, at));
+    }
 }
 
 /// A set of cells with position bounds per word and per group of words.

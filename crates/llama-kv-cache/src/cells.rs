@@ -11,7 +11,7 @@
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
 pub const MAX_SEQ: usize = 64;
 
-use crate::cell_set::{bits, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
+use crate::cell_set::{bits, next_bit, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
 use crate::error::Result;
 
 /// Marker for "no position" in the per-sequence maximum.
@@ -340,24 +340,7 @@ impl Cells {
     /// The first cell in `[from, end)` (`end <= len()`) that is free (`free`) or occupied,
     /// else `end`.
     fn next_with(&self, from: usize, end: usize, free: bool) -> usize {
-        if from >= end {
-            return end;
-        }
-        let occupied = self.occupied.words();
-        let last = (end - 1) / 64;
-        let mut w = from / 64;
-        let flip = if free { u64::MAX } else { 0 };
-        let mut word = (occupied[w] ^ flip) & (u64::MAX << (from % 64));
-        loop {
-            if word != 0 {
-                return (w * 64 + word.trailing_zeros() as usize).min(end);
-            }
-            w += 1;
-            if w > last {
-                return end;
-            }
-            word = occupied[w] ^ flip;
-        }
+        next_bit(self.occupied.words(), from, end, !free)
     }
 
     /// Sets the position of cell `i`.

@@ -2,6 +2,7 @@
 //! to a compute graph, done here on every layer's K and V.
 
 use crate::cache::KvCache;
+use crate::cell_set::next_bit;
 use crate::error::{KvError, Result};
 
 /// llama.cpp's default graph node budget (`graph_max_nodes()` is at least 65536).
@@ -178,27 +179,6 @@ impl KvCache {
             return self.do_defrag;
         }
         false
-    }
-}
-
-/// The first cell in `[from, end)` whose bit in `words` is `set`, or `end` (`end` within
-/// the words).
-fn next_bit(words: &[u64], from: usize, end: usize, set: bool) -> usize {
-    if from >= end {
-        return end;
-    }
-    let flip = if set { 0 } else { u64::MAX };
-    let mut w = from / 64;
-    let mut word = (words[w] ^ flip) & (u64::MAX << (from % 64));
-    loop {
-        if word != 0 {
-            return (w * 64 + word.trailing_zeros() as usize).min(end);
-        }
-        w += 1;
-        if w * 64 >= end {
-            return end;
-        }
-        word = words[w] ^ flip;
     }
 }
 
