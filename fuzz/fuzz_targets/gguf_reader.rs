@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use llama_kv_cache::gguf::parse_bytes;
+use llama_kv_cache::model::gguf::parse_bytes;
 use llama_kv_cache::{KvError, ModelInfo};
 
 fuzz_target!(|data: &[u8]| {

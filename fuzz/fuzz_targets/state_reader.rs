@@ -6,7 +6,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use llama_kv_cache::files::{convert_bytes, inspect_bytes};
+use llama_kv_cache::convert_bytes;
+use llama_kv_cache::state::files::inspect_bytes;
 
 use llama_kv_cache::{
     CacheParams, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, ReadSummary,

@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use llama_kv_cache::gguf::{GgufBuilder, GgufType, GgufValue};
+use llama_kv_cache::model::gguf::{GgufBuilder, GgufType, GgufValue};
 
 /// A model the differential runs can load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use differential::gguf::{ensure_model, ModelKind};
 use differential::oracle::{driver_path, Oracle};
 use differential::run::work_dirs;
-use llama_kv_cache::gguf::{GgufBuilder, GgufType, GgufValue};
+use llama_kv_cache::model::gguf::{GgufBuilder, GgufType, GgufValue};
 use llama_kv_cache::{MemoryKind, ModelInfo};
 use serde_json::Value;
 
@@ -258,7 +258,7 @@ fn scratch(test: &str) -> PathBuf {
 /// Fields 0.1.103 cannot agree on for a model: `attention.sliding_window_pattern` postdates it
 /// (today's llama.cpp, and `ModelInfo`, let it override the architecture's pattern).
 fn era_fields(path: &Path) -> &'static [&'static str] {
-    let h = llama_kv_cache::gguf::read_file(path, false).expect("a readable GGUF");
+    let h = llama_kv_cache::model::gguf::read_file(path, false).expect("a readable GGUF");
     let arch = h
         .header
         .get("general.architecture")

@@ -14,8 +14,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion, Throughput};
-use llama_kv_cache::files::{read_file, write_atomic};
-use llama_kv_cache::quant::{dequantize_row, quantize_row};
+use llama_kv_cache::state::files::{read_file, write_atomic};
+use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
     CacheParams, GgmlType, KvCache, Layout, ReadOptions, RopeParams, RopeTable, RopeType,
     ShiftParams, Tensor, UBatch, WriteOptions, DEFAULT_MAX_NODES,

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::time::Instant;
 
 use common::{fmt, median, ns};
-use llama_kv_cache::gguf::{GgufBuilder, GgufType, GgufValue};
+use llama_kv_cache::model::gguf::{GgufBuilder, GgufType, GgufValue};
 use llama_kv_cache::ModelInfo;
 
 const Q4_K: u32 = 12;

@@ -14,58 +14,46 @@
 //! assert_eq!(cache.seq_pos_max(0).unwrap(), 3);
 //! ```
 
+// The layers, from the bottom: each module may import only those above it in this list (the
+// module-graph test in tests/module_graph.rs holds the code to it).
+//   base:    error, alloc, ggml_type, params
+//   layer 1: cells, tensors
+//   layer 2: model
+//   layer 3: state (the codec and the file containers, without a cache)
+//   layer 4: cache (the unified KV cache and its state I/O)
 pub mod alloc;
-mod atomic_write;
-mod cache;
-mod cell_set;
-pub mod cells;
-pub mod convert;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-mod defrag;
 mod error;
-mod f16_simd;
-pub mod files;
-pub mod fit;
 mod ggml_type;
-pub mod gguf;
-pub mod hadamard;
-mod kshift;
-pub mod model;
 mod params;
-pub mod parts;
-pub mod payload_cells;
-pub mod quant;
-mod restorer;
-mod rollback;
-pub mod rope;
-mod seq_ops;
-mod sink;
-mod slot;
-pub mod source;
-pub mod state;
-mod state_stream;
-pub mod storage;
-pub mod transpose;
-mod ubatch;
-mod view;
 
+pub mod cells;
+pub mod tensors;
+
+pub mod model;
+
+pub mod state;
+
+pub mod cache;
+
+pub use cache::convert::{convert_bytes, convert_file, ConvertOptions};
+pub use cache::defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
+pub use cache::files::LoadedFile;
+pub use cache::io::{Progress, ReadOptions, ReadSummary};
+pub use cache::kshift::UpdateReport;
+pub use cache::restorer::SlotRestorer;
+pub use cache::slot::{PrepareOptions, Slot};
+pub use cache::stream::{StateIn, StateOut};
+pub use cache::view::{CacheView, CellColumns};
 pub use cache::KvCache;
-pub use cells::{Cell, SeqSet, MAX_SEQ};
-pub use defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
+pub use cells::ubatch::UBatch;
+pub use cells::{Cell, SeqSet};
 pub use error::{KvError, Result};
-pub use files::{ConvertOptions, FileKind, LoadedFile, Outputs, WriteOptions};
-pub use fit::{check_state, Fit, Mismatch};
 pub use ggml_type::GgmlType;
-pub use kshift::{ShiftParams, UpdateReport};
 pub use model::{MemoryKind, ModelInfo, RopeKind};
-pub use params::CacheParams;
-pub use parts::{PartKind, PartRole};
-pub use restorer::SlotRestorer;
-pub use rope::{RopeParams, RopeTable, RopeType};
-pub use slot::{PrepareOptions, Slot};
-pub use state::{Layout, ReadOptions, ReadSummary};
-pub use state_stream::{StateIn, StateOut};
-pub use storage::{Device, Tensor};
-pub use ubatch::UBatch;
-pub use view::{CacheView, CellColumns};
+pub use params::{CacheParams, MAX_SEQ};
+pub use state::files::{FileKind, Outputs, WriteOptions};
+pub use state::fit::{check_state, Fit, Mismatch};
+pub use state::parts::{PartKind, PartRole};
+pub use state::Layout;
+pub use tensors::rope::{RopeParams, RopeTable, RopeType, ShiftParams};
+pub use tensors::storage::{Device, Tensor};

@@ -1,8 +1,10 @@
 //! Construction parameters of a cache, with llama.cpp's defaults and its validity rules.
 
-use crate::cells::MAX_SEQ;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
+
+/// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
+pub const MAX_SEQ: usize = 64;
 
 /// Hyper-parameters and context parameters that shape a cache (the seed's `hparams` + `cparams`).
 #[derive(Clone, Debug, PartialEq)]

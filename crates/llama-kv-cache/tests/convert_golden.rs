@@ -10,8 +10,8 @@ mod fixtures;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use llama_kv_cache::files::{convert_bytes, convert_file, ConvertOptions};
-use llama_kv_cache::parts::PartRole;
+use llama_kv_cache::state::parts::PartRole;
+use llama_kv_cache::{convert_bytes, convert_file, ConvertOptions};
 use llama_kv_cache::{FileKind, GgmlType, KvError, Layout};
 
 /// The option sets every fixture is converted with.

@@ -9,13 +9,13 @@
 
 use std::time::Instant;
 
-use llama_kv_cache::cuda::{
+use llama_kv_cache::tensors::cuda::{
     copy_2d_fallbacks, cuda_allocator, cuda_devices, cuda_status, cuda_synchronize,
     layer_allocator, nvrtc_check, nvrtc_version, set_staging_threshold, staging_threshold,
     CudaBuffer, RopeJob, DEFAULT_STAGING_THRESHOLD, STAGING_CHUNK,
 };
-use llama_kv_cache::quant::{dequantize_row, quantize_row};
-use llama_kv_cache::storage::{HostBuffer, KvBuffer};
+use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
+use llama_kv_cache::tensors::storage::{HostBuffer, KvBuffer};
 use llama_kv_cache::{
     CacheParams, Device, GgmlType, KvCache, KvError, RopeParams, RopeTable, RopeType, ShiftParams,
     Tensor, UBatch, DEFAULT_MAX_NODES,

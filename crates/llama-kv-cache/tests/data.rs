@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use llama_kv_cache::files::inspect_bytes;
-use llama_kv_cache::quant::{dequantize_row, quantize_row};
+use llama_kv_cache::state::files::inspect_bytes;
+use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
     CacheParams, GgmlType, KvCache, RopeParams, RopeTable, RopeType, ShiftParams, Tensor, UBatch,
 };

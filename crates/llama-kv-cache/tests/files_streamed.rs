@@ -7,13 +7,11 @@ mod fixtures;
 
 use std::io::{Seek, SeekFrom, Write};
 
-use llama_kv_cache::files::{
-    convert_bytes, convert_file, inspect_bytes, inspect_file, inspect_source, ConvertOptions,
-    Inspection,
-};
-use llama_kv_cache::source::ReadSource;
+use llama_kv_cache::state::files::{inspect_bytes, inspect_file, inspect_source, Inspection};
+use llama_kv_cache::state::source::ReadSource;
 use llama_kv_cache::{
-    CacheParams, KvCache, Layout, MemoryKind, Outputs, Tensor, UBatch, WriteOptions,
+    convert_bytes, convert_file, CacheParams, ConvertOptions, KvCache, Layout, MemoryKind, Outputs,
+    Tensor, UBatch, WriteOptions,
 };
 
 /// An inspection with the outputs block's values dropped (a file inspection does not read them).

@@ -1,7 +1,7 @@
 //! Malformed GGUF models: every mutation of a realistic header gives a typed error or a valid
 //! model, never a panic or a huge allocation.
 
-use llama_kv_cache::gguf::{parse_bytes, GgufBuilder, GgufType, GgufValue};
+use llama_kv_cache::model::gguf::{parse_bytes, GgufBuilder, GgufType, GgufValue};
 use llama_kv_cache::{KvError, ModelInfo};
 use proptest::prelude::*;
 
@@ -147,16 +147,18 @@ fn rope_freqs_tensor_is_found_and_read_for_the_k_shift() {
     }
     let path = std::env::temp_dir().join(format!("kv-rope-freqs-{}.gguf", std::process::id()));
     std::fs::write(&path, &bytes).unwrap();
-    let read = llama_kv_cache::gguf::read_file(&path, false).unwrap();
+    let read = llama_kv_cache::model::gguf::read_file(&path, false).unwrap();
     let m = ModelInfo::from_header(&read.header).unwrap();
     assert_eq!(m.factor_tensor(2048), Some("rope_freqs.weight"));
-    let got = llama_kv_cache::gguf::read_f32_tensor(&path, &read.header, "rope_freqs.weight");
+    let got =
+        llama_kv_cache::model::gguf::read_f32_tensor(&path, &read.header, "rope_freqs.weight");
     let _ = std::fs::remove_file(&path);
     let got = got.unwrap();
     assert_eq!(got, factors);
     let shift = m.shift_params(Some(got)).unwrap();
     assert_eq!(shift.rope.freq_factors.as_deref(), Some(&factors[..]));
     // a tensor that is not a small f32 vector is refused, not read
-    let e = llama_kv_cache::gguf::read_f32_tensor(&path, &read.header, "missing").unwrap_err();
+    let e =
+        llama_kv_cache::model::gguf::read_f32_tensor(&path, &read.header, "missing").unwrap_err();
     assert!(matches!(e, KvError::InvalidModel(_)), "{e}");
 }

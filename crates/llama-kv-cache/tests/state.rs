@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use llama_kv_cache::files::{inspect_bytes, parse_header, Inspection};
+use llama_kv_cache::state::files::{inspect_bytes, parse_header, Inspection};
 use llama_kv_cache::state::VBlock;
 use llama_kv_cache::{
     CacheParams, FileKind, GgmlType, KvCache, KvError, Layout, ReadOptions, Tensor, UBatch,
@@ -613,7 +613,7 @@ fn regression_converting_a_file_whose_cell_names_an_out_of_range_seq_id_is_refus
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fuzz-findings/convert-seq-id-from-a-cell-out-of-range.ggsq");
     let file = std::fs::read(path).unwrap();
-    let e = llama_kv_cache::files::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
+    let e = llama_kv_cache::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
         .unwrap_err();
     assert!(
         matches!(e, KvError::InvalidState(_)) && e.to_string().contains("seq_id -"),

@@ -1,7 +1,7 @@
 //! What shapes a block's bytes (layer count, per-layer K/V types and row sizes), the
 //! fingerprint made of it and the model identity, and the chain keys rooted in the fingerprint.
 
-use llama_kv_cache::state::{StreamBlock, VBlock};
+use llama_kv_cache::state::{params_for_shapes, StreamBlock};
 use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor};
 
 use sha2::{Digest, Sha256};
@@ -13,18 +13,9 @@ use crate::error::{StoreError, StoreResult};
 /// format change starts a fresh chain instead of misreading old blocks.
 pub const FORMAT_VERSION: u32 = 1;
 
-/// One layer's K and V as stored in a block (V always as rows: untransposed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LayerGeometry {
-    /// K type.
-    pub k_type: GgmlType,
-    /// Bytes of one K row (one token).
-    pub k_row: u64,
-    /// V type.
-    pub v_type: GgmlType,
-    /// Bytes of one V row (one token).
-    pub v_row: u64,
-}
+/// One layer's K and V as stored in a block (V always as rows: untransposed): the core
+/// codec's [`LayerShape`].
+pub use llama_kv_cache::state::LayerShape as LayerGeometry;
 
 /// The per-layer shapes of a cache: everything besides the tokens that changes a block's bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,37 +56,9 @@ impl Geometry {
 
     /// The geometry of a parsed payload stream that holds data.
     pub fn of_stream(stream: &StreamBlock) -> StoreResult<Geometry> {
-        let ty = |id: i32| {
-            GgmlType::from_id(id).ok_or_else(|| {
-                StoreError::Cache(llama_kv_cache::KvError::InvalidState(format!(
-                    "type id {id} is not a KV type"
-                )))
-            })
-        };
-        let layers = stream
-            .layers
-            .iter()
-            .map(|l| {
-                let (v_type, v_row) = match &l.v {
-                    VBlock::Rows {
-                        ty: t, row_size, ..
-                    } => (ty(*t)?, *row_size),
-                    VBlock::Transposed {
-                        ty: t,
-                        el_size,
-                        n_embd,
-                        ..
-                    } => (ty(*t)?, u64::from(*el_size) * u64::from(*n_embd)),
-                };
-                Ok(LayerGeometry {
-                    k_type: ty(l.k_type)?,
-                    k_row: l.k_row_size,
-                    v_type,
-                    v_row,
-                })
-            })
-            .collect::<StoreResult<_>>()?;
-        Ok(Geometry { layers })
+        Ok(Geometry {
+            layers: stream.layer_shapes()?,
+        })
     }
 
     /// Bytes of K and V of one token over all layers.
@@ -106,29 +69,7 @@ impl Geometry {
     /// Parameters of a one-sequence cache of `size` cells with this geometry (to write llama.cpp
     /// files). `v_trans` chooses llama.cpp's V layout: transposed without flash attention.
     pub fn cache_params(&self, size: u32, v_trans: bool) -> StoreResult<CacheParams> {
-        let first = self
-            .layers
-            .first()
-            .ok_or_else(|| StoreError::InvalidArg("a geometry without layers".into()))?;
-        let width = |t: GgmlType, row: u64| -> StoreResult<u32> {
-            t.row_width(row).ok_or_else(|| {
-                StoreError::InvalidArg(format!("row size {row} is not whole {t} blocks"))
-            })
-        };
-        let mut p = CacheParams::new(size.max(1), self.layers.len() as u32, 0, 0);
-        p.type_k = first.k_type;
-        p.type_v = first.v_type;
-        p.n_embd_k_gqa = Vec::with_capacity(self.layers.len());
-        p.n_embd_v_gqa = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            if l.k_type != first.k_type || l.v_type != first.v_type {
-                return Err(StoreError::InvalidArg(
-                    "layers with different K/V types cannot form one cache".into(),
-                ));
-            }
-            p.n_embd_k_gqa.push(width(l.k_type, l.k_row)?);
-            p.n_embd_v_gqa.push(width(l.v_type, l.v_row)?);
-        }
+        let mut p = params_for_shapes(&self.layers, size)?;
         p.flash_attn = !v_trans;
         p.validate()?;
         Ok(p)

@@ -3,7 +3,10 @@
 //! for every block the backend reported present and written in place as blocks arrive; when
 //! the chain ends early (a block evicted meanwhile, or corrupt), `finish` compacts it.
 
-use llama_kv_cache::transpose::{transpose, Shape};
+use llama_kv_cache::state::cells::put_cell_one_id;
+use llama_kv_cache::state::cells::{cell_len, CellExt};
+use llama_kv_cache::state::{cell_count_header, data_header, k_header, n_stream_header, v_header};
+use llama_kv_cache::tensors::transpose::{transpose, Shape};
 use llama_kv_cache::KvError;
 
 use crate::block::BlockRows;
@@ -24,11 +27,6 @@ pub struct PayloadBuilder<'g> {
     blocks: usize,
 }
 
-fn put32(out: &mut [u8], at: &mut usize, v: u32) {
-    out[*at..*at + 4].copy_from_slice(&v.to_le_bytes());
-    *at += 4;
-}
-
 impl<'g> PayloadBuilder<'g> {
     /// An empty payload with room for `max_blocks` blocks.
     pub fn new(
@@ -41,8 +39,9 @@ impl<'g> PayloadBuilder<'g> {
         let n = max_blocks * bt;
         // n_stream, cell_count; per cell pos, n_seq_id, seq; v_trans, n_layer; per layer the K
         // and V headers (type + row size, or type + element size + channels: 12 bytes each)
+        let cell = cell_len(1, CellExt::None);
         let total =
-            8 + 12 * n + 8 + 24 * geometry.layers.len() + n * geometry.bytes_per_token() as usize;
+            8 + cell * n + 8 + 24 * geometry.layers.len() + n * geometry.bytes_per_token() as usize;
         let mut out = Vec::new();
         out.try_reserve_exact(total).map_err(|_| {
             StoreError::Cache(KvError::Backend(format!(
@@ -51,34 +50,35 @@ impl<'g> PayloadBuilder<'g> {
         })?;
         out.resize(total, 0);
         let mut at = 0;
-        put32(&mut out, &mut at, 1); // n_stream
-        put32(&mut out, &mut at, n as u32);
-        for p in 0..n {
-            put32(&mut out, &mut at, p as u32);
-            put32(&mut out, &mut at, 1);
-            put32(&mut out, &mut at, seq as u32);
+        let put = |out: &mut [u8], at: &mut usize, bytes: &[u8]| {
+            out[*at..*at + bytes.len()].copy_from_slice(bytes);
+            *at += bytes.len();
+        };
+        put(&mut out, &mut at, &n_stream_header(1));
+        put(&mut out, &mut at, &cell_count_header(n as u32));
+        for (p, dst) in out[at..at + cell * n].chunks_exact_mut(cell).enumerate() {
+            put_cell_one_id(
+                dst.try_into().expect("one-id cells are 12 bytes"),
+                p as i32,
+                seq,
+            );
         }
-        put32(&mut out, &mut at, v_trans as u32);
-        put32(&mut out, &mut at, geometry.layers.len() as u32);
+        at += cell * n;
+        let (header, len) = data_header(v_trans, geometry.layers.len() as u32, None);
+        put(&mut out, &mut at, &header[..len]);
         let mut k_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {
-            put32(&mut out, &mut at, l.k_type.id() as u32);
-            out[at..at + 8].copy_from_slice(&l.k_row.to_le_bytes());
-            at += 8;
+            put(&mut out, &mut at, &k_header(l.k_type, l.k_row as usize));
             k_at.push(at);
             at += n * l.k_row as usize;
         }
         let mut v_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {
-            put32(&mut out, &mut at, l.v_type.id() as u32);
-            if v_trans {
-                let el = l.v_type.type_size();
-                put32(&mut out, &mut at, el as u32);
-                put32(&mut out, &mut at, (l.v_row as usize / el) as u32);
-            } else {
-                out[at..at + 8].copy_from_slice(&l.v_row.to_le_bytes());
-                at += 8;
-            }
+            put(
+                &mut out,
+                &mut at,
+                &v_header(l.v_type, l.v_row as usize, v_trans),
+            );
             v_at.push(at);
             at += n * l.v_row as usize;
         }

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use llama_kv_cache::files::{inspect_bytes, params_for, write_atomic, FileKind};
-use llama_kv_cache::state::Progress;
+use llama_kv_cache::cache::io::Progress;
+use llama_kv_cache::state::files::{inspect_bytes, params_for, write_atomic, FileKind};
 use llama_kv_cache::{KvCache, KvError, Layout, ReadOptions, Tensor, WriteOptions};
 
 use sha2::{Digest, Sha256};
@@ -488,7 +488,7 @@ impl PromptStore {
         let recurrent = ins
             .arch
             .as_deref()
-            .is_some_and(llama_kv_cache::files::is_recurrent_arch);
+            .is_some_and(llama_kv_cache::model::arch::is_recurrent);
         let mut params = params_for(&ins, recurrent)?;
         let tokens = ins.header.tokens.clone();
         let read = ReadOptions {
@@ -524,7 +524,7 @@ impl PromptStore {
 
     /// [`PromptStore::put_bytes`] of a file.
     pub fn put_file(&self, path: &Path, progress: Option<Progress<'_>>) -> StoreResult<PutReport> {
-        let bytes = llama_kv_cache::files::read_file(path)?;
+        let bytes = llama_kv_cache::state::files::read_file(path)?;
         self.put_bytes(&bytes, progress)
     }
 

@@ -5,7 +5,7 @@ use std::fs;
 use std::path::Path;
 use std::sync::Arc;
 
-use llama_kv_cache::files::inspect_bytes;
+use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{CacheParams, FileKind, GgmlType, KvCache, Layout, Tensor, UBatch};
 use prompt_store::{Backend, DirBackend, MemoryBackend, PromptStore, StoreError, WriteFileOptions};
 

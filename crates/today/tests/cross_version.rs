@@ -3,7 +3,8 @@
 //! continues them with the greedy token the original peer produced (`then_token` of their
 //! sidecars).
 
-use llama_kv_cache::files::{convert_bytes, inspect_bytes};
+use llama_kv_cache::convert_bytes;
+use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{ConvertOptions, WriteOptions};
 use serde_json::Value;
 use today_peer::{fixtures_dir, models_dir, run};

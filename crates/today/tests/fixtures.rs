@@ -3,8 +3,8 @@
 //! like it and writes back byte for byte, and malformed copies are refused with the cache left
 //! as it was.
 
-use llama_kv_cache::files::{inspect_bytes, params_for_payload, Inspection};
-use llama_kv_cache::parts::{Part, PartKind};
+use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, Inspection};
+use llama_kv_cache::state::parts::{Part, PartKind};
 use llama_kv_cache::{KvCache, Layout, PartRole, ReadOptions};
 use today_peer::{specs, Spec};
 
@@ -159,7 +159,7 @@ fn regression_a_cell_less_file_declaring_huge_rows_is_refused_before_allocating(
         file.extend_from_slice(&0i32.to_le_bytes());
         file.extend_from_slice(&(1u64 << 30).to_le_bytes());
     }
-    let e = llama_kv_cache::files::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
+    let e = llama_kv_cache::convert_bytes(&file, &llama_kv_cache::ConvertOptions::default())
         .unwrap_err();
     assert!(e.to_string().contains("bytes per cell"), "{e}");
 }

@@ -5,7 +5,7 @@
 //! shift. Norm RoPE (llama), NeoX RoPE (qwen2) and YaRN scaling (both), with the controls that
 //! show the comparison can fail: NeoX shifted as norm, YaRN without its ramp and magnitude.
 
-use llama_kv_cache::files::{inspect_bytes, params_for_payload};
+use llama_kv_cache::state::files::{inspect_bytes, params_for_payload};
 use llama_kv_cache::{
     KvCache, Layout, ModelInfo, ReadOptions, RopeParams, RopeType, ShiftParams, Tensor,
     WriteOptions,
@@ -242,7 +242,7 @@ fn a_k_shift_with_the_wrong_rope_differs_from_llama_cpp_0_1_161() {
 
 #[test]
 fn rotated_caches_re_typed_by_us_continue_in_llama_cpp_0_1_161() {
-    use llama_kv_cache::files::convert_bytes;
+    use llama_kv_cache::convert_bytes;
     use llama_kv_cache::{ConvertOptions, GgmlType};
     let dir = std::env::temp_dir().join(format!("today-retype-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -2,7 +2,7 @@
 //! memory part through a cache of its own) loads into the peer, and its next greedy token is
 //! the one the peer produced when it wrote the fixture (`next2` in the sidecar).
 
-use llama_kv_cache::files::convert_bytes;
+use llama_kv_cache::convert_bytes;
 use llama_kv_cache::{ConvertOptions, FileKind, WriteOptions};
 use today_peer::specs;
 

@@ -37,7 +37,8 @@ fn the_prompt_store_ingests_v11_and_v4_files_and_writes_them_for_llama_cpp_0_1_1
             .write_file(&spec.prompts[0], &out, &opts, None)
             .unwrap();
         assert_eq!(n, 16);
-        let ins = llama_kv_cache::files::inspect_bytes(&std::fs::read(&out).unwrap()).unwrap();
+        let ins =
+            llama_kv_cache::state::files::inspect_bytes(&std::fs::read(&out).unwrap()).unwrap();
         assert_eq!(ins.header.version, version);
         // the stored prefix is the prompt's first 16 tokens: continuing with the 17th gives
         // the peer's own next token

@@ -1,0 +1,874 @@
+//! `convert`: a state file rewritten in another layout, version, kind or K/V type, streamed layer
+//! by layer. Each memory (part) of the input gets a cache of its shape that holds only cells:
+//! the cells are placed exactly as a load would place them, renamed as asked, and the cache's
+//! own state writer writes the output. Its tensors are views of the input file ([`InputView`]):
+//! when the writer asks for a layer's rows, they are read from the input, converted (re-typed,
+//! rotated) and handed over, a few MiB at a time. So memory holds the cell metadata and a few
+//! MiB of rows whatever the file's size, and the bytes are the writer's, as in a load + save.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use crate::cache::io::Progress;
+use crate::cache::KvCache;
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::params::CacheParams;
+use crate::state::files::{
+    header_bytes, inspect_bytes, inspect_source, open_seekable, params_for_payload, read_file,
+    resolve_version, session_prefix, write_atomic_with, FileKind, Inspection, WriteOptions,
+};
+use crate::state::parts::{Part, PartKind, PartRole};
+use crate::state::source::Cursor;
+use crate::state::{parse_stream_head, StreamFormat};
+use crate::state::{Layout, VBlock};
+use crate::tensors::storage::{Device, KvBuffer};
+
+/// What `convert` does to a file.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConvertOptions {
+    /// Output format options (layout, version, streams).
+    pub write: WriteOptions,
+    /// Output kind; default: the input's kind, or a sequence file when `extract_seq` is set.
+    pub to: Option<FileKind>,
+    /// Write only this part of an iSWA or hybrid payload (e.g. the base cache, or the
+    /// attention cache), as a file of a single memory. Default: every part.
+    pub part: Option<PartRole>,
+    /// The sequence to write into a sequence file (from a session or a sequence file).
+    pub extract_seq: Option<i32>,
+    /// Rename the written sequence to this id (e.g. to target a slot of a non-unified context).
+    pub as_seq: Option<i32>,
+    /// Session output: the architecture name when the input has none (default "llama").
+    pub arch: Option<String>,
+    /// Re-type K (f32 <-> f16, or any KV type).
+    pub type_k: Option<GgmlType>,
+    /// Re-type V.
+    pub type_v: Option<GgmlType>,
+    /// The K rotation after re-typing (default: kept into a quantized type, none into a float
+    /// type). llama.cpp 0.1.161 rotates quantized K by the largest power of two >= 64 dividing
+    /// the head dimension, which a file does not record.
+    pub n_rot_k: Option<u32>,
+    /// The V rotation after re-typing (llama.cpp 0.1.161: 64 for quantized V with a head
+    /// dimension that is a multiple of 64).
+    pub n_rot_v: Option<u32>,
+    /// Whether the state is recurrent. Sessions tell by their architecture; a stream-less
+    /// sequence file is either a seed-era transformer state or a recurrent one, and converting
+    /// it to today's layout needs this answered.
+    pub recurrent: Option<bool>,
+}
+
+/// Converts a state file's bytes: layout or version change, session <-> sequence, sequence
+/// renaming, K/V re-typing, and (payloads of several memories) extraction of one part. The
+/// parts are written in their order, so an iSWA or hybrid file stays one.
+pub fn convert_bytes(bytes: &[u8], opts: &ConvertOptions) -> Result<Vec<u8>> {
+    let ins = inspect_bytes(bytes)?;
+    // the views outlive this borrow inside the caches' tensors: they share a copy
+    let mut copy = crate::alloc::zeroed(bytes.len(), "a copy of the state file")?;
+    copy.copy_from_slice(bytes);
+    let plan = Plan::new(&ins, Arc::new(Input::Bytes(copy)), opts)?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(plan.total()).map_err(|_| {
+        KvError::Backend(format!(
+            "cannot allocate {} bytes for the file",
+            plan.total()
+        ))
+    })?;
+    plan.write(&mut out, None)?;
+    Ok(out)
+}
+
+/// [`convert_bytes`] of the file at `input`, streamed layer by layer into `output`, which is
+/// replaced atomically: memory holds the cell metadata and a few MiB of rows whatever the file's
+/// size, and a failed conversion leaves no file behind (and an existing `output` intact).
+/// `progress` gets `(bytes written, bytes the output will have)` after each layer's K and V;
+/// returning false stops the conversion (`Aborted`).
+pub fn convert_file(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    progress: Option<Progress<'_>>,
+) -> Result<()> {
+    let (ins, input) = match open_seekable(input)? {
+        Some(src) => {
+            let ins = inspect_source(&src, false)?;
+            let file = Input::File {
+                file: Mutex::new(src.into_inner()),
+                name: input.display().to_string(),
+            };
+            (ins, file)
+        }
+        // a pipe or a device cannot seek: read it whole
+        None => {
+            let bytes = read_file(input)?;
+            (inspect_bytes(&bytes)?, Input::Bytes(bytes))
+        }
+    };
+    let plan = Plan::new(&ins, Arc::new(input), opts)?;
+    let mut progress = progress;
+    write_atomic_with(output, &mut |w| plan.write(w, progress.take()))
+}
+
+/// The input's bytes, read at positions by the views of every layer.
+enum Input {
+    Bytes(Vec<u8>),
+    File { file: Mutex<File>, name: String },
+}
+
+impl Input {
+    fn read_at(&self, pos: u64, dst: &mut [u8]) -> Result<()> {
+        match self {
+            Input::Bytes(b) => {
+                let at = usize::try_from(pos).ok();
+                let src = at.and_then(|a| b.get(a..a.checked_add(dst.len())?));
+                let src = src.ok_or_else(|| {
+                    KvError::InvalidState(format!("a read at {pos} passes the end of the input"))
+                })?;
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            Input::File { file, name } => {
+                let io = |e: std::io::Error| KvError::Io(format!("cannot read {name}: {e}"));
+                let mut f = file
+                    .lock()
+                    .map_err(|_| KvError::Io(format!("cannot read {name}: a reader panicked")))?;
+                f.seek(SeekFrom::Start(pos)).map_err(io)?;
+                f.read_exact(dst).map_err(io)
+            }
+        }
+    }
+
+    /// Copies `len` bytes at `pos` to `w`, a MiB at a time.
+    fn copy_to(&self, pos: u64, len: u64, w: &mut dyn Write) -> Result<()> {
+        let mut buf = crate::alloc::zeroed(len.min(CHUNK as u64) as usize, "a copy buffer")?;
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            self.read_at(pos + done, &mut buf[..n])?;
+            w.write_all(&buf[..n])
+                .map_err(|e| KvError::Io(format!("cannot write the converted file: {e}")))?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Input bytes a view reads at once: large enough for few reads, small enough to be nothing
+/// next to a file.
+const CHUNK: usize = 1 << 20;
+
+/// One part of the input, ready to be written: a cache of its cells whose tensors are views of
+/// the input.
+struct PartPlan {
+    cache: KvCache,
+    /// The sequence to write (-1: the whole cache).
+    seq: i32,
+    /// A hybrid's recurrent memory: the `n_layer` its data header declares.
+    declared_layers: Option<u32>,
+    size: usize,
+}
+
+/// Everything `convert` writes, decided (and validated) before the first byte is.
+struct Plan {
+    input: Arc<Input>,
+    head: Vec<u8>,
+    /// The input's outputs block (seed-era sessions), copied as is when the output keeps it.
+    outputs: Option<(u64, u64)>,
+    parts: Vec<PartPlan>,
+    layout: Layout,
+    n_stream: u32,
+}
+
+impl Plan {
+    fn new(ins: &Inspection, input: Arc<Input>, opts: &ConvertOptions) -> Result<Plan> {
+        if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
+            // the view caches hold no cell extension: the output would lose the 2D positions
+            return Err(KvError::Unsupported(format!(
+                "the file's cells carry the '{}' cell extension of M-RoPE / PLE models, which \
+                 convert does not rewrite yet",
+                p.payload.ext.name()
+            )));
+        }
+        let parts: Vec<&Part> = match opts.part {
+            None => ins.parts.iter().collect(),
+            Some(want) => vec![ins.parts.iter().find(|p| p.role == want).ok_or_else(|| {
+                KvError::InvalidArg(format!(
+                    "part '{want}' is not in this file (it holds {})",
+                    ins.parts
+                        .iter()
+                        .map(|p| p.role.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?],
+        };
+        let to = opts
+            .to
+            .unwrap_or(match (ins.header.kind, opts.extract_seq) {
+                (_, Some(_)) => FileKind::Sequence,
+                (kind, None) => kind,
+            });
+        let (version, layout) = resolve_version(to, &opts.write)?;
+        // the sequence a sequence file holds: from the first part whose cells name it
+        let seq_in_file = parts
+            .iter()
+            .flat_map(|p| p.payload.streams.iter().enumerate())
+            .find(|(_, s)| !s.cells.is_empty())
+            .map(|(i, s)| s.cells.seq_ids(0).first().copied().unwrap_or(i as i32))
+            .unwrap_or(0);
+        // the id comes from the file: one outside the cache's range would index past its sequences
+        if !(0..crate::MAX_SEQ as i32).contains(&seq_in_file) {
+            return Err(KvError::InvalidState(format!(
+                "the file's first cell names seq_id {seq_in_file}, outside [0, {})",
+                crate::MAX_SEQ
+            )));
+        }
+        let seq = opts.as_seq.or(opts.extract_seq).unwrap_or(seq_in_file);
+        let mut planned = Vec::with_capacity(parts.len());
+        for part in &parts {
+            let recurrent = match (part.kind, opts.recurrent, ins.arch.as_deref()) {
+                (PartKind::Recurrent, _, _) => true,
+                _ if part.role != PartRole::Whole => false,
+                (_, Some(r), _) => r,
+                (_, None, Some(arch)) => crate::model::arch::is_recurrent(arch),
+                (_, None, None) if part.payload.layout.has_stream_prefix() => false,
+                (_, None, None) if layout == Layout::Seed => false,
+                (_, None, None) => {
+                    return Err(KvError::InvalidArg(
+                        "this sequence file has no stream prefix: it is either a seed-era transformer state or a recurrent (Mamba/RWKV) state; say which (recurrent: true or false) to write today's layout".into(),
+                    ))
+                }
+            };
+            let job = PartJob {
+                ins,
+                part,
+                recurrent,
+                seq_in_file,
+                seq,
+                kinds: (ins.header.kind, to),
+                layout,
+                opts,
+            };
+            planned.push(job.plan(&input)?);
+        }
+        let mut head = header_bytes(to, version, &ins.header.tokens);
+        let mut outputs = None;
+        if to == FileKind::Session {
+            let arch = ins
+                .arch
+                .as_deref()
+                .or(opts.arch.as_deref())
+                .unwrap_or("llama");
+            match (&ins.outputs, layout) {
+                // the block is written as it was read: copy its bytes (its logits may be large)
+                (Some(_), Layout::Seed) => {
+                    head.extend(session_prefix(arch, None, Layout::Streams));
+                    let start = (ins.header.body + 4 + arch.len()) as u64;
+                    outputs = Some((start, ins.payload_offset as u64 - start));
+                }
+                _ => head.extend(session_prefix(arch, None, layout)),
+            }
+        }
+        Ok(Plan {
+            input,
+            head,
+            outputs,
+            parts: planned,
+            layout,
+            n_stream: opts.write.n_stream,
+        })
+    }
+
+    fn total(&self) -> usize {
+        self.head.len()
+            + self.outputs.map_or(0, |o| o.1 as usize)
+            + self.parts.iter().map(|p| p.size).sum::<usize>()
+    }
+
+    fn write(&self, w: &mut dyn Write, progress: Option<Progress<'_>>) -> Result<()> {
+        let io = |e: std::io::Error| KvError::Io(format!("cannot write the converted file: {e}"));
+        let total = self.total() as u64;
+        w.write_all(&self.head).map_err(io)?;
+        let mut done = self.head.len() as u64;
+        if let Some((pos, len)) = self.outputs {
+            self.input.copy_to(pos, len, w)?;
+            done += len;
+        }
+        let mut progress = progress;
+        for part in &self.parts {
+            let base = done;
+            let mut tick = |d: u64, _: u64| progress.as_mut().is_none_or(|p| p(base + d, total));
+            let (seq, layout, n_stream) = (part.seq, self.layout, self.n_stream);
+            match part.declared_layers {
+                Some(n) => {
+                    let mut patched = DeclaredLayers::new(&mut *w, n);
+                    part.cache.state_write_to(
+                        &mut patched,
+                        seq,
+                        layout,
+                        n_stream,
+                        Some(&mut tick),
+                    )?;
+                    if patched.held.is_some() {
+                        return Err(KvError::InvalidState(
+                            "the recurrent part ended before its data header".into(),
+                        ));
+                    }
+                }
+                None => {
+                    part.cache
+                        .state_write_to(w, seq, layout, n_stream, Some(&mut tick))?;
+                }
+            }
+            done += part.size as u64;
+        }
+        Ok(())
+    }
+}
+
+/// One part of the input and what to make of it.
+struct PartJob<'a> {
+    ins: &'a Inspection,
+    part: &'a Part,
+    recurrent: bool,
+    seq_in_file: i32,
+    seq: i32,
+    kinds: (FileKind, FileKind),
+    layout: Layout,
+    opts: &'a ConvertOptions,
+}
+
+impl PartJob<'_> {
+    /// Places the part's cells as a load would (in a cache with no tensor data), then builds the
+    /// output cache: the same cells, tensors that are views of the input in the output's types.
+    fn plan(&self, input: &Arc<Input>) -> Result<PartPlan> {
+        let (part, opts, seq, seq_in_file) = (self.part, self.opts, self.seq, self.seq_in_file);
+        let mut params = params_for_payload(&part.payload, self.recurrent)?;
+        let wanted = opts
+            .write
+            .n_stream
+            .max(seq.max(0) as u32 + 1)
+            .max(seq_in_file.max(0) as u32 + 1);
+        if wanted > params.n_seq_max {
+            params.n_seq_max = wanted.min(crate::MAX_SEQ as u32);
+        }
+        if self.recurrent {
+            params.size = params.size.max(params.n_seq_max);
+        }
+        // a cache only to place the cells in: its tensors have no data
+        let mut cells = view_cache(params.clone(), input, None)?;
+        let metas = part.payload.cells()?;
+        let loaded_seq = if self.kinds.0 == FileKind::Session {
+            cells.check_payload(&part.payload, None)?;
+            cells.place_whole(&metas)?;
+            None
+        } else {
+            cells.check_payload(&part.payload, Some(seq_in_file))?;
+            Some(seq_in_file)
+        };
+        let placed = match loaded_seq {
+            Some(s) => cells.place_sequence(s, &metas, false)?,
+            None => (0..metas.len()).collect(),
+        };
+        let retype = [opts.type_k.is_some(), opts.type_v.is_some()];
+        let rotate = [opts.n_rot_k.is_some(), opts.n_rot_v.is_some()];
+        let convert = retype.contains(&true) || rotate.contains(&true);
+        let mut out_params = params.clone();
+        if convert {
+            let (tk, tv) = (
+                opts.type_k.unwrap_or(params.type_k),
+                opts.type_v.unwrap_or(params.type_v),
+            );
+            let keep = |n_rot: u32, ty: GgmlType| if ty.is_quantized() { n_rot } else { 0 };
+            out_params.type_k = tk;
+            out_params.type_v = tv;
+            out_params.n_rot_k = opts.n_rot_k.unwrap_or(keep(params.n_rot_k, tk));
+            out_params.n_rot_v = opts.n_rot_v.unwrap_or(keep(params.n_rot_v, tv));
+        }
+        let views = Views::new(self.ins, part, &params, &out_params, &placed, convert)?;
+        let mut cache = view_cache(out_params, input, Some(Arc::new(views)))?;
+        cache.take_cells_of(cells);
+        let source = opts.extract_seq.or(loaded_seq).unwrap_or(seq_in_file);
+        if source != seq {
+            cache.seq_cp(source, seq, -1, -1)?;
+            cache.seq_rm(source, -1, -1)?;
+        }
+        let write_seq = match self.kinds.1 {
+            FileKind::Session => -1,
+            FileKind::Sequence => seq,
+        };
+        let size = cache.state_size(write_seq, self.layout, opts.write.n_stream)?;
+        let declared_layers = (part.kind == PartKind::Recurrent
+            && part.role == PartRole::Recurrent)
+            .then(|| part.payload.streams[0].n_layer_declared);
+        Ok(PartPlan {
+            cache,
+            seq: write_seq,
+            declared_layers,
+            size,
+        })
+    }
+}
+
+/// A cache whose tensors are [`InputView`]s.
+fn view_cache(
+    params: CacheParams,
+    input: &Arc<Input>,
+    views: Option<Arc<Views>>,
+) -> Result<KvCache> {
+    KvCache::with_allocator(params, &mut |il, is_v, len| {
+        Ok(Box::new(InputView {
+            views: views.clone(),
+            input: input.clone(),
+            il,
+            is_v,
+            len,
+        }) as Box<dyn KvBuffer>)
+    })
+}
+
+impl KvCache {
+    /// Takes over the cells (and placement state) of `other`, a cache of the same size.
+    fn take_cells_of(&mut self, other: KvCache) {
+        self.cells = other.cells;
+        self.head = other.head;
+        self.n = other.n;
+    }
+}
+
+/// Where one stream's block of one layer and tensor starts in the input.
+#[derive(Clone, Copy)]
+struct Block {
+    /// Absolute offset of the rows (K, V rows, or transposed V) in the input.
+    at: u64,
+    /// Rows of the stream (the pitch of transposed V).
+    n: usize,
+}
+
+/// One tensor kind (K or V) of every layer: types, rotations, geometry.
+struct Side {
+    from: GgmlType,
+    to: GgmlType,
+    rot: (u32, u32),
+    /// Per layer: width in elements.
+    widths: Vec<usize>,
+    /// Per layer, per stream: where its rows are (None: an empty stream).
+    blocks: Vec<Vec<Option<Block>>>,
+}
+
+/// What every view shares: the cell map and the input's geometry.
+struct Views {
+    /// Per cache cell: (stream, row in the stream), or `u32::MAX` when no input row lands there.
+    map: Vec<(u32, u32)>,
+    k: Side,
+    v: Side,
+    v_trans: bool,
+    size: usize,
+    /// Convert through f32 (re-typing or rotating was asked): every row, as a re-typed load does.
+    convert: bool,
+    /// Transposed V whose rotation changes needs whole rows: the converted V of one layer,
+    /// made on its first read (the writer reads layer by layer).
+    v_rows: Mutex<Option<(usize, Vec<u8>)>>,
+}
+
+impl Views {
+    fn new(
+        ins: &Inspection,
+        part: &Part,
+        from: &CacheParams,
+        to: &CacheParams,
+        placed: &[usize],
+        convert: bool,
+    ) -> Result<Views> {
+        let size = from.size as usize;
+        let mut map = crate::alloc::with_capacity(size, "the cell map of a conversion")?;
+        map.resize(size, (u32::MAX, 0));
+        let mut k = 0;
+        for (s, stream) in part.payload.streams.iter().enumerate() {
+            for r in 0..stream.cells.len() {
+                map[placed[k]] = (s as u32, r as u32);
+                k += 1;
+            }
+        }
+        let base = (ins.payload_offset + part.range.start) as u64;
+        let n_layer = from.n_layer as usize;
+        let mut kb = vec![Vec::new(); n_layer];
+        let mut vb = vec![Vec::new(); n_layer];
+        for stream in &part.payload.streams {
+            let n = stream.cells.len();
+            for il in 0..n_layer {
+                let l = stream.layers.get(il);
+                kb[il].push(l.map(|l| Block {
+                    at: base + l.k_data.start as u64,
+                    n,
+                }));
+                vb[il].push(l.map(|l| {
+                    let (VBlock::Rows { data, .. } | VBlock::Transposed { data, .. }) = &l.v;
+                    Block {
+                        at: base + data.start as u64,
+                        n,
+                    }
+                }));
+            }
+        }
+        let [k, v] = [
+            (
+                from.type_k,
+                to.type_k,
+                (from.n_rot_k, to.n_rot_k),
+                kb,
+                false,
+            ),
+            (from.type_v, to.type_v, (from.n_rot_v, to.n_rot_v), vb, true),
+        ]
+        .map(|(from_ty, to_ty, rot, blocks, is_v)| Side {
+            from: from_ty,
+            to: to_ty,
+            rot,
+            widths: (0..n_layer)
+                .map(|il| {
+                    if is_v {
+                        from.n_embd_v(il)
+                    } else {
+                        from.n_embd_k(il)
+                    }
+                })
+                .collect(),
+            blocks,
+        });
+        Ok(Views {
+            map,
+            k,
+            v,
+            v_trans: from.v_trans(),
+            size,
+            convert,
+            v_rows: Mutex::new(None),
+        })
+    }
+}
+
+/// One tensor of the output cache: its bytes are the input's rows, converted on demand (or,
+/// without `views`, a tensor of no data, for the cache that only places cells).
+struct InputView {
+    views: Option<Arc<Views>>,
+    input: Arc<Input>,
+    il: usize,
+    is_v: bool,
+    len: usize,
+}
+
+/// Re-types and re-rotates one row as a re-typed load does (`KvCache::retyped_rotated`).
+fn convert_row(side: &Side, src: &[u8], dst: &mut [u8], values: &mut [f32]) -> Result<()> {
+    crate::tensors::quant::dequantize_row(side.from, src, values)?;
+    let (from, to) = side.rot;
+    if from != to {
+        for n in [from, to].into_iter().filter(|&n| n != 0) {
+            crate::tensors::hadamard::rotate_blocks(values, n as usize);
+        }
+    }
+    crate::tensors::quant::quantize_row(side.to, values, dst)
+}
+
+impl InputView {
+    fn v(&self) -> &Views {
+        self.views
+            .as_deref()
+            .expect("only views with data are read")
+    }
+
+    /// Where stream `s`'s rows of this layer are.
+    fn block(&self, side: &Side, s: u32) -> Result<Block> {
+        side.blocks[self.il][s as usize]
+            .ok_or_else(|| KvError::InvalidState("a cell maps to a stream without data".into()))
+    }
+
+    fn side(&self) -> &Side {
+        let views = self.v();
+        if self.is_v {
+            &views.v
+        } else {
+            &views.k
+        }
+    }
+
+    /// Cells `first..` whose input rows follow each other in one stream (or that have none),
+    /// at most `max`.
+    fn run(&self, first: usize, max: usize) -> usize {
+        let map = &self.v().map;
+        let (s, r) = map[first];
+        let mut k = 1;
+        while k < max && first + k < map.len() {
+            let next = map[first + k];
+            let follows = if s == u32::MAX {
+                next.0 == u32::MAX
+            } else {
+                next == (s, r + k as u32)
+            };
+            if !follows {
+                break;
+            }
+            k += 1;
+        }
+        k
+    }
+
+    /// Reads `n` input rows of `row` bytes for cells `first..first + n` (one run) into `dst`;
+    /// cells without an input row read as zeros, as in a cache that was cleared.
+    fn read_rows(&self, first: usize, n: usize, row: usize, dst: &mut [u8]) -> Result<()> {
+        let (s, r) = self.v().map[first];
+        if s == u32::MAX {
+            dst.fill(0);
+            return Ok(());
+        }
+        let block = self.side().blocks[self.il][s as usize]
+            .ok_or_else(|| KvError::InvalidState("a cell maps to a stream without data".into()))?;
+        debug_assert!(r as usize + n <= block.n);
+        self.input
+            .read_at(block.at + r as u64 * row as u64, &mut dst[..n * row])
+    }
+
+    /// Rows layout (K, untransposed V): `dst` is the output bytes at `offset`.
+    fn read_row_layout(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let side = self.side();
+        let width = side.widths[self.il];
+        let row_in = side.from.row_size(width)?;
+        let row_out = side.to.row_size(width)?;
+        let mut cell = offset / row_out;
+        let mut skip = offset % row_out;
+        let mut out = dst;
+        let batch = (CHUNK / row_in.max(1)).max(1);
+        let mut rows_in = Vec::new();
+        let mut values = Vec::new();
+        let mut one = Vec::new();
+        while !out.is_empty() {
+            let wanted = (skip + out.len()).div_ceil(row_out);
+            let n = self.run(cell, wanted.min(batch));
+            rows_in.resize(n * row_in, 0);
+            self.read_rows(cell, n, row_in, &mut rows_in)?;
+            for src in rows_in.chunks_exact(row_in) {
+                let take = (row_out - skip).min(out.len());
+                if !self.v().convert {
+                    out[..take].copy_from_slice(&src[skip..skip + take]);
+                } else {
+                    values.resize(width, 0.0);
+                    one.resize(row_out, 0);
+                    convert_row(side, src, &mut one, &mut values)?;
+                    out[..take].copy_from_slice(&one[skip..skip + take]);
+                }
+                out = &mut out[take..];
+                skip = 0;
+            }
+            cell += n;
+        }
+        Ok(())
+    }
+
+    /// Transposed V: `n_embd` runs of `size` elements; `dst` is the output bytes at `offset`.
+    fn read_transposed(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let side = &self.v().v;
+        let (el_in, el_out) = (side.from.type_size(), side.to.type_size());
+        let size = self.v().size;
+        if !offset.is_multiple_of(el_out) || !dst.len().is_multiple_of(el_out) {
+            return Err(KvError::InvalidArg(format!(
+                "a read of transposed V at {offset} ({} bytes) splits an element",
+                dst.len()
+            )));
+        }
+        if self.v().convert && side.rot.0 != side.rot.1 {
+            return self.read_transposed_rotated(offset, dst);
+        }
+        let mut at = offset / el_out;
+        let mut out = dst;
+        let mut src = Vec::new();
+        let mut values = Vec::new();
+        while !out.is_empty() {
+            let (j, cell) = (at / size, at % size);
+            let n = self.run(
+                cell,
+                (size - cell).min(out.len() / el_out).min(CHUNK / el_in),
+            );
+            src.resize(n * el_in, 0);
+            let (s, r) = self.v().map[cell];
+            if s == u32::MAX {
+                src.fill(0);
+            } else {
+                let block = self.block(side, s)?;
+                let pos = block.at + ((j * block.n + r as usize) * el_in) as u64;
+                self.input.read_at(pos, &mut src)?;
+            }
+            let dst = &mut out[..n * el_out];
+            if self.v().convert {
+                // float types only (quantized V is never transposed): element by element
+                values.resize(n, 0.0);
+                crate::tensors::quant::dequantize_row(side.from, &src, &mut values)?;
+                crate::tensors::quant::quantize_row(side.to, &values, dst)?;
+            } else {
+                dst.copy_from_slice(&src);
+            }
+            out = &mut out[n * el_out..];
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Transposed V whose rotation changes: the rotation mixes a row's elements, so the layer's
+    /// V is converted row by row once (into the output's transposed layout) and served from
+    /// there.
+    fn read_transposed_rotated(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let mut slot = self
+            .v()
+            .v_rows
+            .lock()
+            .map_err(|_| KvError::Backend("a conversion thread panicked".into()))?;
+        if slot.as_ref().is_none_or(|(il, _)| *il != self.il) {
+            *slot = None;
+            *slot = Some((self.il, self.transposed_layer()?));
+        }
+        let (_, bytes) = slot.as_ref().expect("made above");
+        dst.copy_from_slice(&bytes[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn transposed_layer(&self) -> Result<Vec<u8>> {
+        let side = &self.v().v;
+        let width = side.widths[self.il];
+        let (el_in, el_out) = (side.from.type_size(), side.to.type_size());
+        let size = self.v().size;
+        let mut out = crate::alloc::zeroed(self.len, "a layer of transposed V")?;
+        let mut column = vec![0u8; width * el_in];
+        let mut row = vec![0u8; width * el_out];
+        let mut values = vec![0f32; width];
+        // each stream's block of this layer, read at once (one layer of V, like `out`)
+        let mut blocks: Vec<Option<(Block, Vec<u8>)>> = Vec::new();
+        for b in &side.blocks[self.il] {
+            blocks.push(match b {
+                None => None,
+                Some(b) => {
+                    let mut bytes = crate::alloc::zeroed(b.n * width * el_in, "a block of V")?;
+                    self.input.read_at(b.at, &mut bytes)?;
+                    Some((*b, bytes))
+                }
+            });
+        }
+        for cell in 0..size {
+            let (s, r) = self.v().map[cell];
+            match blocks.get(s as usize).and_then(|b| b.as_ref()) {
+                None if s == u32::MAX => column.fill(0),
+                None => {
+                    return Err(KvError::InvalidState(
+                        "a cell maps to a stream without data".into(),
+                    ))
+                }
+                Some((block, bytes)) => {
+                    for j in 0..width {
+                        let at = (j * block.n + r as usize) * el_in;
+                        column[j * el_in..(j + 1) * el_in].copy_from_slice(&bytes[at..at + el_in]);
+                    }
+                }
+            }
+            convert_row(side, &column, &mut row, &mut values)?;
+            for j in 0..width {
+                let at = (cell + j * size) * el_out;
+                out[at..at + el_out].copy_from_slice(&row[j * el_out..(j + 1) * el_out]);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl KvBuffer for InputView {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn device(&self) -> Device {
+        Device::Host
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match offset.checked_add(dst.len()) {
+            Some(end) if end <= self.len => {}
+            _ => {
+                return Err(KvError::OutOfRange(format!(
+                    "read of {} bytes at offset {offset} exceeds the view size {}",
+                    dst.len(),
+                    self.len
+                )))
+            }
+        }
+        match &self.views {
+            // the placement cache: zeros, as in a cache that was cleared (never written out)
+            None => {
+                dst.fill(0);
+                Ok(())
+            }
+            Some(v) if self.is_v && v.v_trans => self.read_transposed(offset, dst),
+            Some(_) => self.read_row_layout(offset, dst),
+        }
+    }
+
+    fn write(&mut self, _: usize, _: &[u8]) -> Result<()> {
+        Err(KvError::Unsupported(
+            "a conversion's tensors are views of its input: read-only".into(),
+        ))
+    }
+
+    fn copy_within(&mut self, _: usize, _: usize, _: usize) -> Result<()> {
+        self.write(0, &[])
+    }
+
+    fn fill_zero(&mut self) -> Result<()> {
+        // creation zeroes every buffer; the views show the input (and zeros where it has none)
+        Ok(())
+    }
+}
+
+/// A hybrid's recurrent memory declares every model layer in its data header but writes only
+/// the recurrent ones; a cache of those layers writes their count: this writer puts the
+/// declared count back as the bytes pass (it holds them until the data header has passed).
+struct DeclaredLayers<'w> {
+    inner: &'w mut dyn Write,
+    declared: u32,
+    held: Option<Vec<u8>>,
+}
+
+impl<'w> DeclaredLayers<'w> {
+    fn new(inner: &'w mut dyn Write, declared: u32) -> Self {
+        DeclaredLayers {
+            inner,
+            declared,
+            held: Some(Vec::new()),
+        }
+    }
+}
+
+impl Write for DeclaredLayers<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let Some(held) = self.held.as_mut() else {
+            return self.inner.write(buf);
+        };
+        held.extend_from_slice(buf);
+        if patch_declared_layers(held, self.declared).is_ok() {
+            self.inner.write_all(held)?;
+            self.held = None;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes `declared` over the `n_layer` of a recurrent payload's data header; fails while the
+/// bytes end before it.
+fn patch_declared_layers(payload: &mut [u8], declared: u32) -> Result<()> {
+    let mut c = Cursor::partial(&payload[..]);
+    parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
+    // the head ends with the recurrent data header: s_trans, n_layer
+    let end = c.pos;
+    payload[end - 4..end].copy_from_slice(&declared.to_le_bytes());
+    Ok(())
+}

@@ -1,0 +1,1251 @@
+//! Cell metadata, stored column-wise, with exact per-sequence bookkeeping.
+//!
+//! The seed keeps a `std::set<llama_seq_id>` in every cell and answers every question with a
+//! scan of all cells. Here a cell's sequences are a 64-bit mask, and two kinds of cell sets
+//! ([`crate::cells::set`]: a bitmap with position bounds per 64-cell word and per 4,096 cells)
+//! index the cells: one of occupied cells (`pos >= 0`, what slot search looks at) and one per
+//! sequence (the cells it owns). An operation on a range of one sequence's positions visits only
+//! the words holding positions in that range, slot search skips 64 occupied cells per word, and
+//! each sequence's cell count and largest position are kept exact, so `seq_pos_max` is O(1).
+
+pub use crate::params::MAX_SEQ;
+
+use crate::cells::set::{bits, next_bit, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
+use crate::error::Result;
+
+/// Marker for "no position" in the per-sequence maximum.
+const NO_POS: i32 = i32::MIN;
+
+/// A set of sequence ids in `0..MAX_SEQ`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SeqSet(pub u64);
+
+impl SeqSet {
+    /// The empty set.
+    pub const EMPTY: SeqSet = SeqSet(0);
+
+    /// The set holding only `seq`.
+    pub fn single(seq: usize) -> SeqSet {
+        SeqSet(1u64 << seq)
+    }
+
+    /// The set of `ids` (each in `0..MAX_SEQ`, validated by the caller).
+    pub fn of(ids: &[i32]) -> SeqSet {
+        SeqSet(ids.iter().fold(0, |set, &id| set | 1u64 << id))
+    }
+
+    /// Whether `seq` is in the set.
+    pub fn contains(self, seq: usize) -> bool {
+        seq < MAX_SEQ && self.0 & (1u64 << seq) != 0
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Number of ids in the set.
+    pub fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+
+    /// Adds `seq`.
+    pub fn insert(&mut self, seq: usize) {
+        self.0 |= 1u64 << seq;
+    }
+
+    /// Removes `seq`.
+    pub fn remove(&mut self, seq: usize) {
+        self.0 &= !(1u64 << seq);
+    }
+
+    /// The ids, ascending (the order of the seed's `std::set`).
+    pub fn iter(self) -> impl Iterator<Item = usize> {
+        bits(self.0)
+    }
+}
+
+/// Cells freed by a bulk operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Freed {
+    /// The lowest freed cell.
+    pub first: Option<usize>,
+    /// Freed cells that had a position (what the seed subtracts from `used`).
+    pub with_pos: u32,
+}
+
+impl Freed {
+    fn note(&mut self, i: usize, pos: i32) {
+        self.first = Some(self.first.map_or(i, |f| f.min(i)));
+        if pos >= 0 {
+            self.with_pos += 1;
+        }
+    }
+}
+
+/// One cell's metadata, as the seed's `llama_kv_cell`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cell {
+    /// Token position, -1 when free.
+    pub pos: i32,
+    /// Position change accumulated since the last K-shift.
+    pub delta: i32,
+    /// Recurrent models: the cell whose state this one copies from.
+    pub src: i32,
+    /// Recurrent models: for cell `i`, the cell holding sequence `i`'s state.
+    pub tail: i32,
+    /// Sequences that own the cell.
+    pub seqs: SeqSet,
+}
+
+impl Default for Cell {
+    fn default() -> Self {
+        Cell {
+            pos: -1,
+            delta: 0,
+            src: -1,
+            tail: -1,
+            seqs: SeqSet::EMPTY,
+        }
+    }
+}
+
+/// All cells of a cache plus the indexes derived from them.
+///
+/// Every mutation goes through a method here, so `used`-independent bookkeeping (occupied
+/// set, per-sequence sets, counts and maxima) never drifts from the cells. `used` is the
+/// seed's own counter and is maintained by the operations exactly as the seed does.
+#[derive(Clone, Debug)]
+pub struct Cells {
+    pos: Vec<i32>,
+    delta: Vec<i32>,
+    src: Vec<i32>,
+    tail: Vec<i32>,
+    seqs: Vec<SeqSet>,
+    /// The cells with `pos >= 0`.
+    occupied: CellSet,
+    /// Per sequence, the cells that hold it.
+    seq: Vec<CellSet>,
+    seq_pos_max: Vec<i32>,
+    /// Sequences whose maximum must be recomputed (a cell at the maximum lost it).
+    dirty: u64,
+    /// The seed's `used` counter.
+    pub used: u32,
+}
+
+/// Two cell tables are equal when their cells and `used` are: the indexes are derived from
+/// the cells, and their position bounds may differ in how loose they are.
+impl PartialEq for Cells {
+    fn eq(&self, other: &Cells) -> bool {
+        self.pos == other.pos
+            && self.delta == other.delta
+            && self.src == other.src
+            && self.tail == other.tail
+            && self.seqs == other.seqs
+            && self.used == other.used
+    }
+}
+
+impl Eq for Cells {}
+
+/// The groups of a set an operation visited, tightened once it is done.
+fn tighten(set: &mut CellSet, cursor: &Cursor) {
+    if let Some((first, last)) = cursor.visited() {
+        set.tighten_groups(first, last);
+    }
+}
+
+impl Cells {
+    /// `size` free cells for sequences `0..n_seq`; an error (not an abort) when the columns
+    /// cannot be allocated.
+    pub fn new(size: usize, n_seq: usize) -> Result<Cells> {
+        use crate::alloc::{filled, zeroed};
+        let words = size.div_ceil(64);
+        let what = "the cell columns";
+        let mut seq = crate::alloc::with_capacity(n_seq, what)?;
+        for _ in 0..n_seq {
+            seq.push(CellSet::new(words, what)?);
+        }
+        Ok(Cells {
+            pos: filled(size, -1, what)?,
+            delta: zeroed(size, what)?,
+            src: filled(size, -1, what)?,
+            tail: filled(size, -1, what)?,
+            seqs: filled(size, SeqSet::EMPTY, what)?,
+            occupied: CellSet::new(words, what)?,
+            seq,
+            seq_pos_max: vec![NO_POS; n_seq],
+            dirty: 0,
+            used: 0,
+        })
+    }
+
+    /// Number of cells.
+    pub fn len(&self) -> usize {
+        self.pos.len()
+    }
+
+    /// Whether the cache has no cells (never true for a constructed cache).
+    pub fn is_empty(&self) -> bool {
+        self.pos.is_empty()
+    }
+
+    /// A copy of cell `i`.
+    pub fn get(&self, i: usize) -> Cell {
+        Cell {
+            pos: self.pos[i],
+            delta: self.delta[i],
+            src: self.src[i],
+            tail: self.tail[i],
+            seqs: self.seqs[i],
+        }
+    }
+
+    /// Position of cell `i`.
+    pub fn pos(&self, i: usize) -> i32 {
+        self.pos[i]
+    }
+
+    /// Accumulated shift of cell `i`.
+    pub fn delta(&self, i: usize) -> i32 {
+        self.delta[i]
+    }
+
+    /// Sequences of cell `i`.
+    pub fn seqs(&self, i: usize) -> SeqSet {
+        self.seqs[i]
+    }
+
+    /// Recurrent tail of cell `i`.
+    pub fn tail(&self, i: usize) -> i32 {
+        self.tail[i]
+    }
+
+    /// Recurrent copy source of cell `i`.
+    pub fn src(&self, i: usize) -> i32 {
+        self.src[i]
+    }
+
+    /// The seed's `is_empty`: no sequence owns the cell.
+    pub fn is_empty_cell(&self, i: usize) -> bool {
+        self.seqs[i].is_empty()
+    }
+
+    /// Column of positions.
+    pub fn pos_column(&self) -> &[i32] {
+        &self.pos
+    }
+
+    /// Column of sequence sets.
+    pub fn seqs_column(&self) -> &[SeqSet] {
+        &self.seqs
+    }
+
+    /// Column of deltas.
+    pub fn delta_column(&self) -> &[i32] {
+        &self.delta
+    }
+
+    /// Column of recurrent copy sources.
+    pub fn src_column(&self) -> &[i32] {
+        &self.src
+    }
+
+    /// Column of recurrent tails.
+    pub fn tail_column(&self) -> &[i32] {
+        &self.tail
+    }
+
+    /// Number of sequences tracked.
+    pub fn n_seq(&self) -> usize {
+        self.seq.len()
+    }
+
+    /// The cells holding `seq` as runs `start..end` of consecutive cells, ascending.
+    pub fn runs_of(&self, seq: usize) -> Vec<(usize, usize)> {
+        self.seq[seq].runs()
+    }
+
+    /// The cells held by any sequence as runs `start..end` of consecutive cells, ascending.
+    pub fn nonempty_runs(&self) -> Vec<(usize, usize)> {
+        runs_of_words(&self.nonempty_words())
+    }
+
+    /// Cells holding `seq`.
+    pub fn seq_cell_count(&self, seq: usize) -> u32 {
+        self.seq[seq].count()
+    }
+
+    /// Largest position among the cells holding `seq`, `None` when it has none.
+    pub fn seq_pos_max(&self, seq: usize) -> Option<i32> {
+        if self.seq[seq].count() == 0 {
+            return None;
+        }
+        if self.dirty & (1 << seq) != 0 {
+            return self.seq[seq].max_pos(&self.pos);
+        }
+        Some(self.seq_pos_max[seq])
+    }
+
+    /// Sum over cells of the number of sequences (the seed's `get_n_tokens`).
+    pub fn n_tokens(&self) -> u64 {
+        self.seq.iter().map(|s| s.count() as u64).sum()
+    }
+
+    /// The cells holding `seq`, ascending; walks only the sequence's bitmap.
+    pub fn cells_of(&self, seq: usize) -> impl Iterator<Item = usize> + '_ {
+        self.seq[seq]
+            .words()
+            .iter()
+            .enumerate()
+            .filter(|(_, &word)| word != 0)
+            .flat_map(|(w, &word)| bits(word).map(move |b| w * 64 + b))
+    }
+
+    /// The first cell not holding `seq`, if any.
+    pub fn first_without(&self, seq: usize) -> Option<usize> {
+        let n = self.pos.len();
+        self.seq[seq]
+            .words()
+            .iter()
+            .enumerate()
+            .find(|(_, &w)| w != u64::MAX)
+            .map(|(w, &word)| w * 64 + (!word).trailing_zeros() as usize)
+            .filter(|&i| i < n)
+    }
+
+    /// The first cell `>= from` with `pos >= 0` (slot search), or `len()`.
+    pub fn next_occupied(&self, from: usize) -> usize {
+        self.next_with(from, self.pos.len(), false)
+    }
+
+    /// The first cell `>= from` with `pos < 0`, or `len()`.
+    pub fn next_free(&self, from: usize) -> usize {
+        self.next_with(from, self.pos.len(), true)
+    }
+
+    /// The first cell in `[from, end)` with `pos >= 0`, or `end` when there is none: slot
+    /// search only asks whether a window is free, and the search stops at the window's end
+    /// instead of walking the free cells after it (up to the whole cache).
+    pub fn next_occupied_before(&self, from: usize, end: usize) -> usize {
+        self.next_with(from, end.min(self.pos.len()), false)
+    }
+
+    /// The first cell in `[from, end)` with `pos < 0`, or `end` when there is none.
+    pub fn next_free_before(&self, from: usize, end: usize) -> usize {
+        self.next_with(from, end.min(self.pos.len()), true)
+    }
+
+    /// The first cell in `[from, end)` (`end <= len()`) that is free (`free`) or occupied,
+    /// else `end`.
+    fn next_with(&self, from: usize, end: usize, free: bool) -> usize {
+        next_bit(self.occupied.words(), from, end, !free)
+    }
+
+    /// Sets the position of cell `i`.
+    pub fn set_pos(&mut self, i: usize, pos: i32) {
+        let old = self.pos[i];
+        if old == pos {
+            return;
+        }
+        self.pos[i] = pos;
+        if pos >= 0 {
+            self.occupied.insert(i, pos);
+        } else {
+            self.occupied.remove(i);
+        }
+        for seq in self.seqs[i].iter() {
+            self.seq[seq].moved(i, pos);
+            if pos > self.seq_pos_max[seq] {
+                self.seq_pos_max[seq] = pos;
+            } else if old == self.seq_pos_max[seq] {
+                self.dirty |= 1 << seq;
+            }
+        }
+    }
+
+    /// Sets the accumulated delta of cell `i`.
+    pub fn set_delta(&mut self, i: usize, delta: i32) {
+        self.delta[i] = delta;
+    }
+
+    /// Sets every delta to 0 (after a K-shift).
+    pub fn clear_deltas(&mut self) {
+        self.delta.fill(0);
+    }
+
+    /// Sets the recurrent copy source of cell `i`.
+    pub fn set_src(&mut self, i: usize, src: i32) {
+        self.src[i] = src;
+    }
+
+    /// Sets the recurrent tail of cell `i`.
+    pub fn set_tail(&mut self, i: usize, tail: i32) {
+        self.tail[i] = tail;
+    }
+
+    /// Adds `seq` to cell `i`.
+    pub fn insert_seq(&mut self, i: usize, seq: usize) {
+        if self.seqs[i].contains(seq) {
+            return;
+        }
+        self.seqs[i].insert(seq);
+        self.seq[seq].insert(i, self.pos[i]);
+        if self.seq[seq].count() == 1 {
+            self.seq_pos_max[seq] = self.pos[i];
+            self.dirty &= !(1 << seq);
+        } else if self.pos[i] > self.seq_pos_max[seq] {
+            self.seq_pos_max[seq] = self.pos[i];
+        }
+    }
+
+    /// Removes `seq` from cell `i`.
+    pub fn remove_seq(&mut self, i: usize, seq: usize) {
+        if !self.seqs[i].contains(seq) {
+            return;
+        }
+        self.seqs[i].remove(seq);
+        self.seq[seq].remove(i);
+        if self.seq[seq].count() == 0 {
+            self.seq_pos_max[seq] = NO_POS;
+            self.dirty &= !(1 << seq);
+        } else if self.pos[i] == self.seq_pos_max[seq] {
+            self.dirty |= 1 << seq;
+        }
+    }
+
+    /// Removes every sequence from cell `i`.
+    pub fn clear_seqs(&mut self, i: usize) {
+        for seq in self.seqs[i].iter() {
+            self.remove_seq(i, seq);
+        }
+    }
+
+    /// Replaces the sequence set of cell `i`.
+    pub fn set_seqs(&mut self, i: usize, seqs: SeqSet) {
+        let old = self.seqs[i];
+        for seq in SeqSet(old.0 & !seqs.0).iter() {
+            self.remove_seq(i, seq);
+        }
+        for seq in SeqSet(seqs.0 & !old.0).iter() {
+            self.insert_seq(i, seq);
+        }
+    }
+
+    /// Replaces the whole cell `i` (used by defrag and recurrent swaps).
+    pub fn set_cell(&mut self, i: usize, cell: Cell) {
+        self.clear_seqs(i);
+        self.set_pos(i, cell.pos);
+        self.delta[i] = cell.delta;
+        self.src[i] = cell.src;
+        self.tail[i] = cell.tail;
+        self.set_seqs(i, cell.seqs);
+    }
+
+    /// Defrag's move of cell `src` into the free cell `dst`: afterwards `dst` is what `src` was
+    /// and `src` is a default (free) cell, exactly as `set_cell(dst, get(src))` then
+    /// `set_cell(src, Cell::default())`. When `dst` is free (no position, no sequence), as
+    /// every defrag destination is, each sequence keeps the same positions, so its count and
+    /// maximum stay as they are and only the set bits move: no removal marks a maximum stale.
+    pub fn move_cell(&mut self, src: usize, dst: usize) {
+        if src == dst || self.pos[dst] >= 0 || !self.seqs[dst].is_empty() {
+            let moved = self.get(src);
+            self.set_cell(dst, moved);
+            self.set_cell(src, Cell::default());
+            return;
+        }
+        let (pos, seqs) = (self.pos[src], self.seqs[src]);
+        self.pos[dst] = pos;
+        self.delta[dst] = self.delta[src];
+        self.src[dst] = self.src[src];
+        self.tail[dst] = self.tail[src];
+        self.seqs[dst] = seqs;
+        if pos >= 0 {
+            self.occupied.remove(src);
+            self.occupied.insert(dst, pos);
+        }
+        for seq in seqs.iter() {
+            self.seq[seq].remove(src);
+            self.seq[seq].insert(dst, pos);
+        }
+        let free = Cell::default();
+        self.pos[src] = free.pos;
+        self.delta[src] = free.delta;
+        self.src[src] = free.src;
+        self.tail[src] = free.tail;
+        self.seqs[src] = free.seqs;
+    }
+
+    /// Frees cell `i` of word `w`, whose sequences the caller has already dropped from their
+    /// sets (the occupied set is the caller's too).
+    #[inline(always)]
+    fn free_cell(&mut self, i: usize) {
+        self.seqs[i] = SeqSet::EMPTY;
+        self.pos[i] = -1;
+        self.src[i] = -1;
+    }
+
+    /// The sequences other than `m` that hold any cell (a mask).
+    /// Read from the maxima, one cache line, rather than from each set's count: between
+    /// operations a sequence's maximum is `NO_POS` exactly when it has no cell
+    /// (`check_consistency` checks it), and this runs at the start of one.
+    fn others(&self, m: u64) -> u64 {
+        let mut active = 0u64;
+        for (s, &max) in self.seq_pos_max.iter().enumerate() {
+            if max != NO_POS {
+                active |= 1 << s;
+            }
+        }
+        active & !m
+    }
+
+    /// Whether no sequence of `others` holds a cell of word `w` (a whole word inside the
+    /// cache), read from their bitmaps: a word per sequence instead of the 512 bytes of the
+    /// word's sequence masks.
+    #[inline(always)]
+    fn word_alone(&self, w: usize, others: u64) -> bool {
+        w * 64 + 64 <= self.pos.len() && bits(others).all(|s| self.seq[s].word(w) == 0)
+    }
+
+    /// Frees the 64 cells of word `w` with column fills (the caller updates the sets).
+    fn free_word(&mut self, w: usize) {
+        let cells = w * 64..w * 64 + 64;
+        self.seqs[cells.clone()].fill(SeqSet::EMPTY);
+        self.pos[cells.clone()].fill(-1);
+        // transformer caches rarely set `src`: skip the write when nothing changes
+        if self.src[cells.clone()].iter().any(|&s| s != -1) {
+            self.src[cells].fill(-1);
+        }
+    }
+
+    /// Moves the 64 cells of word `w` to `new_pos(pos)` in one vectorizable pass, when no
+    /// sequence of `others` holds any of them and `old` (bounds on their positions) maps to
+    /// non-negative positions. `new_pos` does not decrease, so the image of `old` bounds the new
+    /// positions without reading them; returns it, or `None` (changing nothing).
+    #[inline(always)]
+    fn shift_word_alone(
+        &mut self,
+        w: usize,
+        others: u64,
+        old: (i32, i32),
+        new_pos: &impl Fn(i32) -> i32,
+    ) -> Option<(i32, i32)> {
+        let (lo, hi) = (new_pos(old.0), new_pos(old.1));
+        if lo < 0 || !self.word_alone(w, others) {
+            return None;
+        }
+        let cells = w * 64..w * 64 + 64;
+        let pos = <&mut [i32; 64]>::try_from(&mut self.pos[cells.clone()]).ok()?;
+        let delta = <&mut [i32; 64]>::try_from(&mut self.delta[cells]).ok()?;
+        for (p, d) in pos.iter_mut().zip(delta.iter_mut()) {
+            let new = new_pos(*p);
+            *d = d.wrapping_add(new.wrapping_sub(*p));
+            *p = new;
+        }
+        Some((lo, hi))
+    }
+
+    /// Removes `seq` from its cells with `p0 <= pos < p1`; cells left without a sequence are
+    /// freed (pos -1, src -1). Visits only the words holding positions in the range.
+    pub fn remove_seq_in_range(&mut self, seq: usize, p0: i32, p1: i32) -> Freed {
+        let m = 1u64 << seq;
+        let others = self.others(m);
+        let max = self.seq_pos_max[seq];
+        let mut out = Freed::default();
+        let mut cur = self.seq[seq].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[seq]) {
+            let word = self.seq[seq].word(w);
+            let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
+            if hits == u64::MAX && self.word_alone(w, others) {
+                // 64 cells of this sequence alone, all in the range: free them with fills
+                let (wlo, whi) = self.seq[seq].bounds(w);
+                if (wlo..=whi).contains(&max) {
+                    self.dirty |= m;
+                }
+                self.free_word(w);
+                out.note(w * 64, 0);
+                out.with_pos += 63;
+                self.seq[seq].set_word(w, 0, NO_LO, NO_HI);
+                self.occupied.remove_bits(w, u64::MAX);
+                continue;
+            }
+            let mut emptied = 0u64;
+            for b in bits(hits) {
+                let i = w * 64 + b;
+                let pos = self.pos[i];
+                if pos == max {
+                    self.dirty |= m;
+                }
+                self.seqs[i].0 &= !m;
+                if self.seqs[i].0 == 0 {
+                    emptied |= 1 << b;
+                    out.note(i, pos);
+                    self.free_cell(i);
+                }
+            }
+            self.seq[seq].set_word(w, word & !hits, lo, hi);
+            self.occupied.remove_bits(w, emptied);
+        }
+        tighten(&mut self.seq[seq], &cur);
+        self.fix_empty(seq);
+        out
+    }
+
+    /// Frees every cell with `p0 <= pos < p1`, whatever its sequences (`seq_rm(-1, ..)`).
+    pub fn free_range(&mut self, p0: i32, p1: i32) -> Freed {
+        let mut out = Freed::default();
+        let mut cur = self.occupied.cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.occupied) {
+            let word = self.occupied.word(w);
+            let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
+            for b in bits(hits) {
+                let i = w * 64 + b;
+                let pos = self.pos[i];
+                for seq in bits(self.seqs[i].0) {
+                    self.seq[seq].remove(i);
+                    if pos == self.seq_pos_max[seq] {
+                        self.dirty |= 1 << seq;
+                    }
+                }
+                out.note(i, pos);
+                self.free_cell(i);
+            }
+            self.occupied.set_word(w, word & !hits, lo, hi);
+        }
+        tighten(&mut self.occupied, &cur);
+        for seq in 0..self.n_seq() {
+            self.fix_empty(seq);
+        }
+        out
+    }
+
+    /// Adds `dst` to the cells of `src` with `p0 <= pos < p1`.
+    pub fn copy_seq_in_range(&mut self, src: usize, dst: usize, p0: i32, p1: i32) {
+        let m = 1u64 << dst;
+        let mut cur = self.seq[src].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[src]) {
+            let word = self.seq[src].word(w);
+            let (hits, mut lo, mut hi) = select(&self.pos, word, w, inside, p0, p1);
+            let added = hits & !self.seq[dst].word(w);
+            if let (u64::MAX, Some(seqs)) = (added, self.seqs.get_mut(w * 64..w * 64 + 64)) {
+                // 64 cells, all in the range and new to `dst`: one vectorizable pass; the source
+                // word's bounds, clamped to the range, bound their positions
+                for s in seqs {
+                    s.0 |= m;
+                }
+                let (wlo, whi) = self.seq[src].bounds(w);
+                let (lo, hi) = (wlo.max(p0), whi.min(p1 - 1));
+                if self.seq[dst].count() == 0 || hi >= self.seq_pos_max[dst] {
+                    // a bound, not the exact maximum: `settle` finds it
+                    self.seq_pos_max[dst] = hi;
+                    self.dirty |= m;
+                }
+                self.seq[dst].add_bits(w, added, lo, hi);
+                continue;
+            }
+            let (mut added_lo, mut added_hi) = (NO_LO, NO_HI);
+            for b in bits(hits) {
+                let i = w * 64 + b;
+                let pos = self.pos[i];
+                lo = lo.min(pos);
+                hi = hi.max(pos);
+                if added >> b & 1 == 1 {
+                    self.seqs[i].0 |= m;
+                    added_lo = added_lo.min(pos);
+                    added_hi = added_hi.max(pos);
+                }
+            }
+            if added != 0 {
+                if self.seq[dst].count() == 0 || added_hi > self.seq_pos_max[dst] {
+                    self.seq_pos_max[dst] = added_hi;
+                }
+                self.seq[dst].add_bits(w, added, added_lo, added_hi);
+            }
+            // every member of the source word was read: its bounds are exact again
+            self.seq[src].set_word(w, word, lo, hi);
+        }
+        tighten(&mut self.seq[src], &cur);
+    }
+
+    /// Moves the cells of `seq` with `p0 <= pos < p1` to `new_pos(pos)`, adding the change to
+    /// their delta; cells pushed below 0 are freed with all their sequences. `new_pos` must not
+    /// decrease when `pos` increases (adding a constant or dividing does not). Returns whether
+    /// any cell matched and what was freed.
+    pub fn shift_seq_in_range(
+        &mut self,
+        seq: usize,
+        p0: i32,
+        p1: i32,
+        new_pos: impl Fn(i32) -> i32,
+    ) -> (bool, Freed) {
+        let m = 1u64 << seq;
+        let others = self.others(m);
+        let max = self.seq_pos_max(seq).unwrap_or(NO_POS);
+        let mut matched = false;
+        let mut out = Freed::default();
+        let mut cur = self.seq[seq].cursor(p0, p1);
+        while let Some((w, inside)) = cur.next(&self.seq[seq]) {
+            let word = self.seq[seq].word(w);
+            let (hits, mut lo, mut hi) = select(&self.pos, word, w, inside, p0, p1);
+            matched |= hits != 0;
+            if hits == u64::MAX {
+                // every cell is in the range and at most `max`: clamped, the word's bounds
+                // bound them, and `new_pos` maps them to bounds of the new positions
+                let (wlo, whi) = self.seq[seq].bounds(w);
+                let old = (wlo.max(p0), whi.min(p1 - 1).min(max));
+                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, others, old, &new_pos) {
+                    // bounds, not the exact values: `settle` finds the new maximum
+                    if old.1 == max || new_hi >= self.seq_pos_max[seq] {
+                        self.dirty |= m;
+                    }
+                    self.seq[seq].set_word(w, word, new_lo, new_hi);
+                    self.occupied.moved_within(w, new_lo, new_hi);
+                    continue;
+                }
+            }
+            let mut emptied = 0u64;
+            let (mut moved_lo, mut moved_hi) = (NO_LO, NO_HI);
+            for b in bits(hits) {
+                let i = w * 64 + b;
+                let old = self.pos[i];
+                let new = new_pos(old);
+                self.delta[i] = self.delta[i].wrapping_add(new.wrapping_sub(old));
+                if old == max {
+                    self.dirty |= m;
+                }
+                let others = self.seqs[i].0 & !m;
+                if new < 0 {
+                    out.note(i, 0);
+                    emptied |= 1 << b;
+                    for s in bits(others) {
+                        self.seq[s].remove(i);
+                        if old == self.seq_pos_max[s] {
+                            self.dirty |= 1 << s;
+                        }
+                    }
+                    self.seqs[i] = SeqSet::EMPTY;
+                    self.pos[i] = -1;
+                    continue;
+                }
+                self.pos[i] = new;
+                moved_lo = moved_lo.min(new);
+                moved_hi = moved_hi.max(new);
+                for s in bits(others) {
+                    self.seq[s].moved(i, new);
+                    if new > self.seq_pos_max[s] {
+                        self.seq_pos_max[s] = new;
+                    } else if old == self.seq_pos_max[s] {
+                        self.dirty |= 1 << s;
+                    }
+                }
+            }
+            if moved_hi > self.seq_pos_max[seq] {
+                self.seq_pos_max[seq] = moved_hi;
+            }
+            lo = lo.min(moved_lo);
+            hi = hi.max(moved_hi);
+            self.seq[seq].set_word(w, word & !emptied, lo, hi);
+            self.occupied.remove_bits(w, emptied);
+            if moved_lo <= moved_hi {
+                self.occupied.moved_within(w, moved_lo, moved_hi);
+            }
+        }
+        tighten(&mut self.seq[seq], &cur);
+        // only a freed cell changes counts
+        if out.first.is_some() {
+            for s in 0..self.n_seq() {
+                self.fix_empty(s);
+            }
+        }
+        (matched, out)
+    }
+
+    /// Transformer `seq_keep`: frees every occupied cell without `seq` and leaves `seq` alone
+    /// in the others. Returns how many cells were freed.
+    pub fn keep_only(&mut self, seq: usize) -> u32 {
+        let single = SeqSet::single(seq);
+        let mut freed = 0;
+        let n = self.pos.len();
+        for w in 0..self.occupied.words().len() {
+            let keep = self.seq[seq].word(w);
+            let drop = self.occupied.word(w) & !keep;
+            freed += drop.count_ones();
+            if drop == u64::MAX && w * 64 + 64 <= n {
+                // a whole word of cells to free: column fills the compiler vectorizes
+                self.free_word(w);
+            } else {
+                for b in bits(drop) {
+                    self.free_cell(w * 64 + b);
+                }
+            }
+            for b in bits(keep) {
+                let i = w * 64 + b;
+                if self.seqs[i] != single {
+                    self.seqs[i] = single;
+                }
+            }
+            self.occupied.remove_bits(w, drop);
+        }
+        for s in (0..self.n_seq()).filter(|&s| s != seq) {
+            self.seq[s].clear();
+            self.seq_pos_max[s] = NO_POS;
+        }
+        self.dirty &= 1 << seq;
+        freed
+    }
+
+    fn fix_empty(&mut self, seq: usize) {
+        if self.seq[seq].count() == 0 {
+            self.seq_pos_max[seq] = NO_POS;
+            self.dirty &= !(1 << seq);
+        }
+    }
+
+    /// Recomputes the maxima marked stale; called at the end of every mutating operation so
+    /// that `seq_pos_max` stays O(1).
+    pub fn settle(&mut self) {
+        while self.dirty != 0 {
+            let seq = self.dirty.trailing_zeros() as usize;
+            self.dirty &= self.dirty - 1;
+            self.seq_pos_max[seq] = self.seq[seq].max_pos(&self.pos).unwrap_or(NO_POS);
+        }
+    }
+
+    /// Fills the free cells `first..first + pos.len()` (no position, no sequence) with the
+    /// positions `pos` and the sequences `seqs(k)` of the `k`-th, as `set_pos` then an
+    /// `insert_seq` per sequence of each cell would, but gives every index one update per 64
+    /// cells instead of one per cell: slot placement of a long ubatch and whole-cache loads
+    /// (65,536 cells spent more time in per-cell index updates than in copying their rows). The
+    /// cells of a word that share one set of sequences, as a sequence's cells almost always do,
+    /// take column copies and a min/max pass instead of a loop over each cell's sequences.
+    pub fn fill_free(&mut self, first: usize, pos: &[i32], seqs: impl Fn(usize) -> SeqSet) {
+        let end = first + pos.len();
+        let mut at = first;
+        while at < end {
+            let w = at / 64;
+            let stop = (w * 64 + 64).min(end);
+            let (new_pos, cells) = (&pos[at - first..stop - first], at..stop);
+            debug_assert!(
+                cells
+                    .clone()
+                    .all(|i| self.pos[i] < 0 && self.seqs[i] == SeqSet::EMPTY),
+                "cells {cells:?} are not all free"
+            );
+            let set = seqs(at - first);
+            let (lo, hi) = new_pos
+                .iter()
+                .fold((i32::MAX, i32::MIN), |(lo, hi), &p| (lo.min(p), hi.max(p)));
+            if lo >= 0 && (at + 1..stop).all(|i| seqs(i - first) == set) {
+                let bits = (u64::MAX >> (64 - (stop - at))) << (at % 64);
+                self.pos[cells.clone()].copy_from_slice(new_pos);
+                self.seqs[cells].fill(set);
+                self.occupied.add_bits(w, bits, lo, hi);
+                for seq in set.iter() {
+                    self.seq[seq].add_bits(w, bits, lo, hi);
+                    self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
+                }
+            } else {
+                self.fill_cell_by_cell(at, at - first, new_pos, &seqs);
+            }
+            at = stop;
+        }
+    }
+
+    /// [`Cells::fill_free`] of the cells `at..at + pos.len()`, all in one word, one cell at a
+    /// time: the `k`-th gets `pos[k]` and the sequences `seqs(offset + k)`.
+    fn fill_cell_by_cell(
+        &mut self,
+        at: usize,
+        offset: usize,
+        pos: &[i32],
+        seqs: &impl Fn(usize) -> SeqSet,
+    ) {
+        // per sequence: its members among the word's new cells and their position bounds
+        let mut members = [(0u64, i32::MAX, i32::MIN); MAX_SEQ];
+        let mut word = (0u64, i32::MAX, i32::MIN);
+        let mut present = 0u64;
+        let w = at / 64;
+        for (k, &p) in pos.iter().enumerate() {
+            let (i, set) = (at + k, seqs(offset + k));
+            let bit = 1u64 << (i % 64);
+            self.pos[i] = p;
+            self.seqs[i] = set;
+            if p >= 0 {
+                word = (word.0 | bit, word.1.min(p), word.2.max(p));
+            }
+            for seq in set.iter() {
+                let m = &mut members[seq];
+                *m = (m.0 | bit, m.1.min(p), m.2.max(p));
+            }
+            present |= set.0;
+        }
+        self.occupied.add_bits(w, word.0, word.1, word.2);
+        for seq in SeqSet(present).iter() {
+            let (bits, lo, hi) = members[seq];
+            self.seq[seq].add_bits(w, bits, lo, hi);
+            // a sequence without cells has the maximum NO_POS, below any position
+            self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
+        }
+    }
+
+    /// Takes the deltas of `other`, a table of the same size.
+    pub fn copy_deltas_from(&mut self, other: &Cells) {
+        self.delta.copy_from_slice(&other.delta);
+    }
+
+    /// Resets every cell's pos, seqs, src and tail (not delta: the seed's `clear` keeps it).
+    pub fn reset(&mut self) {
+        self.pos.fill(-1);
+        self.src.fill(-1);
+        self.tail.fill(-1);
+        self.seqs.fill(SeqSet::EMPTY);
+        self.occupied.clear();
+        for s in &mut self.seq {
+            s.clear();
+        }
+        self.seq_pos_max.fill(NO_POS);
+        self.dirty = 0;
+        self.used = 0;
+    }
+
+    /// Checks every index against the columns (tests and debug builds).
+    pub fn check_consistency(&self) -> Result<(), String> {
+        self.occupied
+            .check("occupied", &self.pos, |i| self.pos[i] >= 0)?;
+        for seq in 0..self.n_seq() {
+            self.seq[seq].check(&format!("seq {seq}"), &self.pos, |i| {
+                self.seqs[i].contains(seq)
+            })?;
+            if (self.seq_pos_max[seq] == NO_POS) != (self.seq[seq].count() == 0) {
+                return Err(format!(
+                    "seq {seq}: stored maximum {} with {} cells",
+                    self.seq_pos_max[seq],
+                    self.seq[seq].count()
+                ));
+            }
+            let max = (0..self.pos.len())
+                .filter(|&i| self.seqs[i].contains(seq))
+                .map(|i| self.pos[i])
+                .max();
+            if max != self.seq_pos_max(seq) {
+                return Err(format!(
+                    "seq {seq}: max {:?} but cells say {max:?}",
+                    self.seq_pos_max(seq)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Defrag's word-at-a-time view and moves of the cells.
+impl Cells {
+    /// The sequences holding at least one cell (a mask), from the sets' counts.
+    fn present(&self) -> u64 {
+        self.seq
+            .iter()
+            .enumerate()
+            .filter(|(_, set)| set.count() > 0)
+            .fold(0, |mask, (s, _)| mask | 1 << s)
+    }
+
+    /// The non-empty cells (held by a sequence: the seed's `!is_empty()`), one bit per cell,
+    /// 64 to a word: the union of the sequences' bitmaps, a word per sequence for 64 cells.
+    pub fn nonempty_words(&self) -> Vec<u64> {
+        let mut words = vec![0u64; self.occupied.words().len()];
+        for s in bits(self.present()) {
+            for (out, &w) in words.iter_mut().zip(self.seq[s].words()) {
+                *out |= w;
+            }
+        }
+        words
+    }
+
+    /// The seed's `cell_max`: one past the last cell with a position and a sequence, or 0.
+    /// Reads the bitmaps from the last word down instead of every cell from the end.
+    pub fn cell_max(&self) -> usize {
+        let present = self.present();
+        let occupied = self.occupied.words();
+        for w in (0..occupied.len()).rev() {
+            if occupied[w] == 0 {
+                continue;
+            }
+            let held = bits(present).fold(0, |held, s| held | self.seq[s].word(w));
+            let both = occupied[w] & held;
+            if both != 0 {
+                return w * 64 + 64 - both.leading_zeros() as usize;
+            }
+        }
+        0
+    }
+
+    /// Moves cells `src..src + len` to `dst..dst + len` as `move_cell(src + k, dst + k)` for
+    /// `k` ascending would, but with column copies and an index update per 64 cells instead of
+    /// per cell and sequence: a defrag moves tens of thousands of cells in a few runs.
+    ///
+    /// The fast path needs what every defrag run has: the two ranges apart and every
+    /// destination cell free (no position, no sequence); the moved cells keep their positions,
+    /// so counts and maxima stay, and each set's bits move with the source word's position
+    /// bounds (valid, if perhaps looser than the moved cells need). Anything else, or a range
+    /// past the end, takes the cell-by-cell path (which panics out of range, as `move_cell`).
+    pub fn move_run(&mut self, src: usize, dst: usize, len: usize) {
+        let n = self.pos.len();
+        let apart = src.checked_add(len).is_some_and(|e| e <= dst.min(n))
+            || dst.checked_add(len).is_some_and(|e| e <= src.min(n));
+        let fits = src.max(dst).checked_add(len).is_some_and(|e| e <= n);
+        // a short run costs less cell by cell than the fixed cost of the bitmap moves below
+        // (a fragmented cache moves thousands of single cells)
+        if len <= SHORT_RUN || !apart || !fits || !self.all_free(dst, len) {
+            for k in 0..len {
+                self.move_cell(src + k, dst + k);
+            }
+            return;
+        }
+        let present = self.seqs[src..src + len]
+            .iter()
+            .fold(0, |mask, s| mask | s.0);
+        move_column(&mut self.seqs, src, dst, len, SeqSet::EMPTY);
+        move_column(&mut self.pos, src, dst, len, -1);
+        move_column(&mut self.delta, src, dst, len, 0);
+        move_column(&mut self.src, src, dst, len, -1);
+        move_column(&mut self.tail, src, dst, len, -1);
+        self.occupied.move_members(src, dst, len);
+        for s in bits(present) {
+            self.seq[s].move_members(src, dst, len);
+        }
+    }
+
+    /// Whether cells `first..first + len` (inside the cache) have no position and no sequence,
+    /// read from the bitmaps.
+    fn all_free(&self, first: usize, len: usize) -> bool {
+        let mut sets =
+            std::iter::once(&self.occupied).chain(bits(self.present()).map(|s| &self.seq[s]));
+        !sets.any(|set| set.any_in(first, len))
+    }
+}
+
+/// Copies `col[src..src + len]` to `dst` (apart from it) and fills the source with `free`.
+fn move_column<T: Copy>(col: &mut [T], src: usize, dst: usize, len: usize, free: T) {
+    col.copy_within(src..src + len, dst);
+    col[src..src + len].fill(free);
+}
+
+/// Runs of at most this many cells move cell by cell (`Cells::move_run`).
+const SHORT_RUN: usize = 4;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_set_iterates_ascending() {
+        let mut s = SeqSet::EMPTY;
+        s.insert(5);
+        s.insert(0);
+        s.insert(63);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 5, 63]);
+        assert_eq!(s.len(), 3);
+        s.remove(5);
+        assert!(!s.contains(5));
+    }
+
+    /// `got` has the cells of `want`, consistent indexes, and the same counts and maxima.
+    fn same_tables(got: &Cells, want: &Cells) -> Result<(), proptest::test_runner::TestCaseError> {
+        proptest::prop_assert!(got == want);
+        proptest::prop_assert_eq!(got.check_consistency(), Ok(()));
+        for seq in 0..want.n_seq() {
+            proptest::prop_assert_eq!(got.seq_pos_max(seq), want.seq_pos_max(seq));
+            proptest::prop_assert_eq!(got.seq_cell_count(seq), want.seq_cell_count(seq));
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn runs_of_a_sequence_are_its_cells_in_order(
+            cells in proptest::collection::vec(0u64..8, 1..400),
+        ) {
+            // runs across word boundaries, full words, lone cells and the cache's last cell
+            let mut t = Cells::new(cells.len(), 3).unwrap();
+            for (i, &seqs) in cells.iter().enumerate() {
+                if seqs != 0 {
+                    t.set_pos(i, i as i32);
+                    t.set_seqs(i, SeqSet(seqs));
+                }
+            }
+            for seq in 0..3 {
+                let flat: Vec<usize> = t.runs_of(seq).iter().flat_map(|&(a, b)| a..b).collect();
+                let want: Vec<usize> = (0..cells.len()).filter(|&i| cells[i] >> seq & 1 == 1).collect();
+                proptest::prop_assert_eq!(flat, want);
+                let runs = t.runs_of(seq);
+                proptest::prop_assert!(runs.windows(2).all(|w| w[0].1 < w[1].0), "runs touch: {:?}", runs);
+            }
+        }
+
+        #[test]
+        fn filling_free_cells_matches_setting_each_cell(
+            before in proptest::collection::vec((-1i32..200, 0u64..16), 0..200),
+            cells in proptest::collection::vec((-1i32..200, 0u64..16), 0..300),
+            size_extra in 0usize..70,
+            one_set in proptest::option::of(1u64..16),
+        ) {
+            // cells `before.len()..` filled at once equal cell-by-cell updates: same columns,
+            // consistent indexes, same counts and maxima, also where the run starts inside a
+            // word that already has members; `one_set` gives every new cell the same sequences
+            // (whole words of one set take the column path)
+            let as_cell = |(pos, seqs): (i32, u64)| (pos, if pos < 0 { SeqSet::EMPTY } else { SeqSet(seqs) });
+            let before: Vec<(i32, SeqSet)> = before.into_iter().map(as_cell).collect();
+            let cells: Vec<(i32, SeqSet)> = match one_set {
+                Some(set) => cells.into_iter().map(|(p, _)| (p.max(0), SeqSet(set))).collect(),
+                None => cells.into_iter().map(as_cell).collect(),
+            };
+            let size = before.len() + cells.len() + size_extra;
+            let mut one_by_one = Cells::new(size, 4).unwrap();
+            let mut filled = Cells::new(size, 4).unwrap();
+            for t in [&mut one_by_one, &mut filled] {
+                for (i, &(pos, seqs)) in before.iter().enumerate() {
+                    t.set_pos(i, pos);
+                    t.set_seqs(i, seqs);
+                }
+                // a stale maximum to carry over
+                if let Some(i) = (0..before.len()).rev().find(|&i| t.seqs[i].contains(1)) {
+                    t.remove_seq(i, 1);
+                    if t.seqs[i] == SeqSet::EMPTY {
+                        t.set_pos(i, -1);
+                    }
+                }
+            }
+            let first = before.len();
+            for (k, &(pos, seqs)) in cells.iter().enumerate() {
+                one_by_one.set_pos(first + k, pos);
+                for seq in seqs.iter() {
+                    one_by_one.insert_seq(first + k, seq);
+                }
+            }
+            one_by_one.settle();
+            let pos: Vec<i32> = cells.iter().map(|c| c.0).collect();
+            filled.fill_free(first, &pos, |k| cells[k].1);
+            filled.settle();
+            same_tables(&filled, &one_by_one)?;
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn moving_a_run_matches_moving_each_cell(
+            cells in proptest::collection::vec((-1i32..300, 0u64..32), 1..300),
+            src in 0usize..300,
+            dst in 0usize..300,
+            len in 0usize..200,
+            free_dst in proptest::bool::ANY,
+        ) {
+            // cells of five sequences (some with a position and no sequence) filling words
+            // partly; a run anywhere, its destination freed first or not (the fast path or
+            // the cell-by-cell one); afterwards the same cells, consistent indexes, and the
+            // same counts and maxima as `move_cell` for each cell in turn
+            let size = cells.len();
+            let (src, dst) = (src % size, dst % size);
+            let len = len.min(size - src.max(dst));
+            let mut one_by_one = Cells::new(size, 5).unwrap();
+            for (i, &(pos, seqs)) in cells.iter().enumerate() {
+                one_by_one.set_pos(i, pos);
+                if pos >= 0 {
+                    one_by_one.set_seqs(i, SeqSet(seqs));
+                }
+            }
+            if free_dst {
+                for i in dst..dst + len {
+                    one_by_one.set_cell(i, Cell::default());
+                }
+            }
+            one_by_one.settle();
+            let mut by_run = one_by_one.clone();
+            for k in 0..len {
+                one_by_one.move_cell(src + k, dst + k);
+            }
+            one_by_one.settle();
+            by_run.move_run(src, dst, len);
+            by_run.settle();
+            same_tables(&by_run, &one_by_one)?;
+            proptest::prop_assert_eq!(by_run.cell_max(), one_by_one.cell_max());
+            // the moved bounds still find every member: a range removal agrees too
+            let (a, b) = (by_run.remove_seq_in_range(2, 50, 150), one_by_one.remove_seq_in_range(2, 50, 150));
+            proptest::prop_assert_eq!(a, b);
+            proptest::prop_assert!(by_run == one_by_one);
+        }
+
+        #[test]
+        fn cell_max_from_the_bitmaps_is_the_seeds(
+            cells in proptest::collection::vec((-1i32..50, 0u64..8), 0..300),
+            size_extra in 1usize..70,
+        ) {
+            let size = cells.len() + size_extra;
+            let mut c = Cells::new(size, 3).unwrap();
+            for (i, &(pos, seqs)) in cells.iter().enumerate() {
+                c.set_pos(i, pos);
+                c.set_seqs(i, SeqSet(seqs));
+            }
+            // the seed's loop: the last cell with a position and a sequence
+            let want = (0..size)
+                .rev()
+                .find(|&i| c.pos(i) >= 0 && !c.seqs(i).is_empty())
+                .map_or(0, |i| i + 1);
+            proptest::prop_assert_eq!(c.cell_max(), want);
+        }
+    }
+
+    #[test]
+    fn a_free_range_of_every_set_is_detected_across_words() {
+        let mut c = Cells::new(200, 2).unwrap();
+        c.set_pos(130, 7);
+        c.set_seqs(70, SeqSet::single(1));
+        assert!(c.all_free(0, 70));
+        assert!(!c.all_free(0, 71));
+        assert!(c.all_free(71, 59));
+        assert!(!c.all_free(71, 60));
+        assert!(c.all_free(131, 69));
+    }
+
+    #[test]
+    fn bookkeeping_follows_removals() {
+        let mut c = Cells::new(4, 2).unwrap();
+        for i in 0..3 {
+            c.set_pos(i, i as i32 * 10);
+            c.insert_seq(i, 1);
+        }
+        assert_eq!(c.seq_pos_max(1), Some(20));
+        c.remove_seq(2, 1);
+        assert_eq!(c.seq_pos_max(1), Some(10));
+        assert_eq!(c.seq_cell_count(1), 2);
+        c.set_pos(1, 3);
+        c.settle();
+        assert_eq!(c.seq_pos_max(1), Some(3));
+        c.set_seqs(0, SeqSet::EMPTY);
+        c.set_seqs(1, SeqSet::EMPTY);
+        assert_eq!(c.seq_pos_max(1), None);
+        assert_eq!(c.n_tokens(), 0);
+        c.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn bitmap_searches_cross_words() {
+        let mut c = Cells::new(200, 1).unwrap();
+        for i in 0..130 {
+            c.set_pos(i, 0);
+        }
+        assert_eq!(c.next_free(0), 130);
+        assert_eq!(c.next_occupied(130), 200);
+        c.set_pos(150, 1);
+        assert_eq!(c.next_occupied(131), 150);
+        assert_eq!(c.next_free(150), 151);
+        assert_eq!(c.next_occupied_before(131, 150), 150);
+        assert_eq!(c.next_occupied_before(131, 151), 150);
+        assert_eq!(c.next_occupied_before(151, 199), 199);
+        assert_eq!(c.next_free_before(0, 64), 64);
+        assert_eq!(c.next_free_before(0, 131), 130);
+        assert_eq!(c.next_free_before(5, 5), 5);
+        assert_eq!(c.next_occupied_before(190, 900), 200);
+        c.insert_seq(3, 0);
+        assert_eq!(c.first_without(0), Some(0));
+    }
+}

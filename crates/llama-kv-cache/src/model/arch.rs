@@ -1,0 +1,79 @@
+//! The one list of architectures whose memory is not a plain attention cache: what the model
+//! reader, the state files and the fit of a state to a model agree on. An architecture not
+//! listed keeps its K/V in attention caches: one unified cache, or an iSWA pair when some of
+//! its layers use a sliding window (which only the model's hyperparameters tell).
+
+/// Architectures whose whole memory is a recurrent state (`llama_model_is_recurrent`).
+const RECURRENT: &[&str] = &["mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"];
+/// Architectures that mix attention layers with recurrent ones (llama.cpp's hybrid memory).
+const HYBRID: &[&str] = &[
+    "jamba",
+    "falcon-h1",
+    "granitehybrid",
+    "nemotron_h",
+    "lfm2",
+    "plamo2",
+    "qwen3next",
+];
+
+/// Which memory llama.cpp gives the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// One unified KV cache (what this library models).
+    Unified,
+    /// A full cache plus a sliding-window cache (llama.cpp since mid-2025).
+    Iswa,
+    /// One recurrent state per sequence (Mamba, RWKV).
+    Recurrent,
+    /// Attention layers in a KV cache plus recurrent layers.
+    Hybrid,
+}
+
+impl MemoryKind {
+    /// `"unified"`, `"iswa"`, `"recurrent"` or `"hybrid"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Unified => "unified",
+            MemoryKind::Iswa => "iswa",
+            MemoryKind::Recurrent => "recurrent",
+            MemoryKind::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// Whether the architecture's whole memory is a recurrent state (one cell per sequence, no
+/// stream prefix in its state).
+pub fn is_recurrent(arch: &str) -> bool {
+    RECURRENT.contains(&arch)
+}
+
+/// Whether the architecture mixes attention layers with recurrent ones.
+pub fn is_hybrid(arch: &str) -> bool {
+    HYBRID.contains(&arch)
+}
+
+/// The memory of an architecture as far as its name tells: recurrent, hybrid, or unified
+/// (attention; a model with sliding-window layers gets [`MemoryKind::Iswa`] from its
+/// hyperparameters instead).
+pub fn memory_of(arch: &str) -> MemoryKind {
+    if is_hybrid(arch) {
+        MemoryKind::Hybrid
+    } else if is_recurrent(arch) {
+        MemoryKind::Recurrent
+    } else {
+        MemoryKind::Unified
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regression_jamba_is_hybrid_for_every_reader() {
+        assert_eq!(memory_of("jamba"), MemoryKind::Hybrid);
+        assert!(!is_recurrent("jamba"));
+        assert_eq!(memory_of("mamba"), MemoryKind::Recurrent);
+        assert_eq!(memory_of("llama"), MemoryKind::Unified);
+    }
+}

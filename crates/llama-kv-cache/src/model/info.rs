@@ -1,0 +1,1082 @@
+//! What a GGUF model's header says about its KV cache, computed the way llama.cpp 0.1.103's
+//! `llama_model::load_hparams` does: layer count, per-layer K/V heads and widths, RoPE (type by
+//! architecture as in `llama_model_rope_type`, dims, base, scale, YaRN), the sliding window and
+//! its layer pattern, recurrent state widths (Mamba `ssm_*`, RWKV `wkv`), the trained context.
+//!
+//! From that it builds a cache ([`ModelInfo::cache_params`]) and the K-shift parameters
+//! ([`ModelInfo::shift_params`]), and refuses, naming what is missing, the memories this
+//! library does not model (a second sliding-window cache, hybrid attention + recurrent).
+
+use std::path::Path;
+
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::model::arch::{self, MemoryKind};
+use crate::model::gguf::{self, GgufHeader, GgufValue};
+use crate::params::CacheParams;
+use crate::tensors::rope::ShiftParams;
+use crate::tensors::rope::{RopeParams, RopeType};
+
+/// llama.cpp's `LLAMA_MAX_LAYERS`.
+pub const MAX_LAYERS: u32 = 512;
+
+/// `llama_rope_type`: how RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeKind {
+    /// The architecture applies no RoPE.
+    None,
+    /// Adjacent dimensions (LLaMA).
+    Norm,
+    /// First half with second half (GPT-NeoX, Qwen, Gemma, Phi).
+    Neox,
+    /// Multi-section RoPE (Qwen2-VL).
+    Mrope,
+    /// Interleaved multi-section RoPE (Qwen3-VL; llama.cpp since late 2025).
+    Imrope,
+    /// An architecture llama.cpp 0.1.103 does not list.
+    Unknown,
+}
+
+impl RopeKind {
+    /// `"none"`, `"norm"`, `"neox"`, `"mrope"` or `"unknown"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RopeKind::None => "none",
+            RopeKind::Norm => "norm",
+            RopeKind::Neox => "neox",
+            RopeKind::Mrope => "mrope",
+            RopeKind::Imrope => "imrope",
+            RopeKind::Unknown => "unknown",
+        }
+    }
+
+    /// llama.cpp's `enum llama_rope_type` value (-1 none, 0 norm, 2 neox, 8 mrope, 40 imrope);
+    /// `None` when unknown.
+    pub fn llama_value(self) -> Option<i32> {
+        match self {
+            RopeKind::None => Some(-1),
+            RopeKind::Norm => Some(0),
+            RopeKind::Neox => Some(2),
+            RopeKind::Mrope => Some(8),
+            RopeKind::Imrope => Some(40),
+            RopeKind::Unknown => None,
+        }
+    }
+}
+
+/// The rope type of an architecture, as `llama_model_rope_type` lists it: llama.cpp 0.1.103's
+/// answer for the architectures it knows (the differential tests pin it), 0.1.161's for the
+/// ones added since.
+pub fn rope_kind(arch: &str) -> RopeKind {
+    match rope_kind_0_1_103(arch) {
+        RopeKind::Unknown => rope_kind_0_1_161(arch),
+        known => known,
+    }
+}
+
+/// Architectures llama.cpp added after 0.1.103, as 0.1.161's `llama_model_rope_type` lists them.
+fn rope_kind_0_1_161(arch: &str) -> RopeKind {
+    match arch {
+        "clip" | "glm4moe" | "glm5-next" | "hunyuan_vl" | "jamba" | "kimi-k3" | "kimi-linear"
+        | "mamba2" | "nemotron_h" | "nemotron_h_moe" => RopeKind::None,
+        "arcee" | "bailingmoe3" | "cohere2moe" | "deepseek2-ocr" | "deepseek32" | "deepseek4"
+        | "dots3note" | "eagle3" | "ernie4_5" | "ernie4_5-moe" | "glm-dsa" | "granite_swa"
+        | "granitehybrid" | "graniteswitch" | "hy_v4" | "llada" | "llama-embed" | "maincoder"
+        | "mistral3" | "mistral4" | "muse-glimmer" | "nanbeige" | "neo-bert" | "pockettts"
+        | "smollm3" => RopeKind::Norm,
+        "afmoe" | "apertus" | "bailingmoe2" | "cogvlm" | "dots1" | "dream" | "eurobert"
+        | "exaone-moe" | "exaone4" | "falcon-h1" | "gemma-embedding" | "gemma3n" | "gemma4"
+        | "gemma4-assistant" | "gpt-oss" | "grovemoe" | "hrm_text" | "hunyuan-dense"
+        | "hunyuan-moe" | "hy_v3" | "jais2" | "jina-bert-v3" | "laguna" | "lfm2" | "lfm2moe"
+        | "llada-moe" | "maple" | "mellum" | "mimo2" | "minimax-01" | "minimax-m2"
+        | "minimax-m3" | "modern-bert" | "pangu-embedded" | "plamo2" | "plamo3" | "qwen3next"
+        | "rnd1" | "seed_oss" | "smallthinker" | "spark2_5" | "step35" | "talkie" => RopeKind::Neox,
+        "dflash" | "paddleocr" => RopeKind::Mrope,
+        "clef" | "qwen35" | "qwen35moe" | "qwen3tts" | "qwen3vl" | "qwen3vlmoe" | "qwen4exp" => {
+            RopeKind::Imrope
+        }
+        _ => RopeKind::Unknown,
+    }
+}
+
+fn rope_kind_0_1_103(arch: &str) -> RopeKind {
+    match arch {
+        "gpt2" | "gptj" | "mpt" | "refact" | "bloom" | "mamba" | "jina-bert-v2" | "t5"
+        | "t5encoder" | "jais" | "rwkv6" | "rwkv6qwen2" | "rwkv7" | "arwkv7"
+        | "wavtokenizer-dec" => RopeKind::None,
+        "llama" | "llama4" | "deci" | "baichuan" | "starcoder" | "plamo" | "orion"
+        | "internlm2" | "minicpm" | "xverse" | "command-r" | "cohere2" | "olmo" | "arctic"
+        | "deepseek" | "deepseek2" | "plm" | "chatglm" | "glm4" | "granite" | "granitemoe"
+        | "chameleon" | "bailingmoe" => RopeKind::Norm,
+        "falcon" | "grok" | "dbrx" | "bert" | "nomic-bert" | "nomic-bert-moe" | "stablelm"
+        | "bitnet" | "qwen" | "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "olmo2" | "olmoe"
+        | "phi2" | "phi3" | "phimoe" | "gemma" | "gemma2" | "gemma3" | "starcoder2" | "openelm"
+        | "gptneox" | "codeshell" | "nemotron" | "exaone" | "minicpm3" => RopeKind::Neox,
+        "qwen2vl" => RopeKind::Mrope,
+        _ => RopeKind::Unknown,
+    }
+}
+
+/// Geometry of one layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerGeometry {
+    /// Query heads.
+    pub n_head: u32,
+    /// K/V heads.
+    pub n_head_kv: u32,
+    /// K width: `n_embd_head_k * n_head_kv` (`n_embd_k_gqa(il)`).
+    pub n_embd_k_gqa: u32,
+    /// V width: `n_embd_head_v * n_head_kv` (`n_embd_v_gqa(il)`).
+    pub n_embd_v_gqa: u32,
+    /// Whether the layer uses the sliding window (`is_swa(il)`).
+    pub swa: bool,
+}
+
+/// RoPE as trained.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeInfo {
+    /// Pairing of dimensions, by architecture.
+    pub kind: RopeKind,
+    /// Rotated dimensions per head (`n_rot`).
+    pub n_rot: u32,
+    /// Base frequency (`rope_freq_base_train`, default 10000).
+    pub freq_base: f32,
+    /// Frequency scale (`1 / rope.scaling.factor`, 1 without scaling).
+    pub freq_scale: f32,
+    /// `"none"`, `"linear"`, `"yarn"` or `"longrope"` (`rope.scaling.type`, default linear).
+    pub scaling_type: String,
+    /// YaRN's original context (`rope.scaling.original_context_length`, default `n_ctx_train`).
+    pub n_ctx_orig_yarn: u32,
+    /// `rope.scaling.attn_factor` (default 1).
+    pub attn_factor: f32,
+    /// `rope.scaling.yarn_log_multiplier` (DeepSeek-2; 0 when absent).
+    pub yarn_log_mul: f32,
+    /// `rope.scaling.finetuned`.
+    pub finetuned: bool,
+    /// Base of the sliding-window layers (`rope_freq_base_train_swa`).
+    pub freq_base_swa: f32,
+    /// Scale of the sliding-window layers (`rope_freq_scale_train_swa`).
+    pub freq_scale_swa: f32,
+    /// M-RoPE sections (`rope.dimension_sections`), empty when absent.
+    pub sections: Vec<i32>,
+    /// Tensors that hold per-dimension frequency factors (`rope_freqs.weight`, or Phi-3's
+    /// `rope_factors_long.weight` / `rope_factors_short.weight`), empty when none.
+    pub factor_tensors: Vec<String>,
+}
+
+/// The sliding window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SwaInfo {
+    /// Window size in tokens (`n_swa`).
+    pub window: u32,
+    /// Every `pattern`-th layer is a full-attention layer (`n_swa_pattern`; 1: none is SWA);
+    /// 0 when the model lists its sliding-window layers one by one.
+    pub pattern: u32,
+    /// Llama 4's chunked attention (its "window" is a chunk of 8192 tokens).
+    pub chunked: bool,
+}
+
+/// Recurrent state dimensions.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct RecurrentInfo {
+    /// `ssm.conv_kernel`.
+    pub ssm_d_conv: u32,
+    /// `ssm.inner_size`.
+    pub ssm_d_inner: u32,
+    /// `ssm.state_size`.
+    pub ssm_d_state: u32,
+    /// `ssm.time_step_rank`.
+    pub ssm_dt_rank: u32,
+    /// RWKV `wkv.head_size`.
+    pub wkv_head_size: u32,
+    /// RWKV `token_shift_count` (default 2).
+    pub token_shift_count: u32,
+    /// Rolling-state width per layer (`n_embd_k_s`).
+    pub n_embd_k_s: u32,
+    /// Recurrent-state width per layer (`n_embd_v_s`).
+    pub n_embd_v_s: u32,
+}
+
+/// Everything the KV cache needs to know about a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelInfo {
+    /// `general.architecture`.
+    pub arch: String,
+    /// `general.name`, when present.
+    pub name: Option<String>,
+    /// Layers (`block_count`).
+    pub n_layer: u32,
+    /// Trained context length.
+    pub n_ctx_train: u32,
+    /// Embedding width.
+    pub n_embd: u32,
+    /// Dimensions per K head.
+    pub n_embd_head_k: u32,
+    /// Dimensions per V head.
+    pub n_embd_head_v: u32,
+    /// Per layer.
+    pub layers: Vec<LayerGeometry>,
+    /// RoPE.
+    pub rope: RopeInfo,
+    /// The sliding window, when the model has one.
+    pub swa: Option<SwaInfo>,
+    /// Recurrent dimensions of recurrent and hybrid models.
+    pub recurrent: Option<RecurrentInfo>,
+    /// Which memory llama.cpp builds for it.
+    pub memory: MemoryKind,
+    /// Tensors in the file.
+    pub n_tensors: u64,
+    /// File size.
+    pub file_size: u64,
+    /// Bytes of tensor data.
+    pub data_size: u64,
+    /// Bytes of header and tensor-info table.
+    pub header_size: u64,
+    /// `"blake3:<hex>"` of the header, tensor-info table and data size (or of the whole file).
+    pub fingerprint: String,
+    /// Bytes read from the file to produce this.
+    pub bytes_read: u64,
+}
+
+/// Reads metadata under the architecture's prefix with llama.cpp's defaults and type rules.
+struct Keys<'a> {
+    h: &'a GgufHeader,
+    arch: &'a str,
+}
+
+impl Keys<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn raw(&self, suffix: &str) -> Option<(String, &GgufValue)> {
+        let k = self.key(suffix);
+        self.h.get(&k).map(|v| (k, v))
+    }
+
+    fn u32_opt(&self, suffix: &str) -> Result<Option<u32>> {
+        let Some((k, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        let n = v.as_int().ok_or_else(|| wrong_type(&k, "an integer", v))?;
+        u32::try_from(n)
+            .map(Some)
+            .map_err(|_| KvError::InvalidModel(format!("{k} = {n} is not a uint32")))
+    }
+
+    fn u32_req(&self, suffix: &str) -> Result<u32> {
+        self.u32_opt(suffix)?.ok_or_else(|| self.missing(suffix))
+    }
+
+    fn f32_opt(&self, suffix: &str) -> Result<Option<f32>> {
+        let Some((k, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        v.as_float()
+            .map(|f| Some(f as f32))
+            .ok_or_else(|| wrong_type(&k, "a float", v))
+    }
+
+    fn bool_opt(&self, suffix: &str) -> Result<Option<bool>> {
+        let Some((k, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| wrong_type(&k, "a bool", v))
+    }
+
+    fn str_opt(&self, suffix: &str) -> Result<Option<String>> {
+        let Some((k, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(|s| Some(s.to_string()))
+            .ok_or_else(|| wrong_type(&k, "a string", v))
+    }
+
+    /// `get_key_or_arr`: one value for every layer, or an array of exactly `n_layer` integers.
+    fn per_layer(&self, suffix: &str, n_layer: u32) -> Result<Option<Vec<u32>>> {
+        let Some((k, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        if let GgufValue::Array { len, values, .. } = v {
+            if *len != n_layer as u64 {
+                return Err(KvError::InvalidModel(format!(
+                    "{k} has {len} values, expected one per layer ({n_layer})"
+                )));
+            }
+            let values = values
+                .as_ref()
+                .ok_or_else(|| KvError::InvalidModel(format!("{k} is too long ({len} values)")))?;
+            return values
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    x.as_int()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| wrong_type(&format!("{k}[{i}]"), "a uint32", x))
+                })
+                .collect::<Result<Vec<u32>>>()
+                .map(Some);
+        }
+        Ok(Some(vec![self.u32_req(suffix)?; n_layer as usize]))
+    }
+
+    fn missing(&self, suffix: &str) -> KvError {
+        KvError::InvalidModel(format!(
+            "the model lacks {} (needed for architecture {:?})",
+            self.key(suffix),
+            self.arch
+        ))
+    }
+}
+
+/// A product of two header values that must fit a `u32`, as llama.cpp's widths do.
+fn mul(a: u32, b: u32, what: &str) -> Result<u32> {
+    a.checked_mul(b)
+        .ok_or_else(|| KvError::InvalidModel(format!("{what} {a} x {b} overflows a uint32")))
+}
+
+fn wrong_type(key: &str, want: &str, got: &GgufValue) -> KvError {
+    KvError::InvalidModel(format!(
+        "{key} must be {want}, got a {} value",
+        got.ty().name()
+    ))
+}
+
+impl ModelInfo {
+    /// Reads the model at `path`: its header and tensor-info table only (plus every byte when
+    /// `hash_file`, for a fingerprint of the whole file).
+    pub fn from_file(path: &Path, hash_file: bool) -> Result<ModelInfo> {
+        let read = gguf::read_file(path, hash_file)?;
+        let mut info = ModelInfo::from_header(&read.header).map_err(|e| match e {
+            KvError::InvalidModel(m) => KvError::InvalidModel(format!("{}: {m}", path.display())),
+            other => other,
+        })?;
+        info.fingerprint = read.fingerprint;
+        info.bytes_read = read.stats.bytes_read;
+        Ok(info)
+    }
+
+    /// The model described by a parsed header (`fingerprint` and `bytes_read` left empty).
+    pub fn from_header(h: &GgufHeader) -> Result<ModelInfo> {
+        let arch = h
+            .get("general.architecture")
+            .ok_or_else(|| KvError::InvalidModel("the model lacks general.architecture".into()))?
+            .as_str()
+            .ok_or_else(|| KvError::InvalidModel("general.architecture must be a string".into()))?
+            .to_string();
+        let k = Keys { h, arch: &arch };
+        let n_ctx_train = k.u32_req("context_length")?;
+        let n_embd = k.u32_req("embedding_length")?;
+        let n_layer = k.u32_req("block_count")?;
+        if n_layer == 0 || n_layer > MAX_LAYERS {
+            return Err(KvError::InvalidModel(format!(
+                "{arch}.block_count = {n_layer}, expected 1..={MAX_LAYERS}"
+            )));
+        }
+        let zeros = vec![0; n_layer as usize];
+        let n_head = k
+            .per_layer("attention.head_count", n_layer)?
+            .unwrap_or(zeros);
+        let n_head_kv = k
+            .per_layer("attention.head_count_kv", n_layer)?
+            .unwrap_or_else(|| n_head.clone());
+
+        let n_ctx_orig_yarn = k
+            .u32_opt("rope.scaling.original_context_length")?
+            .unwrap_or(n_ctx_train);
+        let freq_base = k.f32_opt("rope.freq_base")?.unwrap_or(10000.0);
+        let scaling_type = k
+            .str_opt("rope.scaling.type")?
+            .unwrap_or_else(|| "linear".into());
+        if !["none", "linear", "yarn", "longrope"].contains(&scaling_type.as_str()) {
+            return Err(KvError::InvalidModel(format!(
+                "{arch}.rope.scaling.type = {scaling_type:?}, expected none, linear, yarn or longrope"
+            )));
+        }
+        let factor = match k.f32_opt("rope.scaling.factor")? {
+            Some(f) => f,
+            None => k.f32_opt("rope.scale_linear")?.unwrap_or(0.0),
+        };
+        let freq_scale = if factor == 0.0 { 1.0 } else { 1.0 / factor };
+
+        // models without attention heads (Mamba, RWKV) have no head sizes and no RoPE dims
+        let (mut n_embd_head_k, mut n_embd_head_v, mut n_rot) = (0, 0, 0);
+        if let Some(head) = n_embd.checked_div(n_head[0]) {
+            n_embd_head_k = k.u32_opt("attention.key_length")?.unwrap_or(head);
+            n_embd_head_v = k.u32_opt("attention.value_length")?.unwrap_or(head);
+            n_rot = k.u32_opt("rope.dimension_count")?.unwrap_or(n_embd_head_k);
+            if matches!(arch.as_str(), "llama" | "deci" | "falcon") && n_rot != n_embd_head_k {
+                return Err(KvError::InvalidModel(format!(
+                    "invalid n_rot: {arch}.rope.dimension_count = {n_rot}, expected the head size {n_embd_head_k}"
+                )));
+            }
+        }
+
+        let mut rope = RopeInfo {
+            kind: rope_kind(&arch),
+            n_rot,
+            freq_base,
+            freq_scale,
+            scaling_type,
+            n_ctx_orig_yarn,
+            attn_factor: k.f32_opt("rope.scaling.attn_factor")?.unwrap_or(1.0),
+            yarn_log_mul: k
+                .f32_opt("rope.scaling.yarn_log_multiplier")?
+                .unwrap_or(0.0),
+            finetuned: k.bool_opt("rope.scaling.finetuned")?.unwrap_or(false),
+            freq_base_swa: freq_base,
+            freq_scale_swa: freq_scale,
+            sections: Vec::new(),
+            factor_tensors: [
+                "rope_freqs.weight",
+                "rope_factors_long.weight",
+                "rope_factors_short.weight",
+            ]
+            .into_iter()
+            .filter(|n| h.tensor(n).is_some())
+            .map(String::from)
+            .collect(),
+        };
+        if let Some((
+            key,
+            GgufValue::Array {
+                values: Some(v), ..
+            },
+        )) = k.raw("rope.dimension_sections")
+        {
+            rope.sections = v
+                .iter()
+                .map(|x| x.as_int().and_then(|n| i32::try_from(n).ok()))
+                .collect::<Option<Vec<i32>>>()
+                .ok_or_else(|| KvError::InvalidModel(format!("{key} must hold int32 values")))?;
+        }
+
+        // the sliding window, per architecture as load_hparams sets it
+        let window = k.u32_opt("attention.sliding_window")?;
+        let swa = match arch.as_str() {
+            "gemma2" => Some((window.unwrap_or(4096), 2, false)),
+            "gemma3" => {
+                rope.freq_base_swa = 10000.0;
+                rope.freq_scale_swa = 1.0;
+                Some((
+                    window.ok_or_else(|| k.missing("attention.sliding_window"))?,
+                    6,
+                    false,
+                ))
+            }
+            "cohere2" => Some((
+                window.ok_or_else(|| k.missing("attention.sliding_window"))?,
+                4,
+                false,
+            )),
+            "llama4" => Some((8192, 4, true)),
+            // Phi-3 masks with a window on every layer of one cache (pattern 1: no SWA layer)
+            "phi3" => window
+                .or(phi3_default_window(n_layer, n_ctx_train, &n_head_kv))
+                .map(|w| (w, 1, false)),
+            _ => window.map(|w| (w, 1, false)),
+        };
+        // today's llama.cpp lets `attention.sliding_window_pattern` override the architecture's
+        // pattern: a period, or one flag per layer (0.1.103 predates the key)
+        let mut explicit: Option<Vec<bool>> = None;
+        let swa = match swa {
+            Some((window, mut pattern, chunked)) => {
+                match k.raw("attention.sliding_window_pattern") {
+                    None => {}
+                    Some((key, GgufValue::Array { len, values, .. })) => {
+                        if *len != n_layer as u64 {
+                            return Err(KvError::InvalidModel(format!(
+                                "{key} has {len} values, expected one per layer ({n_layer})"
+                            )));
+                        }
+                        let flags = values.iter().flatten().map(|v| {
+                            v.as_bool()
+                                .or_else(|| v.as_int().map(|n| n != 0))
+                                .ok_or_else(|| wrong_type(&key, "bools or integers", v))
+                        });
+                        explicit = Some(flags.collect::<Result<Vec<bool>>>()?);
+                        pattern = 0;
+                    }
+                    Some(_) => pattern = k.u32_req("attention.sliding_window_pattern")?,
+                }
+                Some(SwaInfo {
+                    window,
+                    pattern,
+                    chunked,
+                })
+            }
+            None => None,
+        };
+        let is_swa = |il: u32| match (&swa, &explicit) {
+            (Some(s), _) if s.window == 0 => false,
+            (Some(_), Some(flags)) => flags[il as usize],
+            // set_swa_pattern: every `pattern`-th layer is dense (a pattern of 0: all are SWA)
+            (Some(s), None) => s.pattern == 0 || il % s.pattern < s.pattern - 1,
+            (None, _) => false,
+        };
+        let layers = (0..n_layer)
+            .map(|il| {
+                let hk = n_head_kv[il as usize];
+                Ok(LayerGeometry {
+                    n_head: n_head[il as usize],
+                    n_head_kv: hk,
+                    n_embd_k_gqa: mul(n_embd_head_k, hk, "layer K width")?,
+                    n_embd_v_gqa: mul(n_embd_head_v, hk, "layer V width")?,
+                    swa: is_swa(il),
+                })
+            })
+            .collect::<Result<Vec<LayerGeometry>>>()?;
+
+        let recurrent = if arch.starts_with("rwkv") || arch == "arwkv7" {
+            let wkv = k.u32_req("wkv.head_size")?;
+            let shift = k.u32_opt("token_shift_count")?.unwrap_or(2);
+            Some(RecurrentInfo {
+                wkv_head_size: wkv,
+                token_shift_count: shift,
+                n_embd_k_s: mul(shift, n_embd, "RWKV token-shift width")?,
+                n_embd_v_s: mul(n_embd, wkv, "RWKV wkv state width")?,
+                ..Default::default()
+            })
+        } else if arch.starts_with("mamba") || arch::is_hybrid(&arch) {
+            let get = |s: &str| -> Result<u32> {
+                if arch::is_recurrent(&arch) {
+                    k.u32_req(s)
+                } else {
+                    Ok(k.u32_opt(s)?.unwrap_or(0))
+                }
+            };
+            let (d_conv, d_inner, d_state) = (
+                get("ssm.conv_kernel")?,
+                get("ssm.inner_size")?,
+                get("ssm.state_size")?,
+            );
+            Some(RecurrentInfo {
+                ssm_d_conv: d_conv,
+                ssm_d_inner: d_inner,
+                ssm_d_state: d_state,
+                ssm_dt_rank: get("ssm.time_step_rank")?,
+                token_shift_count: 0,
+                n_embd_k_s: mul(d_conv.saturating_sub(1), d_inner, "SSM conv state width")?,
+                n_embd_v_s: mul(d_state, d_inner, "SSM state width")?,
+                ..Default::default()
+            })
+        } else {
+            None
+        };
+        if arch == "deepseek2" && k.raw("rope.scaling.yarn_log_multiplier").is_none() {
+            return Err(k.missing("rope.scaling.yarn_log_multiplier"));
+        }
+
+        let memory = match arch::memory_of(&arch) {
+            MemoryKind::Unified if layers.iter().any(|l| l.swa) => MemoryKind::Iswa,
+            kind => kind,
+        };
+        let name = h
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .map(String::from);
+        Ok(ModelInfo {
+            arch,
+            name,
+            n_layer,
+            n_ctx_train,
+            n_embd,
+            n_embd_head_k,
+            n_embd_head_v,
+            layers,
+            rope,
+            swa,
+            recurrent,
+            memory,
+            n_tensors: h.tensors.len() as u64,
+            file_size: h.file_size,
+            data_size: h.data_size,
+            header_size: h.header_len,
+            fingerprint: String::new(),
+            bytes_read: 0,
+        })
+    }
+
+    /// The recurrent widths that the cache adds to every layer: only a recurrent model's
+    /// cache holds them (a hybrid model keeps them in a memory of their own).
+    fn state_widths(&self) -> (u64, u64) {
+        match (&self.recurrent, self.memory) {
+            (Some(r), MemoryKind::Recurrent) => (r.n_embd_k_s as u64, r.n_embd_v_s as u64),
+            _ => (0, 0),
+        }
+    }
+
+    /// K width of layer `il` in the cache: `n_embd_k_gqa(il)`, plus `n_embd_k_s` when recurrent.
+    pub fn cache_k_width(&self, il: usize) -> u64 {
+        self.layers[il].n_embd_k_gqa as u64 + self.state_widths().0
+    }
+
+    /// V width of layer `il` in the cache: `n_embd_v_gqa(il)`, plus `n_embd_v_s` when recurrent.
+    pub fn cache_v_width(&self, il: usize) -> u64 {
+        self.layers[il].n_embd_v_gqa as u64 + self.state_widths().1
+    }
+
+    /// Refuses memories this library does not model, naming what is missing.
+    pub fn check_supported(&self) -> Result<()> {
+        match self.memory {
+            MemoryKind::Unified | MemoryKind::Recurrent => Ok(()),
+            MemoryKind::Iswa => {
+                let n = self.layers.iter().filter(|l| l.swa).count();
+                let s = self.swa.as_ref().map_or((0, 0), |s| (s.window, s.pattern));
+                Err(KvError::Unsupported(format!(
+                    "{} ({}) uses sliding-window attention on {n} of {} layers (window {}, pattern {}): \
+                     llama.cpp keeps those layers in a second cache (iSWA), which this library does not model yet",
+                    self.display_name(),
+                    self.arch,
+                    self.n_layer,
+                    s.0,
+                    s.1
+                )))
+            }
+            MemoryKind::Hybrid => Err(KvError::Unsupported(format!(
+                "{} ({}) is a hybrid model (attention layers plus recurrent layers): \
+                 llama.cpp gives it a KV cache and a recurrent memory side by side, which this library does not model yet",
+                self.display_name(),
+                self.arch
+            ))),
+        }
+    }
+
+    fn display_name(&self) -> &str {
+        self.name.as_deref().unwrap_or("the model")
+    }
+
+    /// Parameters of a cache for this model, as llama.cpp builds it for `n_ctx` (padded to
+    /// 256 with flash attention, else 32; 0 = the trained context) and `n_seq_max`; a recurrent
+    /// model gets one cell per sequence.
+    pub fn cache_params(
+        &self,
+        n_ctx: u32,
+        n_seq_max: u32,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        flash_attn: bool,
+    ) -> Result<CacheParams> {
+        self.check_supported()?;
+        let recurrent = self.memory == MemoryKind::Recurrent;
+        let mut p = CacheParams::new(1, self.n_layer, 0, 0);
+        p.n_embd_k_gqa = self.layers.iter().map(|l| l.n_embd_k_gqa).collect();
+        p.n_embd_v_gqa = self.layers.iter().map(|l| l.n_embd_v_gqa).collect();
+        if let Some(r) = &self.recurrent {
+            p.n_embd_k_s = r.n_embd_k_s;
+            p.n_embd_v_s = r.n_embd_v_s;
+        }
+        p.type_k = type_k;
+        p.type_v = type_v;
+        p.flash_attn = flash_attn;
+        p.recurrent = recurrent;
+        p.can_shift = !recurrent;
+        p.n_seq_max = n_seq_max;
+        let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
+        p.size = if recurrent {
+            n_seq_max.max(1)
+        } else {
+            n_ctx
+                .checked_next_multiple_of(p.padding())
+                .ok_or_else(|| KvError::OutOfRange(format!("nCtx {n_ctx} is too large")))?
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// The K-shift parameters llama.cpp's `build_kv_self_shift` uses for this model with the
+    /// context's defaults (no RoPE overrides); `freq_factors` are the values of the model's
+    /// factor tensor, when it has one. `None` when the model has no RoPE this library can apply.
+    pub fn shift_params(&self, freq_factors: Option<Vec<f32>>) -> Option<ShiftParams> {
+        let rope_type = match self.rope.kind {
+            RopeKind::Norm => RopeType::Norm,
+            RopeKind::Neox => RopeType::Neox,
+            _ => return None,
+        };
+        if self.n_rot() == 0 || self.memory == MemoryKind::Recurrent {
+            return None;
+        }
+        let yarn = self.rope.scaling_type == "yarn";
+        let freq_scale = if self.rope.scaling_type == "none" {
+            1.0
+        } else {
+            self.rope.freq_scale
+        };
+        let attn_factor = self.shift_attn_factor(freq_scale, yarn);
+        let layer = |il: usize| -> RopeParams {
+            let swa = self.layers[il].swa;
+            let (base, scale) = if swa {
+                (self.rope.freq_base_swa, self.rope.freq_scale_swa)
+            } else {
+                (self.rope.freq_base, freq_scale)
+            };
+            let mut p = RopeParams::new(
+                self.n_rot() as usize,
+                self.n_embd_head_k as usize,
+                self.layers[il].n_head_kv as usize,
+                rope_type,
+            );
+            p.freq_base = base;
+            p.freq_scale = scale;
+            p.ext_factor = if yarn { 1.0 } else { 0.0 };
+            p.attn_factor = attn_factor;
+            p.n_ctx_orig = self.rope.n_ctx_orig_yarn;
+            p.freq_factors = freq_factors.clone();
+            p
+        };
+        let rope = layer(0);
+        let per_layer = (1..self.n_layer as usize)
+            .map(|il| (il as u32, layer(il)))
+            .filter(|(_, p)| *p != rope)
+            .collect();
+        Some(ShiftParams { rope, per_layer })
+    }
+
+    fn n_rot(&self) -> u32 {
+        self.rope.n_rot
+    }
+
+    /// The magnitude factor llama.cpp 0.1.161 gives its K-shift (`cparams.yarn_attn_factor`,
+    /// set in `llama_context`'s constructor from the context's frequency scale). With YaRN on,
+    /// ggml's `rope_yarn` multiplies cos and sin by `1 + 0.1 ln(factor)`; 0.1.161 cancels that
+    /// with `1 / (1 + 0.1 ln(factor))` and puts back `get_mscale(factor, 1)` (with a
+    /// `yarn_log_multiplier`, a ratio of two such scales), all in f32, so the product is not
+    /// always 1: for a factor of 12 it is 1 - 2^-24, which an f32 K shows in every row (below
+    /// 1, `get_mscale` is 1 and the cancelled magnitude is not put back). 0.1.103 passed
+    /// `rope.scaling.attn_factor` unchanged (and `1 / (1 + 0.1 ln(1 / scale))` for DeepSeek 2).
+    fn shift_attn_factor(&self, freq_scale: f32, yarn: bool) -> f32 {
+        if !yarn {
+            return self.rope.attn_factor;
+        }
+        let get_mscale = |scale: f32, mscale: f32| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * mscale * scale.ln() + 1.0
+            }
+        };
+        let factor = 1.0 / freq_scale;
+        // `hparams.rope_yarn_log_mul`: DeepSeek 2 / 3.2 store the key divided by 0.1 (their
+        // converter multiplies it by 0.1), Mistral 3 as it is; other architectures never read it
+        let log_mul = match self.arch.as_str() {
+            "deepseek2" | "deepseek32" => self.rope.yarn_log_mul / 0.1,
+            "mistral3" => self.rope.yarn_log_mul,
+            _ => 0.0,
+        };
+        let mut attn = if log_mul != 0.0 {
+            let mscale = if self.arch == "deepseek2" && log_mul != 1.0 {
+                log_mul
+            } else {
+                1.0
+            };
+            get_mscale(factor, mscale) / get_mscale(factor, log_mul)
+        } else {
+            get_mscale(factor, 1.0)
+        };
+        attn *= 1.0 / (1.0 + 0.1 * factor.ln());
+        attn * self.rope.attn_factor
+    }
+
+    /// The factor tensor llama.cpp uses for RoPE with `n_ctx_per_seq` tokens per sequence:
+    /// `rope_freqs`, or Phi-3's long factors past the original context and short ones below.
+    pub fn factor_tensor(&self, n_ctx_per_seq: u32) -> Option<&str> {
+        let has = |n: &str| self.rope.factor_tensors.iter().any(|t| t == n);
+        if has("rope_freqs.weight") {
+            Some("rope_freqs.weight")
+        } else if has("rope_factors_long.weight") && n_ctx_per_seq > self.rope.n_ctx_orig_yarn {
+            Some("rope_factors_long.weight")
+        } else if has("rope_factors_short.weight") {
+            Some("rope_factors_short.weight")
+        } else {
+            None
+        }
+    }
+
+    /// Bytes of K and V for `cells` cells with the given types: `None` when a width is not a
+    /// whole number of the type's blocks.
+    pub fn kv_bytes(&self, cells: u64, type_k: GgmlType, type_v: GgmlType) -> Option<u64> {
+        let mut row = 0u64;
+        for il in 0..self.n_layer as usize {
+            row += type_k.row_size(self.cache_k_width(il) as usize).ok()? as u64;
+            row += type_v.row_size(self.cache_v_width(il) as usize).ok()? as u64;
+        }
+        row.checked_mul(cells)
+    }
+}
+
+/// Phi-3's window when the file names none (load_hparams' backward-compatibility defaults).
+fn phi3_default_window(n_layer: u32, n_ctx_train: u32, n_head_kv: &[u32]) -> Option<u32> {
+    match (n_layer, n_ctx_train) {
+        (32 | 40, 4096) => Some(2047),
+        (32, 131072) if n_head_kv[0] == 32 => Some(262144),
+        (40, 131072) => Some(131072),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::gguf::{GgufBuilder, GgufType};
+
+    fn llama(kv_heads: GgufValue) -> GgufBuilder {
+        let mut g = GgufBuilder::new();
+        g.kv("general.architecture", GgufValue::Str("llama".into()))
+            .kv("llama.context_length", GgufValue::U32(4096))
+            .kv("llama.embedding_length", GgufValue::U32(64))
+            .kv("llama.block_count", GgufValue::U32(3))
+            .kv("llama.attention.head_count", GgufValue::U32(4))
+            .kv("llama.attention.head_count_kv", kv_heads)
+            .kv("llama.rope.freq_base", GgufValue::F32(500000.0));
+        g
+    }
+
+    fn info(g: &GgufBuilder) -> Result<ModelInfo> {
+        ModelInfo::from_header(&gguf::parse_bytes(&g.bytes_zero_data())?)
+    }
+
+    #[test]
+    fn llama_geometry_and_rope() {
+        let m = info(&llama(GgufValue::U32(2))).unwrap();
+        assert_eq!((m.n_layer, m.n_embd_head_k, m.rope.n_rot), (3, 16, 16));
+        assert!(m.layers.iter().all(|l| l.n_embd_k_gqa == 32 && !l.swa));
+        assert_eq!(m.rope.kind, RopeKind::Norm);
+        assert_eq!((m.rope.freq_base, m.rope.freq_scale), (500000.0, 1.0));
+        assert_eq!(m.memory, MemoryKind::Unified);
+        let s = m.shift_params(None).unwrap();
+        assert_eq!((s.rope.n_head, s.rope.freq_base), (2, 500000.0));
+        assert!(s.per_layer.is_empty());
+    }
+
+    #[test]
+    fn per_layer_kv_heads_give_per_layer_widths_and_shift_heads() {
+        let heads = vec![GgufValue::U32(1), GgufValue::U32(2), GgufValue::U32(4)];
+        let g = llama(GgufValue::Array {
+            elem: GgufType::U32,
+            len: 3,
+            values: Some(heads),
+        });
+        let m = info(&g).unwrap();
+        let w: Vec<u32> = m.layers.iter().map(|l| l.n_embd_v_gqa).collect();
+        assert_eq!(w, [16, 32, 64]);
+        let s = m.shift_params(None).unwrap();
+        assert_eq!(s.per_layer.len(), 2);
+        assert_eq!(s.per_layer[1].1.n_head, 4);
+        let p = m
+            .cache_params(100, 2, GgmlType::F16, GgmlType::F16, false)
+            .unwrap();
+        assert_eq!((p.size, p.n_embd_k_gqa.clone()), (128, vec![16, 32, 64]));
+    }
+
+    #[test]
+    fn kv_head_array_of_the_wrong_length_is_refused() {
+        let g = llama(GgufValue::Array {
+            elem: GgufType::U32,
+            len: 2,
+            values: Some(vec![GgufValue::U32(1); 2]),
+        });
+        let e = info(&g).unwrap_err().to_string();
+        assert!(
+            e.contains("head_count_kv has 2 values, expected one per layer (3)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_and_mistyped_keys_name_the_key() {
+        let mut g = GgufBuilder::new();
+        g.kv("general.architecture", GgufValue::Str("llama".into()));
+        let e = info(&g).unwrap_err().to_string();
+        assert!(e.contains("llama.context_length"), "{e}");
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.dimension_count", GgufValue::Str("16".into()));
+        let e = info(&g).unwrap_err().to_string();
+        assert!(
+            e.contains("llama.rope.dimension_count must be an integer"),
+            "{e}"
+        );
+    }
+
+    /// A Gemma 3 header with `n_layer` layers, a window of `window` and `more` keys.
+    fn gemma3(n_layer: u32, window: u32, more: &[(&str, GgufValue)]) -> GgufBuilder {
+        let mut g = GgufBuilder::new();
+        g.kv("general.architecture", GgufValue::Str("gemma3".into()))
+            .kv("gemma3.context_length", GgufValue::U32(8192))
+            .kv("gemma3.embedding_length", GgufValue::U32(64))
+            .kv("gemma3.block_count", GgufValue::U32(n_layer))
+            .kv("gemma3.attention.head_count", GgufValue::U32(4))
+            .kv("gemma3.attention.sliding_window", GgufValue::U32(window));
+        for (k, v) in more {
+            g.kv(&format!("gemma3.{k}"), v.clone());
+        }
+        g
+    }
+
+    #[test]
+    fn gemma3_is_iswa_and_refused_with_what_is_missing() {
+        let g = gemma3(
+            12,
+            512,
+            &[
+                ("attention.head_count_kv", GgufValue::U32(1)),
+                ("rope.freq_base", GgufValue::F32(1e6)),
+            ],
+        );
+        let m = info(&g).unwrap();
+        let swa: Vec<bool> = m.layers.iter().map(|l| l.swa).collect();
+        assert_eq!(swa.iter().filter(|s| !**s).count(), 2);
+        assert!(!swa[5] && !swa[11] && swa[0]);
+        assert_eq!(m.memory, MemoryKind::Iswa);
+        assert_eq!(m.rope.kind, RopeKind::Neox);
+        assert_eq!(m.rope.freq_base_swa, 10000.0);
+        let e = m
+            .cache_params(512, 1, GgmlType::F16, GgmlType::F16, false)
+            .unwrap_err();
+        assert!(
+            matches!(&e, KvError::Unsupported(m) if m.contains("iSWA") && m.contains("10 of 12")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sliding_window_pattern_key_overrides_the_architecture_default() {
+        let g = |pattern: GgufValue| {
+            info(&gemma3(
+                4,
+                8,
+                &[("attention.sliding_window_pattern", pattern)],
+            ))
+        };
+        let swa = |m: ModelInfo| m.layers.iter().map(|l| l.swa).collect::<Vec<bool>>();
+        assert_eq!(
+            swa(g(GgufValue::U32(2)).unwrap()),
+            [true, false, true, false]
+        );
+        let flags = [true, true, false, true].map(GgufValue::Bool).to_vec();
+        let arr = GgufValue::Array {
+            elem: GgufType::Bool,
+            len: 4,
+            values: Some(flags),
+        };
+        assert_eq!(swa(g(arr).unwrap()), [true, true, false, true]);
+        let short = GgufValue::Array {
+            elem: GgufType::Bool,
+            len: 1,
+            values: Some(vec![GgufValue::Bool(true)]),
+        };
+        assert!(g(short)
+            .unwrap_err()
+            .to_string()
+            .contains("one per layer (4)"));
+    }
+
+    #[test]
+    fn mamba_is_recurrent_with_state_widths() {
+        let mut g = GgufBuilder::new();
+        g.kv("general.architecture", GgufValue::Str("mamba".into()))
+            .kv("mamba.context_length", GgufValue::U32(4096))
+            .kv("mamba.embedding_length", GgufValue::U32(64))
+            .kv("mamba.block_count", GgufValue::U32(2))
+            .kv("mamba.ssm.conv_kernel", GgufValue::U32(4))
+            .kv("mamba.ssm.inner_size", GgufValue::U32(128))
+            .kv("mamba.ssm.state_size", GgufValue::U32(16))
+            .kv("mamba.ssm.time_step_rank", GgufValue::U32(4));
+        let m = info(&g).unwrap();
+        let r = m.recurrent.as_ref().unwrap();
+        assert_eq!((r.n_embd_k_s, r.n_embd_v_s), (384, 2048));
+        assert_eq!(m.memory, MemoryKind::Recurrent);
+        assert!(m.shift_params(None).is_none());
+        let p = m
+            .cache_params(4096, 3, GgmlType::F32, GgmlType::F32, false)
+            .unwrap();
+        assert_eq!((p.size, p.recurrent, p.n_embd_k(0)), (3, true, 384));
+    }
+
+    #[test]
+    fn yarn_scaling_sets_ext_factor_and_orig_ctx() {
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.scaling.type", GgufValue::Str("yarn".into()))
+            .kv("llama.rope.scaling.factor", GgufValue::F32(4.0))
+            .kv(
+                "llama.rope.scaling.original_context_length",
+                GgufValue::U32(1024),
+            );
+        let m = info(&g).unwrap();
+        let s = m.shift_params(None).unwrap();
+        assert_eq!(
+            (s.rope.ext_factor, s.rope.freq_scale, s.rope.n_ctx_orig),
+            (1.0, 0.25, 1024)
+        );
+    }
+
+    fn yarn(factor: f32, attn_factor: Option<f32>) -> ModelInfo {
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.scaling.type", GgufValue::Str("yarn".into()))
+            .kv("llama.rope.scaling.factor", GgufValue::F32(factor));
+        if let Some(a) = attn_factor {
+            g.kv("llama.rope.scaling.attn_factor", GgufValue::F32(a));
+        }
+        info(&g).unwrap()
+    }
+
+    fn shift_attn(m: &ModelInfo) -> f32 {
+        m.shift_params(None).unwrap().rope.attn_factor
+    }
+
+    /// Regression (found against llama.cpp 0.1.161's own shift of an f32 K, crates/today):
+    /// the YaRN attention factor was `rope.scaling.attn_factor` as 0.1.103 passes it; 0.1.161
+    /// computes `get_mscale(f, 1) * (1 / (1 + 0.1 ln f)) * attn_factor` in f32.
+    #[test]
+    fn regression_yarn_attention_factor_is_computed_as_llama_cpp_0_1_161_does() {
+        // factor 12: 1 - 2^-24 (the peer's f32 K agrees bit for bit); factor 4: exactly 1
+        assert_eq!(shift_attn(&yarn(12.0, None)).to_bits(), 0x3f7f_ffff);
+        assert_eq!(shift_attn(&yarn(4.0, None)), 1.0);
+        assert_eq!(shift_attn(&yarn(4.0, Some(0.5))), 0.5);
+        // below 1, get_mscale is 1: the cancelled magnitude is not put back
+        let below = shift_attn(&yarn(0.5, None));
+        assert_eq!(below, 1.0 / (1.0 + 0.1 * 0.5f32.ln()));
+        assert!(below > 1.07);
+        // without YaRN the metadata value passes unchanged
+        let mut g = llama(GgufValue::U32(2));
+        g.kv("llama.rope.scaling.factor", GgufValue::F32(12.0))
+            .kv("llama.rope.scaling.attn_factor", GgufValue::F32(0.75));
+        let linear = info(&g).unwrap();
+        assert_eq!(linear.rope.scaling_type, "linear");
+        assert_eq!(shift_attn(&linear), 0.75);
+    }
+
+    #[test]
+    fn yarn_log_multiplier_gives_the_ratio_of_two_mscales_where_llama_cpp_reads_it() {
+        let cancel = 1.0 / (1.0 + 0.1 * 40f32.ln());
+        // DeepSeek 2: the key (0.1 * mscale_all_dim) is divided by 0.1 again; with mscale ==
+        // mscale_all_dim the ratio is 1, leaving 0.1.103's 1 / (1 + 0.1 ln f)
+        let mut m = yarn(40.0, None);
+        m.arch = "deepseek2".into();
+        m.rope.yarn_log_mul = 0.1 * 0.707;
+        assert_eq!(shift_attn(&m), cancel);
+        // Mistral 3 reads the key as it is, with mscale 1
+        m.arch = "mistral3".into();
+        m.rope.yarn_log_mul = 0.5;
+        let get = |mscale: f32| 0.1 * mscale * 40f32.ln() + 1.0;
+        assert_eq!(shift_attn(&m), get(1.0) / get(0.5) * cancel);
+        // a llama never reads it
+        m.arch = "llama".into();
+        assert_eq!(shift_attn(&m), get(1.0) * cancel);
+    }
+
+    #[test]
+    fn kv_bytes_follow_row_sizes() {
+        let m = info(&llama(GgufValue::U32(2))).unwrap();
+        // 3 layers x (32 + 32) f16 = 384 bytes per cell
+        assert_eq!(m.kv_bytes(10, GgmlType::F16, GgmlType::F16), Some(3840));
+        assert_eq!(
+            m.kv_bytes(1, GgmlType::Q8_0, GgmlType::Q8_0),
+            Some(3 * 2 * 34)
+        );
+        // 16-wide rows are not whole q4_0 blocks... but 32 are
+        assert!(m.kv_bytes(1, GgmlType::Q4_0, GgmlType::Q4_0).is_some());
+    }
+}

@@ -1,0 +1,191 @@
+//! Whether a state file fits a model: the checks llama.cpp makes (or should make) before it
+//! copies a state into a context, done without loading either. Multi-part states (iSWA, hybrid)
+//! are compared part by part with the model's layers of that part.
+
+use crate::ggml_type::GgmlType;
+use crate::model::{MemoryKind, ModelInfo};
+use crate::state::files::Inspection;
+use crate::state::parts::{Part, PartKind, PartRole};
+use crate::state::Layout;
+use crate::state::VBlock;
+
+/// One reason a state does not fit: the field and both values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mismatch {
+    /// What differs (`"arch"`, `"nLayer"`, `"layers[3].kWidth"`, ...).
+    pub field: String,
+    /// The state file's value.
+    pub state: String,
+    /// The model's value.
+    pub model: String,
+    /// A sentence for people.
+    pub message: String,
+}
+
+/// The verdict of [`check_state`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fit {
+    /// True when nothing differs.
+    pub fits: bool,
+    /// Every difference found.
+    pub reasons: Vec<Mismatch>,
+}
+
+/// Per-layer mismatches reported one by one before they are summarised.
+const MAX_LAYER_REASONS: usize = 8;
+
+fn mismatch(field: &str, state: impl ToString, model: impl ToString, why: &str) -> Mismatch {
+    let (state, model) = (state.to_string(), model.to_string());
+    Mismatch {
+        message: format!("{field}: the state has {state}, the model has {model} ({why})"),
+        field: field.into(),
+        state,
+        model,
+    }
+}
+
+/// Width in elements of rows of `row_size` bytes of type id `ty`.
+fn width(ty: i32, row_size: u64) -> Option<u64> {
+    let t = GgmlType::from_id(ty)?;
+    Some(row_size / t.type_size() as u64 * t.block_size() as u64)
+}
+
+/// The model layers a part of a state holds, in order: every layer for a single memory, the
+/// full-attention or sliding-window layers for an iSWA memory's base or SWA cache, the
+/// attention or recurrent layers (no K/V heads) for a hybrid memory's parts.
+fn layers_of(model: &ModelInfo, role: PartRole) -> Vec<usize> {
+    let keep = |l: &crate::model::LayerGeometry| match role {
+        PartRole::Whole => true,
+        PartRole::Base => !l.swa,
+        PartRole::Swa => l.swa,
+        PartRole::Attention => l.n_head_kv > 0,
+        PartRole::Recurrent => l.n_head_kv == 0,
+    };
+    (0..model.layers.len())
+        .filter(|&il| keep(&model.layers[il]))
+        .collect()
+}
+
+/// The K and V widths (R and S for a recurrent part) the model gives layer `il` in a part.
+fn widths_of(model: &ModelInfo, kind: PartKind, il: usize) -> (u64, u64) {
+    match (kind, &model.recurrent) {
+        (PartKind::Recurrent, Some(r)) => (r.n_embd_k_s as u64, r.n_embd_v_s as u64),
+        _ => (model.cache_k_width(il), model.cache_v_width(il)),
+    }
+}
+
+/// Compares the layers of one part of the state with the model's.
+fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
+    let prefix = match part.role {
+        PartRole::Whole => String::new(),
+        role => format!("{role}."),
+    };
+    for stream in &part.payload.streams {
+        if let Some((k, v)) = stream.n_rot {
+            // a rotated quantized cache is rotated over whole heads
+            for (field, rot, head) in [
+                ("nRotK", k, model.n_embd_head_k),
+                ("nRotV", v, model.n_embd_head_v),
+            ] {
+                if rot != 0 && rot != head {
+                    reasons.push(mismatch(
+                        &format!("{prefix}{field}"),
+                        rot,
+                        head,
+                        "the state was rotated over another head size",
+                    ));
+                }
+            }
+        }
+    }
+    let Some(stream) = part.payload.streams.iter().find(|s| !s.layers.is_empty()) else {
+        return; // no cells: no geometry to compare
+    };
+    let layers = layers_of(model, part.role);
+    if stream.layers.len() != layers.len() {
+        reasons.push(mismatch(
+            &format!("{prefix}nLayer"),
+            stream.layers.len(),
+            layers.len(),
+            "layer counts differ",
+        ));
+    }
+    let mut layer_reasons = Vec::new();
+    for (l, &il) in stream.layers.iter().zip(&layers) {
+        let (want_k, want_v) = widths_of(model, part.kind, il);
+        let k = width(l.k_type, l.k_row_size);
+        if k != Some(want_k) {
+            layer_reasons.push(mismatch(
+                &format!("{prefix}layers[{il}].kWidth"),
+                k.map_or(
+                    format!("{} bytes of type {}", l.k_row_size, l.k_type),
+                    |w| w.to_string(),
+                ),
+                want_k,
+                "K row widths differ",
+            ));
+        }
+        let v = match &l.v {
+            VBlock::Rows { ty, row_size, .. } => width(*ty, *row_size),
+            VBlock::Transposed { n_embd, .. } => Some(*n_embd as u64),
+        };
+        if v != Some(want_v) {
+            layer_reasons.push(mismatch(
+                &format!("{prefix}layers[{il}].vWidth"),
+                v.map_or("an unknown width".into(), |w| w.to_string()),
+                want_v,
+                "V row widths differ",
+            ));
+        }
+    }
+    if layer_reasons.len() > MAX_LAYER_REASONS {
+        let more = layer_reasons.len() - MAX_LAYER_REASONS;
+        layer_reasons.truncate(MAX_LAYER_REASONS);
+        layer_reasons.push(Mismatch {
+            field: format!("{prefix}layers"),
+            state: format!("{more} more"),
+            model: String::new(),
+            message: format!("{more} more per-layer width differences"),
+        });
+    }
+    reasons.extend(layer_reasons);
+}
+
+/// Compares an inspected state file with a model: the memory that wrote it (unified,
+/// recurrent, iSWA, hybrid), the architecture (session files), and for each of its parts the
+/// layer count, each layer's K and V widths (from the row sizes and types) and the head size a
+/// rotated quantized cache was rotated over.
+pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
+    let mut reasons = Vec::new();
+    // a stream-less payload (the seed layout) is what llama.cpp wrote before it had iSWA and
+    // recurrent memories of their own: its one unified cache also held sliding-window layers
+    // and recurrent states, so such a state can fit an iSWA or recurrent model whole
+    let one_cache_era = ins.payload.layout == Layout::Seed
+        && ins.memory == MemoryKind::Unified
+        && matches!(model.memory, MemoryKind::Iswa | MemoryKind::Recurrent);
+    if ins.memory != model.memory && !one_cache_era {
+        reasons.push(mismatch(
+            "memory",
+            ins.memory.name(),
+            model.memory.name(),
+            "the state was written by another kind of memory",
+        ));
+    }
+    if let Some(arch) = ins.arch.as_deref() {
+        if arch != model.arch {
+            reasons.push(mismatch(
+                "arch",
+                arch,
+                &model.arch,
+                "the session was saved from another architecture",
+            ));
+        }
+    }
+    for part in &ins.parts {
+        check_part(part, model, &mut reasons);
+    }
+    Fit {
+        fits: reasons.is_empty(),
+        reasons,
+    }
+}

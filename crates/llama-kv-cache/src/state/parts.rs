@@ -1,0 +1,260 @@
+//! Payloads of several memories, written one after the other with nothing between them:
+//! llama.cpp's iSWA memory (`llama_kv_cache_iswa`: the base cache, then the sliding-window
+//! cache, two unified-cache payloads) and its hybrid memory (`llama_memory_hybrid`: the
+//! attention cache, then the recurrent memory). Nothing in the bytes says which memory wrote
+//! them, so a payload is parsed under every shape its file version allows; exactly one must
+//! consume it exactly.
+
+use std::fmt;
+use std::ops::Range;
+
+use crate::error::{KvError, Result};
+use crate::model::MemoryKind;
+use crate::state::cells::CellExt;
+use crate::state::source::{ByteSource, Sub};
+use crate::state::{
+    parse_payload_with, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
+    StreamFormat,
+};
+
+/// What kind of memory a part is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartKind {
+    /// A unified KV cache (cells with positions and K/V rows).
+    Kv,
+    /// A recurrent memory (one state cell per sequence, R and S rows).
+    Recurrent,
+}
+
+impl PartKind {
+    /// `"kv"` or `"recurrent"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PartKind::Kv => "kv",
+            PartKind::Recurrent => "recurrent",
+        }
+    }
+}
+
+/// The role of a part in its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartRole {
+    /// The payload's only memory.
+    Whole,
+    /// iSWA: the cache of the full-attention layers (written first).
+    Base,
+    /// iSWA: the cache of the sliding-window layers (written second).
+    Swa,
+    /// Hybrid: the attention cache (written first).
+    Attention,
+    /// Hybrid: the recurrent memory (written second).
+    Recurrent,
+}
+
+impl PartRole {
+    /// `"whole"`, `"base"`, `"swa"`, `"attention"` or `"recurrent"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PartRole::Whole => "whole",
+            PartRole::Base => "base",
+            PartRole::Swa => "swa",
+            PartRole::Attention => "attention",
+            PartRole::Recurrent => "recurrent",
+        }
+    }
+
+    /// Parses a role name.
+    pub fn from_name(name: &str) -> Option<PartRole> {
+        [
+            PartRole::Whole,
+            PartRole::Base,
+            PartRole::Swa,
+            PartRole::Attention,
+            PartRole::Recurrent,
+        ]
+        .into_iter()
+        .find(|r| r.name() == name)
+    }
+}
+
+impl fmt::Display for PartRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One memory's payload inside a payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// KV or recurrent.
+    pub kind: PartKind,
+    /// Its role.
+    pub role: PartRole,
+    /// Its bytes, relative to the start of the whole payload.
+    pub range: Range<usize>,
+    /// The part parsed structurally; its data ranges are relative to `range.start`.
+    pub payload: ParsedPayload,
+}
+
+/// A payload split into its memories.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Parts {
+    /// Which memory wrote it: unified or recurrent (one part), iSWA or hybrid (two).
+    pub memory: MemoryKind,
+    /// The parts in payload order.
+    pub parts: Vec<Part>,
+}
+
+fn kv_part<S: ByteSource + ?Sized>(
+    bytes: &S,
+    start: usize,
+    (layout, ext): (Layout, CellExt),
+    role: PartRole,
+    exact: bool,
+) -> Result<Part> {
+    let payload = parse_payload_with(&Sub::new(bytes, start..bytes.len()), layout, ext, exact)?;
+    Ok(Part {
+        kind: PartKind::Kv,
+        role,
+        range: start..start + payload.len,
+        payload,
+    })
+}
+
+/// The recurrent memory of a hybrid, which must end the payload. Its data header declares
+/// every model layer but it writes blocks only for the recurrent ones, so the block count is
+/// the one that consumes the bytes exactly (largest first).
+fn recurrent_tail<S: ByteSource + ?Sized>(bytes: &S, start: usize) -> Result<Part> {
+    let body = &Sub::new(bytes, start..bytes.len());
+    let declared = {
+        // peek at n_layer: cell_count, cells, s_trans, n_layer
+        let mut c = Cursor::new(body);
+        let head = parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
+        head.data.map_or(0, |d| d.n_layer)
+    };
+    let mut last_err = None;
+    for blocks in (1..=declared).rev() {
+        let mut c = Cursor::new(body);
+        match parse_stream_with(&mut c, 0, StreamFormat::recurrent(), Some(blocks)) {
+            Ok(stream) if c.remaining() == 0 => {
+                return Ok(Part {
+                    kind: PartKind::Recurrent,
+                    role: PartRole::Recurrent,
+                    range: start..bytes.len(),
+                    payload: ParsedPayload {
+                        layout: Layout::Seed,
+                        streams: vec![stream],
+                        len: c.pos,
+                        ext: CellExt::None,
+                    },
+                })
+            }
+            Ok(_) => {
+                last_err = Some(KvError::InvalidState(format!(
+                    "recurrent part: {} trailing bytes with {blocks} layer blocks",
+                    c.remaining()
+                )))
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| {
+        KvError::InvalidState("recurrent part: n_layer 0 declares no layer".into())
+    }))
+}
+
+/// Every way `bytes` parses as the payload of one memory under `layouts` (the layouts a file
+/// version allows for KV caches). Single memories come first; iSWA and hybrid shapes are tried
+/// only for layouts with a stream prefix (the seed era wrote neither). Errors of shapes that do
+/// not fit are returned with their names.
+pub fn parse_parts<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layouts: &[Layout],
+) -> (Vec<Parts>, Vec<String>) {
+    parse_parts_with(bytes, layouts, CellExt::None)
+}
+
+/// [`parse_parts`] of a payload whose KV cells carry the extension `ext` (in layouts with a
+/// stream prefix; the seed's layout and recurrent memories never carry one).
+pub fn parse_parts_with<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layouts: &[Layout],
+    ext: CellExt,
+) -> (Vec<Parts>, Vec<String>) {
+    let mut fits = Vec::new();
+    let mut errors = Vec::new();
+    let mut note = |what: String, r: Result<Parts>| match r {
+        Ok(p) => fits.push(p),
+        Err(e) => errors.push(format!("{what}: {e}")),
+    };
+    // a stream-less payload is a recurrent memory once the version's KV caches all have the
+    // stream prefix; before, it may also be a seed-era KV cache (the caller decides)
+    let streams_only = !layouts.contains(&Layout::Streams);
+    for &layout in layouts {
+        if !ext.is_none() && !layout.has_stream_prefix() {
+            continue;
+        }
+        let format = (layout, ext);
+        note(
+            format!("{layout}"),
+            kv_part(bytes, 0, format, PartRole::Whole, true).map(|mut p| {
+                if streams_only && !layout.has_stream_prefix() {
+                    p.kind = PartKind::Recurrent;
+                }
+                Parts {
+                    memory: if p.kind == PartKind::Recurrent {
+                        MemoryKind::Recurrent
+                    } else {
+                        MemoryKind::Unified
+                    },
+                    parts: vec![p],
+                }
+            }),
+        );
+        if !layout.has_stream_prefix() {
+            continue;
+        }
+        note(
+            format!("iswa ({layout})"),
+            kv_part(bytes, 0, format, PartRole::Base, false).and_then(|base| {
+                let swa = kv_part(bytes, base.range.end, format, PartRole::Swa, true)?;
+                Ok(Parts {
+                    memory: MemoryKind::Iswa,
+                    parts: vec![base, swa],
+                })
+            }),
+        );
+        note(
+            format!("hybrid ({layout})"),
+            kv_part(bytes, 0, format, PartRole::Attention, false).and_then(|attn| {
+                let recr = recurrent_tail(bytes, attn.range.end)?;
+                Ok(Parts {
+                    memory: MemoryKind::Hybrid,
+                    parts: vec![attn, recr],
+                })
+            }),
+        );
+    }
+    // empty streams read the same with and without the rotation fields: keep one reading
+    if layouts.contains(&Layout::Streams) {
+        let empty_rot = |p: &Parts| {
+            p.parts
+                .iter()
+                .all(|x| x.payload.layout == Layout::StreamsRot && x.payload.has_no_data_header())
+        };
+        fits.retain(|p| !empty_rot(p));
+    }
+    (fits, errors)
+}
+
+/// The layouts a file version writes its KV caches in: session 11 / sequence 4 (llama.cpp
+/// 0.1.161) record the rotation; 9, 10 / 2, 3 are the seed's layout or the streams layout.
+/// Recurrent memories have no stream prefix in any version: their payload parses as the
+/// seed's layout.
+pub fn layouts_for_version(rotation_recorded: bool) -> &'static [Layout] {
+    if rotation_recorded {
+        &[Layout::StreamsRot, Layout::Seed]
+    } else {
+        &[Layout::Seed, Layout::Streams]
+    }
+}

@@ -1,0 +1,654 @@
+//! Where the K and V tensors live: a byte-addressed buffer interface, host memory behind it, and
+//! the per-layer tensor geometry (row sizes, the transposed-V layout).
+
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::tensors::transpose::{transpose, Shape};
+
+/// Where a buffer's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// Host memory.
+    Host,
+    /// CUDA device memory on the given ordinal.
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Host => f.write_str("host"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// One tensor's bytes. Offsets and lengths are in bytes; callers check bounds first, and
+/// implementations return an error rather than panic if they are wrong anyway.
+pub trait KvBuffer: Send + Sync {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// Whether the buffer holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the bytes live.
+    fn device(&self) -> Device;
+    /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` into the buffer at `offset`.
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies `len` bytes from `src` to `dst` inside the buffer (ranges may overlap).
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()>;
+    /// Sets every byte to zero.
+    fn fill_zero(&mut self) -> Result<()>;
+    /// Bytes this buffer keeps in memory: all of them, except for a host buffer never written
+    /// since it was created (the OS has not committed its zero pages).
+    fn resident_bytes(&self) -> usize {
+        self.len()
+    }
+    /// `rows` strided copies inside the buffer: row `r` copies `width` bytes from
+    /// `src + r * pitch` to `dst + r * pitch`. Transposed V moves are this shape; a device backend
+    /// can do it as one 2D copy.
+    fn copy_within_2d(
+        &mut self,
+        src: usize,
+        dst: usize,
+        width: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<()> {
+        for r in 0..rows {
+            self.copy_within(src + r * pitch, dst + r * pitch, width)?;
+        }
+        Ok(())
+    }
+    /// Reads `rows` strided pieces of `width` bytes (`offset + r * pitch`) into `dst`, packed.
+    fn read_2d(&self, offset: usize, width: usize, pitch: usize, dst: &mut [u8]) -> Result<()> {
+        for (r, chunk) in dst.chunks_exact_mut(width.max(1)).enumerate() {
+            self.read(offset + r * pitch, chunk)?;
+        }
+        Ok(())
+    }
+    /// Writes packed `src` as strided pieces of `width` bytes at `offset + r * pitch`.
+    fn write_2d(&mut self, offset: usize, width: usize, pitch: usize, src: &[u8]) -> Result<()> {
+        for (r, chunk) in src.chunks_exact(width.max(1)).enumerate() {
+            self.write(offset + r * pitch, chunk)?;
+        }
+        Ok(())
+    }
+    /// The bytes, when they are in host memory (fast paths skip the copy through `read`).
+    fn as_host(&self) -> Option<&[u8]> {
+        None
+    }
+    /// Mutable host bytes, when they are in host memory.
+    fn as_host_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+    /// The concrete buffer, for backends with fast paths of their own (the CUDA K-shift).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+}
+
+/// A zero-initialised buffer in host memory.
+pub struct HostBuffer {
+    bytes: Vec<u8>,
+    /// Nothing was written since the buffer was allocated or zeroed: the zero pages the OS
+    /// handed out lazily need not be touched to zero them again.
+    zero: bool,
+    /// Something was written since the buffer was allocated: the OS committed its pages
+    /// (zeroing keeps them, for the next writes).
+    committed: bool,
+}
+
+impl HostBuffer {
+    /// Allocates `len` zero bytes (calloc: the OS maps zero pages on first touch), reporting
+    /// allocation failure as an error instead of aborting.
+    pub fn new(len: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer {
+            bytes: crate::alloc::zeroed(len, "a tensor in host memory")?,
+            zero: true,
+            committed: false,
+        })
+    }
+}
+
+fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(KvError::OutOfRange(format!(
+            "{what} of {len} bytes at offset {offset} exceeds the buffer size {size}"
+        ))),
+    }
+}
+
+impl HostBuffer {
+    /// Marks the buffer written.
+    fn touch(&mut self) {
+        self.zero = false;
+        self.committed = true;
+    }
+}
+
+impl KvBuffer for HostBuffer {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn device(&self) -> Device {
+        Device::Host
+    }
+
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        check_range("read", offset, dst.len(), self.bytes.len())?;
+        dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        check_range("write", offset, src.len(), self.bytes.len())?;
+        self.touch();
+        self.bytes[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
+        check_range("copy source", src, len, self.bytes.len())?;
+        check_range("copy destination", dst, len, self.bytes.len())?;
+        self.touch();
+        self.bytes.copy_within(src..src + len, dst);
+        Ok(())
+    }
+
+    fn fill_zero(&mut self) -> Result<()> {
+        if !self.zero {
+            self.bytes.fill(0);
+            self.zero = true;
+        }
+        Ok(())
+    }
+
+    fn resident_bytes(&self) -> usize {
+        if self.committed {
+            self.bytes.len()
+        } else {
+            0
+        }
+    }
+
+    fn as_host(&self) -> Option<&[u8]> {
+        Some(&self.bytes)
+    }
+
+    fn as_host_mut(&mut self) -> Option<&mut [u8]> {
+        self.touch();
+        Some(&mut self.bytes)
+    }
+}
+
+/// Allocates the buffer of one tensor: `(layer, is_v, bytes) -> buffer`. Lets a cache put layers
+/// on different devices.
+pub type Allocator<'a> = dyn FnMut(usize, bool, usize) -> Result<Box<dyn KvBuffer>> + 'a;
+
+/// The host allocator.
+pub fn host_allocator(_layer: usize, _is_v: bool, len: usize) -> Result<Box<dyn KvBuffer>> {
+    Ok(Box::new(HostBuffer::new(len)?))
+}
+
+/// The K and V tensors of one layer and their geometry.
+pub struct LayerTensors {
+    /// K: one row of `k_row` bytes per cell.
+    pub k: Box<dyn KvBuffer>,
+    /// V: one row per cell, or transposed (`n_embd_v` rows of `size` elements).
+    pub v: Box<dyn KvBuffer>,
+    /// K width in elements (`n_embd_k_gqa + n_embd_k_s`).
+    pub n_embd_k: usize,
+    /// V width in elements (`n_embd_v_gqa + n_embd_v_s`).
+    pub n_embd_v: usize,
+    /// Bytes of one K row.
+    pub k_row: usize,
+    /// Bytes of one V row (untransposed).
+    pub v_row: usize,
+}
+
+/// Which of a layer's two tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tensor {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+impl std::fmt::Display for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Tensor::K => "K",
+            Tensor::V => "V",
+        })
+    }
+}
+
+/// Geometry shared by all layers of a cache, needed to address V.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    /// Cells in the cache.
+    pub size: usize,
+    /// V stored transposed.
+    pub v_trans: bool,
+    /// Element size of V (the type size; transposed V is never quantized).
+    pub v_el: usize,
+}
+
+impl LayerTensors {
+    /// Allocates the tensors of layer `il`.
+    pub fn allocate(
+        il: usize,
+        n_embd_k: usize,
+        n_embd_v: usize,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        size: usize,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<LayerTensors> {
+        let k_row = type_k.row_size(n_embd_k)?;
+        let v_row = type_v.row_size(n_embd_v)?;
+        let too_big = || KvError::InvalidArg(format!("layer {il}: tensor size overflows"));
+        let k = alloc(il, false, k_row.checked_mul(size).ok_or_else(too_big)?)?;
+        let v = alloc(il, true, v_row.checked_mul(size).ok_or_else(too_big)?)?;
+        Ok(LayerTensors {
+            k,
+            v,
+            n_embd_k,
+            n_embd_v,
+            k_row,
+            v_row,
+        })
+    }
+
+    /// Row size in bytes of `which`.
+    pub fn row_size(&self, which: Tensor) -> usize {
+        match which {
+            Tensor::K => self.k_row,
+            Tensor::V => self.v_row,
+        }
+    }
+
+    /// Reads the rows of cells `[first, first + n)` of `which`, one packed row per cell
+    /// (transposed V is gathered back into rows).
+    pub fn read_rows(&self, which: Tensor, lay: Layout, first: usize, n: usize) -> Result<Vec<u8>> {
+        let row = self.row_size(which);
+        let mut out = crate::alloc::zeroed(row * n, "the rows read")?;
+        if which == Tensor::V && lay.v_trans && n > 0 {
+            // one strided read of the n_embd_v element runs (one 2D copy on a device), then a
+            // transpose into rows on the host
+            let el = lay.v_el;
+            let mut columns = crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns read")?;
+            self.v
+                .read_2d(first * el, n * el, lay.size * el, &mut columns)?;
+            let shape = Shape {
+                rows: self.n_embd_v,
+                cols: n,
+                el,
+                src_stride: n * el,
+                dst_stride: row,
+            };
+            transpose(&columns, &mut out, shape);
+        } else {
+            self.buffer(which).read(first * row, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes packed rows (one per cell) to cells `[first, first + rows.len() / row)`.
+    pub fn write_rows(
+        &mut self,
+        which: Tensor,
+        lay: Layout,
+        first: usize,
+        rows: &[u8],
+    ) -> Result<()> {
+        let row = self.row_size(which);
+        let n = rows.len() / row;
+        if which == Tensor::V && lay.v_trans {
+            let el = lay.v_el;
+            let mut columns =
+                crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns written")?;
+            let shape = Shape {
+                rows: n,
+                cols: self.n_embd_v,
+                el,
+                src_stride: row,
+                dst_stride: n * el,
+            };
+            transpose(rows, &mut columns, shape);
+            self.v
+                .write_2d(first * el, n * el, lay.size * el, &columns)?;
+            Ok(())
+        } else {
+            self.buffer_mut(which).write(first * row, rows)
+        }
+    }
+
+    /// Applies runs of cell moves, in order, to both tensors. In host memory the transposed V
+    /// is processed row by row (each row stays in cache while every run moves through it)
+    /// instead of run by run over the whole tensor.
+    pub fn apply_moves(&mut self, lay: Layout, moves: &[(usize, usize, usize)]) -> Result<()> {
+        let (k_row, v_row) = (self.k_row, self.v_row);
+        move_rows(self.k.as_mut(), k_row, moves)?;
+        if !lay.v_trans {
+            return move_rows(self.v.as_mut(), v_row, moves);
+        }
+        let el = lay.v_el;
+        let row_bytes = lay.size * el;
+        match self.v.as_host_mut() {
+            Some(bytes) => {
+                let (len, want) = (bytes.len(), row_bytes * self.n_embd_v);
+                let rows = bytes.get_mut(..want).ok_or_else(|| {
+                    KvError::OutOfRange(format!(
+                        "transposed V of {len} bytes is shorter than {} rows of {row_bytes}",
+                        self.n_embd_v
+                    ))
+                })?;
+                match el {
+                    2 => move_transposed::<2>(rows, row_bytes, moves),
+                    4 => move_transposed::<4>(rows, row_bytes, moves),
+                    _ => {
+                        for row in rows.chunks_exact_mut(row_bytes) {
+                            for &(src, dst, n) in moves {
+                                row.copy_within(src * el..(src + n) * el, dst * el);
+                            }
+                        }
+                        Ok(())
+                    }
+                }
+            }
+            None => {
+                for &(src, dst, n) in moves {
+                    self.v
+                        .copy_within_2d(src * el, dst * el, n * el, row_bytes, self.n_embd_v)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The buffer of `which`.
+    pub fn buffer(&self, which: Tensor) -> &dyn KvBuffer {
+        match which {
+            Tensor::K => self.k.as_ref(),
+            Tensor::V => self.v.as_ref(),
+        }
+    }
+
+    /// The buffer of `which`, mutable.
+    pub fn buffer_mut(&mut self, which: Tensor) -> &mut dyn KvBuffer {
+        match which {
+            Tensor::K => self.k.as_mut(),
+            Tensor::V => self.v.as_mut(),
+        }
+    }
+}
+
+/// Moves runs of whole rows inside one buffer.
+fn move_rows(buf: &mut dyn KvBuffer, row: usize, moves: &[(usize, usize, usize)]) -> Result<()> {
+    if let Some(bytes) = buf.as_host_mut() {
+        for &(src, dst, n) in moves {
+            bytes.copy_within(src * row..(src + n) * row, dst * row);
+        }
+        return Ok(());
+    }
+    for &(src, dst, n) in moves {
+        buf.copy_within(src * row, dst * row, n * row)?;
+    }
+    Ok(())
+}
+
+/// Runs of this many cells or fewer are moved element by element in a transposed V: a
+/// fragmented cache moves many single cells, and a `memmove` call per 2-byte element costs far
+/// more than the copy.
+const SHORT_RUN: usize = 8;
+
+/// Rows of a transposed V moved together: each element move of the plan is applied to all of
+/// them before the next, so the plan is read once per group instead of once per row.
+const ROWS_PER_PASS: usize = 4;
+
+/// One step of a transposed-V move plan, the same for every row.
+enum VStep {
+    /// Element copies `pairs[range]`, each `(source byte, destination byte)` of an `N`-byte
+    /// element.
+    Elements(std::ops::Range<usize>),
+    /// `copy_within(src..src + len, dst)`, in bytes: a long run, or one that overlaps itself
+    /// moving up.
+    Span(usize, usize, usize),
+}
+
+/// Applies `moves` (in cells, in order) to every row of a transposed V whose elements are `N`
+/// bytes (`rows`: whole rows of `row_bytes`). The moves are checked against the row once and
+/// turned into one plan of byte offsets; then rows are processed [`ROWS_PER_PASS`] at a time,
+/// every step of the plan on each row of the group, in plan order, so each row sees exactly
+/// the copies, in the order, of applying the moves to it alone.
+fn move_transposed<const N: usize>(
+    rows: &mut [u8],
+    row_bytes: usize,
+    moves: &[(usize, usize, usize)],
+) -> Result<()> {
+    let size = row_bytes / N;
+    let mut pairs: Vec<(usize, usize)> = Vec::new();
+    let mut steps: Vec<VStep> = Vec::new();
+    for &(src, dst, n) in moves {
+        let fits = |at: usize| at.checked_add(n).is_some_and(|end| end <= size);
+        if !fits(src) || !fits(dst) {
+            return Err(KvError::OutOfRange(format!(
+                "move of {n} cells from {src} to {dst} exceeds the {size} cells of a V row"
+            )));
+        }
+        if n <= SHORT_RUN && (dst <= src || src + n <= dst) {
+            let first = pairs.len();
+            pairs.extend((0..n).map(|k| ((src + k) * N, (dst + k) * N)));
+            match steps.last_mut() {
+                Some(VStep::Elements(range)) => range.end = pairs.len(),
+                _ => steps.push(VStep::Elements(first..pairs.len())),
+            }
+        } else {
+            steps.push(VStep::Span(src * N, dst * N, n * N));
+        }
+    }
+    for group in rows.chunks_mut(ROWS_PER_PASS * row_bytes) {
+        let n_rows = group.len() / row_bytes;
+        for step in &steps {
+            match step {
+                VStep::Span(src, dst, len) => {
+                    for row in group.chunks_exact_mut(row_bytes) {
+                        row.copy_within(*src..*src + *len, *dst);
+                    }
+                }
+                // SAFETY: every pair's source and destination element lies inside a row
+                // (checked above: both runs end within `size` elements of `N` bytes, so
+                // offset + N <= row_bytes), and row r < n_rows of the group starts at
+                // r * row_bytes inside `group`; reads and writes are unaligned-safe.
+                VStep::Elements(range) => unsafe {
+                    copy_elements::<N>(group.as_mut_ptr(), row_bytes, n_rows, &pairs[range.clone()])
+                },
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies each `(source, destination)` element of `pairs` in `n_rows` rows at `base`,
+/// `row_bytes` apart: pair by pair, all rows of the group for each pair.
+///
+/// # Safety
+/// `base` is valid for reads and writes of `n_rows * row_bytes` bytes, and every offset in
+/// `pairs` plus `N` is at most `row_bytes`.
+#[inline]
+unsafe fn copy_elements<const N: usize>(
+    base: *mut u8,
+    row_bytes: usize,
+    n_rows: usize,
+    pairs: &[(usize, usize)],
+) {
+    if n_rows == ROWS_PER_PASS {
+        // a full group: the row loop has a constant count, so it unrolls
+        for &(src, dst) in pairs {
+            for r in 0..ROWS_PER_PASS {
+                unsafe {
+                    let row = base.add(r * row_bytes);
+                    let e = std::ptr::read_unaligned(row.add(src).cast::<[u8; N]>());
+                    std::ptr::write_unaligned(row.add(dst).cast::<[u8; N]>(), e);
+                }
+            }
+        }
+        return;
+    }
+    for r in 0..n_rows {
+        for &(src, dst) in pairs {
+            unsafe {
+                let row = base.add(r * row_bytes);
+                let e = std::ptr::read_unaligned(row.add(src).cast::<[u8; N]>());
+                std::ptr::write_unaligned(row.add(dst).cast::<[u8; N]>(), e);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(v_trans: bool) -> (LayerTensors, Layout) {
+        let lay = Layout {
+            size: 4,
+            v_trans,
+            v_el: 2,
+        };
+        let l = LayerTensors::allocate(
+            0,
+            2,
+            3,
+            GgmlType::F16,
+            GgmlType::F16,
+            4,
+            &mut host_allocator,
+        )
+        .unwrap();
+        (l, lay)
+    }
+
+    #[test]
+    fn transposed_v_round_trips_rows_and_lays_columns_out() {
+        let (mut l, lay) = layer(true);
+        let rows: Vec<u8> = (1..=12).collect(); // 2 cells x 3 elements x 2 bytes
+        l.write_rows(Tensor::V, lay, 1, &rows).unwrap();
+        assert_eq!(l.read_rows(Tensor::V, lay, 1, 2).unwrap(), rows);
+        let raw = l.v.as_host().unwrap();
+        // element j of cell c sits at (c + j * size) * el
+        assert_eq!(&raw[2..4], &[1, 2]); // cell 1, j 0
+        assert_eq!(&raw[4..6], &[7, 8]); // cell 2, j 0
+        assert_eq!(&raw[(1 + 4) * 2..(1 + 4) * 2 + 2], &[3, 4]); // cell 1, j 1
+    }
+
+    #[test]
+    fn regression_reading_zero_transposed_v_rows_is_empty_not_a_panic() {
+        // readV(layer, first, 0) panicked in the column split (a zero chunk size) and reached JS
+        // as ERR_KV_INTERNAL
+        let (l, lay) = layer(true);
+        assert_eq!(l.read_rows(Tensor::V, lay, 2, 0).unwrap(), Vec::<u8>::new());
+    }
+
+    #[test]
+    fn move_cells_moves_both_layouts() {
+        for v_trans in [false, true] {
+            let (mut l, lay) = layer(v_trans);
+            let rows: Vec<u8> = (1..=6).collect();
+            l.write_rows(Tensor::V, lay, 3, &rows).unwrap();
+            l.write_rows(Tensor::K, lay, 3, &[9, 9, 9, 9]).unwrap();
+            l.apply_moves(lay, &[(3, 0, 1)]).unwrap();
+            assert_eq!(l.read_rows(Tensor::V, lay, 0, 1).unwrap(), rows);
+            assert_eq!(l.read_rows(Tensor::K, lay, 0, 1).unwrap(), vec![9, 9, 9, 9]);
+        }
+    }
+
+    /// The plain definition of a transposed-V move: every row, every move in order, one
+    /// `copy_within` each.
+    fn move_row_by_row(
+        rows: &mut [u8],
+        row_bytes: usize,
+        el: usize,
+        moves: &[(usize, usize, usize)],
+    ) {
+        for row in rows.chunks_exact_mut(row_bytes) {
+            for &(src, dst, n) in moves {
+                row.copy_within(src * el..(src + n) * el, dst * el);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Any moves (short and long runs, up and down, self-overlapping, chained: a later move
+        /// reading what an earlier one wrote), rows not a multiple of a group: the grouped
+        /// element plan leaves every row as applying the moves to it one by one does.
+        #[test]
+        fn transposed_moves_match_moving_row_by_row(
+            size in 1usize..300,
+            n_rows in 1usize..11,
+            el4 in proptest::bool::ANY,
+            raw in proptest::collection::vec((0usize..1000, 0usize..1000, 1usize..40), 0..60),
+        ) {
+            let el = if el4 { 4 } else { 2 };
+            let moves: Vec<(usize, usize, usize)> = raw
+                .into_iter()
+                .map(|(s, d, n)| {
+                    let n = if n > 12 { n % 12 + 1 } else { n }.min(size);
+                    (s % (size - n + 1), d % (size - n + 1), n)
+                })
+                .collect();
+            let row_bytes = size * el;
+            let mut want: Vec<u8> = (0..n_rows * row_bytes).map(|i| (i * 7 + i / 251) as u8).collect();
+            let mut got = want.clone();
+            move_row_by_row(&mut want, row_bytes, el, &moves);
+            if el4 {
+                move_transposed::<4>(&mut got, row_bytes, &moves).unwrap();
+            } else {
+                move_transposed::<2>(&mut got, row_bytes, &moves).unwrap();
+            }
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn a_transposed_move_past_the_row_is_an_error_not_a_panic() {
+        let mut rows = vec![0u8; 2 * 8 * 2];
+        for moves in [
+            [(7, 0, 2)],
+            [(0, 7, 2)],
+            [(usize::MAX, 0, 1)],
+            [(0, 0, usize::MAX)],
+        ] {
+            let err = move_transposed::<2>(&mut rows, 16, &moves).unwrap_err();
+            assert!(matches!(err, KvError::OutOfRange(_)), "{moves:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_buffer_is_resident_once_written_and_stays_so_after_zeroing() {
+        let mut b = HostBuffer::new(1 << 16).unwrap();
+        assert_eq!(b.resident_bytes(), 0, "calloc'd pages are not committed");
+        b.fill_zero().unwrap();
+        assert_eq!(b.resident_bytes(), 0);
+        b.write(100, &[1, 2]).unwrap();
+        assert_eq!(b.resident_bytes(), 1 << 16);
+        b.fill_zero().unwrap();
+        assert_eq!(b.resident_bytes(), 1 << 16, "zeroed in place");
+        assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn out_of_range_is_an_error() {
+        let mut b = HostBuffer::new(8).unwrap();
+        assert!(b.write(6, &[0; 4]).is_err());
+        assert!(b.copy_within(0, usize::MAX, 2).is_err());
+    }
+}
