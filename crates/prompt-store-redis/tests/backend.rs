@@ -6,7 +6,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::server::{cut_client_connections, pause_clients, AclUser, RedisServer, ServerOptions};
+use common::server::{
+    cut_client_connections, pause_clients, pause_writes, unpause, AclUser, RedisServer,
+    ServerOptions,
+};
 use prompt_store::{Backend, Key, MemoryBackend, StoreError, TieredBackend};
 use prompt_store_redis::{RedisBackend, RedisOptions};
 
@@ -296,19 +299,19 @@ fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block
     let (keys, values) = blocks(96, 1 << 20);
     let entries = entries(&keys, &values);
     let mut admin = server.connection();
+    // writes are held by the server, so the put is surely in flight when its connection is
+    // cut, however slowly the machine runs it (regression: under load the 96 MiB pipeline
+    // could finish before the first cut, and the put succeeded)
+    pause_writes(&mut admin, 10_000);
     let result = std::thread::scope(|scope| {
         let put = scope.spawn(|| store.put_many(&entries));
-        // kill every other client connection while the 96 MiB pipeline is in flight, twice
-        // (the first put may be retried on a fresh connection)
-        for _ in 0..40 {
+        while !put.is_finished() {
             std::thread::sleep(Duration::from_millis(15));
             cut_client_connections(&mut admin);
-            if put.is_finished() {
-                break;
-            }
         }
         put.join().unwrap()
     });
+    unpause(&mut admin);
     assert!(
         matches!(result, Err(StoreError::Unavailable(_))),
         "{:?}",

@@ -270,6 +270,25 @@ pub fn pause_clients(admin: &mut redis::Connection, ms: u64) {
         .expect("CLIENT PAUSE");
 }
 
+/// `CLIENT PAUSE ms WRITE`: the server reads requests but holds the answers to writes, while
+/// other commands (an admin's `CLIENT KILL`) still run; `CLIENT UNPAUSE` ends it.
+pub fn pause_writes(admin: &mut redis::Connection, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("WRITE")
+        .query(admin)
+        .expect("CLIENT PAUSE WRITE");
+}
+
+/// `CLIENT UNPAUSE`.
+pub fn unpause(admin: &mut redis::Connection) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query(admin)
+        .expect("CLIENT UNPAUSE");
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
