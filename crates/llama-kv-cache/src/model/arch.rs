@@ -47,6 +47,12 @@ pub fn is_recurrent(arch: &str) -> bool {
     RECURRENT.contains(&arch)
 }
 
+/// Whether the architecture's recurrent state is RWKV's (token shift and WKV state) rather than
+/// a state-space model's (convolution and SSM state).
+pub fn is_rwkv(arch: &str) -> bool {
+    matches!(arch, "rwkv6" | "rwkv6qwen2" | "rwkv7" | "arwkv7")
+}
+
 /// Whether the architecture mixes attention layers with recurrent ones.
 pub fn is_hybrid(arch: &str) -> bool {
     HYBRID.contains(&arch)

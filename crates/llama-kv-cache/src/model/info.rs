@@ -530,7 +530,7 @@ impl ModelInfo {
             })
             .collect::<Result<Vec<LayerGeometry>>>()?;
 
-        let recurrent = if arch.starts_with("rwkv") || arch == "arwkv7" {
+        let recurrent = if arch::is_rwkv(&arch) {
             let wkv = k.u32_req("wkv.head_size")?;
             let shift = k.u32_opt("token_shift_count")?.unwrap_or(2);
             Some(RecurrentInfo {
@@ -540,7 +540,7 @@ impl ModelInfo {
                 n_embd_v_s: mul(n_embd, wkv, "RWKV wkv state width")?,
                 ..Default::default()
             })
-        } else if arch.starts_with("mamba") || arch::is_hybrid(&arch) {
+        } else if arch::is_recurrent(&arch) || arch::is_hybrid(&arch) {
             let get = |s: &str| -> Result<u32> {
                 if arch::is_recurrent(&arch) {
                     k.u32_req(s)
