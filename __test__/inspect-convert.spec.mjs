@@ -140,25 +140,47 @@ test('convertStateFile streams: converting a 256 MiB file to q8_0 K grows RSS by
   fs.rmSync(dir, { recursive: true })
 })
 
-test('CLI convert draws a progress bar on a terminal and nothing on a pipe', (t) => {
-  const cli = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
+const CLI = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
+const T161_H16 = path.join(FIXTURES, 't161', 't161-h16-f16.ggsn')
+
+/** What convertStateFile itself writes for `src` at `version`: the CLI must write the same bytes. */
+function convertedBytes(src, version) {
+  const { convertStateFile } = require('../index.js')
   const dir = tmp()
-  const src = path.join(FIXTURES, 't161', 't161-h16-f16.ggsn')
-  const piped = spawnSync(process.execPath, [cli, 'convert', src, path.join(dir, 'a.ggsn'), '--version', '10'], { encoding: 'utf8' })
+  const out = path.join(dir, 'expected.ggsn')
+  convertStateFile(src, out, { version })
+  const bytes = fs.readFileSync(out)
+  fs.rmSync(dir, { recursive: true })
+  return bytes
+}
+
+test('CLI convert prints only the output path on a pipe, no progress bar', (t) => {
+  const dir = tmp()
+  const piped = spawnSync(process.execPath, [CLI, 'convert', T161_H16, path.join(dir, 'a.ggsn'), '--version', '10'], { encoding: 'utf8' })
   t.is(piped.status, 0, piped.stderr)
   t.is(piped.stderr, '')
   t.is(piped.stdout.trim(), path.join(dir, 'a.ggsn'))
-  // util-linux `script` runs the command on a pseudo-terminal
+  t.deepEqual(fs.readFileSync(path.join(dir, 'a.ggsn')), convertedBytes(T161_H16, 10))
+  fs.rmSync(dir, { recursive: true })
+})
+
+// util-linux `script` (Debian's bsdutils, always installed there) runs the command on a pseudo-terminal;
+// BSD's and macOS's `script` take other arguments, Windows has none
+const TTY_TITLE = 'CLI convert draws a progress bar on a terminal (through script(1))'
+;(process.platform === 'linux'
+  ? test
+  : (title, fn) => test.skip(`${title}: skipped: needs util-linux script(1) for a pseudo-terminal, Linux only (this is ${process.platform})`, fn))(TTY_TITLE, (t) => {
+  const dir = tmp()
   const quote = (s) => `'${s.replace(/'/g, "'\\''")}'`
-  const cmd = [process.execPath, cli, 'convert', src, path.join(dir, 'b.ggsn'), '--version', '10'].map(quote).join(' ')
+  const cmd = [process.execPath, CLI, 'convert', T161_H16, path.join(dir, 'b.ggsn'), '--version', '10'].map(quote).join(' ')
   const tty = spawnSync('script', ['-qec', cmd, '/dev/null'], { encoding: 'utf8' })
   if (tty.error) {
-    t.log(`no script(1) here (${tty.error.code}): the terminal half is skipped`)
-  } else {
-    t.is(tty.status, 0, tty.stdout)
-    const size = fs.statSync(path.join(dir, 'b.ggsn')).size
-    t.regex(tty.stdout, new RegExp(`\\rb\\.ggsn \\[#{30}\\] ${size}/${size}`))
-    t.deepEqual(fs.readFileSync(path.join(dir, 'b.ggsn')), fs.readFileSync(path.join(dir, 'a.ggsn')))
+    t.fail(`script(1) cannot run here (${tty.error.code}): install it with \`apt-get install bsdutils\` (util-linux's script)`)
+    return
   }
+  t.is(tty.status, 0, tty.stdout)
+  const size = fs.statSync(path.join(dir, 'b.ggsn')).size
+  t.regex(tty.stdout, new RegExp(`\\rb\\.ggsn \\[#{30}\\] ${size}/${size}`))
+  t.deepEqual(fs.readFileSync(path.join(dir, 'b.ggsn')), convertedBytes(T161_H16, 10))
   fs.rmSync(dir, { recursive: true })
 })

@@ -2,8 +2,9 @@
 // b10257: ggsn 9 / ggsq 2) and node-llama-cpp 3.22.1 (llama.cpp v0.5.0: ggsq 3), and the peer continues them
 // with exactly the greedy tokens it produces from its own files (the `then_token` of the fixture sidecars).
 //
-// Setup (once; the spec installs nothing): see SETUP below or interop/README.md. KV_INTEROP=0 disables the
-// peer tests (one test then only checks that the variable is set).
+// Setup (once; the spec installs nothing): `node scripts/setup.mjs`, which `npm test` runs first (interop/README.md).
+// Without it the spec fails with one test naming that command; off linux-x64, where the pinned peer binaries
+// cannot run, it reports one skipped test saying so. Nothing turns the peer tests into passes.
 //
 // Each peer runs in a child process (interop/continue.mjs): llama.node 1.7.15 segfaults now and then, so a
 // run that dies by a signal is retried (up to 4 attempts); wrong tokens are never retried.

@@ -8,9 +8,10 @@
 //
 // Fixtures: __test__/fixtures/kshift-<case>.{pre,post}.ggsn + sidecars, made by `node interop/kshift-fixtures.mjs`
 // (see interop/kshift-lib.mjs for how llama.node is made to shift and what it does). The fixture comparisons need
-// only our addon. The peer tests need the interop setup (interop/README.md); the spec installs nothing: without it
-// they fail with the setup commands, unless KV_INTEROP=0. Peers run in child processes (interop/kshift-peer.mjs,
-// kshift-nlc.mjs, continue.mjs), at most 2 at a time; a llama.node run that dies by a signal is retried.
+// only our addon. The peer tests need the interop setup (`node scripts/setup.mjs`, run by `npm test` first); the
+// spec installs nothing: without it they fail naming that command (off linux-x64: one skipped test saying why).
+// Peers run in child processes (interop/kshift-peer.mjs, kshift-nlc.mjs, continue.mjs), at most 2 at a time; a
+// llama.node run that dies by a signal is retried.
 import test from 'ava'
 import fs from 'node:fs'
 import crypto from 'node:crypto'

@@ -1,8 +1,12 @@
 import test from 'ava'
+import path from 'node:path'
 import { createRequire } from 'node:module'
+import { fileURLToPath } from 'node:url'
+import { runScript } from './helpers/run-script.mjs'
 
 const require = createRequire(import.meta.url)
 const { KvCache } = require('../index.js')
+const DISPOSE_RSS = path.join(path.dirname(fileURLToPath(import.meta.url)), 'helpers', 'dispose-rss.mjs')
 
 const TYPES = ['f32', 'f16', 'bf16', 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'iq4_nl']
 const make = (o = {}) => new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 4, ...o })
@@ -256,13 +260,29 @@ test('view lists cells with pos + delta', (t) => {
   t.is(v.maxContiguousIdx, 3)
 })
 
-test('many caches can be created and disposed without leaking', (t) => {
-  for (let i = 0; i < 200; i++) {
-    const c = make({ size: 1024 })
-    c.findSlot(seq(0, 0, 16))
-    c.dispose()
-  }
-  t.pass()
+// Why this catches a leak: each round fills a 64 MiB cache (every cell placed, every K and V row written, so
+// all its calloc'd pages are resident; the child measures that a live filled cache does cost ~64-72 MiB of RSS)
+// and disposes it while keeping the object referenced, so only dispose() itself can give the memory back (no
+// finalizer can). The bound is two caches, 128 MiB: an allocator may keep one round's freed memory for the next
+// round instead of returning it (glibc does about half the time here: after the first free of an 8 MiB tensor it
+// raises its mmap threshold, later tensors come from its heap, and RSS then stays ~72 MiB higher, flat, for all
+// the remaining rounds). If dispose() freed nothing, the 50 measured rounds would add 50 x 64 MiB = 3.2 GiB, 25
+// times the bound (measured with the dispose() call taken out of the child: +3205 MiB); keeping even one cache
+// in ten would add 320 MiB.
+test('dispose() returns a filled 64 MiB cache at once: 50 rounds of fill + dispose, objects kept alive, grow RSS by under two caches (128 MiB), not 50', async (t) => {
+  const ROUNDS = 50
+  const BOUND_MIB = 128
+  const r = await runScript(DISPOSE_RSS, [ROUNDS, 5], ['--expose-gc'])
+  t.log(
+    `one filled cache: ${r.cacheMiB} MiB of tensors, +${r.liveGrowthMiB.toFixed(1)} MiB RSS while live; ` +
+      `${r.rounds} rounds after ${r.warmup} warm-up: RSS ${r.rssBeforeMiB.toFixed(1)} -> ${r.rssAfterMiB.toFixed(1)} MiB ` +
+      `(growth ${r.growthMiB.toFixed(1)} MiB, highest after a dispose ${r.peakGrowthMiB.toFixed(1)} MiB above the start), ${r.seconds.toFixed(1)} s`,
+  )
+  t.is(r.cacheMiB, 64)
+  t.true(r.liveGrowthMiB > 0.75 * r.cacheMiB, `a live filled cache must be resident for the check to mean anything: +${r.liveGrowthMiB} MiB`)
+  t.true(r.rounds * r.liveGrowthMiB > 20 * BOUND_MIB, 'a dispose() that freed nothing would exceed the bound many times over')
+  t.true(r.growthMiB < BOUND_MIB, `RSS grew by ${r.growthMiB} MiB over ${r.rounds} disposed caches`)
+  t.true(r.peakGrowthMiB < BOUND_MIB, `RSS after a dispose reached ${r.peakGrowthMiB} MiB above the start`)
 })
 
 test('without an NVIDIA driver CUDA is reported absent and refused cleanly', (t) => {

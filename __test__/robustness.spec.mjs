@@ -472,7 +472,11 @@ out.usable = c.usedCells === 0 && c.readK(0, 0, 4).length === 512
 console.log(JSON.stringify(out))
 `
 
-;(process.platform === 'linux' ? test : test.skip)('allocation failure under ulimit -v is ERR_KV_BACKEND, not an abort (issue 10.5)', (t) => {
+// Linux only: the child limits its address space with bash's `ulimit -v` and reads /proc/self/status
+const ULIMIT_TITLE = 'allocation failure under ulimit -v is ERR_KV_BACKEND, not an abort (issue 10.5)'
+;(process.platform === 'linux'
+  ? test
+  : (title, fn) => test.skip(`${title}: skipped: needs Linux's ulimit -v and /proc/self/status (this is ${process.platform})`, fn))(ULIMIT_TITLE, (t) => {
   const r = spawnSync('bash', ['-c', `ulimit -v 4000000 && exec "${process.execPath}" -e "$KV_SCRIPT"`], {
     env: { ...process.env, KV_SCRIPT: UNDER_LIMIT },
     encoding: 'utf8',

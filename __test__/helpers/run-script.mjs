@@ -1,10 +1,11 @@
 // Runs a helper script in its own Node process (a stand-in for another process or machine) and
 // resolves with the JSON it prints on its `@@RESULT ` line; rejects with its stderr otherwise.
+// `nodeArgs` go to node before the script (e.g. ['--expose-gc']).
 import { spawn } from 'node:child_process'
 
-export function runScript(script, args) {
+export function runScript(script, args, nodeArgs = []) {
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [script, ...args.map(String)], { stdio: ['ignore', 'pipe', 'pipe'] })
+    const child = spawn(process.execPath, [...nodeArgs, script, ...args.map(String)], { stdio: ['ignore', 'pipe', 'pipe'] })
     let out = ''
     let err = ''
     child.stdout.on('data', (d) => (out += d))

@@ -10,6 +10,8 @@ import { spawn, spawnSync } from 'node:child_process'
 
 /** The command that provides redis-server on Debian and Ubuntu (what `npm test`'s set-up runs). */
 export const INSTALL_HINT = 'apt-get install -y redis-server'
+/** The set-up command, which installs it when run as root (`npm test` runs it first, as pretest). */
+export const SETUP_HINT = 'node scripts/setup.mjs'
 
 function findBinary(name) {
   if (name === 'redis-server' && process.env.REDIS_SERVER) return process.env.REDIS_SERVER
@@ -23,7 +25,7 @@ function findBinary(name) {
 /** The redis-server binary, or throws naming the install command. */
 export function redisServerBinary() {
   const binary = findBinary('redis-server')
-  if (!binary) throw new Error(`redis-server is not installed; the Redis tests need it: run \`${INSTALL_HINT}\` (as root)`)
+  if (!binary) throw new Error(`redis-server is not installed; the Redis tests need it: run \`${SETUP_HINT}\` as root (npm test's pretest), or \`sudo ${INSTALL_HINT}\``)
   return binary
 }
 
@@ -114,7 +116,7 @@ export async function startRedis(options = {}) {
   const auth = options.requirepass ? ['--user', 'default', '--pass', options.requirepass, '--no-auth-warning'] : []
   const run = (args, input) => {
     const cli = findBinary('redis-cli')
-    if (!cli) throw new Error(`redis-cli is not installed: run \`${INSTALL_HINT}\` (as root)`)
+    if (!cli) throw new Error(`redis-cli is not installed: run \`${SETUP_HINT}\` as root (npm test's pretest), or \`sudo ${INSTALL_HINT}\``)
     const result = spawnSync(cli, ['-h', '127.0.0.1', '-p', String(port), ...auth, ...(input ? ['-x'] : []), ...args], { input })
     if (result.status !== 0) throw new Error(`redis-cli ${args.join(' ')}: ${result.stderr}`)
     return result.stdout
