@@ -17,6 +17,166 @@ export declare const __napiBindingTarget: 'native' | 'wasm32-wasi' | 'wasm32-was
  * queue in call order; while any is queued or running, synchronous calls throw `ERR_KV_BUSY`.
  */
 export declare class KvCache {
+  /**
+   * Removes `seqId` (-1: every sequence) from cells with positions in `[p0, p1)`; negative
+   * bounds are open. Returns false when a recurrent cache refuses a partial removal.
+   */
+  seqRm(seqId: number, p0?: number, p1?: number): boolean
+  /** Adds `dst` to the cells of `src` with positions in `[p0, p1)`. */
+  seqCp(src: number, dst: number, p0?: number, p1?: number): void
+  /** Frees every cell not owned by `seqId` and drops other sequences from the rest. */
+  seqKeep(seqId: number): void
+  /**
+   * Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+   * `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
+   */
+  seqAdd(seqId: number, p0: number, p1: number, delta: number): void
+  /**
+   * Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
+   * changes nothing, as in llama.cpp.
+   */
+  seqDiv(seqId: number, p0: number, p1: number, d: number): void
+  /** Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era. */
+  seqPosMax(seqId: number): number
+  /** Number of cells owned by `seqId`. */
+  seqCellCount(seqId: number): number
+  /** Frees every cell and zeroes the tensors. */
+  clear(): void
+  /** Places a ubatch (llama.cpp's `find_slot`). Returns null when it does not fit. */
+  findSlot(ubatch: UBatchInput): Slot | null
+  /**
+   * `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
+   * fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
+   * holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
+   * ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
+   * (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
+   * holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
+   * or null when the ubatch does not fit.
+   */
+  findSlotPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number): number | null
+  /**
+   * The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
+   * `findSlot`, `n` update, head advance. Returns null when it does not fit.
+   */
+  prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
+  /**
+   * `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
+   * for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
+   * null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
+   * the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
+   */
+  prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions): number | null
+  /**
+   * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
+   * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
+   * on a failed ubatch to roll them all back as the seed does.
+   */
+  slotRestorer(): SlotRestorer
+  /** Bytes `stateWrite(seqId, options)` will produce. */
+  stateSize(seqId?: number, options?: SaveOptions): number
+  /**
+   * The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
+   * format (`llama_state_seq_get_data`'s KV part), synchronously.
+   */
+  stateWriteSync(seqId?: number, options?: SaveOptions): Buffer
+  /** The KV state of sequence `seqId` (-1: the whole cache), on the threadpool. */
+  stateWrite(seqId?: number, options?: SaveOptions): Promise<Buffer>
+  /**
+   * Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of
+   * `buffer`, without allocating a copy, and returns its size in bytes (`stateSize`). Fails
+   * with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
+   */
+  stateWriteIntoSync(buffer: Uint8Array, seqId?: number, options?: SaveOptions): number
+  /** `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles. */
+  stateWriteInto(buffer: Uint8Array, seqId?: number, options?: SaveOptions): Promise<number>
+  /**
+   * Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
+   * Transactional: on any error the cache is exactly as before.
+   */
+  stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
+  /**
+   * Restores a state on the threadpool (transactional). `data` is read in place, without a
+   * copy: do not modify it until the promise settles.
+   */
+  stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
+  /**
+   * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
+   * atomically (a failed save leaves the previous file intact), synchronously.
+   */
+  saveSequenceFileSync(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  /** Saves a sequence file on the threadpool. */
+  saveSequenceFile(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  /**
+   * Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
+   * returns its tokens. Transactional.
+   */
+  loadSequenceFileSync(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): LoadedFile
+  /** Loads a sequence file on the threadpool. */
+  loadSequenceFile(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
+  /** Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically. */
+  saveSessionFileSync(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
+  /** Saves a session file on the threadpool. */
+  saveSessionFile(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
+  /** Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional. */
+  loadSessionFileSync(path: string | Uint8Array, options?: LoadOptions): LoadedFile
+  /** Loads a session file on the threadpool. */
+  loadSessionFile(path: string | Uint8Array, options?: LoadOptions): Promise<LoadedFile>
+  /**
+   * A Readable stream of the KV state of `seqId` (-1, the default: the whole cache): the
+   * bytes `stateWrite(seqId, options)` returns, copied chunk by chunk straight from the
+   * tensors, so a state of any size (above 4 GiB too, which no Buffer holds) streams with
+   * memory for a chunk or two. `size` is the total in bytes (null until the stream holds the
+   * cache). The stream holds the cache as an async call does until its last byte or until it
+   * is destroyed: it starts when the calls queued before it have settled, and meanwhile
+   * synchronous calls throw ERR_KV_BUSY and async calls wait. Needs Node.js 20.16 or later.
+   */
+  createStateReadStream(seqId?: number, options?: ReadStreamOptions): import('node:stream').Readable & { readonly size: number | null }
+  /**
+   * A Writable stream that loads a state (the bytes of `stateWrite`, or of a
+   * `createStateReadStream`) into sequence `seqId` (-1, the default: the whole cache) as it
+   * arrives: the header and cell metadata are kept until the cells are placed, every later
+   * byte goes straight to the tensors, so a state of any size loads with memory for a chunk
+   * or two. `result` holds the ReadResult once 'finish' is emitted. A load that fails
+   * (ERR_KV_* errors emitted on the stream), ends early, or is destroyed or aborted before
+   * 'finish' leaves the cells and every live cell's rows as they were (rows of cells that
+   * held data before are kept aside while the load runs). Holds the cache as
+   * `createStateReadStream` does. Needs Node.js 20.16 or later.
+   */
+  createStateWriteStream(seqId?: number, options?: WriteStreamOptions): import('node:stream').Writable & { readonly result: ReadResult | null }
+  /** Bytes of one row (one cell) of K or V in `layer`. */
+  rowSize(layer: number, tensor: 'k' | 'v'): number
+  /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */
+  readK(layer: number, firstCell: number, nCells: number): Buffer
+  /** Raw V rows (one row per cell, untransposed whatever the layout). */
+  readV(layer: number, firstCell: number, nCells: number): Buffer
+  /** Writes raw K rows from `firstCell` (length: a multiple of the row size). */
+  writeK(layer: number, firstCell: number, data: Uint8Array): void
+  /** Writes raw V rows (one row per cell; transposed on the way in when needed). */
+  writeV(layer: number, firstCell: number, data: Uint8Array): void
+  /** K rows as f32 (dequantized). */
+  readKF32(layer: number, firstCell: number, nCells: number): Float32Array
+  /** V rows as f32 (dequantized). */
+  readVF32(layer: number, firstCell: number, nCells: number): Float32Array
+  /** Writes f32 K rows, converted to the cache's type. */
+  writeKF32(layer: number, firstCell: number, values: Float32Array): void
+  /** Writes f32 V rows, converted to the cache's type. */
+  writeVF32(layer: number, firstCell: number, values: Float32Array): void
+  /** Schedules a defrag for the next `update`. */
+  defrag(): void
+  /** Fragmentation as llama.cpp measures it (0 when n < 2048). */
+  fragmentation(): number
+  /** Schedules a defrag when fragmentation exceeds `threshold`; returns whether it did. */
+  scheduleDefrag(threshold: number): boolean
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag, synchronously.
+   */
+  updateSync(options?: UpdateOptions): UpdateReport
+  /**
+   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
+   * `fromModel`) and a pending defrag on the threadpool.
+   */
+  update(options?: UpdateOptions): Promise<UpdateReport>
   /** Creates a cache with zeroed K/V tensors in host memory. */
   constructor(options: KvCacheOptions)
   /** Frees the tensors now. Any later call throws `ERR_KV_DISPOSED`; disposing twice is a no-op. */
@@ -75,172 +235,12 @@ export declare class KvCache {
   get sizeKBytes(): number
   /** Bytes of all V tensors. */
   get sizeVBytes(): number
-  /** Bytes of one row (one cell) of K or V in `layer`. */
-  rowSize(layer: number, tensor: 'k' | 'v'): number
-  /**
-   * Removes `seqId` (-1: every sequence) from cells with positions in `[p0, p1)`; negative
-   * bounds are open. Returns false when a recurrent cache refuses a partial removal.
-   */
-  seqRm(seqId: number, p0?: number, p1?: number): boolean
-  /** Adds `dst` to the cells of `src` with positions in `[p0, p1)`. */
-  seqCp(src: number, dst: number, p0?: number, p1?: number): void
-  /** Frees every cell not owned by `seqId` and drops other sequences from the rest. */
-  seqKeep(seqId: number): void
-  /**
-   * Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
-   * `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
-   */
-  seqAdd(seqId: number, p0: number, p1: number, delta: number): void
-  /**
-   * Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
-   * changes nothing, as in llama.cpp.
-   */
-  seqDiv(seqId: number, p0: number, p1: number, d: number): void
-  /** Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era. */
-  seqPosMax(seqId: number): number
-  /** Number of cells owned by `seqId`. */
-  seqCellCount(seqId: number): number
-  /** Frees every cell and zeroes the tensors. */
-  clear(): void
-  /** Schedules a defrag for the next `update`. */
-  defrag(): void
-  /** Fragmentation as llama.cpp measures it (0 when n < 2048). */
-  fragmentation(): number
-  /** Schedules a defrag when fragmentation exceeds `threshold`; returns whether it did. */
-  scheduleDefrag(threshold: number): boolean
-  /** Places a ubatch (llama.cpp's `find_slot`). Returns null when it does not fit. */
-  findSlot(ubatch: UBatchInput): Slot | null
-  /**
-   * `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
-   * fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
-   * holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
-   * ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
-   * (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
-   * holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
-   * or null when the ubatch does not fit.
-   */
-  findSlotPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number): number | null
-  /**
-   * The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
-   * `findSlot`, `n` update, head advance. Returns null when it does not fit.
-   */
-  prepareBatch(ubatch: UBatchInput, options?: PrepareBatchOptions): Slot | null
-  /**
-   * `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
-   * for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
-   * null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
-   * the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
-   */
-  prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions): number | null
-  /**
-   * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
-   * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
-   * on a failed ubatch to roll them all back as the seed does.
-   */
-  slotRestorer(): SlotRestorer
   /** Metadata of cell `index`. */
   cell(index: number): CellInfo
   /** Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call. */
   cells(): CellColumns
   /** A snapshot of every cell, listing at most `nSeqMax` (default 4) sequences per cell. */
   view(nSeqMax?: number): CacheView
-  /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */
-  readK(layer: number, firstCell: number, nCells: number): Buffer
-  /** Raw V rows (one row per cell, untransposed whatever the layout). */
-  readV(layer: number, firstCell: number, nCells: number): Buffer
-  /** Writes raw K rows from `firstCell` (length: a multiple of the row size). */
-  writeK(layer: number, firstCell: number, data: Uint8Array): void
-  /** Writes raw V rows (one row per cell; transposed on the way in when needed). */
-  writeV(layer: number, firstCell: number, data: Uint8Array): void
-  /** K rows as f32 (dequantized). */
-  readKF32(layer: number, firstCell: number, nCells: number): Float32Array
-  /** V rows as f32 (dequantized). */
-  readVF32(layer: number, firstCell: number, nCells: number): Float32Array
-  /** Writes f32 K rows, converted to the cache's type. */
-  writeKF32(layer: number, firstCell: number, values: Float32Array): void
-  /** Writes f32 V rows, converted to the cache's type. */
-  writeVF32(layer: number, firstCell: number, values: Float32Array): void
-  /**
-   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
-   * `fromModel`) and a pending defrag, synchronously.
-   */
-  updateSync(options?: UpdateOptions): UpdateReport
-  /**
-   * Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
-   * `fromModel`) and a pending defrag on the threadpool.
-   */
-  update(options?: UpdateOptions): Promise<UpdateReport>
-  /** Bytes `stateWrite(seqId, options)` will produce. */
-  stateSize(seqId?: number, options?: SaveOptions): number
-  /**
-   * The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
-   * format (`llama_state_seq_get_data`'s KV part), synchronously.
-   */
-  stateWriteSync(seqId?: number, options?: SaveOptions): Buffer
-  /** The KV state of sequence `seqId` (-1: the whole cache), on the threadpool. */
-  stateWrite(seqId?: number, options?: SaveOptions): Promise<Buffer>
-  /**
-   * Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of
-   * `buffer`, without allocating a copy, and returns its size in bytes (`stateSize`). Fails
-   * with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
-   */
-  stateWriteIntoSync(buffer: Uint8Array, seqId?: number, options?: SaveOptions): number
-  /** `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles. */
-  stateWriteInto(buffer: Uint8Array, seqId?: number, options?: SaveOptions): Promise<number>
-  /**
-   * Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
-   * Transactional: on any error the cache is exactly as before.
-   */
-  stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
-  /**
-   * Restores a state on the threadpool (transactional). `data` is read in place, without a
-   * copy: do not modify it until the promise settles.
-   */
-  stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
-  /**
-   * A Readable stream of the KV state of `seqId` (-1, the default: the whole cache): the
-   * bytes `stateWrite(seqId, options)` returns, copied chunk by chunk straight from the
-   * tensors, so a state of any size (above 4 GiB too, which no Buffer holds) streams with
-   * memory for a chunk or two. `size` is the total in bytes (null until the stream holds the
-   * cache). The stream holds the cache as an async call does until its last byte or until it
-   * is destroyed: it starts when the calls queued before it have settled, and meanwhile
-   * synchronous calls throw ERR_KV_BUSY and async calls wait. Needs Node.js 20.16 or later.
-   */
-  createStateReadStream(seqId?: number, options?: ReadStreamOptions): import('node:stream').Readable & { readonly size: number | null }
-  /**
-   * A Writable stream that loads a state (the bytes of `stateWrite`, or of a
-   * `createStateReadStream`) into sequence `seqId` (-1, the default: the whole cache) as it
-   * arrives: the header and cell metadata are kept until the cells are placed, every later
-   * byte goes straight to the tensors, so a state of any size loads with memory for a chunk
-   * or two. `result` holds the ReadResult once 'finish' is emitted. A load that fails
-   * (ERR_KV_* errors emitted on the stream), ends early, or is destroyed or aborted before
-   * 'finish' leaves the cells and every live cell's rows as they were (rows of cells that
-   * held data before are kept aside while the load runs). Holds the cache as
-   * `createStateReadStream` does. Needs Node.js 20.16 or later.
-   */
-  createStateWriteStream(seqId?: number, options?: WriteStreamOptions): import('node:stream').Writable & { readonly result: ReadResult | null }
-  /**
-   * Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
-   * atomically (a failed save leaves the previous file intact), synchronously.
-   */
-  saveSequenceFileSync(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
-  /** Saves a sequence file on the threadpool. */
-  saveSequenceFile(path: string | Uint8Array, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
-  /**
-   * Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
-   * returns its tokens. Transactional.
-   */
-  loadSequenceFileSync(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): LoadedFile
-  /** Loads a sequence file on the threadpool. */
-  loadSequenceFile(path: string | Uint8Array, destSeqId: number, options?: LoadOptions): Promise<LoadedFile>
-  /** Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically. */
-  saveSessionFileSync(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): void
-  /** Saves a session file on the threadpool. */
-  saveSessionFile(path: string | Uint8Array, tokens: ArrayLike<number> | Int32Array, options?: SaveOptions): Promise<void>
-  /** Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional. */
-  loadSessionFileSync(path: string | Uint8Array, options?: LoadOptions): LoadedFile
-  /** Loads a session file on the threadpool. */
-  loadSessionFile(path: string | Uint8Array, options?: LoadOptions): Promise<LoadedFile>
   /**
    * Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
    * that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`

@@ -1,6 +1,7 @@
 //! Argument wrappers whose conversion failures are coded errors. napi's own conversions fail
 //! with codes like `InvalidArg` or `NumberExpected` and messages like "Get TypedArray info
 //! failed"; these wrappers give `ERR_KV_INVALID_ARG` and say what was expected and what came.
+//! The number checks every conversion builds on live here too.
 
 use napi::bindgen_prelude::*;
 use napi::sys;
@@ -37,7 +38,7 @@ pub(crate) fn mismatch(env: sys::napi_env, value: sys::napi_value, expected: &st
     )
 }
 
-/// A JS number (validated further by `convert`).
+/// A JS number, validated by the checks below.
 pub struct Num(pub f64);
 
 impl FromNapiValue for Num {
@@ -49,6 +50,54 @@ impl FromNapiValue for Num {
         }
         Ok(Num(v))
     }
+}
+
+impl From<Num> for f64 {
+    fn from(n: Num) -> f64 {
+        n.0
+    }
+}
+
+/// An integer in `[min, max]`. JS numbers arrive as f64 so that NaN, fractions and
+/// out-of-range values are refused here, by name, instead of being truncated silently.
+pub fn int(name: impl std::fmt::Display, v: f64, min: i64, max: i64) -> JsResult<i64> {
+    if !v.is_finite() || v.fract() != 0.0 {
+        return Err(err(
+            Code::InvalidArg,
+            format!("{name} must be an integer, got {v}"),
+        ));
+    }
+    if v < min as f64 || v > max as f64 {
+        return Err(err(
+            Code::OutOfRange,
+            format!("{name} must be in [{min}, {max}], got {v}"),
+        ));
+    }
+    Ok(v as i64)
+}
+
+/// An i32 (positions, seq ids, deltas).
+pub fn i32v(name: &str, v: impl Into<f64>) -> JsResult<i32> {
+    Ok(int(name, v.into(), i32::MIN as i64, i32::MAX as i64)? as i32)
+}
+
+/// A u32 (cell indices, counts).
+pub fn u32v(name: impl std::fmt::Display, v: impl Into<f64>) -> JsResult<u32> {
+    Ok(int(name, v.into(), 0, u32::MAX as i64)? as u32)
+}
+
+/// An i32 whose name is built only when `v` is refused: per-token conversions call this once
+/// per value, and formatting every name up front cost more than the conversion.
+pub fn i32_named(name: impl FnOnce() -> String, v: f64) -> JsResult<i32> {
+    if v.fract() == 0.0 && v >= i32::MIN as f64 && v <= i32::MAX as f64 {
+        return Ok(v as i32);
+    }
+    i32v(&name(), v)
+}
+
+/// An optional i32 with a default.
+pub fn opt_i32(name: &str, v: Option<Num>, default: i32) -> JsResult<i32> {
+    v.map_or(Ok(default), |v| i32v(name, v))
 }
 
 /// Bytes from a Buffer or Uint8Array.
@@ -162,8 +211,8 @@ impl FromNapiValue for Tokens {
             .map_err(|_| mismatch(env, value, "an array of token ids or an Int32Array"))?;
         list.iter()
             .enumerate()
-            .map(|(i, &t)| crate::convert::i32_named(|| format!("tokens[{i}]"), t))
-            .collect::<Result<Vec<i32>, crate::error::Code>>()
+            .map(|(i, &t)| i32_named(|| format!("tokens[{i}]"), t))
+            .collect::<JsResult<Vec<i32>>>()
             .map(Tokens)
             .map_err(|e| coded_error(env, e))
     }

@@ -1,7 +1,7 @@
 //! Device selection: parses the `device` option and builds the matching allocator. CUDA
 //! support is compiled in by default (feature `cuda`) and loaded at run time.
 
-use llama_kv_cache::storage::{host_allocator, KvBuffer};
+use llama_kv_cache::tensors::storage::{host_allocator, KvBuffer};
 use llama_kv_cache::{Device, Result as CoreResult};
 use napi::bindgen_prelude::Either;
 
@@ -60,13 +60,15 @@ pub fn allocator(devices: Vec<Device>) -> JsResult<BoxedAllocator> {
 
 #[cfg(feature = "cuda")]
 fn cuda_allocator(devices: Vec<Device>) -> JsResult<BoxedAllocator> {
-    if let Err(reason) = llama_kv_cache::cuda::cuda_status() {
+    if let Err(reason) = llama_kv_cache::tensors::cuda::cuda_status() {
         return Err(err(
             Code::CudaUnavailable,
             format!("CUDA unavailable: {reason}"),
         ));
     }
-    Ok(Box::new(llama_kv_cache::cuda::layer_allocator(devices)))
+    Ok(Box::new(llama_kv_cache::tensors::cuda::layer_allocator(
+        devices,
+    )))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -80,7 +82,7 @@ fn cuda_allocator(_: Vec<Device>) -> JsResult<BoxedAllocator> {
 /// Whether CUDA can be used.
 pub fn status() -> CudaStatus {
     #[cfg(feature = "cuda")]
-    let result = llama_kv_cache::cuda::cuda_status();
+    let result = llama_kv_cache::tensors::cuda::cuda_status();
     #[cfg(not(feature = "cuda"))]
     let result: Result<(), String> = Err("this build has no CUDA support".into());
     match result {
@@ -99,7 +101,7 @@ pub fn status() -> CudaStatus {
 pub fn list() -> Vec<CudaDevice> {
     #[cfg(feature = "cuda")]
     {
-        llama_kv_cache::cuda::cuda_devices()
+        llama_kv_cache::tensors::cuda::cuda_devices()
             .into_iter()
             .map(|d| CudaDevice {
                 ordinal: d.ordinal as u32,

@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 
-use llama_kv_cache::files::{inspect_bytes, inspect_file};
-use llama_kv_cache::parts::{Part, PartKind};
+use llama_kv_cache::state::files::{inspect_bytes, inspect_file};
+use llama_kv_cache::state::parts::{Part, PartKind};
 use llama_kv_cache::state::{ParsedPayload, VBlock};
 use llama_kv_cache::{GgmlType, Layout};
 use napi::bindgen_prelude::*;
@@ -250,7 +250,7 @@ fn describe(payload: &ParsedPayload) -> Described {
 
 /// The structure of a state file: of a path, read from its metadata only (K/V rows are never
 /// read); of bytes, parsed in place.
-pub(crate) fn inspect(source: Source) -> Result<llama_kv_cache::files::Inspection, Code> {
+pub(crate) fn inspect(source: Source) -> Result<llama_kv_cache::state::files::Inspection, Code> {
     match source {
         Source::Path(path) => inspect_file(&path),
         Source::Bytes(bytes) => inspect_bytes(&bytes),
@@ -271,7 +271,7 @@ pub fn inspect_state(
             _ if ins.parts.len() > 1 => Some(ins.parts[0].kind == PartKind::Recurrent),
             // a stream-less payload of v11 / v4 is a recurrent memory
             _ if ins.parts[0].kind == PartKind::Recurrent => Some(true),
-            (Some(arch), _) => Some(llama_kv_cache::files::is_recurrent_arch(arch)),
+            (Some(arch), _) => Some(llama_kv_cache::model::arch::is_recurrent(arch)),
             (None, Layout::Streams | Layout::StreamsRot) => Some(false),
             (None, Layout::Seed) => None,
         };
@@ -424,7 +424,8 @@ pub fn convert_state_file(
         crate::args::Obj<ConvertFileOptions<'_>>,
     >,
 ) -> Result<(), Code> {
-    use crate::convert::{ggml_type_opt, i32v, u32v};
+    use crate::args::{i32v, u32v};
+    use crate::convert::ggml_type_opt;
     guard(|| {
         let (input, output) = (args::path("input", &input)?, args::path("output", &output)?);
         let o = options.map(|o| o.0);
@@ -471,7 +472,7 @@ pub fn convert_state_file(
                 }
             },
         };
-        let result = llama_kv_cache::files::convert_file(&input, &output, &opts, Some(&mut report));
+        let result = llama_kv_cache::convert_file(&input, &output, &opts, Some(&mut report));
         if let Some(reason) = thrown {
             return Err(crate::error::err(
                 Code::Aborted,

@@ -3,13 +3,14 @@
 use std::path::PathBuf;
 
 use llama_kv_cache as core;
-use llama_kv_cache::files::read_file;
+use llama_kv_cache::state::files::read_file;
 use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
 use napi::bindgen_prelude::*;
 
-use crate::error::{from_core, JsResult};
+use crate::error::{err, from_core, Code, JsResult};
+use crate::move_list::UpdateReport;
 use crate::tasks::Job;
-use crate::types::{LoadedFile, ReadResult, SessionOutputs, UpdateReport};
+use crate::types::{LoadedFile, ReadResult, SessionOutputs};
 
 /// `update`: pending K-shift and defrag.
 pub struct UpdateJob {
@@ -89,8 +90,8 @@ pub fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
     // SAFETY: on the JS thread of `env`, with out-pointers to locals
     let status = unsafe { napi::sys::napi_create_buffer(env.raw(), len, &mut data, &mut value) };
     if status != napi::sys::Status::napi_ok {
-        return Err(crate::error::err(
-            crate::error::Code::Backend,
+        return Err(err(
+            Code::Backend,
             format!(
                 "cannot allocate a {len}-byte Buffer (above buffer.constants.MAX_LENGTH, or out \
                  of memory): stream large states with createStateReadStream"
@@ -99,7 +100,7 @@ pub fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
     }
     // SAFETY: `value` is the Buffer just created on this thread
     unsafe { Buffer::from_napi_value(env.raw(), value) }
-        .map_err(|e| crate::error::err(crate::error::Code::Internal, e.reason.clone()))
+        .map_err(|e| err(Code::Internal, e.reason.clone()))
 }
 
 /// `stateWriteInto`: the payload written into the caller's buffer, without a copy.
@@ -242,8 +243,8 @@ pub fn layout(name: Option<&str>) -> JsResult<Option<Layout>> {
         Some("seed") => Ok(Some(Layout::Seed)),
         Some("streams") => Ok(Some(Layout::Streams)),
         Some("streams-rot") => Ok(Some(Layout::StreamsRot)),
-        Some(other) => Err(crate::error::err(
-            crate::error::Code::InvalidArg,
+        Some(other) => Err(err(
+            Code::InvalidArg,
             format!("layout must be 'seed', 'streams' or 'streams-rot', got {other:?}"),
         )),
     }
@@ -255,8 +256,8 @@ pub fn part(name: Option<&str>) -> JsResult<Option<core::PartRole>> {
         None => Ok(None),
         Some(n) => match core::PartRole::from_name(n) {
             Some(r) if r != core::PartRole::Whole => Ok(Some(r)),
-            _ => Err(crate::error::err(
-                crate::error::Code::InvalidArg,
+            _ => Err(err(
+                Code::InvalidArg,
                 format!("part must be 'base', 'swa', 'attention' or 'recurrent', got {n:?}"),
             )),
         },

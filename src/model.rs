@@ -6,14 +6,15 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use llama_kv_cache as core;
-use llama_kv_cache::gguf;
+use llama_kv_cache::model::gguf;
 use llama_kv_cache::GgmlType;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::{self, Obj};
-use crate::convert::{self, u32v};
+use crate::args::{self, u32v, Obj};
+use crate::convert;
 use crate::error::{from_core, guard, Code, JsResult};
+use crate::kv_cache::tensors::{rope_layers_to_js, rope_to_js};
 use crate::kv_cache::KvCache;
 use crate::types::{LayerRope, RopeOptions};
 
@@ -254,8 +255,8 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
             .then(|| m.shift_params(None))
             .flatten()
             .map(|s| ModelShift {
-                rope: convert::rope_to_js(&s.rope),
-                rope_layers: convert::rope_layers_to_js(&s),
+                rope: rope_to_js(&s.rope),
+                rope_layers: rope_layers_to_js(&s),
             }),
     }
 }

@@ -5,11 +5,13 @@
 //! 5,461 runs a fragmented 65,536-cell cache can move, several times the defrag itself. From
 //! [`BUILD_IN_JS_FROM`] runs on, the runs go to JS as one `Uint32Array` of triples and a small
 //! JS function, compiled once per environment, builds the same plain objects with object
-//! literals (tens of ns each).
+//! literals (tens of ns each). The reports that carry the list (`DefragReport`, `UpdateReport`)
+//! are defined here with it.
 
 use napi::bindgen_prelude::{Env, ToNapiValue, TypeName, Uint32Array, ValueType};
 use napi::JsValue;
 use napi::{sys, Error, Result, Status};
+use napi_derive::napi;
 
 use crate::types::CellMove;
 
@@ -65,6 +67,43 @@ impl ToNapiValue for MoveList {
             .collect();
         // SAFETY: forwarded from our caller: `env` is the current environment
         unsafe { Vec::<CellMove>::to_napi_value(env, moves) }
+    }
+}
+
+/// What a defrag did.
+#[napi(object, object_from_js = false)]
+pub struct DefragReport {
+    /// The runs moved.
+    #[napi(ts_type = "Array<CellMove>")]
+    pub moves: MoveList,
+    /// Cells moved.
+    pub cells_moved: u32,
+    /// Bytes copied across all layers.
+    pub bytes_copied: f64,
+}
+
+/// What `update` did.
+#[napi(object, object_from_js = false)]
+pub struct UpdateReport {
+    /// Cells whose K was rotated.
+    pub shifted_cells: u32,
+    /// A shift is still pending (no `rope` was given).
+    pub shift_pending: bool,
+    /// The defrag, when one was pending.
+    pub defrag: Option<DefragReport>,
+}
+
+impl From<llama_kv_cache::UpdateReport> for UpdateReport {
+    fn from(r: llama_kv_cache::UpdateReport) -> Self {
+        UpdateReport {
+            shifted_cells: r.shifted_cells,
+            shift_pending: r.shift_pending,
+            defrag: r.defrag.map(|d| DefragReport {
+                moves: MoveList(d.moves),
+                cells_moved: d.cells_moved,
+                bytes_copied: d.bytes_copied as f64,
+            }),
+        }
     }
 }
 

@@ -7,53 +7,20 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use llama_kv_cache as core;
-use llama_kv_cache::state::Progress;
+use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::{FileKind, Layout};
 use napi::bindgen_prelude::*;
 use napi::sys;
 use napi_derive::napi;
 use prompt_store as store;
 
-use crate::args::{self, Num, Obj, Tokens};
-use crate::convert::{i32v, u32v};
+use crate::args::{self, i32v, u32v, Num, Obj, Tokens};
 use crate::error::{coded_error, err, from_store, guard, Code, JsErr, JsResult};
 use crate::kv_cache::KvCache;
 use crate::queue::JsPromise;
 use crate::signal::Signal;
+use crate::store_backend::PromptStoreOptions;
 use crate::tasks::{aborted, Control, Job, ProgressFn};
-
-/// Options of `new PromptStore(options)`.
-#[napi(object, object_to_js = false)]
-pub struct PromptStoreOptions {
-    /// Identity of the model weights: part of every block key, so stores of different models
-    /// never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
-    /// by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
-    /// milliseconds); any other string (e.g. the file's sha256) is used as it is.
-    pub model: String,
-    /// A directory for the embedded `dir` backend (created if missing), shared safely by several
-    /// processes. Without `path` (and `url`), blocks live in this process's memory.
-    pub path: Option<String>,
-    /// A Redis or Valkey server shared by several processes and machines:
-    /// `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
-    /// with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
-    pub url: Option<String>,
-    /// Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'.
-    pub prefix: Option<String>,
-    /// Redis: blocks expire this many seconds after their last put or restore. Default: kept
-    /// until Redis evicts them (`maxmemory`).
-    pub ttl_seconds: Option<f64>,
-    /// Redis: the longest one call may take, connecting included, in milliseconds. Default 5000.
-    pub timeout_ms: Option<f64>,
-    /// Several backends, nearest first, e.g. `['memory', 'dir', 'redis']` (with `path` and
-    /// `url`): reads ask the nearest tier first and copy hits into the nearer tiers; puts write
-    /// through to every tier. Default: the one backend that `path` / `url` select.
-    pub tiers: Option<Vec<String>>,
-    /// Tokens per block, 16 to 4096. Default 256.
-    pub block_tokens: Option<f64>,
-    /// Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
-    /// it. Default: unbounded. (Redis has its own: `maxmemory`.)
-    pub max_bytes: Option<f64>,
-}
 
 /// Options of the async store operations.
 #[napi(object, object_to_js = false)]

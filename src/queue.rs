@@ -6,13 +6,20 @@
 //! after the other without tying up threads that `fs` or other caches need. Each call gets its
 //! own promise (a raw Node-API deferred, settled by us) so that a task still waiting here is
 //! rejected at once when its signal aborts, with our own coded error.
+//!
+//! [`Shared`] pairs a cache's [`Handle`] with its queue: what the class, its tasks, its
+//! streams and its slot restorers hold.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
+use llama_kv_cache as core;
 use napi::bindgen_prelude::*;
 use napi::sys;
+
+use crate::error::{err, Code, JsResult};
+use crate::handle::Handle;
 
 /// A promise we settle ourselves, exactly once, on the JS thread.
 pub struct Deferred(sys::napi_deferred);
@@ -146,5 +153,34 @@ impl Queue {
         self.pending.fetch_sub(1, Ordering::SeqCst);
         op.abort(env);
         true
+    }
+}
+
+/// A cache's handle and the queue of its async operations, shared by the `KvCache` object,
+/// its tasks, its state streams and its slot restorers.
+pub struct Shared {
+    pub handle: Handle,
+    pub queue: Queue,
+}
+
+impl Shared {
+    /// The shared state of a new cache.
+    pub fn new(handle: Handle) -> Self {
+        Shared {
+            handle,
+            queue: Queue::default(),
+        }
+    }
+
+    /// Runs a synchronous call on the cache: refused while async work is queued or running
+    /// (`ERR_KV_BUSY`) or after `dispose()`.
+    pub fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        if self.queue.is_pending() {
+            return Err(err(
+                Code::Busy,
+                "the cache is busy with an async operation; await it first",
+            ));
+        }
+        self.handle.try_with(f)
     }
 }

@@ -15,8 +15,7 @@ use napi::bindgen_prelude::*;
 use napi::{sys, JsValue};
 
 use crate::error::{coded_error, err, from_core, guard, js_error, Code, JsResult};
-use crate::kv_cache::Shared;
-use crate::queue::{Deferred, Queued};
+use crate::queue::{Deferred, Queued, Shared};
 use crate::signal::Signal;
 use crate::tasks::aborted;
 
@@ -107,7 +106,7 @@ impl Session {
                 return Err(err(Code::Busy, "the state stream is not open yet"));
             }
             // nothing else holds the lock: the session holds the queue's running slot
-            let mut lock = self.shared.lock_for_task()?;
+            let mut lock = self.shared.handle.lock_for_task()?;
             let cache = lock
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
@@ -139,7 +138,7 @@ impl Session {
         let was_open = state.open;
         drop(state);
         if was_open {
-            self.shared.account_if_free();
+            self.shared.handle.account_if_free();
             self.shared.queue.finished(env);
         } else {
             self.shared.queue.abort(env, self.id);

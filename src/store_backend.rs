@@ -1,16 +1,50 @@
 //! Which storage a `PromptStore` uses, from its options: in-process memory, a directory, a
 //! Redis server, or several of them as tiers (nearest first). Only option checking and
-//! construction live here; the backends are in `prompt-store` and `prompt-store-redis`.
+//! construction live here, with the options themselves; the backends are in `prompt-store` and
+//! `prompt-store-redis`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use napi_derive::napi;
 use prompt_store::{Backend, DirBackend, MemoryBackend, TieredBackend};
 use prompt_store_redis::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};
 
-use crate::convert::int;
+use crate::args::int;
 use crate::error::{err, from_store, Code, JsResult};
-use crate::prompt_store::PromptStoreOptions;
+
+/// Options of `new PromptStore(options)`.
+#[napi(object, object_to_js = false)]
+pub struct PromptStoreOptions {
+    /// Identity of the model weights: part of every block key, so stores of different models
+    /// never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
+    /// by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
+    /// milliseconds); any other string (e.g. the file's sha256) is used as it is.
+    pub model: String,
+    /// A directory for the embedded `dir` backend (created if missing), shared safely by several
+    /// processes. Without `path` (and `url`), blocks live in this process's memory.
+    pub path: Option<String>,
+    /// A Redis or Valkey server shared by several processes and machines:
+    /// `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
+    /// with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
+    pub url: Option<String>,
+    /// Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'.
+    pub prefix: Option<String>,
+    /// Redis: blocks expire this many seconds after their last put or restore. Default: kept
+    /// until Redis evicts them (`maxmemory`).
+    pub ttl_seconds: Option<f64>,
+    /// Redis: the longest one call may take, connecting included, in milliseconds. Default 5000.
+    pub timeout_ms: Option<f64>,
+    /// Several backends, nearest first, e.g. `['memory', 'dir', 'redis']` (with `path` and
+    /// `url`): reads ask the nearest tier first and copy hits into the nearer tiers; puts write
+    /// through to every tier. Default: the one backend that `path` / `url` select.
+    pub tiers: Option<Vec<String>>,
+    /// Tokens per block, 16 to 4096. Default 256.
+    pub block_tokens: Option<f64>,
+    /// Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
+    /// it. Default: unbounded. (Redis has its own: `maxmemory`.)
+    pub max_bytes: Option<f64>,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tier {

@@ -14,8 +14,7 @@ use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use napi::sys;
 
 use crate::error::{err, guard, js_error, Code, JsErr, JsResult};
-use crate::kv_cache::Shared;
-use crate::queue::{Deferred, Queued};
+use crate::queue::{Deferred, Queued, Shared};
 use crate::signal::AbortListener;
 
 /// JS progress callback `(done, total) => void`, callable from the threadpool.
@@ -104,7 +103,7 @@ impl<J: Job> CacheTask<J> {
             deferred.settle(env.raw(), outcome);
         }
         self.control.release(env);
-        self.shared.account_if_free();
+        self.shared.handle.account_if_free();
         self.shared.queue.finished(env);
     }
 }
@@ -138,7 +137,7 @@ impl<J: Job> Task for CacheTask<J> {
             if self.control.aborted.load(Ordering::SeqCst) {
                 return Err(aborted());
             }
-            let mut lock = self.shared.lock_for_task()?;
+            let mut lock = self.shared.handle.lock_for_task()?;
             let cache = lock
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;

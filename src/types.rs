@@ -1,4 +1,7 @@
-//! The JS-facing option and result objects (`#[napi(object)]`), documented for index.d.ts.
+//! The JS-facing option and result objects (`#[napi(object)]`), documented for index.d.ts:
+//! plain data only. Option objects that carry a callback (an `AbortSignal`, a progress
+//! function) live with the methods that take them, result objects built by a callback module
+//! (a defrag's moves) with that module.
 
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -205,21 +208,6 @@ pub struct LayerRope {
     pub rope: RopeOptions,
 }
 
-/// Options of `update` / `updateSync`.
-#[napi(object, object_to_js = false)]
-pub struct UpdateOptions {
-    /// RoPE parameters: needed to apply a pending K-shift; without them the shift stays pending.
-    pub rope: Option<RopeOptions>,
-    /// Per-layer RoPE replacements (e.g. sliding-window layers with another base).
-    pub rope_layers: Option<Vec<LayerRope>>,
-    /// Graph node budget that bounds defrag moves, as llama.cpp's `graph_max_nodes()`. Default 65536.
-    pub max_nodes: Option<f64>,
-    /// Aborts the async `update` while it is queued; the promise rejects with `ERR_KV_ABORTED`
-    /// (`name` 'AbortError').
-    #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::signal::Signal>,
-}
-
 /// A run of cells moved by a defrag.
 #[napi(object)]
 pub struct CellMove {
@@ -229,119 +217,6 @@ pub struct CellMove {
     pub dst: u32,
     /// Cells in the run.
     pub len: u32,
-}
-
-/// What a defrag did.
-#[napi(object, object_from_js = false)]
-pub struct DefragReport {
-    /// The runs moved.
-    #[napi(ts_type = "Array<CellMove>")]
-    pub moves: crate::move_list::MoveList,
-    /// Cells moved.
-    pub cells_moved: u32,
-    /// Bytes copied across all layers.
-    pub bytes_copied: f64,
-}
-
-/// What `update` did.
-#[napi(object, object_from_js = false)]
-pub struct UpdateReport {
-    /// Cells whose K was rotated.
-    pub shifted_cells: u32,
-    /// A shift is still pending (no `rope` was given).
-    pub shift_pending: bool,
-    /// The defrag, when one was pending.
-    pub defrag: Option<DefragReport>,
-}
-
-impl From<llama_kv_cache::UpdateReport> for UpdateReport {
-    fn from(r: llama_kv_cache::UpdateReport) -> Self {
-        UpdateReport {
-            shifted_cells: r.shifted_cells,
-            shift_pending: r.shift_pending,
-            defrag: r.defrag.map(|d| DefragReport {
-                moves: crate::move_list::MoveList(d.moves),
-                cells_moved: d.cells_moved,
-                bytes_copied: d.bytes_copied as f64,
-            }),
-        }
-    }
-}
-
-/// Options of `stateWrite` and the file savers.
-#[napi(object, object_to_js = false)]
-pub struct SaveOptions {
-    /// Payload layout: 'streams' (default), 'seed' (b4944, llama.node 0.3.x) or 'streams-rot'
-    /// (llama.cpp 0.1.161: records the rotation; the only layout a rotated cache can write).
-    pub layout: Option<String>,
-    /// File version: sequence files 2 (default, llama.node), 3 (node-llama-cpp) or 4
-    /// (llama.cpp 0.1.161); session files 9 (default), 10 or 11. Versions 4 and 11 write the
-    /// 'streams-rot' layout; without a version, 'streams-rot' writes 4 / 11.
-    pub version: Option<f64>,
-    /// Streams to write with today's layout: 1 (unified context, default) or nSeqMax (one per sequence, as a non-unified context).
-    pub n_stream: Option<f64>,
-    /// Session files: the model architecture name. Default 'llama'.
-    pub arch: Option<String>,
-    /// Called with `(doneBytes, totalBytes)` while the state is written.
-    #[napi(ts_type = "(done: number, total: number) => void")]
-    pub on_progress: Option<crate::tasks::ProgressFn>,
-    /// Aborts the async operation (also while it runs); the promise rejects with
-    /// `ERR_KV_ABORTED` (`name` 'AbortError').
-    #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::signal::Signal>,
-}
-
-/// Options of `stateRead` and the file loaders.
-#[napi(object, object_to_js = false)]
-pub struct LoadOptions {
-    /// Force 'seed', 'streams' or 'streams-rot' (session v11 / sequence v4) instead of
-    /// detecting the layout.
-    pub layout: Option<String>,
-    /// Of a payload of several memories, the part to load: 'base' or 'swa' (iSWA: sliding-window
-    /// models), 'attention' or 'recurrent' (hybrid models). Files without it load the one part
-    /// that fits this cache (ERR_KV_INVALID_STATE naming the parts when none or several do);
-    /// `stateRead` without it reads a single memory.
-    pub part: Option<String>,
-    /// One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule).
-    pub allow_scattered: Option<bool>,
-    /// Called with `(doneBytes, totalBytes)`.
-    #[napi(ts_type = "(done: number, total: number) => void")]
-    pub on_progress: Option<crate::tasks::ProgressFn>,
-    /// Aborts the async operation until data starts being written (after that it completes); the
-    /// promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
-    #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::signal::Signal>,
-}
-
-/// Options of `createStateReadStream`.
-#[napi(object, object_to_js = false)]
-pub struct ReadStreamOptions {
-    /// Payload layout, as `stateWrite`'s: 'streams' (default), 'seed' or 'streams-rot'.
-    pub layout: Option<String>,
-    /// Streams to write with today's layout, as `stateWrite`'s: 1 (default) or nSeqMax.
-    pub n_stream: Option<f64>,
-    /// Bytes per chunk, and the stream's buffer (highWaterMark). Default 4 MiB.
-    pub chunk_size: Option<f64>,
-    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError').
-    #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::signal::Signal>,
-}
-
-/// Options of `createStateWriteStream`.
-#[napi(object, object_to_js = false)]
-pub struct WriteStreamOptions {
-    /// Force 'seed', 'streams' or 'streams-rot' instead of detecting the layout from the
-    /// payload's header.
-    pub layout: Option<String>,
-    /// One-sequence loads: use free cells anywhere when no contiguous run is free. Default
-    /// false (the seed's rule).
-    pub allow_scattered: Option<bool>,
-    /// The stream's buffer in bytes (highWaterMark). Default 4 MiB.
-    pub chunk_size: Option<f64>,
-    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'); the cache is
-    /// left as it was.
-    #[napi(ts_type = "AbortSignal")]
-    pub signal: Option<crate::signal::Signal>,
 }
 
 /// What a state read did.

@@ -7,10 +7,9 @@ use llama_kv_cache as core;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
-use crate::args::Obj;
-use crate::convert::u32v;
+use crate::args::{u32v, Obj};
 use crate::error::{from_core, Code};
-use crate::kv_cache::Shared;
+use crate::queue::Shared;
 use crate::types::SlotInput;
 
 /// llama.cpp's slot restorer (the seed's `llama_kv_slot_restorer`), from

@@ -1,0 +1,135 @@
+//! The core cache behind a `KvCache`: its lock, its disposal, and what V8 is told it costs.
+//! Which call may take the lock when (the FIFO of async work, the `ERR_KV_BUSY` refusal of
+//! synchronous calls meanwhile) is [`crate::queue`]'s.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
+use llama_kv_cache as core;
+use napi::bindgen_prelude::Env;
+
+use crate::error::{err, guard, Code, JsErr, JsResult};
+
+/// The core cache, locked by each call that uses it, and the host bytes V8 was told about.
+pub struct Handle {
+    cache: Mutex<Option<core::KvCache>>,
+    /// The env of the JS thread that made the cache.
+    env: JsEnv,
+    /// Host tensor bytes V8 was told about.
+    external: AtomicI64,
+}
+
+/// A JS thread's env.
+struct JsEnv(napi::sys::napi_env);
+
+// SAFETY: the env is only handed to Node-API on the JS thread that created the cache (its
+// synchronous calls and its tasks' completions run there); other threads only carry it
+unsafe impl Send for JsEnv {}
+// SAFETY: as above
+unsafe impl Sync for JsEnv {}
+
+impl Handle {
+    /// The handle of `cache`, made on the JS thread of `env` (V8 is told about the host
+    /// memory it holds now, and later as it gets written).
+    pub fn new(env: &Env, cache: core::KvCache) -> Self {
+        let handle = Handle {
+            cache: Mutex::new(None),
+            env: JsEnv(env.raw()),
+            external: AtomicI64::new(0),
+        };
+        handle.account(&cache);
+        *handle.cache.lock().unwrap_or_else(|p| p.into_inner()) = Some(cache);
+        handle
+    }
+
+    /// Tells V8 how many host tensor bytes the cache holds in memory, so that the GC weighs an
+    /// undisposed cache by what it costs. Tensors are zeroed lazily, so only written ones
+    /// count: reporting a new cache's whole size made V8 run a full collection inside every
+    /// `new KvCache` of a few GiB ("external memory pressure"), 3-70 ms of a creation that
+    /// otherwise takes microseconds. Call on the JS thread.
+    pub fn account(&self, cache: &core::KvCache) {
+        self.report(cache.host_resident_bytes() as i64);
+    }
+
+    /// [`Handle::account`] when the cache is not locked (after a task or a stream).
+    pub fn account_if_free(&self) {
+        if let Ok(lock) = self.cache.try_lock() {
+            if let Some(cache) = lock.as_ref() {
+                self.account(cache);
+            }
+        }
+    }
+
+    /// Reports `bytes` in place of the amount reported before.
+    pub fn report(&self, bytes: i64) {
+        let before = self.external.swap(bytes, Ordering::SeqCst);
+        if bytes != before {
+            let mut total = 0;
+            // SAFETY: on the JS thread of the env (see JsEnv); a failure only leaves V8's
+            // estimate stale
+            unsafe {
+                napi::sys::napi_adjust_external_memory(self.env.0, bytes - before, &mut total)
+            };
+        }
+    }
+
+    /// Runs `f` on the cache if no one holds it (`ERR_KV_BUSY` otherwise) and it was not
+    /// disposed. The caller has checked that no async work is queued.
+    pub fn try_with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        guard(|| {
+            let mut lock = match self.cache.try_lock() {
+                Ok(lock) => lock,
+                Err(TryLockError::WouldBlock) => {
+                    return Err(err(Code::Busy, "the cache is busy with an async operation"))
+                }
+                Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+            };
+            let cache = lock
+                .as_mut()
+                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
+            f(cache)
+        })
+    }
+
+    /// Locks the cache for a task on the threadpool or a stream (tasks queue behind each
+    /// other, so this waits only for a synchronous call that got in first).
+    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<core::KvCache>>> {
+        self.cache.lock().map_err(|_| poisoned())
+    }
+
+    /// Takes the cache out for `dispose()`, also after an internal error poisoned it.
+    pub fn take_for_dispose(&self) -> JsResult<Option<core::KvCache>> {
+        match self.cache.try_lock() {
+            Ok(mut lock) => Ok(lock.take()),
+            Err(TryLockError::WouldBlock) => Err(err(
+                Code::Busy,
+                "cannot dispose while an async operation runs",
+            )),
+            Err(TryLockError::Poisoned(p)) => {
+                let cache = p.into_inner().take();
+                self.cache.clear_poison();
+                Ok(cache)
+            }
+        }
+    }
+
+    /// Whether the cache was taken out by `dispose()` (false while someone holds it).
+    pub fn is_disposed(&self) -> bool {
+        match self.cache.try_lock() {
+            Ok(g) => g.is_none(),
+            Err(TryLockError::Poisoned(p)) => p.into_inner().is_none(),
+            Err(TryLockError::WouldBlock) => false,
+        }
+    }
+}
+
+/// The error every call gets after an earlier one panicked while holding the cache (a bug caught
+/// as `ERR_KV_INTERNAL`): the cells and tensors may be half-updated, so the cache refuses further
+/// use instead of guessing, and `dispose()` still frees it.
+fn poisoned() -> JsErr {
+    err(
+        Code::Internal,
+        "an earlier call on this cache failed with an internal error, so its contents may be \
+         inconsistent; dispose() it and rebuild it (for example from a saved state)",
+    )
+}

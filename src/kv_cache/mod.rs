@@ -1,0 +1,416 @@
+//! The `KvCache` class: converts arguments, locks the core cache, maps results. No cache logic.
+//!
+//! This file holds the class itself (construction, disposal, metadata getters) and the helpers
+//! every method uses to reach the cache; the methods of each concern are in the submodules,
+//! each its own `#[napi] impl KvCache` block: sequences and slot placement ([`sequences`]),
+//! K/V rows and `update` ([`tensors`]), state payloads and files ([`state`]), state streams
+//! ([`streams`]). Submodules use this file; it uses none of them.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use llama_kv_cache as core;
+use llama_kv_cache::CacheParams;
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use crate::args::{u32v, Num, Obj};
+use crate::convert;
+use crate::error::{err, from_core, guard, js_error, Code, JsResult};
+use crate::handle::Handle;
+use crate::queue::{Deferred, JsPromise, Shared};
+use crate::signal::Signal;
+use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
+use crate::types::{
+    CacheView, CellColumns, CellInfo, CudaDevice, CudaStatus, DeviceBytes, KvCacheOptions,
+};
+
+mod restorer;
+pub(crate) mod sequences;
+pub(crate) mod state;
+pub(crate) mod streams;
+pub(crate) mod tensors;
+
+/// llama.cpp's unified KV cache: cells, sequences, slot search and the per-layer K/V tensors.
+///
+/// Metadata operations are synchronous. Work that touches tensor data in bulk (`update`, state
+/// and file I/O) has an async twin that runs on the libuv threadpool. Async calls on one cache
+/// queue in call order; while any is queued or running, synchronous calls throw `ERR_KV_BUSY`.
+#[napi(custom_finalize)]
+pub struct KvCache {
+    shared: Arc<Shared>,
+    model_shift: Option<core::ShiftParams>,
+}
+
+impl ObjectFinalize for KvCache {
+    fn finalize(self, _: Env) -> napi::Result<()> {
+        self.shared.handle.report(0);
+        Ok(())
+    }
+}
+
+impl KvCache {
+    /// Builds the cache on the requested devices; `model_shift` is the RoPE `update()` applies
+    /// when called without `rope` (caches made by `fromModel`).
+    pub(crate) fn from_params(
+        env: &Env,
+        params: CacheParams,
+        device: &Option<Either<String, Vec<String>>>,
+        model_shift: Option<core::ShiftParams>,
+    ) -> JsResult<Self> {
+        let devices = crate::device::devices(device, params.n_layer)?;
+        let mut alloc = crate::device::allocator(devices)?;
+        let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
+        // V8 is told about host memory only, as it gets written
+        let shared = Arc::new(Shared::new(Handle::new(env, cache)));
+        Ok(KvCache {
+            shared,
+            model_shift,
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        self.shared.with(f)
+    }
+
+    /// Runs `job` on the calling thread (refused while the cache is busy).
+    pub(crate) fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
+        self.with(|c| {
+            let output = job.run(c, &mut |_, _| true);
+            self.shared.handle.account(c);
+            let output = output?;
+            J::to_js(output)
+        })
+    }
+
+    /// Queues `job` behind the cache's pending operations and returns its promise.
+    pub(crate) fn run_async<J: Job>(
+        &self,
+        env: &Env,
+        job: J,
+        progress: Option<ProgressFn>,
+        signal: Option<Signal>,
+    ) -> JsResult<JsPromise> {
+        guard(|| {
+            // refuse now rather than in the promise when the cache is disposed (while anything
+            // is pending it cannot be)
+            if !self.shared.queue.is_pending() {
+                self.with(|_| Ok(()))?;
+            }
+            let (deferred, promise) =
+                Deferred::new(env.raw()).map_err(|e| err(Code::Internal, e.reason.clone()))?;
+            if signal.as_ref().is_some_and(|s| s.aborted) {
+                deferred.settle(env.raw(), Err(js_error(env.raw(), aborted())));
+                return Ok(JsPromise(promise));
+            }
+            let mut control = Control {
+                progress,
+                ..Default::default()
+            };
+            let id = self.shared.queue.next_id();
+            if let Some(s) = &signal {
+                let flag = control.aborted.clone();
+                // weak: a signal that outlives the cache must not keep its tensors alive
+                let shared = Arc::downgrade(&self.shared);
+                let listening = s.listen(env, move |env| {
+                    flag.store(true, Ordering::SeqCst);
+                    // a task still waiting in the queue is rejected now; a running one stops
+                    // at its next checkpoint (or before it starts) and rejects then
+                    if let Some(shared) = shared.upgrade() {
+                        shared.queue.abort(env, id);
+                    }
+                });
+                match listening {
+                    Ok(listener) => control.listener = Some(listener),
+                    Err(e) => {
+                        deferred.settle(env.raw(), Err(js_error(env.raw(), e)));
+                        return Ok(JsPromise(promise));
+                    }
+                }
+            }
+            let task = CacheTask::new(self.shared.clone(), job, control, deferred);
+            self.shared.queue.submit(env, id, Box::new(task));
+            Ok(JsPromise(promise))
+        })
+    }
+}
+
+#[napi]
+impl KvCache {
+    /// Creates a cache with zeroed K/V tensors in host memory.
+    #[napi(constructor)]
+    pub fn new(
+        env: Env,
+        this: This<Unknown<'_>>,
+        #[napi(ts_arg_type = "KvCacheOptions")] options: Obj<KvCacheOptions>,
+    ) -> Result<Self, Code> {
+        let options = options.0;
+        guard(|| {
+            // called as a function (no `new`), `this` is whatever the receiver was: refuse
+            // rather than attach a cache to it
+            // SAFETY: `this` is a value of this call's env
+            if unsafe { <&KvCache as ValidateNapiValue>::validate(env.raw(), this.object.raw()) }
+                .is_err()
+            {
+                return Err(err(
+                    Code::InvalidArg,
+                    "KvCache is a class: call it with `new KvCache(options)`",
+                ));
+            }
+            let k = convert::widths("nEmbdKGqa", &options.n_embd_k_gqa)?;
+            let v = match &options.n_embd_v_gqa {
+                Some(w) => convert::widths("nEmbdVGqa", w)?,
+                None => k.clone(),
+            };
+            let params = CacheParams {
+                size: u32v("size", options.size)?,
+                n_layer: u32v("nLayer", options.n_layer)?,
+                n_embd_k_gqa: k,
+                n_embd_v_gqa: v,
+                n_embd_k_s: options.n_embd_k_s.map_or(Ok(0), |x| u32v("nEmbdKS", x))?,
+                n_embd_v_s: options.n_embd_v_s.map_or(Ok(0), |x| u32v("nEmbdVS", x))?,
+                type_k: convert::ggml_type("typeK", options.type_k, core::GgmlType::F16)?,
+                type_v: convert::ggml_type("typeV", options.type_v, core::GgmlType::F16)?,
+                flash_attn: options.flash_attn.unwrap_or(false),
+                recurrent: options.recurrent.unwrap_or(false),
+                can_shift: options.can_shift.unwrap_or(true),
+                n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
+                n_rot_k: options.n_rot_k.map_or(Ok(0), |x| u32v("nRotK", x))?,
+                n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
+            };
+            KvCache::from_params(&env, params, &options.device, None)
+        })
+    }
+
+    /// Frees the tensors now. Any later call throws `ERR_KV_DISPOSED`; disposing twice is a no-op.
+    #[napi]
+    pub fn dispose(&self) -> Result<(), Code> {
+        guard(|| {
+            if self.shared.queue.is_pending() {
+                return Err(err(
+                    Code::Busy,
+                    "cannot dispose while an async operation is pending",
+                ));
+            }
+            if self.shared.handle.take_for_dispose()?.is_some() {
+                self.shared.handle.report(0);
+            }
+            Ok(())
+        })
+    }
+
+    /// `using cache = new KvCache(...)`: disposes at the end of the scope.
+    #[napi(well_known_symbol = "dispose")]
+    pub fn symbol_dispose(&self) -> Result<(), Code> {
+        self.dispose()
+    }
+
+    /// The CUDA devices present; empty where there is no NVIDIA driver.
+    #[napi]
+    pub fn cuda_devices() -> Vec<CudaDevice> {
+        crate::device::list()
+    }
+
+    /// Whether CUDA memory can be used here, and why not.
+    #[napi]
+    pub fn cuda_status() -> CudaStatus {
+        crate::device::status()
+    }
+
+    /// Host tensor bytes the cache holds in memory now: tensors are zeroed lazily by the OS, so
+    /// a tensor counts once it is written (`clear()` zeroes it in place and keeps its memory for
+    /// the next writes). This is also what V8 is told the cache costs.
+    #[napi(getter)]
+    pub fn resident_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.host_resident_bytes() as f64))
+    }
+
+    /// Tensor bytes per device.
+    #[napi(getter)]
+    pub fn bytes_per_device(&self) -> Result<Vec<DeviceBytes>, Code> {
+        self.with(|c| {
+            Ok(c.bytes_per_device()
+                .into_iter()
+                .map(|(d, b)| DeviceBytes {
+                    device: match d {
+                        core::Device::Host => "cpu".into(),
+                        core::Device::Cuda(n) => format!("cuda:{n}"),
+                    },
+                    bytes: b as f64,
+                })
+                .collect())
+        })
+    }
+
+    /// Whether `dispose()` was called.
+    #[napi(getter)]
+    pub fn disposed(&self) -> bool {
+        self.shared.handle.is_disposed()
+    }
+
+    /// Number of cells.
+    #[napi(getter)]
+    pub fn size(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.size()))
+    }
+
+    /// Number of layers.
+    #[napi(getter)]
+    pub fn n_layer(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.n_layer()))
+    }
+
+    /// Where the next slot search starts.
+    #[napi(getter)]
+    pub fn head(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.head()))
+    }
+
+    /// Cells the attention looks at (set by slot placement).
+    #[napi(getter)]
+    pub fn n(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.n()))
+    }
+
+    /// llama.cpp's `used` counter.
+    #[napi(getter)]
+    pub fn used_cells(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.used_cells()))
+    }
+
+    /// Sum over cells of the number of owning sequences (`llama_kv_self_n_tokens`).
+    #[napi(getter)]
+    pub fn n_tokens(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.n_tokens() as f64))
+    }
+
+    /// Largest position in the cache, -1 when empty.
+    #[napi(getter)]
+    pub fn pos_max(&self) -> Result<i32, Code> {
+        self.with(|c| Ok(c.pos_max()))
+    }
+
+    /// One past the last occupied cell.
+    #[napi]
+    pub fn cell_max(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.cell_max()))
+    }
+
+    /// Whether a K-shift is possible.
+    #[napi(getter)]
+    pub fn can_shift(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.can_shift()))
+    }
+
+    /// Whether positions changed since the last K-shift.
+    #[napi(getter)]
+    pub fn has_shift(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.has_shift()))
+    }
+
+    /// Whether a defrag is scheduled for the next `update`.
+    #[napi(getter)]
+    pub fn defrag_pending(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.defrag_pending()))
+    }
+
+    /// Whether V is stored transposed (flash attention off, not recurrent).
+    #[napi(getter)]
+    pub fn v_trans(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.v_trans()))
+    }
+
+    /// Whether the cache is recurrent.
+    #[napi(getter)]
+    pub fn recurrent(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.recurrent()))
+    }
+
+    /// Padding of `n`: 256 with flash attention, else 32.
+    #[napi(getter)]
+    pub fn padding(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.padding()))
+    }
+
+    /// K type name.
+    #[napi(getter)]
+    pub fn type_k(&self) -> Result<String, Code> {
+        self.with(|c| Ok(c.type_k().name().to_string()))
+    }
+
+    /// V type name.
+    #[napi(getter)]
+    pub fn type_v(&self) -> Result<String, Code> {
+        self.with(|c| Ok(c.type_v().name().to_string()))
+    }
+
+    /// Bytes of all K and V tensors.
+    #[napi(getter)]
+    pub fn total_size(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.total_size() as f64))
+    }
+
+    /// Bytes of all K tensors.
+    #[napi(getter)]
+    pub fn size_k_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.size_k_bytes() as f64))
+    }
+
+    /// Bytes of all V tensors.
+    #[napi(getter)]
+    pub fn size_v_bytes(&self) -> Result<f64, Code> {
+        self.with(|c| Ok(c.size_v_bytes() as f64))
+    }
+
+    /// Metadata of cell `index`.
+    #[napi]
+    pub fn cell(&self, #[napi(ts_arg_type = "number")] index: Num) -> Result<CellInfo, Code> {
+        let i = u32v("index", index)?;
+        self.with(|c| {
+            let cell = c.cell(i).map_err(from_core)?;
+            Ok(CellInfo {
+                pos: cell.pos,
+                delta: cell.delta,
+                src: cell.src,
+                tail: cell.tail,
+                seq_ids: cell.seqs.iter().map(|s| s as i32).collect(),
+            })
+        })
+    }
+
+    /// Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call.
+    #[napi]
+    pub fn cells(&self) -> Result<CellColumns, Code> {
+        self.with(|c| {
+            let cols = c.cell_columns().map_err(from_core)?;
+            Ok(CellColumns {
+                pos: Int32Array::new(cols.pos),
+                delta: Int32Array::new(cols.delta),
+                src: Int32Array::new(cols.src),
+                tail: Int32Array::new(cols.tail),
+                seq_offsets: Uint32Array::new(cols.seq_offsets),
+                seq_ids: Int32Array::new(cols.seq_ids),
+            })
+        })
+    }
+
+    /// A snapshot of every cell, listing at most `nSeqMax` (default 4) sequences per cell.
+    #[napi]
+    pub fn view(
+        &self,
+        #[napi(ts_arg_type = "number")] n_seq_max: Option<Num>,
+    ) -> Result<CacheView, Code> {
+        let limit = n_seq_max.map_or(Ok(4), |n| u32v("nSeqMax", n))? as usize;
+        self.with(|c| {
+            let v = c.view(limit);
+            Ok(CacheView {
+                pos: Int32Array::new(v.pos),
+                seq_ids: v.seqs,
+                used_cells: v.used_cells,
+                token_count: v.token_count as f64,
+                max_contiguous: v.max_contiguous,
+                max_contiguous_idx: v.max_contiguous_idx,
+            })
+        })
+    }
+}

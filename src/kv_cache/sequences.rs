@@ -1,0 +1,241 @@
+//! Sequence operations, slot search and placement (`findSlot`, `prepareBatch` and their
+//! packed forms), and the slot restorer that rolls placements back.
+
+use llama_kv_cache as core;
+use llama_kv_cache::{PrepareOptions, UBatch};
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use super::restorer::SlotRestorer;
+use super::KvCache;
+use crate::args::{i32_named, i32v, opt_i32, u32v, I32s, Num, Obj};
+use crate::convert;
+use crate::error::{from_core, Code, JsResult};
+use crate::types::{PrepareBatchOptions, Slot, UBatchInput};
+
+#[napi]
+impl KvCache {
+    /// Removes `seqId` (-1: every sequence) from cells with positions in `[p0, p1)`; negative
+    /// bounds are open. Returns false when a recurrent cache refuses a partial removal.
+    #[napi]
+    pub fn seq_rm(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Option<Num>,
+        #[napi(ts_arg_type = "number")] p1: Option<Num>,
+    ) -> Result<bool, Code> {
+        let (s, p0, p1) = (
+            i32v("seqId", seq_id)?,
+            opt_i32("p0", p0, -1)?,
+            opt_i32("p1", p1, -1)?,
+        );
+        self.with(|c| c.seq_rm(s, p0, p1).map_err(from_core))
+    }
+
+    /// Adds `dst` to the cells of `src` with positions in `[p0, p1)`.
+    #[napi]
+    pub fn seq_cp(
+        &self,
+        #[napi(ts_arg_type = "number")] src: Num,
+        #[napi(ts_arg_type = "number")] dst: Num,
+        #[napi(ts_arg_type = "number")] p0: Option<Num>,
+        #[napi(ts_arg_type = "number")] p1: Option<Num>,
+    ) -> Result<(), Code> {
+        let (s, d) = (i32v("src", src)?, i32v("dst", dst)?);
+        let (p0, p1) = (opt_i32("p0", p0, -1)?, opt_i32("p1", p1, -1)?);
+        self.with(|c| c.seq_cp(s, d, p0, p1).map_err(from_core))
+    }
+
+    /// Frees every cell not owned by `seqId` and drops other sequences from the rest.
+    #[napi]
+    pub fn seq_keep(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<(), Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_keep(s).map_err(from_core))
+    }
+
+    /// Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
+    /// `seqId` -1 matches no cell but still moves the search head to 0, as in llama.cpp.
+    #[napi]
+    pub fn seq_add(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Num,
+        #[napi(ts_arg_type = "number")] p1: Num,
+        #[napi(ts_arg_type = "number")] delta: Num,
+    ) -> Result<(), Code> {
+        let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("delta", delta))?;
+        self.with(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
+    }
+
+    /// Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
+    /// changes nothing, as in llama.cpp.
+    #[napi]
+    pub fn seq_div(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "number")] p0: Num,
+        #[napi(ts_arg_type = "number")] p1: Num,
+        #[napi(ts_arg_type = "number")] d: Num,
+    ) -> Result<(), Code> {
+        let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("d", d))?;
+        self.with(|c| c.seq_div(s, p0, p1, d).map_err(from_core))
+    }
+
+    /// Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era.
+    #[napi]
+    pub fn seq_pos_max(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<i32, Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_pos_max(s).map_err(from_core))
+    }
+
+    /// Number of cells owned by `seqId`.
+    #[napi]
+    pub fn seq_cell_count(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<u32, Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with(|c| c.seq_cell_count(s).map_err(from_core))
+    }
+
+    /// Frees every cell and zeroes the tensors.
+    #[napi]
+    pub fn clear(&self) -> Result<(), Code> {
+        self.with(|c| {
+            let cleared = c.clear().map_err(from_core);
+            self.shared.handle.account(c);
+            cleared
+        })
+    }
+
+    /// Places a ubatch (llama.cpp's `find_slot`). Returns null when it does not fit.
+    #[napi]
+    pub fn find_slot(
+        &self,
+        #[napi(ts_arg_type = "UBatchInput")] ubatch: Obj<UBatchInput>,
+    ) -> Result<Option<Slot>, Code> {
+        let ub = to_ubatch(ubatch.0)?;
+        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(slot)))
+    }
+
+    /// `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
+    /// fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
+    /// holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
+    /// ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
+    /// (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
+    /// holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
+    /// or null when the ubatch does not fit.
+    #[napi]
+    pub fn find_slot_packed(
+        &self,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
+    ) -> Result<Option<u32>, Code> {
+        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head)))
+    }
+
+    /// The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
+    /// `findSlot`, `n` update, head advance. Returns null when it does not fit.
+    #[napi]
+    pub fn prepare_batch(
+        &self,
+        #[napi(ts_arg_type = "UBatchInput")] ubatch: Obj<UBatchInput>,
+        #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+    ) -> Result<Option<Slot>, Code> {
+        let ub = to_ubatch(ubatch.0)?;
+        let opts = PrepareOptions {
+            advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
+        };
+        self.with(|c| Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot)))
+    }
+
+    /// `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
+    /// for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
+    /// null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
+    /// the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
+    #[napi]
+    pub fn prepare_batch_packed(
+        &self,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
+        #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+    ) -> Result<Option<u32>, Code> {
+        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        let opts = PrepareOptions {
+            advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
+        };
+        self.with(|c| {
+            Ok(c.prepare_batch(&ub, opts)
+                .map_err(from_core)?
+                .map(|s| s.head))
+        })
+    }
+
+    /// Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
+    /// keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
+    /// on a failed ubatch to roll them all back as the seed does.
+    #[napi]
+    pub fn slot_restorer(&self) -> Result<SlotRestorer, Code> {
+        let inner = self.with(|c| Ok(c.slot_restorer()))?;
+        Ok(SlotRestorer::new(self.shared.clone(), inner))
+    }
+}
+
+/// `(seqId, p0, p1, <named value>)` of `seqAdd` / `seqDiv`.
+fn range_args(
+    seq_id: Num,
+    p0: Num,
+    p1: Num,
+    (name, v): (&str, Num),
+) -> JsResult<(i32, i32, i32, i32)> {
+    Ok((
+        i32v("seqId", seq_id)?,
+        i32v("p0", p0)?,
+        i32v("p1", p1)?,
+        i32v(name, v)?,
+    ))
+}
+
+fn slot(s: core::Slot) -> Slot {
+    Slot {
+        head: s.head,
+        len: s.len,
+        n: s.n,
+    }
+}
+
+/// A JS ubatch.
+fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
+    let pos: Vec<i32> = match u.pos {
+        Either::A(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| i32_named(|| format!("pos[{i}]"), p))
+            .collect::<JsResult<_>>()?,
+        Either::B(typed) => typed.to_vec(),
+    };
+    let seq_ids = u
+        .seq_ids
+        .iter()
+        .enumerate()
+        .map(|(g, ids)| match ids {
+            Either::A(id) => Ok(vec![i32_named(|| format!("seqIds[{g}]"), *id)?]),
+            Either::B(list) => list
+                .iter()
+                .enumerate()
+                .map(|(j, &id)| i32_named(|| format!("seqIds[{g}][{j}]"), id))
+                .collect(),
+        })
+        .collect::<JsResult<Vec<Vec<i32>>>>()?;
+    let n_seq_tokens = match u.n_seq_tokens {
+        Some(n) => u32v("nSeqTokens", n)?,
+        None => 1,
+    };
+    Ok(UBatch {
+        pos,
+        n_seq_tokens,
+        seq_ids,
+    })
+}

@@ -1,0 +1,415 @@
+//! State payloads (`stateSize`, `stateWrite*`, `stateRead*`) and llama.cpp's session and
+//! sequence files, with their options.
+
+use llama_kv_cache::{Layout, ReadOptions, WriteOptions};
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use super::KvCache;
+use crate::args::{self, i32v, opt_i32, u32v, Bytes, Num, Obj, Tokens};
+use crate::error::{from_core, Code, JsResult};
+use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoJob, StateWriteJob};
+use crate::queue::JsPromise;
+use crate::signal::Signal;
+use crate::tasks::ProgressFn;
+use crate::types::{LoadedFile, ReadResult};
+
+/// Options of `stateWrite` and the file savers.
+#[napi(object, object_to_js = false)]
+pub struct SaveOptions {
+    /// Payload layout: 'streams' (default), 'seed' (b4944, llama.node 0.3.x) or 'streams-rot'
+    /// (llama.cpp 0.1.161: records the rotation; the only layout a rotated cache can write).
+    pub layout: Option<String>,
+    /// File version: sequence files 2 (default, llama.node), 3 (node-llama-cpp) or 4
+    /// (llama.cpp 0.1.161); session files 9 (default), 10 or 11. Versions 4 and 11 write the
+    /// 'streams-rot' layout; without a version, 'streams-rot' writes 4 / 11.
+    pub version: Option<f64>,
+    /// Streams to write with today's layout: 1 (unified context, default) or nSeqMax (one per sequence, as a non-unified context).
+    pub n_stream: Option<f64>,
+    /// Session files: the model architecture name. Default 'llama'.
+    pub arch: Option<String>,
+    /// Called with `(doneBytes, totalBytes)` while the state is written.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<ProgressFn>,
+    /// Aborts the async operation (also while it runs); the promise rejects with
+    /// `ERR_KV_ABORTED` (`name` 'AbortError').
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+/// Options of `stateRead` and the file loaders.
+#[napi(object, object_to_js = false)]
+pub struct LoadOptions {
+    /// Force 'seed', 'streams' or 'streams-rot' (session v11 / sequence v4) instead of
+    /// detecting the layout.
+    pub layout: Option<String>,
+    /// Of a payload of several memories, the part to load: 'base' or 'swa' (iSWA: sliding-window
+    /// models), 'attention' or 'recurrent' (hybrid models). Files without it load the one part
+    /// that fits this cache (ERR_KV_INVALID_STATE naming the parts when none or several do);
+    /// `stateRead` without it reads a single memory.
+    pub part: Option<String>,
+    /// One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule).
+    pub allow_scattered: Option<bool>,
+    /// Called with `(doneBytes, totalBytes)`.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<ProgressFn>,
+    /// Aborts the async operation until data starts being written (after that it completes); the
+    /// promise rejects with `ERR_KV_ABORTED` (`name` 'AbortError').
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+#[napi]
+impl KvCache {
+    /// Bytes `stateWrite(seqId, options)` will produce.
+    #[napi]
+    pub fn state_size(
+        &self,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<f64, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.with(|c| {
+            Ok(c.state_size(seq, opts.layout, opts.n_stream)
+                .map_err(from_core)? as f64)
+        })
+    }
+
+    /// The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
+    /// format (`llama_state_seq_get_data`'s KV part), synchronously.
+    #[napi]
+    pub fn state_write_sync(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<Buffer, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.with(|c| {
+            let plan = c
+                .state_out(seq, opts.layout, opts.n_stream)
+                .map_err(from_core)?;
+            if plan.size() < jobs::NODE_BUFFER_FROM {
+                let payload = c.state_write(seq, opts.layout, opts.n_stream, None);
+                return Ok(payload.map_err(from_core)?.into());
+            }
+            let mut buf = jobs::node_buffer(&env, plan.size())?;
+            c.state_out_all(&plan, buf.as_mut(), None)
+                .map_err(from_core)?;
+            Ok(buf)
+        })
+    }
+
+    /// The KV state of sequence `seqId` (-1: the whole cache), on the threadpool.
+    #[napi(ts_return_type = "Promise<Buffer>")]
+    pub fn state_write(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, _, progress, signal) = save_options(options)?;
+        // an idle cache is what the task will find (calls from now on queue or are busy), so
+        // the Buffer can come from Node's allocator here; a failed plan is left to the task,
+        // which rejects with it
+        let plan = match self.shared.queue.is_pending() {
+            true => None,
+            false => self.with(|c| Ok(c.state_out(seq, opts.layout, opts.n_stream).ok()))?,
+        };
+        let plan = plan.filter(|p| p.size() >= jobs::NODE_BUFFER_FROM);
+        let (planned, failure) = match plan.map(|p| (jobs::node_buffer(&env, p.size()), p)) {
+            Some((Ok(buf), plan)) => (Some((plan, buf)), None),
+            Some((Err(e), _)) => (None, Some(e)),
+            None => (None, None),
+        };
+        let job = StateWriteJob {
+            seq,
+            opts,
+            planned,
+            failure,
+        };
+        self.run_async(&env, job, progress, signal)
+    }
+
+    /// Writes the KV state of `seqId` (-1, the default: the whole cache) into the front of
+    /// `buffer`, without allocating a copy, and returns its size in bytes (`stateSize`). Fails
+    /// with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
+    #[napi]
+    pub fn state_write_into_sync(
+        &self,
+        #[napi(ts_arg_type = "Uint8Array")] buffer: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<f64, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = save_options(options)?;
+        self.run_sync(StateWriteIntoJob {
+            out: buffer.0,
+            seq,
+            opts,
+        })
+    }
+
+    /// `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles.
+    #[napi(ts_return_type = "Promise<number>")]
+    pub fn state_write_into(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "Uint8Array")] buffer: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, _, progress, signal) = save_options(options)?;
+        let job = StateWriteIntoJob {
+            out: buffer.0,
+            seq,
+            opts,
+        };
+        self.run_async(&env, job, progress, signal)
+    }
+
+    /// Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
+    /// Transactional: on any error the cache is exactly as before.
+    #[napi]
+    pub fn state_read_sync(
+        &self,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<ReadResult, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(StateReadJob {
+            data: data.0,
+            seq,
+            opts,
+        })
+    }
+
+    /// Restores a state on the threadpool (transactional). `data` is read in place, without a
+    /// copy: do not modify it until the promise settles.
+    #[napi(ts_return_type = "Promise<ReadResult>")]
+    pub fn state_read(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            &env,
+            StateReadJob {
+                data: data.0,
+                seq,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),
+    /// atomically (a failed save leaves the previous file intact), synchronously.
+    #[napi]
+    pub fn save_sequence_file_sync(
+        &self,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<(), Code> {
+        let seq = i32v("seqId", seq_id)?;
+        let (opts, arch, ..) = save_options(options)?;
+        self.run_sync(SaveFileJob {
+            path: args::path("path", &path)?,
+            seq: Some(seq),
+            arch,
+            tokens: tokens.0,
+            opts,
+        })
+    }
+
+    /// Saves a sequence file on the threadpool.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn save_sequence_file(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "number")] seq_id: Num,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let seq = i32v("seqId", seq_id)?;
+        let (opts, arch, progress, signal) = save_options(options)?;
+        self.run_async(
+            &env,
+            SaveFileJob {
+                path: args::path("path", &path)?,
+                seq: Some(seq),
+                arch,
+                tokens: tokens.0,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Loads a sequence file ('ggsq', any supported version and layout) into `destSeqId` and
+    /// returns its tokens. Transactional.
+    #[napi]
+    pub fn load_sequence_file_sync(
+        &self,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "number")] dest_seq_id: Num,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<LoadedFile, Code> {
+        let dest = i32v("destSeqId", dest_seq_id)?;
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(LoadFileJob {
+            path: args::path("path", &path)?,
+            dest: Some(dest),
+            opts,
+        })
+    }
+
+    /// Loads a sequence file on the threadpool.
+    #[napi(ts_return_type = "Promise<LoadedFile>")]
+    pub fn load_sequence_file(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "number")] dest_seq_id: Num,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let dest = i32v("destSeqId", dest_seq_id)?;
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            &env,
+            LoadFileJob {
+                path: args::path("path", &path)?,
+                dest: Some(dest),
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Saves the whole cache as a llama.cpp session file ('ggsn') with `tokens`, atomically.
+    #[napi]
+    pub fn save_session_file_sync(
+        &self,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<(), Code> {
+        let (opts, arch, ..) = save_options(options)?;
+        self.run_sync(SaveFileJob {
+            path: args::path("path", &path)?,
+            seq: None,
+            arch,
+            tokens: tokens.0,
+            opts,
+        })
+    }
+
+    /// Saves a session file on the threadpool.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn save_session_file(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let (opts, arch, progress, signal) = save_options(options)?;
+        self.run_async(
+            &env,
+            SaveFileJob {
+                path: args::path("path", &path)?,
+                seq: None,
+                arch,
+                tokens: tokens.0,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+
+    /// Loads a session file ('ggsn', seed era or today's) into the whole cache. Transactional.
+    #[napi]
+    pub fn load_session_file_sync(
+        &self,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<LoadedFile, Code> {
+        let (opts, ..) = load_options(options)?;
+        self.run_sync(LoadFileJob {
+            path: args::path("path", &path)?,
+            dest: None,
+            opts,
+        })
+    }
+
+    /// Loads a session file on the threadpool.
+    #[napi(ts_return_type = "Promise<LoadedFile>")]
+    pub fn load_session_file(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
+        #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
+    ) -> Result<JsPromise, Code> {
+        let (opts, progress, signal) = load_options(options)?;
+        self.run_async(
+            &env,
+            LoadFileJob {
+                path: args::path("path", &path)?,
+                dest: None,
+                opts,
+            },
+            progress,
+            signal,
+        )
+    }
+}
+
+type SaveParts = (WriteOptions, String, Option<ProgressFn>, Option<Signal>);
+
+fn save_options(options: Option<Obj<SaveOptions>>) -> JsResult<SaveParts> {
+    let Some(Obj(o)) = options else {
+        return Ok((WriteOptions::default(), "llama".into(), None, None));
+    };
+    let opts = WriteOptions {
+        version: o.version.map(|v| u32v("version", v)).transpose()?,
+        layout: jobs::layout(o.layout.as_deref())?.unwrap_or(Layout::Streams),
+        n_stream: o.n_stream.map_or(Ok(1), |n| u32v("nStream", n))?,
+    };
+    Ok((
+        opts,
+        o.arch.unwrap_or_else(|| "llama".into()),
+        o.on_progress,
+        o.signal,
+    ))
+}
+
+type LoadParts = (ReadOptions, Option<ProgressFn>, Option<Signal>);
+
+fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
+    let Some(Obj(o)) = options else {
+        return Ok((ReadOptions::default(), None, None));
+    };
+    let opts = ReadOptions {
+        layout: jobs::layout(o.layout.as_deref())?,
+        allow_scattered: o.allow_scattered.unwrap_or(false),
+        part: jobs::part(o.part.as_deref())?,
+    };
+    Ok((opts, o.on_progress, o.signal))
+}

@@ -1,0 +1,149 @@
+//! `createStateReadStream` / `createStateWriteStream`: the class side of the state streams of
+//! [`crate::state_stream`], with their options.
+
+use llama_kv_cache::{Layout, ReadOptions};
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+
+use super::KvCache;
+use crate::args::{opt_i32, u32v, Num, Obj};
+use crate::error::{err, guard, Code, JsResult};
+use crate::jobs;
+use crate::signal::Signal;
+use crate::state_stream::{self, RawValue, Work};
+
+/// Options of `createStateReadStream`.
+#[napi(object, object_to_js = false)]
+pub struct ReadStreamOptions {
+    /// Payload layout, as `stateWrite`'s: 'streams' (default), 'seed' or 'streams-rot'.
+    pub layout: Option<String>,
+    /// Streams to write with today's layout, as `stateWrite`'s: 1 (default) or nSeqMax.
+    pub n_stream: Option<f64>,
+    /// Bytes per chunk, and the stream's buffer (highWaterMark). Default 4 MiB.
+    pub chunk_size: Option<f64>,
+    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError').
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+/// Options of `createStateWriteStream`.
+#[napi(object, object_to_js = false)]
+pub struct WriteStreamOptions {
+    /// Force 'seed', 'streams' or 'streams-rot' instead of detecting the layout from the
+    /// payload's header.
+    pub layout: Option<String>,
+    /// One-sequence loads: use free cells anywhere when no contiguous run is free. Default
+    /// false (the seed's rule).
+    pub allow_scattered: Option<bool>,
+    /// The stream's buffer in bytes (highWaterMark). Default 4 MiB.
+    pub chunk_size: Option<f64>,
+    /// Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'); the cache is
+    /// left as it was.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+impl KvCache {
+    /// Opens a state stream; on an idle cache its state is made now, so that bad arguments
+    /// throw here rather than on the stream.
+    fn open_stream(
+        &self,
+        env: &Env,
+        mut work: Work,
+        kind: &'static std::ffi::CStr,
+        chunk: u32,
+        signal: Option<&Signal>,
+    ) -> JsResult<RawValue> {
+        guard(|| {
+            if !self.shared.queue.is_pending() {
+                self.with(|c| work.start(c))?;
+            }
+            state_stream::open(env, &self.shared, work, kind, chunk, signal)
+        })
+    }
+}
+
+#[napi]
+impl KvCache {
+    /// A Readable stream of the KV state of `seqId` (-1, the default: the whole cache): the
+    /// bytes `stateWrite(seqId, options)` returns, copied chunk by chunk straight from the
+    /// tensors, so a state of any size (above 4 GiB too, which no Buffer holds) streams with
+    /// memory for a chunk or two. `size` is the total in bytes (null until the stream holds the
+    /// cache). The stream holds the cache as an async call does until its last byte or until it
+    /// is destroyed: it starts when the calls queued before it have settled, and meanwhile
+    /// synchronous calls throw ERR_KV_BUSY and async calls wait. Needs Node.js 20.16 or later.
+    #[napi(ts_return_type = "import('node:stream').Readable & { readonly size: number | null }")]
+    pub fn create_state_read_stream(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "ReadStreamOptions")] options: Option<Obj<ReadStreamOptions>>,
+    ) -> Result<RawValue, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let o = options.map(|o| o.0);
+        let layout = jobs::layout(o.as_ref().and_then(|o| o.layout.as_deref()))?;
+        let n_stream = o
+            .as_ref()
+            .and_then(|o| o.n_stream)
+            .map_or(Ok(1), |n| u32v("nStream", n))?;
+        let chunk = chunk_size(o.as_ref().and_then(|o| o.chunk_size))?;
+        let work = Work::Out {
+            seq,
+            layout: layout.unwrap_or(Layout::Streams),
+            n_stream,
+            state: None,
+        };
+        let signal = o.as_ref().and_then(|o| o.signal.as_ref());
+        self.open_stream(&env, work, c"read", chunk, signal)
+    }
+
+    /// A Writable stream that loads a state (the bytes of `stateWrite`, or of a
+    /// `createStateReadStream`) into sequence `seqId` (-1, the default: the whole cache) as it
+    /// arrives: the header and cell metadata are kept until the cells are placed, every later
+    /// byte goes straight to the tensors, so a state of any size loads with memory for a chunk
+    /// or two. `result` holds the ReadResult once 'finish' is emitted. A load that fails
+    /// (ERR_KV_* errors emitted on the stream), ends early, or is destroyed or aborted before
+    /// 'finish' leaves the cells and every live cell's rows as they were (rows of cells that
+    /// held data before are kept aside while the load runs). Holds the cache as
+    /// `createStateReadStream` does. Needs Node.js 20.16 or later.
+    #[napi(
+        ts_return_type = "import('node:stream').Writable & { readonly result: ReadResult | null }"
+    )]
+    pub fn create_state_write_stream(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
+        #[napi(ts_arg_type = "WriteStreamOptions")] options: Option<Obj<WriteStreamOptions>>,
+    ) -> Result<RawValue, Code> {
+        let seq = opt_i32("seqId", seq_id, -1)?;
+        let o = options.map(|o| o.0);
+        let opts = ReadOptions {
+            layout: jobs::layout(o.as_ref().and_then(|o| o.layout.as_deref()))?,
+            allow_scattered: o.as_ref().and_then(|o| o.allow_scattered).unwrap_or(false),
+            part: None,
+        };
+        let chunk = chunk_size(o.as_ref().and_then(|o| o.chunk_size))?;
+        let work = Work::In {
+            seq,
+            opts,
+            state: None,
+        };
+        let signal = o.as_ref().and_then(|o| o.signal.as_ref());
+        self.open_stream(&env, work, c"write", chunk, signal)
+    }
+}
+
+/// A stream's chunk size option: 1 byte to 1 GiB, default [`state_stream::DEFAULT_CHUNK`].
+fn chunk_size(v: Option<f64>) -> JsResult<u32> {
+    let Some(v) = v else {
+        return Ok(state_stream::DEFAULT_CHUNK);
+    };
+    let n = u32v("chunkSize", v)?;
+    if n == 0 || n > 1 << 30 {
+        return Err(err(
+            Code::OutOfRange,
+            format!("chunkSize must be 1 to 1073741824 bytes, got {n}"),
+        ));
+    }
+    Ok(n)
+}
