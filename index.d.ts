@@ -87,7 +87,10 @@ export declare class KvCache {
    * with ERR_KV_INVALID_ARG, writing nothing, when `buffer` is smaller. Synchronous.
    */
   stateWriteIntoSync(buffer: Uint8Array, seqId?: number, options?: SaveOptions): number
-  /** `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles. */
+  /**
+   * `stateWriteIntoSync` on the threadpool: the state is written into `buffer` when the promise
+   * settles (rejecting with ERR_KV_INVALID_ARG if `buffer` was detached or shrunk meanwhile).
+   */
   stateWriteInto(buffer: Uint8Array, seqId?: number, options?: SaveOptions): Promise<number>
   /**
    * Restores a state into sequence `seqId` (-1: the whole cache), detecting the layout.
@@ -95,8 +98,8 @@ export declare class KvCache {
    */
   stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
   /**
-   * Restores a state on the threadpool (transactional). `data` is read in place, without a
-   * copy: do not modify it until the promise settles.
+   * Restores a state on the threadpool (transactional). `data` is copied at the call, so it
+   * may be reused or transferred at once.
    */
   stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
   /**

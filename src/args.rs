@@ -100,79 +100,186 @@ pub fn opt_i32(name: &str, v: Option<Num>, default: i32) -> JsResult<i32> {
     v.map_or(Ok(default), |v| i32v(name, v))
 }
 
-/// Bytes from a Buffer or Uint8Array.
-pub struct Bytes(pub Uint8Array);
+/// The element type of a typed array argument.
+pub trait Element: Copy {
+    /// Node-API's kind of the typed array holding this element.
+    const KIND: sys::napi_typedarray_type;
+    /// What the argument must be, for error messages.
+    const EXPECTED: &'static str;
+    /// The typed array's class.
+    const NAME: &'static str;
+}
 
-impl FromNapiValue for Bytes {
+impl Element for u8 {
+    const KIND: sys::napi_typedarray_type = sys::TypedarrayType::uint8_array;
+    const EXPECTED: &'static str = "a Buffer or Uint8Array";
+    const NAME: &'static str = "Uint8Array";
+}
+
+impl Element for i32 {
+    const KIND: sys::napi_typedarray_type = sys::TypedarrayType::int32_array;
+    const EXPECTED: &'static str = "an Int32Array";
+    const NAME: &'static str = "Int32Array";
+}
+
+impl Element for f32 {
+    const KIND: sys::napi_typedarray_type = sys::TypedarrayType::float32_array;
+    const EXPECTED: &'static str = "a Float32Array";
+    const NAME: &'static str = "Float32Array";
+}
+
+/// A typed array argument, held by its handle: its data is looked up only by
+/// [`View::borrow`], which a method calls once every other argument is converted.
+///
+/// Converting an options object runs JS (getters), and JS can detach an array's buffer
+/// (`structuredClone(buf, { transfer: [buf] })`): data looked up before that would point at
+/// memory the transferred copy owns, freed when it is collected. Looked up last, the slice
+/// sees the array as it is when the core starts, and no JS runs while the core reads it. A
+/// detached array reads as empty, which the core refuses or treats as no data. The handle is
+/// valid for the call that received it only (a task copies or [`View::hold`]s the array).
+pub struct View<T: Element> {
+    env: sys::napi_env,
+    value: sys::napi_value,
+    _element: std::marker::PhantomData<T>,
+}
+
+/// The bytes of a Buffer or Uint8Array, looked up after the other arguments.
+pub type Bytes = View<u8>;
+/// The values of an Int32Array, looked up after the other arguments.
+pub type I32s = View<i32>;
+/// The values of a Float32Array, looked up after the other arguments.
+pub type Floats = View<f32>;
+
+impl<T: Element> FromNapiValue for View<T> {
     unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
-        let mut is_typed = false;
-        sys::napi_is_typedarray(env, value, &mut is_typed);
-        if is_typed {
-            if let Ok(a) = Uint8Array::from_napi_value(env, value) {
-                return Ok(Bytes(a));
-            }
-        }
-        Err(mismatch(env, value, "a Buffer or Uint8Array"))
+        // no napi call here: the kind is checked where the data is looked up (the one napi
+        // call on the hot path), after every argument that can run JS is converted
+        Ok(View {
+            env,
+            value,
+            _element: std::marker::PhantomData,
+        })
     }
 }
 
-/// Values from a Float32Array.
-pub struct Floats(pub Float32Array);
-
-impl FromNapiValue for Floats {
-    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
-        let mut is_typed = false;
-        sys::napi_is_typedarray(env, value, &mut is_typed);
-        if is_typed {
-            let mut kind = 0;
-            let mut len = 0;
-            let mut data = std::ptr::null_mut();
-            let mut buf = std::ptr::null_mut();
-            let mut off = 0;
-            sys::napi_get_typedarray_info(
-                env, value, &mut kind, &mut len, &mut data, &mut buf, &mut off,
-            );
-            if kind == sys::TypedarrayType::float32_array {
-                return Float32Array::from_napi_value(env, value).map(Floats);
-            }
-        }
-        Err(mismatch(env, value, "a Float32Array"))
-    }
-}
-
-/// The values of an Int32Array, borrowed for the call (no copy).
-pub struct I32s<'a>(pub &'a [i32]);
-
-impl FromNapiValue for I32s<'_> {
-    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
-        // one napi call on the hot path: `napi_get_typedarray_info` refuses a non-typed-array
+impl<T: Element> View<T> {
+    /// The array's data pointer and length now, or a coded error naming the argument `name`
+    /// when it is not a typed array of `T`.
+    fn info(&self, name: &str) -> JsResult<(*mut T, usize)> {
         let mut kind = -1;
         let (mut len, mut data, mut buf, mut off) =
             (0usize, std::ptr::null_mut(), std::ptr::null_mut(), 0usize);
-        let status = sys::napi_get_typedarray_info(
-            env, value, &mut kind, &mut len, &mut data, &mut buf, &mut off,
-        );
-        if status != sys::Status::napi_ok || kind != sys::TypedarrayType::int32_array {
+        // SAFETY: env and value come from napi for the call that holds this view
+        let status = unsafe {
+            sys::napi_get_typedarray_info(
+                self.env, self.value, &mut kind, &mut len, &mut data, &mut buf, &mut off,
+            )
+        };
+        if status != sys::Status::napi_ok || kind != T::KIND {
             let got = if status == sys::Status::napi_ok {
-                "a typed array other than Int32Array".into()
+                format!("a typed array other than {}", T::NAME)
             } else {
-                describe(env, value)
+                describe(self.env, self.value)
             };
-            return Err(coded_error(
-                env,
-                err(
-                    Code::InvalidArg,
-                    format!("expected an Int32Array, got {got}"),
-                ),
+            return Err(err(
+                Code::InvalidArg,
+                format!("{name} must be {}, got {got}", T::EXPECTED),
             ));
         }
-        if len == 0 {
-            return Ok(I32s(&[]));
+        Ok((data.cast(), len))
+    }
+
+    /// The array's values, read in place (no copy).
+    ///
+    /// # Safety
+    /// Call it after every other argument of the call is converted, and let no JS run while
+    /// the slice lives (the core's work only): JS could detach or resize the buffer.
+    pub unsafe fn borrow(&self, name: &str) -> JsResult<&[T]> {
+        let (data, len) = self.info(name)?;
+        if len == 0 || data.is_null() {
+            return Ok(&[]);
         }
-        // SAFETY: napi reports `len` i32 values at `data` (an Int32Array's data is 4-byte
-        // aligned); the array is an argument of this call, so it stays alive and unmoved while
-        // the synchronous call that borrows it runs, and no JS runs meanwhile
-        Ok(I32s(std::slice::from_raw_parts(data as *const i32, len)))
+        // SAFETY: napi reports `len` elements at `data` (aligned for `T`: typed arrays are
+        // aligned to their element size); the array is an argument of this call, so it stays
+        // alive, and per the contract nothing detaches it while the slice lives
+        Ok(unsafe { std::slice::from_raw_parts(data, len) })
+    }
+
+    /// [`View::borrow`], writable.
+    ///
+    /// # Safety
+    /// As [`View::borrow`].
+    pub unsafe fn borrow_mut(&mut self, name: &str) -> JsResult<&mut [T]> {
+        let (data, len) = self.info(name)?;
+        if len == 0 || data.is_null() {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `borrow`; `&mut self` keeps this the only slice made from the view
+        Ok(unsafe { std::slice::from_raw_parts_mut(data, len) })
+    }
+}
+
+impl View<u8> {
+    /// A copy of the bytes in Rust-owned memory, for work on the threadpool: JS may detach or
+    /// free the buffer while the work runs, and Node-API cannot pin it. Costs one memcpy of the
+    /// bytes and as much memory again while the work runs; an allocation failure is an
+    /// `ERR_KV_BACKEND` error, not an abort. Call it after the other arguments are converted.
+    pub fn copy(&self, name: &str) -> JsResult<Vec<u8>> {
+        // SAFETY: the slice is copied at once, with no JS in between
+        let bytes = unsafe { self.borrow(name)? };
+        let mut out = Vec::new();
+        out.try_reserve_exact(bytes.len()).map_err(|_| {
+            err(
+                Code::Backend,
+                format!("cannot allocate {} bytes to copy {name}", bytes.len()),
+            )
+        })?;
+        out.extend_from_slice(bytes);
+        Ok(out)
+    }
+
+    /// The array itself, held (a reference) past this call, with its length now: for a task
+    /// that writes into it on the JS thread once the work is done.
+    pub fn hold(&self, name: &str) -> JsResult<(Uint8Array, usize)> {
+        let (_, len) = self.info(name)?;
+        // SAFETY: a Uint8Array of this call's env (checked just above)
+        let held = unsafe { Uint8Array::from_napi_value(self.env, self.value) }
+            .map_err(|e| err(Code::InvalidArg, format!("{name}: {}", e.reason)))?;
+        Ok((held, len))
+    }
+}
+
+/// The values of an Int32Array copied at conversion, for option objects: converting an
+/// object's later fields runs getters, which could detach the array before it is read.
+pub struct I32Copy(pub Vec<i32>);
+
+impl TypeName for I32Copy {
+    fn type_name() -> &'static str {
+        "TypedArray<i32>"
+    }
+
+    fn value_type() -> ValueType {
+        ValueType::Object
+    }
+}
+
+impl ValidateNapiValue for I32Copy {
+    unsafe fn validate(
+        env: sys::napi_env,
+        value: sys::napi_value,
+    ) -> napi::Result<sys::napi_value> {
+        Int32Array::validate(env, value)
+    }
+}
+
+impl FromNapiValue for I32Copy {
+    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
+        let view = I32s::from_napi_value(env, value)?;
+        // SAFETY: copied at once, with no JS in between
+        match unsafe { view.borrow("the array") } {
+            Ok(values) => Ok(I32Copy(values.to_vec())),
+            Err(e) => Err(napi::Error::new(Status::InvalidArg, e.reason.clone())),
+        }
     }
 }
 

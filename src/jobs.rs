@@ -103,14 +103,15 @@ pub fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
         .map_err(|e| err(Code::Internal, e.reason.clone()))
 }
 
-/// `stateWriteInto`: the payload written into the caller's buffer, without a copy.
-pub struct StateWriteIntoJob {
-    pub out: Uint8Array,
+/// `stateWriteIntoSync`: the payload written into the caller's buffer, without a copy (no JS
+/// runs while the buffer is borrowed).
+pub struct StateWriteIntoJob<'a> {
+    pub out: &'a mut [u8],
     pub seq: i32,
     pub opts: WriteOptions,
 }
 
-impl Job for StateWriteIntoJob {
+impl Job for StateWriteIntoJob<'_> {
     type Output = usize;
     type Js = f64;
     fn run(
@@ -119,14 +120,105 @@ impl Job for StateWriteIntoJob {
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
-        // SAFETY: the job holds a reference to the typed array, so its memory stays alive while
-        // it runs. The sync form runs while no JS can; the async form is documented as
-        // `fs.read`'s buffer is: the caller must not touch the buffer until the promise settles.
-        let out = unsafe { self.out.as_mut() };
-        c.state_write_into(out, seq, layout, n_stream, Some(p))
+        c.state_write_into(self.out, seq, layout, n_stream, Some(p))
             .map_err(from_core)
     }
     fn to_js(n: usize) -> JsResult<f64> {
+        Ok(n as f64)
+    }
+}
+
+/// `stateWriteInto`: the payload is written into Rust-owned memory on the threadpool and
+/// copied into the caller's buffer on the JS thread when the task completes, once the buffer
+/// is found still attached and large enough. Writing into the buffer from the threadpool
+/// would not be sound: JS can transfer its ArrayBuffer meanwhile (`structuredClone(buf,
+/// { transfer })`) and the copy that took the memory can be collected, and Node-API cannot pin
+/// a buffer. The cost: the payload's size in memory while the task runs, and one memcpy of it
+/// on the JS thread (about 1 ms per 10 MB); `stateWriteIntoSync` stays zero-copy.
+pub struct StateWriteIntoCopyJob {
+    /// The caller's buffer, held by reference; its memory is looked up again in `complete`.
+    pub target: Uint8Array,
+    /// Its length at the call: a state larger than this is refused as the sync form does.
+    pub len: usize,
+    pub seq: i32,
+    pub opts: WriteOptions,
+    /// The payload, between `run` and `complete`.
+    pub payload: Vec<u8>,
+}
+
+impl Job for StateWriteIntoCopyJob {
+    type Output = usize;
+    type Js = f64;
+    fn run(
+        &mut self,
+        c: &mut core::KvCache,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<usize> {
+        let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
+        let size = c.state_size(seq, layout, n_stream).map_err(from_core)?;
+        if size > self.len {
+            return Err(err(
+                Code::InvalidArg,
+                format!(
+                    "a buffer of {} bytes cannot hold the {size}-byte state",
+                    self.len
+                ),
+            ));
+        }
+        // the core allocates fallibly: a failure is ERR_KV_BACKEND
+        self.payload = c
+            .state_write(seq, layout, n_stream, Some(p))
+            .map_err(from_core)?;
+        Ok(self.payload.len())
+    }
+    fn to_js(n: usize) -> JsResult<f64> {
+        Ok(n as f64)
+    }
+    fn complete(&mut self, env: &Env, n: usize) -> JsResult<f64> {
+        let payload = std::mem::take(&mut self.payload);
+        // SAFETY: on the JS thread of `env` (the task's completion); the reference is the one
+        // taken at the call, still held
+        let value =
+            unsafe { <&mut Uint8Array as ToNapiValue>::to_napi_value(env.raw(), &mut self.target) }
+                .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+        let mut kind = -1;
+        let (mut len, mut data, mut buf, mut off) =
+            (0usize, std::ptr::null_mut(), std::ptr::null_mut(), 0usize);
+        // SAFETY: as above, with out-pointers to locals
+        let status = unsafe {
+            napi::sys::napi_get_typedarray_info(
+                env.raw(),
+                value,
+                &mut kind,
+                &mut len,
+                &mut data,
+                &mut buf,
+                &mut off,
+            )
+        };
+        if status != napi::sys::Status::napi_ok {
+            return Err(err(
+                Code::Internal,
+                "cannot read the buffer of stateWriteInto",
+            ));
+        }
+        if len < n || data.is_null() {
+            let why = if len == 0 {
+                "was detached (its ArrayBuffer transferred)".to_string()
+            } else {
+                format!("shrank to {len} bytes")
+            };
+            return Err(err(
+                Code::InvalidArg,
+                format!(
+                    "buffer {why} before stateWriteInto settled: the {n}-byte state was not \
+                     written; do not transfer or resize the buffer until the promise settles"
+                ),
+            ));
+        }
+        // SAFETY: `data` holds `len` >= n bytes, looked up just now on the JS thread, and no JS
+        // runs during the copy; `payload` is Rust memory, so the two do not overlap
+        unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), data.cast::<u8>(), n) };
         Ok(n as f64)
     }
 }
@@ -140,15 +232,17 @@ pub fn read_result(s: core::ReadSummary) -> ReadResult {
     }
 }
 
-/// `stateRead`: restores a payload, read in place from the caller's buffer (no copy: a
-/// multi-GiB state never needs a second copy in memory).
-pub struct StateReadJob {
-    pub data: Uint8Array,
+/// `stateRead`: restores a payload. The sync form reads the caller's buffer in place (`&[u8]`:
+/// no JS runs meanwhile, and a multi-GiB state needs no second copy); the async form reads a
+/// copy made at the call (`Vec<u8>`, see [`crate::args::View::copy`]), since JS may detach the
+/// buffer while the threadpool reads.
+pub struct StateReadJob<D> {
+    pub data: D,
     pub seq: i32,
     pub opts: ReadOptions,
 }
 
-impl Job for StateReadJob {
+impl<D: AsRef<[u8]> + Send> Job for StateReadJob<D> {
     type Output = core::ReadSummary;
     type Js = ReadResult;
     fn run(
@@ -156,7 +250,7 @@ impl Job for StateReadJob {
         c: &mut core::KvCache,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        c.state_read(&self.data, self.seq, self.opts, Some(p))
+        c.state_read(self.data.as_ref(), self.seq, self.opts, Some(p))
             .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<ReadResult> {

@@ -150,7 +150,7 @@ pub trait StoreJob: Send + 'static {
 
 /// Store operations on one sequence of a cache (`put`, `restore`): cache jobs, queued behind
 /// the cache's other async calls like its own.
-pub trait SeqJob: Job {
+pub trait SeqJob: Job + 'static {
     /// The job for sequence `seq` and its prompt `tokens`.
     fn new(store: Arc<store::PromptStore>, seq: i32, tokens: Vec<i32>) -> Self;
 }

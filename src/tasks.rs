@@ -21,8 +21,10 @@ use crate::signal::AbortListener;
 pub type ProgressFn =
     ThreadsafeFunction<FnArgs<(f64, f64)>, Unknown<'static>, FnArgs<(f64, f64)>, Status, false>;
 
-/// One long operation on the cache.
-pub trait Job: Send + 'static {
+/// One long operation on the cache. A job run synchronously may borrow JS memory (no JS runs
+/// meanwhile); one run as a task is `'static` and must own what it reads: JS can detach a
+/// buffer while the threadpool works.
+pub trait Job: Send {
     /// What the work produces, on the threadpool.
     type Output: Send + 'static;
     /// What JS receives.
@@ -36,6 +38,11 @@ pub trait Job: Send + 'static {
     ) -> JsResult<Self::Output>;
     /// Converts the output for JS.
     fn to_js(output: Self::Output) -> JsResult<Self::Js>;
+    /// Completes an async run on the JS thread: [`Job::to_js`], unless the job must touch JS
+    /// memory it holds first (copying its result into the caller's buffer).
+    fn complete(&mut self, _env: &Env, output: Self::Output) -> JsResult<Self::Js> {
+        Self::to_js(output)
+    }
 }
 
 /// Progress reporting and cancellation shared by a task and its JS handles.
@@ -75,7 +82,7 @@ impl Control {
 }
 
 /// A [`Job`] on the threadpool, settling its own promise (see [`crate::queue`]).
-pub struct CacheTask<J: Job> {
+pub struct CacheTask<J: Job + 'static> {
     shared: Arc<Shared>,
     job: J,
     control: Control,
@@ -83,7 +90,7 @@ pub struct CacheTask<J: Job> {
     failure: Option<JsErr>,
 }
 
-impl<J: Job> CacheTask<J> {
+impl<J: Job + 'static> CacheTask<J> {
     /// The task for `job`, settling `deferred` when done.
     pub fn new(shared: Arc<Shared>, job: J, control: Control, deferred: Deferred) -> Self {
         CacheTask {
@@ -108,7 +115,7 @@ impl<J: Job> CacheTask<J> {
     }
 }
 
-impl<J: Job> Queued for CacheTask<J> {
+impl<J: Job + 'static> Queued for CacheTask<J> {
     fn start(self: Box<Self>, env: &Env) -> bool {
         // false: the task was dropped with its promise unsettled; this only happens when
         // Node-API cannot create or queue work at all (the env is tearing down)
@@ -128,7 +135,7 @@ pub fn aborted() -> JsErr {
     err(Code::Aborted, "the operation was aborted")
 }
 
-impl<J: Job> Task for CacheTask<J> {
+impl<J: Job + 'static> Task for CacheTask<J> {
     type Output = J::Output;
     type JsValue = ();
 
@@ -152,7 +159,7 @@ impl<J: Job> Task for CacheTask<J> {
     }
 
     fn resolve(&mut self, env: Env, output: Self::Output) -> napi::Result<()> {
-        let value = J::to_js(output).and_then(|js| {
+        let value = self.job.complete(&env, output).and_then(|js| {
             // SAFETY: on the JS thread of `env`, inside the completion callback
             unsafe { J::Js::to_napi_value(env.raw(), js) }
                 .map_err(|e| err(Code::Internal, e.reason.clone()))

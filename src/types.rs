@@ -6,6 +6,8 @@
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
+use crate::args::I32Copy;
+
 /// Options of `new KvCache(options)`. Defaults follow llama.cpp's.
 #[napi(object)]
 pub struct KvCacheOptions {
@@ -80,10 +82,11 @@ pub struct DeviceBytes {
 }
 
 /// A micro-batch to place: positions and, per group, the owning sequences.
-#[napi(object)]
+#[napi(object, object_to_js = false)]
 pub struct UBatchInput {
     /// Position of every token (group after group).
-    pub pos: Either<Vec<f64>, Int32Array>,
+    #[napi(ts_type = "Array<number> | Int32Array")]
+    pub pos: Either<Vec<f64>, I32Copy>,
     /// Per group: one seq id, or several when the tokens are shared by sequences.
     pub seq_ids: Vec<Either<f64, Vec<f64>>>,
     /// Tokens per group (1 for llama.cpp's simple split; equal groups for recurrent models). Default 1.

@@ -84,7 +84,7 @@ impl KvCache {
     }
 
     /// Queues `job` behind the cache's pending operations and returns its promise.
-    pub(crate) fn run_async<J: Job>(
+    pub(crate) fn run_async<J: Job + 'static>(
         &self,
         env: &Env,
         job: J,

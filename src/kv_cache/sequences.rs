@@ -10,7 +10,7 @@ use super::restorer::SlotRestorer;
 use super::KvCache;
 use crate::args::{i32_named, i32v, opt_i32, u32v, I32s, Num, Obj};
 use crate::convert;
-use crate::error::{from_core, Code, JsResult};
+use crate::error::{err, from_core, Code, JsResult};
 use crate::types::{PrepareBatchOptions, Slot, UBatchInput};
 
 #[napi]
@@ -125,12 +125,12 @@ impl KvCache {
     #[napi]
     pub fn find_slot_packed(
         &self,
-        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
-        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
-        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s>,
         #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
     ) -> Result<Option<u32>, Code> {
-        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        let ub = packed(&pos, &seq_ids, n_seq_ids.as_ref(), n_seq_tokens)?;
         self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head)))
     }
 
@@ -156,16 +156,17 @@ impl KvCache {
     #[napi]
     pub fn prepare_batch_packed(
         &self,
-        #[napi(ts_arg_type = "Int32Array")] pos: I32s<'_>,
-        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s<'_>,
-        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s<'_>>,
+        #[napi(ts_arg_type = "Int32Array")] pos: I32s,
+        #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s,
+        #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s>,
         #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
         #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
     ) -> Result<Option<u32>, Code> {
-        let ub = convert::packed_ubatch(pos.0, seq_ids.0, n_seq_ids.map(|n| n.0), n_seq_tokens)?;
+        // `options` is converted (its getters have run): only now are the arrays read
         let opts = PrepareOptions {
             advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
         };
+        let ub = packed(&pos, &seq_ids, n_seq_ids.as_ref(), n_seq_tokens)?;
         self.with(|c| {
             Ok(c.prepare_batch(&ub, opts)
                 .map_err(from_core)?
@@ -180,6 +181,30 @@ impl KvCache {
     pub fn slot_restorer(&self) -> Result<SlotRestorer, Code> {
         let inner = self.with(|c| Ok(c.slot_restorer()))?;
         Ok(SlotRestorer::new(self.shared.clone(), inner))
+    }
+}
+
+/// The ubatch of `findSlotPacked` / `prepareBatchPacked`, read from its arrays. Called once
+/// every argument is converted, so no getter can detach an array while it is read.
+fn packed(
+    pos: &I32s,
+    seq_ids: &I32s,
+    n_seq_ids: Option<&I32s>,
+    n_seq_tokens: Option<Num>,
+) -> JsResult<UBatch> {
+    // SAFETY: every argument of the call is converted; the values are copied into the ubatch
+    // before any JS can run
+    unsafe {
+        let n_seq_ids = n_seq_ids.map(|n| n.borrow("nSeqIds")).transpose()?;
+        let pos = pos.borrow("pos")?;
+        if pos.is_empty() {
+            return Err(err(
+                Code::InvalidArg,
+                "ubatch has no tokens: pos is empty (an empty Int32Array, or one whose buffer \
+                 was detached)",
+            ));
+        }
+        convert::packed_ubatch(pos, seq_ids.borrow("seqIds")?, n_seq_ids, n_seq_tokens)
     }
 }
 
@@ -206,7 +231,7 @@ fn slot(s: core::Slot) -> Slot {
     }
 }
 
-/// A JS ubatch.
+/// A JS ubatch (its typed array `pos` was copied at conversion: see [`crate::args::I32Copy`]).
 fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
     let pos: Vec<i32> = match u.pos {
         Either::A(list) => list
@@ -214,7 +239,7 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
             .enumerate()
             .map(|(i, &p)| i32_named(|| format!("pos[{i}]"), p))
             .collect::<JsResult<_>>()?,
-        Either::B(typed) => typed.to_vec(),
+        Either::B(typed) => typed.0,
     };
     let seq_ids = u
         .seq_ids

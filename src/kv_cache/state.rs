@@ -8,7 +8,10 @@ use napi_derive::napi;
 use super::KvCache;
 use crate::args::{self, i32v, opt_i32, u32v, Bytes, Num, Obj, Tokens};
 use crate::error::{from_core, Code, JsResult};
-use crate::jobs::{self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoJob, StateWriteJob};
+use crate::jobs::{
+    self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoCopyJob, StateWriteIntoJob,
+    StateWriteJob,
+};
 use crate::queue::JsPromise;
 use crate::signal::Signal;
 use crate::tasks::ProgressFn;
@@ -146,14 +149,15 @@ impl KvCache {
     ) -> Result<f64, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = save_options(options)?;
-        self.run_sync(StateWriteIntoJob {
-            out: buffer.0,
-            seq,
-            opts,
-        })
+        let mut buffer = buffer;
+        // SAFETY: every argument is converted (the options' getters have run); only the core
+        // runs while the buffer is written
+        let out = unsafe { buffer.borrow_mut("buffer")? };
+        self.run_sync(StateWriteIntoJob { out, seq, opts })
     }
 
-    /// `stateWriteIntoSync` on the threadpool: do not touch `buffer` until the promise settles.
+    /// `stateWriteIntoSync` on the threadpool: the state is written into `buffer` when the promise
+    /// settles (rejecting with ERR_KV_INVALID_ARG if `buffer` was detached or shrunk meanwhile).
     #[napi(ts_return_type = "Promise<number>")]
     pub fn state_write_into(
         &self,
@@ -164,10 +168,15 @@ impl KvCache {
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, _, progress, signal) = save_options(options)?;
-        let job = StateWriteIntoJob {
-            out: buffer.0,
+        // the threadpool writes into Rust memory, copied into `buffer` on this thread when the
+        // task completes (see StateWriteIntoCopyJob)
+        let (target, len) = buffer.hold("buffer")?;
+        let job = StateWriteIntoCopyJob {
+            target,
+            len,
             seq,
             opts,
+            payload: Vec::new(),
         };
         self.run_async(&env, job, progress, signal)
     }
@@ -183,15 +192,14 @@ impl KvCache {
     ) -> Result<ReadResult, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = load_options(options)?;
-        self.run_sync(StateReadJob {
-            data: data.0,
-            seq,
-            opts,
-        })
+        // SAFETY: every argument is converted (the options' getters have run); only the core
+        // runs while the payload is read in place
+        let data = unsafe { data.borrow("data")? };
+        self.run_sync(StateReadJob { data, seq, opts })
     }
 
-    /// Restores a state on the threadpool (transactional). `data` is read in place, without a
-    /// copy: do not modify it until the promise settles.
+    /// Restores a state on the threadpool (transactional). `data` is copied at the call, so it
+    /// may be reused or transferred at once.
     #[napi(ts_return_type = "Promise<ReadResult>")]
     pub fn state_read(
         &self,
@@ -202,16 +210,10 @@ impl KvCache {
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, progress, signal) = load_options(options)?;
-        self.run_async(
-            &env,
-            StateReadJob {
-                data: data.0,
-                seq,
-                opts,
-            },
-            progress,
-            signal,
-        )
+        // JS may detach `data` while the threadpool reads: the task reads a copy (one memcpy
+        // of the payload, and its size in memory until the task ends)
+        let data = data.copy("data")?;
+        self.run_async(&env, StateReadJob { data, seq, opts }, progress, signal)
     }
 
     /// Saves sequence `seqId` with its prompt `tokens` as a llama.cpp sequence file ('ggsq'),

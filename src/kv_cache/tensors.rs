@@ -38,9 +38,11 @@ impl KvCache {
         self.with(|c| Ok(c.read_rows(il, which, first, n).map_err(from_core)?.into()))
     }
 
-    fn write(&self, layer: Num, v: bool, first: Num, data: &[u8]) -> Result<(), Code> {
+    fn write(&self, layer: Num, v: bool, first: Num, data: &Bytes) -> Result<(), Code> {
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
+        // SAFETY: every argument is converted; only the core runs while the rows are read
+        let data = unsafe { data.borrow("data")? };
         self.with(|c| {
             let written = c.write_rows(il, which, first, data).map_err(from_core);
             self.shared.handle.account(c);
@@ -58,9 +60,11 @@ impl KvCache {
         })
     }
 
-    fn write_f32(&self, layer: Num, v: bool, first: Num, values: &[f32]) -> Result<(), Code> {
+    fn write_f32(&self, layer: Num, v: bool, first: Num, values: &Floats) -> Result<(), Code> {
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
+        // SAFETY: every argument is converted; only the core runs while the values are read
+        let values = unsafe { values.borrow("values")? };
         self.with(|c| {
             let written = c
                 .write_rows_f32(il, which, first, values)
@@ -124,7 +128,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] first_cell: Num,
         #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
     ) -> Result<(), Code> {
-        self.write(layer, false, first_cell, &data.0)
+        self.write(layer, false, first_cell, &data)
     }
 
     /// Writes raw V rows (one row per cell; transposed on the way in when needed).
@@ -135,7 +139,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] first_cell: Num,
         #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
     ) -> Result<(), Code> {
-        self.write(layer, true, first_cell, &data.0)
+        self.write(layer, true, first_cell, &data)
     }
 
     /// K rows as f32 (dequantized).
@@ -168,7 +172,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] first_cell: Num,
         #[napi(ts_arg_type = "Float32Array")] values: Floats,
     ) -> Result<(), Code> {
-        self.write_f32(layer, false, first_cell, &values.0)
+        self.write_f32(layer, false, first_cell, &values)
     }
 
     /// Writes f32 V rows, converted to the cache's type.
@@ -179,7 +183,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] first_cell: Num,
         #[napi(ts_arg_type = "Float32Array")] values: Floats,
     ) -> Result<(), Code> {
-        self.write_f32(layer, true, first_cell, &values.0)
+        self.write_f32(layer, true, first_cell, &values)
     }
 
     /// Schedules a defrag for the next `update`.
