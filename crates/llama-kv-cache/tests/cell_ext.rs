@@ -5,8 +5,7 @@
 use llama_kv_cache::state::cells::{cell_len, put_cell, CellExt, CellExtValue};
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
-    convert_bytes, CacheParams, ConvertOptions, KvCache, KvError, ReadOptions, UBatch,
-    WriteOptions,
+    convert_bytes, CacheParams, ConvertOptions, KvCache, KvError, ReadOptions, UBatch, WriteOptions,
 };
 
 /// A sequence file of 6 cells written by `version`, its cells rewritten as an M-RoPE model's
@@ -43,14 +42,22 @@ fn file_with_ext(version: u32, kind: CellExt) -> (Vec<u8>, Vec<CellExtValue>) {
 
 #[test]
 fn a_file_whose_cells_carry_extensions_is_read_by_its_exact_length() {
-    for (version, kind) in [(4, CellExt::Pos2Tok), (3, CellExt::Pos2Tok), (2, CellExt::Pos2)] {
+    for (version, kind) in [
+        (4, CellExt::Pos2Tok),
+        (3, CellExt::Pos2Tok),
+        (2, CellExt::Pos2),
+    ] {
         let (file, exts) = file_with_ext(version, kind);
         let ins = inspect_bytes(&file).unwrap_or_else(|e| panic!("v{version}: {e}"));
         assert_eq!(ins.payload.ext, kind, "v{version}");
         let cells = &ins.payload.streams[0].cells;
         assert_eq!(cells.positions(), &[0, 1, 2, 3, 4, 5]);
         for (i, want) in exts.iter().enumerate() {
-            let tok = if kind == CellExt::Pos2Tok { want.tok } else { -1 };
+            let tok = if kind == CellExt::Pos2Tok {
+                want.tok
+            } else {
+                -1
+            };
             assert_eq!(cells.get(i).ext, Some(CellExtValue { tok, ..*want }));
             assert_eq!(cells.get(i).seq_ids, &[0]);
         }
