@@ -7,6 +7,7 @@ import { runScript } from './helpers/run-script.mjs'
 const require = createRequire(import.meta.url)
 const { KvCache } = require('../index.js')
 const DISPOSE_RSS = path.join(path.dirname(fileURLToPath(import.meta.url)), 'helpers', 'dispose-rss.mjs')
+const MEMORY_ROUNDS = path.join(path.dirname(fileURLToPath(import.meta.url)), 'helpers', 'memory-rounds.mjs')
 
 const TYPES = ['f32', 'f16', 'bf16', 'q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'iq4_nl']
 const make = (o = {}) => new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 4, ...o })
@@ -307,4 +308,24 @@ test('memory that cannot be allocated is ERR_KV_BACKEND, not an abort', (t) => {
   // 2^31 cells x 64 layers x 8192 f16 values: petabytes
   const e = code(t, () => new KvCache({ size: 2 ** 31, nLayer: 64, nEmbdKGqa: 8192 }), 'ERR_KV_BACKEND')
   t.regex(e.message, /allocate|overflow/)
+})
+
+// Host tensors are anonymous mappings of their own: whatever caches came before, a new one
+// commits no page, dispose() returns its pages, and clear() hands them back too. With heap
+// memory (calloc) the second 1 GiB cache came back memset and RSS stayed at 1.1 GiB after
+// every dispose, because glibc raises its mmap threshold after the first large free.
+test('regression: ten 1 GiB caches made, filled and disposed leave RSS within 64 MiB of the start, an idle cache costs none, and clear() returns the pages', async (t) => {
+  const r = await runScript(MEMORY_ROUNDS, [10], ['--expose-gc'])
+  t.log(`RSS after each dispose (MiB over the start): ${r.afterDispose.map((x) => x.toFixed(0)).join(', ')}`)
+  t.log(`create (ms): ${r.createMs.map((x) => x.toFixed(2)).join(', ')}; idle cache +${r.idleGrowth.toFixed(1)} MiB RSS`)
+  t.log(`full: +${r.fullRss.toFixed(0)} MiB RSS, residentBytes ${r.fullResident} MiB; after clear(): +${r.clearedRss.toFixed(0)} MiB, residentBytes ${r.clearedResident} MiB`)
+  for (const [i, growth] of r.afterDispose.entries()) t.true(growth < 64, `after dispose ${i + 1}: RSS ${growth.toFixed(0)} MiB over the start`)
+  t.true(r.idleGrowth < 64, `an idle cache added ${r.idleGrowth.toFixed(0)} MiB of RSS`)
+  t.is(r.idleResident, 0)
+  // the measurement means something: a full cache does hold its 1 GiB
+  t.true(r.fullRss > 900, `a full cache added only ${r.fullRss.toFixed(0)} MiB of RSS`)
+  t.is(r.fullResident, r.tensorMiB)
+  t.is(r.clearedResident, 0)
+  t.true(r.clearedRss < 64, `after clear() RSS is ${r.clearedRss.toFixed(0)} MiB over the start`)
+  t.true(r.zeroAfterClear)
 })
