@@ -47,6 +47,14 @@ fn run_build_script(env_prefix: &str, what: &str, driver: &LlamaDriver<'_>) {
             }
         }
         Err(msg) => {
+            // a cmake provided later (the set-up installs one into the venv) must be found
+            // without a `cargo clean`: watch where it will appear (a path that does not exist
+            // yet makes cargo run this script again at every build until it does) and PATH
+            println!(
+                "cargo:rerun-if-changed={}",
+                venv_cmake(&manifest_dir()).display()
+            );
+            println!("cargo:rerun-if-env-changed=PATH");
             let msg = msg.replace(['\n', '\r'], " | ");
             println!("cargo:warning={what}: {msg}");
             println!("cargo:rustc-env={env_prefix}_DRIVER_ERROR={msg}");
@@ -161,11 +169,16 @@ fn cmake_program(manifest: &Path) -> String {
     if let Ok(cmake) = env::var("CMAKE") {
         return cmake;
     }
-    let venv = manifest.join("../../interop/.venv/bin/cmake");
+    let venv = venv_cmake(manifest);
     if venv.exists() {
         return venv.display().to_string();
     }
     "cmake".into()
+}
+
+/// Where `npm test`'s set-up installs cmake (PyPI's `cmake`, into `interop/.venv`).
+fn venv_cmake(manifest: &Path) -> PathBuf {
+    manifest.join("../../interop/.venv/bin/cmake")
 }
 
 fn tail(log: &Path) -> String {
