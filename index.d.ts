@@ -191,9 +191,14 @@ export declare class KvCache {
   /** Whether CUDA memory can be used here, and why not. */
   static cudaStatus(): CudaStatus
   /**
-   * Host tensor bytes the cache holds in memory now: tensors are zeroed lazily by the OS, so
-   * a tensor counts once it is written (`clear()` zeroes it in place and keeps its memory for
-   * the next writes). This is also what V8 is told the cache costs.
+   * Whether clear() hands the memory of host tensors back to the OS (the `releaseMemory`
+   * option).
+   */
+  get releaseMemory(): boolean
+  /**
+   * Host tensor bytes the cache holds in memory now: tensors are mapped lazily by the OS, so
+   * a tensor counts once it is written, and no longer once `clear()` has handed its memory
+   * back (see `releaseMemory`). This is also what V8 is told the cache costs.
    */
   get residentBytes(): number
   /** Tensor bytes per device. */
@@ -669,6 +674,13 @@ export interface KvCacheOptions {
    * without one, construction fails with ERR_KV_CUDA_UNAVAILABLE.
    */
   device?: string | string[]
+  /**
+   * Whether clear() hands the memory of host tensors (of 1 MiB or more) back to the OS
+   * instead of zeroing it in place, so a cleared cache stops costing RSS. Turn it off for a
+   * cache cleared and refilled in a tight loop, where faulting the pages back in costs more.
+   * Default true.
+   */
+  releaseMemory?: boolean
 }
 
 /** Types and row sizes of one layer. */

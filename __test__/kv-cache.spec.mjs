@@ -329,3 +329,19 @@ test('regression: ten 1 GiB caches made, filled and disposed leave RSS within 64
   t.true(r.clearedRss < 64, `after clear() RSS is ${r.clearedRss.toFixed(0)} MiB over the start`)
   t.true(r.zeroAfterClear)
 })
+
+test('clear() hands tensor memory back unless releaseMemory is false, and reads zeros either way', (t) => {
+  const o = { size: 4096, nLayer: 4, nEmbdKGqa: 1024 }
+  const rows = Buffer.alloc(4096 * 2048, 9)
+  for (const [options, kept] of [[{}, false], [{ releaseMemory: true }, false], [{ releaseMemory: false }, true]]) {
+    const c = new KvCache({ ...o, ...options })
+    t.is(c.releaseMemory, !kept)
+    for (let l = 0; l < 4; l++) c.writeK(l, 0, rows)
+    t.is(c.residentBytes, c.totalSize / 2, 'the written K tensors count')
+    c.clear()
+    t.is(c.residentBytes, kept ? c.totalSize / 2 : 0, JSON.stringify(options))
+    t.true(c.readK(3, 4095, 1).every((b) => b === 0))
+    c.dispose()
+  }
+  code(t, () => new KvCache({ ...o, releaseMemory: 'no' }), 'ERR_KV_INVALID_ARG')
+})

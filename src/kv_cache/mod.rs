@@ -178,7 +178,14 @@ impl KvCache {
                 n_rot_k: options.n_rot_k.map_or(Ok(0), |x| u32v("nRotK", x))?,
                 n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
             };
-            KvCache::from_params(&env, params, &options.device, None)
+            let cache = KvCache::from_params(&env, params, &options.device, None)?;
+            if let Some(on) = options.release_memory {
+                cache.with(|c| {
+                    c.set_release_memory(on);
+                    Ok(())
+                })?;
+            }
+            Ok(cache)
         })
     }
 
@@ -217,9 +224,16 @@ impl KvCache {
         crate::device::status()
     }
 
-    /// Host tensor bytes the cache holds in memory now: tensors are zeroed lazily by the OS, so
-    /// a tensor counts once it is written (`clear()` zeroes it in place and keeps its memory for
-    /// the next writes). This is also what V8 is told the cache costs.
+    /// Whether clear() hands the memory of host tensors back to the OS (the `releaseMemory`
+    /// option).
+    #[napi(getter)]
+    pub fn release_memory(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.release_memory()))
+    }
+
+    /// Host tensor bytes the cache holds in memory now: tensors are mapped lazily by the OS, so
+    /// a tensor counts once it is written, and no longer once `clear()` has handed its memory
+    /// back (see `releaseMemory`). This is also what V8 is told the cache costs.
     #[napi(getter)]
     pub fn resident_bytes(&self) -> Result<f64, Code> {
         self.with(|c| Ok(c.host_resident_bytes() as f64))

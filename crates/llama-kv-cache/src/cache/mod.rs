@@ -38,6 +38,8 @@ pub struct KvCache {
     pub(crate) has_shift: bool,
     pub(crate) do_defrag: bool,
     pub(crate) layers: Vec<LayerTensors>,
+    /// Whether `clear` hands the tensors' memory back to the OS ([`KvCache::set_release_memory`]).
+    pub(crate) release_memory: bool,
 }
 
 impl KvCache {
@@ -79,6 +81,7 @@ impl KvCache {
             has_shift: false,
             do_defrag: false,
             layers,
+            release_memory: true,
             params,
         })
     }
@@ -229,10 +232,28 @@ impl KvCache {
         self.cells.reset();
         self.head = 0;
         for l in &mut self.layers {
-            l.k.fill_zero()?;
-            l.v.fill_zero()?;
+            if self.release_memory {
+                l.k.release()?;
+                l.v.release()?;
+            } else {
+                l.k.fill_zero()?;
+                l.v.fill_zero()?;
+            }
         }
         Ok(())
+    }
+
+    /// Whether [`KvCache::clear`] hands the memory of host tensors (of 1 MiB or more) back to
+    /// the OS instead of zeroing it in place. On by default: an app that cleared a long chat
+    /// no longer pays for it. Turn it off for a cache that is cleared and refilled in a tight
+    /// loop, where faulting the pages back in costs more than keeping them.
+    pub fn set_release_memory(&mut self, on: bool) {
+        self.release_memory = on;
+    }
+
+    /// See [`KvCache::set_release_memory`].
+    pub fn release_memory(&self) -> bool {
+        self.release_memory
     }
 
     pub(crate) fn layout(&self) -> Layout {

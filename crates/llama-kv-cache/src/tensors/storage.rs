@@ -44,6 +44,11 @@ pub trait KvBuffer: Send + Sync {
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()>;
     /// Sets every byte to zero.
     fn fill_zero(&mut self) -> Result<()>;
+    /// Sets every byte to zero and hands the memory back to the OS where the backend can (the
+    /// next writes fault it in again). Backends that cannot just zero.
+    fn release(&mut self) -> Result<()> {
+        self.fill_zero()
+    }
     /// Bytes this buffer keeps in memory: all of them, except for a host buffer never written
     /// since it was created (the OS has not committed its zero pages).
     fn resident_bytes(&self) -> usize {
@@ -200,16 +205,22 @@ impl KvBuffer for HostBuffer {
     }
 
     fn fill_zero(&mut self) -> Result<()> {
-        if self.zero {
+        if !self.zero {
+            self.bytes_mut().fill(0);
+            self.zero = true;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self) -> Result<()> {
+        if !self.committed {
+            return self.fill_zero();
+        }
+        if self.len() >= RELEASE_MIN && release_pages(self.map.as_mut()) {
+            (self.zero, self.committed) = (true, false);
             return Ok(());
         }
-        if release_pages(self.map.as_mut()) {
-            self.committed = false;
-        } else {
-            self.bytes_mut().fill(0);
-        }
-        self.zero = true;
-        Ok(())
+        self.fill_zero()
     }
 
     fn resident_bytes(&self) -> usize {
@@ -230,6 +241,10 @@ impl KvBuffer for HostBuffer {
     }
 }
 
+/// Tensors smaller than this are zeroed in place by [`KvBuffer::release`]: handing back a few
+/// pages saves little and costs a fault per page at the next write.
+const RELEASE_MIN: usize = 1 << 20;
+
 /// Writes at least this large into pages never written fault them in with one call first.
 const POPULATE_MIN: usize = 1 << 20;
 
@@ -247,8 +262,8 @@ fn populate(map: Option<&MmapMut>, offset: usize, len: usize) {
 }
 
 /// Zeroes a private anonymous mapping by handing its pages back to the OS (`MADV_DONTNEED`: the
-/// next access of each page gets a fresh zero page), which is O(1) in the bytes and returns the
-/// memory. `false` where the OS offers no such call (the caller writes zeros).
+/// next access of each page gets a fresh zero page), which costs no write per byte and returns
+/// the memory. `false` where the OS offers no such call (the caller writes zeros).
 #[cfg(unix)]
 fn release_pages(map: Option<&mut MmapMut>) -> bool {
     let Some(map) = map else { return true };
@@ -709,16 +724,24 @@ mod tests {
     }
 
     #[test]
-    fn a_buffer_is_resident_once_written_and_gives_its_pages_back_when_zeroed() {
-        let mut b = HostBuffer::new(1 << 16).unwrap();
+    fn a_buffer_is_resident_once_written_and_gives_its_pages_back_when_released() {
+        let mut b = HostBuffer::new(RELEASE_MIN).unwrap();
         assert_eq!(b.resident_bytes(), 0, "mapped pages are not committed");
         b.fill_zero().unwrap();
         assert_eq!(b.resident_bytes(), 0);
         b.write(100, &[1, 2]).unwrap();
-        assert_eq!(b.resident_bytes(), 1 << 16);
+        assert_eq!(b.resident_bytes(), RELEASE_MIN);
         b.fill_zero().unwrap();
-        let kept = if cfg!(unix) { 0 } else { 1 << 16 };
-        assert_eq!(b.resident_bytes(), kept, "zeroed by releasing the pages");
+        assert_eq!(
+            b.resident_bytes(),
+            RELEASE_MIN,
+            "zeroed in place, pages kept"
+        );
+        assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
+        b.write(100, &[1, 2]).unwrap();
+        b.release().unwrap();
+        let kept = if cfg!(unix) { 0 } else { RELEASE_MIN };
+        assert_eq!(b.resident_bytes(), kept, "zeroed by handing the pages back");
         assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
         b.write(7, &[9]).unwrap();
         assert_eq!(
@@ -726,6 +749,15 @@ mod tests {
             9,
             "released pages are usable again"
         );
+    }
+
+    #[test]
+    fn a_small_buffer_is_zeroed_in_place_when_released() {
+        let mut b = HostBuffer::new(1 << 16).unwrap();
+        b.write(0, &[5]).unwrap();
+        b.release().unwrap();
+        assert_eq!(b.resident_bytes(), 1 << 16);
+        assert_eq!(b.as_host().unwrap()[0], 0);
     }
 
     #[test]
