@@ -20,11 +20,17 @@ test('residentBytes (what V8 is told) counts tensors as they are written, not at
   c.findSlot({ pos: [0, 1], seqIds: [0, 0] })
   const blob = c.stateWriteSync(-1)
   c.clear()
-  t.is(c.residentBytes, 2 * TENSOR, 'clear() zeroes in place: the memory stays for the next writes')
+  t.is(c.residentBytes, 0, 'clear() hands the memory back (releaseMemory defaults to true)')
   t.true(c.readK(0, 5, 1).every((b) => b === 0))
   c.stateReadSync(blob)
   t.is(c.residentBytes, 4 * 2 * TENSOR, 'a whole-cache load writes every tensor')
   c.dispose()
+  const keep = new KvCache({ ...geometry, releaseMemory: false })
+  keep.writeK(0, 5, Buffer.alloc(2048, 1))
+  keep.clear()
+  t.is(keep.residentBytes, TENSOR, 'with releaseMemory false, clear() zeroes in place and keeps the memory')
+  t.true(keep.readK(0, 5, 1).every((b) => b === 0))
+  keep.dispose()
 })
 
 test('creating a 16 GiB cache runs no garbage collection and commits no tensor memory', (t) => {
