@@ -98,14 +98,15 @@ pub trait KvBuffer: Send + Sync {
     }
 }
 
-/// A zero-initialised buffer in host memory: an anonymous mapping of its own, straight from the
-/// OS (`mmap` / `VirtualAlloc`, through `memmap2`). Creating one commits no page whatever the
-/// allocator did before (heap memory from an earlier, freed cache would have to be memset),
-/// dropping it returns every page at once, and zeroing it hands its pages back to the OS
-/// instead of writing zeros ([`KvBuffer::fill_zero`]).
+/// A zero-initialised buffer in host memory. A tensor of [`MAP_MIN`] bytes or more is an
+/// anonymous mapping of its own, straight from the OS (`mmap` / `VirtualAlloc`, through
+/// `memmap2`): creating one commits no page whatever the allocator did before (heap memory from
+/// an earlier, freed cache would have to be memset), dropping it returns every page at once,
+/// and [`KvBuffer::release`] hands its pages back. Smaller tensors come from the heap, where a
+/// mapping per tensor (a system call to make, another to drop, a page per KiB) would cost more
+/// than it saves.
 pub struct HostBuffer {
-    /// `None` for an empty buffer (a mapping cannot be empty).
-    map: Option<MmapMut>,
+    bytes: HostBytes,
     /// Nothing was written since the buffer was allocated or zeroed: it holds only the zero
     /// pages the OS hands out lazily.
     zero: bool,
@@ -114,16 +115,24 @@ pub struct HostBuffer {
     committed: bool,
 }
 
+enum HostBytes {
+    Heap(Vec<u8>),
+    Map(MmapMut),
+}
+
+/// Tensors at least this large get a mapping of their own.
+const MAP_MIN: usize = 1 << 20;
+
 /// Mappings at least this large are advised for transparent huge pages where the OS has them
 /// (fewer page faults and TLB misses on the multi-MiB tensors of real models).
 const HUGE_PAGE_MIN: usize = 4 << 20;
 
 impl HostBuffer {
-    /// Maps `len` zero bytes, reporting a refused mapping (no memory, `ulimit -v`) as an error
-    /// instead of aborting.
+    /// Allocates `len` zero bytes, reporting a refused allocation or mapping (no memory,
+    /// `ulimit -v`) as an error instead of aborting.
     pub fn new(len: usize) -> Result<HostBuffer> {
-        let map = if len == 0 {
-            None
+        let bytes = if len < MAP_MIN {
+            HostBytes::Heap(crate::alloc::zeroed(len, "a tensor in host memory")?)
         } else {
             let map = MmapMut::map_anon(len).map_err(|e| {
                 KvError::Backend(format!(
@@ -135,21 +144,34 @@ impl HostBuffer {
                 // advice only: a kernel without THP refuses it, and nothing is lost
                 let _ = map.advise(memmap2::Advice::HugePage);
             }
-            Some(map)
+            HostBytes::Map(map)
         };
         Ok(HostBuffer {
-            map,
+            bytes,
             zero: true,
             committed: false,
         })
     }
 
     fn bytes(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
+        match &self.bytes {
+            HostBytes::Heap(v) => v,
+            HostBytes::Map(m) => m,
+        }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        self.map.as_deref_mut().unwrap_or(&mut [])
+        match &mut self.bytes {
+            HostBytes::Heap(v) => v,
+            HostBytes::Map(m) => m,
+        }
+    }
+
+    fn map(&self) -> Option<&MmapMut> {
+        match &self.bytes {
+            HostBytes::Map(m) => Some(m),
+            HostBytes::Heap(_) => None,
+        }
     }
 }
 
@@ -189,7 +211,7 @@ impl KvBuffer for HostBuffer {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.len())?;
         if !self.committed && src.len() >= POPULATE_MIN {
-            populate(self.map.as_ref(), offset, src.len());
+            populate(self.map(), offset, src.len());
         }
         self.touch();
         self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
@@ -216,7 +238,11 @@ impl KvBuffer for HostBuffer {
         if !self.committed {
             return self.fill_zero();
         }
-        if self.len() >= RELEASE_MIN && release_pages(self.map.as_mut()) {
+        let map = match &mut self.bytes {
+            HostBytes::Map(m) => Some(m),
+            HostBytes::Heap(_) => None,
+        };
+        if map.is_some_and(release_pages) {
             (self.zero, self.committed) = (true, false);
             return Ok(());
         }
@@ -241,10 +267,6 @@ impl KvBuffer for HostBuffer {
     }
 }
 
-/// Tensors smaller than this are zeroed in place by [`KvBuffer::release`]: handing back a few
-/// pages saves little and costs a fault per page at the next write.
-const RELEASE_MIN: usize = 1 << 20;
-
 /// Writes at least this large into pages never written fault them in with one call first.
 const POPULATE_MIN: usize = 1 << 20;
 
@@ -265,8 +287,7 @@ fn populate(map: Option<&MmapMut>, offset: usize, len: usize) {
 /// next access of each page gets a fresh zero page), which costs no write per byte and returns
 /// the memory. `false` where the OS offers no such call (the caller writes zeros).
 #[cfg(unix)]
-fn release_pages(map: Option<&mut MmapMut>) -> bool {
-    let Some(map) = map else { return true };
+fn release_pages(map: &mut MmapMut) -> bool {
     // SAFETY: the mapping is private and anonymous (`map_anon`), so MADV_DONTNEED discards its
     // contents and later reads see zero pages, which is the zeroing asked for; `&mut` proves
     // nothing borrows the bytes meanwhile.
@@ -274,8 +295,8 @@ fn release_pages(map: Option<&mut MmapMut>) -> bool {
 }
 
 #[cfg(not(unix))]
-fn release_pages(map: Option<&mut MmapMut>) -> bool {
-    map.is_none()
+fn release_pages(_: &mut MmapMut) -> bool {
+    false
 }
 
 /// Allocates the buffer of one tensor: `(layer, is_v, bytes) -> buffer`. Lets a cache put layers
@@ -725,22 +746,22 @@ mod tests {
 
     #[test]
     fn a_buffer_is_resident_once_written_and_gives_its_pages_back_when_released() {
-        let mut b = HostBuffer::new(RELEASE_MIN).unwrap();
+        let mut b = HostBuffer::new(MAP_MIN).unwrap();
         assert_eq!(b.resident_bytes(), 0, "mapped pages are not committed");
         b.fill_zero().unwrap();
         assert_eq!(b.resident_bytes(), 0);
         b.write(100, &[1, 2]).unwrap();
-        assert_eq!(b.resident_bytes(), RELEASE_MIN);
+        assert_eq!(b.resident_bytes(), MAP_MIN);
         b.fill_zero().unwrap();
         assert_eq!(
             b.resident_bytes(),
-            RELEASE_MIN,
+            MAP_MIN,
             "zeroed in place, pages kept"
         );
         assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
         b.write(100, &[1, 2]).unwrap();
         b.release().unwrap();
-        let kept = if cfg!(unix) { 0 } else { RELEASE_MIN };
+        let kept = if cfg!(unix) { 0 } else { MAP_MIN };
         assert_eq!(b.resident_bytes(), kept, "zeroed by handing the pages back");
         assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
         b.write(7, &[9]).unwrap();
