@@ -753,11 +753,7 @@ mod tests {
         b.write(100, &[1, 2]).unwrap();
         assert_eq!(b.resident_bytes(), MAP_MIN);
         b.fill_zero().unwrap();
-        assert_eq!(
-            b.resident_bytes(),
-            MAP_MIN,
-            "zeroed in place, pages kept"
-        );
+        assert_eq!(b.resident_bytes(), MAP_MIN, "zeroed in place, pages kept");
         assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
         b.write(100, &[1, 2]).unwrap();
         b.release().unwrap();
