@@ -8,7 +8,7 @@ use napi::sys;
 
 use std::path::PathBuf;
 
-use crate::error::{coded_error, err, Code, JsResult};
+use crate::error::{coded_error, err, from_core, Code, JsResult};
 
 fn type_of(env: sys::napi_env, value: sys::napi_value) -> &'static str {
     let mut t = 0;
@@ -224,18 +224,10 @@ impl View<u8> {
     /// free the buffer while the work runs, and Node-API cannot pin it. Costs one memcpy of the
     /// bytes and as much memory again while the work runs; an allocation failure is an
     /// `ERR_KV_BACKEND` error, not an abort. Call it after the other arguments are converted.
-    pub fn copy(&self, name: &str) -> JsResult<Vec<u8>> {
+    pub fn copy(&self, name: &str) -> JsResult<llama_kv_cache::alloc::OwnedBytes> {
         // SAFETY: the slice is copied at once, with no JS in between
         let bytes = unsafe { self.borrow(name)? };
-        let mut out = Vec::new();
-        out.try_reserve_exact(bytes.len()).map_err(|_| {
-            err(
-                Code::Backend,
-                format!("cannot allocate {} bytes to copy {name}", bytes.len()),
-            )
-        })?;
-        out.extend_from_slice(bytes);
-        Ok(out)
+        llama_kv_cache::alloc::copy_bytes(bytes, &format!("a copy of {name}")).map_err(from_core)
     }
 
     /// The array itself, held (a reference) past this call, with its length now: for a task

@@ -123,10 +123,6 @@ enum HostBytes {
 /// Tensors at least this large get a mapping of their own.
 const MAP_MIN: usize = 1 << 20;
 
-/// Mappings at least this large are advised for transparent huge pages where the OS has them
-/// (fewer page faults and TLB misses on the multi-MiB tensors of real models).
-const HUGE_PAGE_MIN: usize = 4 << 20;
-
 impl HostBuffer {
     /// Allocates `len` zero bytes, reporting a refused allocation or mapping (no memory,
     /// `ulimit -v`) as an error instead of aborting.
@@ -134,17 +130,7 @@ impl HostBuffer {
         let bytes = if len < MAP_MIN {
             HostBytes::Heap(crate::alloc::zeroed(len, "a tensor in host memory")?)
         } else {
-            let map = MmapMut::map_anon(len).map_err(|e| {
-                KvError::Backend(format!(
-                    "cannot allocate {len} bytes for a tensor in host memory: {e}"
-                ))
-            })?;
-            #[cfg(target_os = "linux")]
-            if len >= HUGE_PAGE_MIN {
-                // advice only: a kernel without THP refuses it, and nothing is lost
-                let _ = map.advise(memmap2::Advice::HugePage);
-            }
-            HostBytes::Map(map)
+            HostBytes::Map(crate::alloc::map_zeroed(len, "a tensor in host memory")?)
         };
         Ok(HostBuffer {
             bytes,
@@ -211,7 +197,9 @@ impl KvBuffer for HostBuffer {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.len())?;
         if !self.committed && src.len() >= POPULATE_MIN {
-            populate(self.map(), offset, src.len());
+            if let Some(map) = self.map() {
+                crate::alloc::populate(map, offset, src.len());
+            }
         }
         self.touch();
         self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
@@ -269,19 +257,6 @@ impl KvBuffer for HostBuffer {
 
 /// Writes at least this large into pages never written fault them in with one call first.
 const POPULATE_MIN: usize = 1 << 20;
-
-/// Faults in the pages of `offset..offset + len` in one call (`MADV_POPULATE_WRITE`, Linux 5.14+)
-/// instead of one page fault per 4 KiB as the copy reaches them: a load into a fresh cache is
-/// dominated by those faults. Advice only: an older kernel refuses it and the copy faults as
-/// before.
-fn populate(map: Option<&MmapMut>, offset: usize, len: usize) {
-    #[cfg(target_os = "linux")]
-    if let Some(map) = map {
-        let _ = map.advise_range(memmap2::Advice::PopulateWrite, offset, len);
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (map, offset, len);
-}
 
 /// Zeroes a private anonymous mapping by handing its pages back to the OS (`MADV_DONTNEED`: the
 /// next access of each page gets a fresh zero page), which costs no write per byte and returns
