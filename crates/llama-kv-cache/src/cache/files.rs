@@ -8,10 +8,10 @@ use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::state::cells::CellExt;
 use crate::state::files::{
-    body_splits, concat, file_layouts, header_bytes, parse_header, resolve_version, session_prefix,
-    write_atomic_with, FileHeader, FileKind, Outputs, SessionBody, WriteOptions,
+    body_splits, concat, ext_readings, file_layouts, header_bytes, parse_header, resolve_version,
+    session_prefix, write_atomic_with, FileHeader, FileKind, Outputs, SessionBody, WriteOptions,
 };
-use crate::state::parts::{parse_parts, parse_parts_with, Part, PartKind, PartRole};
+use crate::state::parts::{parse_parts, Part, PartKind, PartRole};
 use crate::state::Layout;
 
 /// What a file load restored.
@@ -213,8 +213,7 @@ impl KvCache {
         // a capacity problem is the real answer when the structure itself parsed
         let mut no_space = None;
         let mut parts_seen = Vec::new();
-        let splits_seen = splits.clone();
-        for split in splits {
+        for split in &splits {
             let body = &bytes[split.payload.clone()];
             let (shapes, shape_errors) = parse_parts(body, layouts);
             errors.extend(shape_errors);
@@ -278,12 +277,16 @@ impl KvCache {
                 if let Some(e) = no_space {
                     return Err(e);
                 }
-                if let Some(ext) = cells_with_ext(bytes, &splits_seen, layouts) {
+                // the version is not known here (a raw payload has none): every extension
+                if let Some((_, p)) =
+                    ext_readings(bytes, &splits, layouts, &[CellExt::Pos2Tok, CellExt::Pos2])
+                        .first()
+                {
                     return Err(KvError::Unsupported(format!(
                         "the file's cells carry the '{}' cell extension of M-RoPE / PLE models \
                          (Qwen-VL and the like), which this cache does not hold; \
                          inspectStateFile reads such files",
-                        ext.name()
+                        p.parts[0].payload.ext.name()
                     )));
                 }
                 Err(KvError::InvalidState(if errors.len() == 1 {
@@ -310,15 +313,4 @@ impl KvCache {
             ))),
         }
     }
-}
-
-/// The cell extension under which one of `splits` reads exactly, when none reads without.
-fn cells_with_ext(bytes: &[u8], splits: &[SessionBody], layouts: &[Layout]) -> Option<CellExt> {
-    [CellExt::Pos2Tok, CellExt::Pos2].into_iter().find(|&ext| {
-        splits.iter().any(|s| {
-            !parse_parts_with(&bytes[s.payload.clone()], layouts, ext)
-                .0
-                .is_empty()
-        })
-    })
 }

@@ -12,7 +12,9 @@ pub use crate::state::atomic_write::{write_atomic, write_atomic_with};
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
-use crate::state::parts::{layouts_for_version, parse_parts, parse_parts_with, Part, PartKind};
+use crate::state::parts::{
+    layouts_for_version, parse_parts, parse_parts_with, Part, PartKind, Parts,
+};
 use crate::state::source::{ByteSource, ReadSource, Sub};
 use crate::state::{params_for_shapes, Cursor, Layout, ParsedPayload};
 
@@ -488,7 +490,8 @@ pub fn inspect_source<S: ByteSource + ?Sized>(bytes: &S, values: bool) -> Result
     let layouts = file_layouts(&header, None)?;
     let mut fits = Vec::new();
     let mut errors = Vec::new();
-    for split in body_splits(bytes, &header, values)? {
+    let splits = body_splits(bytes, &header, values)?;
+    for split in &splits {
         let (shapes, shape_errors) = parse_parts(&Sub::new(bytes, split.payload.clone()), &layouts);
         let with = if split.outputs.is_some() {
             " with outputs"
@@ -499,15 +502,12 @@ pub fn inspect_source<S: ByteSource + ?Sized>(bytes: &S, values: bool) -> Result
         fits.extend(shapes.into_iter().map(|p| (split.clone(), p)));
     }
     if fits.is_empty() {
-        // nothing reads plainly: the cells may carry the extension of M-RoPE / PLE models,
-        // which no byte announces; only an exact reading decides
-        for &ext in header.kind.cell_exts(header.version) {
-            for split in body_splits(bytes, &header, values)? {
-                let (shapes, _) =
-                    parse_parts_with(&Sub::new(bytes, split.payload.clone()), &layouts, ext);
-                fits.extend(shapes.into_iter().map(|p| (split.clone(), p)));
-            }
-        }
+        fits = ext_readings(
+            bytes,
+            &splits,
+            &layouts,
+            header.kind.cell_exts(header.version),
+        );
     }
     if fits.len() > 1 && header.kind == FileKind::Sequence {
         // the seed layout of a one-sequence save has n_seq_id 0 everywhere, the streams layouts
@@ -553,6 +553,31 @@ pub fn inspect_source<S: ByteSource + ?Sized>(bytes: &S, values: bool) -> Result
                 .join(" and ")
         ))),
     }
+}
+
+/// When nothing reads plainly, the cells may carry the extension of M-RoPE / PLE models, which
+/// no byte announces: the readings of the bodies `splits` under the first of `exts` that reads
+/// exactly (none when none does).
+pub(crate) fn ext_readings<S: ByteSource + ?Sized>(
+    bytes: &S,
+    splits: &[SessionBody],
+    layouts: &[Layout],
+    exts: &[CellExt],
+) -> Vec<(SessionBody, Parts)> {
+    for &ext in exts {
+        let fits: Vec<(SessionBody, Parts)> = splits
+            .iter()
+            .flat_map(|s| {
+                let (shapes, _) =
+                    parse_parts_with(&Sub::new(bytes, s.payload.clone()), layouts, ext);
+                shapes.into_iter().map(move |p| (s.clone(), p))
+            })
+            .collect();
+        if !fits.is_empty() {
+            return fits;
+        }
+    }
+    Vec::new()
 }
 
 /// Reads a whole file, with an error naming the path.
