@@ -7,7 +7,7 @@
 //! big cache costs no page faults until its cells are written.
 
 use std::alloc::{alloc_zeroed, Layout};
-use std::ops::Deref;
+use std::ops::{Deref, DerefMut};
 
 use memmap2::MmapMut;
 
@@ -104,20 +104,50 @@ pub fn populate(map: &MmapMut, offset: usize, len: usize) {
     let _ = (map, offset, len);
 }
 
-/// Copies of at least this many bytes go to a mapping of their own, faulted in at once.
-const COPY_MAP_MIN: usize = 1 << 20;
+/// Buffers of at least this many bytes get a mapping of their own ([`OwnedBytes`]); smaller
+/// ones stay on the heap, where a mapping each (two system calls and a page per KiB) would
+/// cost more than it saves.
+pub const MAP_MIN: usize = 1 << 20;
 
-/// Bytes copied into memory of their own (see [`copy_bytes`]).
+/// Bytes in memory of their own: on the heap below [`MAP_MIN`], else an anonymous mapping
+/// (see [`zeroed_bytes`], [`copy_bytes`]).
 pub enum OwnedBytes {
-    /// A small copy, on the heap.
+    /// A small buffer, on the heap.
     Heap(Vec<u8>),
-    /// A large copy, in a populated mapping.
+    /// A large buffer, in a mapping of its own.
     Map(MmapMut),
+}
+
+impl OwnedBytes {
+    /// The mapping, for a large buffer.
+    pub fn map(&self) -> Option<&MmapMut> {
+        match self {
+            OwnedBytes::Map(m) => Some(m),
+            OwnedBytes::Heap(_) => None,
+        }
+    }
+
+    /// The mapping, for a large buffer, to advise.
+    pub fn map_mut(&mut self) -> Option<&mut MmapMut> {
+        match self {
+            OwnedBytes::Map(m) => Some(m),
+            OwnedBytes::Heap(_) => None,
+        }
+    }
 }
 
 impl Deref for OwnedBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
+        match self {
+            OwnedBytes::Heap(v) => v,
+            OwnedBytes::Map(m) => m,
+        }
+    }
+}
+
+impl DerefMut for OwnedBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
         match self {
             OwnedBytes::Heap(v) => v,
             OwnedBytes::Map(m) => m,
@@ -131,11 +161,20 @@ impl AsRef<[u8]> for OwnedBytes {
     }
 }
 
+/// `len` zero bytes, lazily committed by the OS either way (calloc on the heap, or a mapping).
+pub fn zeroed_bytes(len: usize, what: &str) -> Result<OwnedBytes> {
+    Ok(if len < MAP_MIN {
+        OwnedBytes::Heap(zeroed(len, what)?)
+    } else {
+        OwnedBytes::Map(map_zeroed(len, what)?)
+    })
+}
+
 /// A copy of `data` (a payload that must outlive memory its owner may free). A large copy goes
 /// to a mapping whose pages are faulted in with one call first: copied into fresh heap memory,
 /// a 1 GiB payload spent most of its second in page faults.
 pub fn copy_bytes(data: &[u8], what: &str) -> Result<OwnedBytes> {
-    if data.len() < COPY_MAP_MIN {
+    if data.len() < MAP_MIN {
         return copy(data, what).map(OwnedBytes::Heap);
     }
     let mut map = map_zeroed(data.len(), what)?;

@@ -3,6 +3,7 @@
 
 use memmap2::MmapMut;
 
+use crate::alloc::{populate, zeroed_bytes, OwnedBytes};
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::tensors::transpose::{transpose, Shape};
@@ -98,15 +99,13 @@ pub trait KvBuffer: Send + Sync {
     }
 }
 
-/// A zero-initialised buffer in host memory. A tensor of [`MAP_MIN`] bytes or more is an
+/// A zero-initialised buffer in host memory. A tensor of [`MAP_MIN`](crate::alloc::MAP_MIN) bytes or more is an
 /// anonymous mapping of its own, straight from the OS (`mmap` / `VirtualAlloc`, through
 /// `memmap2`): creating one commits no page whatever the allocator did before (heap memory from
 /// an earlier, freed cache would have to be memset), dropping it returns every page at once,
-/// and [`KvBuffer::release`] hands its pages back. Smaller tensors come from the heap, where a
-/// mapping per tensor (a system call to make, another to drop, a page per KiB) would cost more
-/// than it saves.
+/// and [`KvBuffer::release`] hands its pages back. Smaller tensors come from the heap.
 pub struct HostBuffer {
-    bytes: HostBytes,
+    bytes: OwnedBytes,
     /// Nothing was written since the buffer was allocated or zeroed: it holds only the zero
     /// pages the OS hands out lazily.
     zero: bool,
@@ -115,49 +114,23 @@ pub struct HostBuffer {
     committed: bool,
 }
 
-enum HostBytes {
-    Heap(Vec<u8>),
-    Map(MmapMut),
-}
-
-/// Tensors at least this large get a mapping of their own.
-const MAP_MIN: usize = 1 << 20;
-
 impl HostBuffer {
     /// Allocates `len` zero bytes, reporting a refused allocation or mapping (no memory,
     /// `ulimit -v`) as an error instead of aborting.
     pub fn new(len: usize) -> Result<HostBuffer> {
-        let bytes = if len < MAP_MIN {
-            HostBytes::Heap(crate::alloc::zeroed(len, "a tensor in host memory")?)
-        } else {
-            HostBytes::Map(crate::alloc::map_zeroed(len, "a tensor in host memory")?)
-        };
         Ok(HostBuffer {
-            bytes,
+            bytes: zeroed_bytes(len, "a tensor in host memory")?,
             zero: true,
             committed: false,
         })
     }
 
     fn bytes(&self) -> &[u8] {
-        match &self.bytes {
-            HostBytes::Heap(v) => v,
-            HostBytes::Map(m) => m,
-        }
+        &self.bytes
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        match &mut self.bytes {
-            HostBytes::Heap(v) => v,
-            HostBytes::Map(m) => m,
-        }
-    }
-
-    fn map(&self) -> Option<&MmapMut> {
-        match &self.bytes {
-            HostBytes::Map(m) => Some(m),
-            HostBytes::Heap(_) => None,
-        }
+        &mut self.bytes
     }
 }
 
@@ -197,8 +170,8 @@ impl KvBuffer for HostBuffer {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.len())?;
         if !self.committed && src.len() >= POPULATE_MIN {
-            if let Some(map) = self.map() {
-                crate::alloc::populate(map, offset, src.len());
+            if let Some(map) = self.bytes.map() {
+                populate(map, offset, src.len());
             }
         }
         self.touch();
@@ -226,11 +199,7 @@ impl KvBuffer for HostBuffer {
         if !self.committed {
             return self.fill_zero();
         }
-        let map = match &mut self.bytes {
-            HostBytes::Map(m) => Some(m),
-            HostBytes::Heap(_) => None,
-        };
-        if map.is_some_and(release_pages) {
+        if self.bytes.map_mut().is_some_and(release_pages) {
             (self.zero, self.committed) = (true, false);
             return Ok(());
         }
@@ -604,6 +573,7 @@ unsafe fn copy_elements<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::MAP_MIN;
 
     fn layer(v_trans: bool) -> (LayerTensors, Layout) {
         let lay = Layout {
