@@ -1107,7 +1107,7 @@ export interface StoreCallOptions {
 
 /** What `put` / `putFile` stored. */
 export interface StorePutResult {
-  /** Tokens covered by full blocks: the prefix the store now holds for this prompt. */
+  /** The restore point this put gives the prompt: tokens a later restore of it loads. */
   tokens: number
   /** Blocks this call stored. */
   blocksWritten: number
@@ -1117,6 +1117,11 @@ export interface StorePutResult {
   blocksSkipped: number
   /** Bytes of the skipped blocks. */
   bytesSkipped: number
+  /**
+   * Checkpoints this call stored: the partial last block, a sliding window, a recurrent
+   * state.
+   */
+  checkpointsWritten: number
 }
 
 /** Counts of a store. */
@@ -1141,18 +1146,29 @@ export interface StoreStats {
   corrupt: number
 }
 
-/** Options of `writeFile`. */
+/**
+ * Options of `writeFile`. Every option left out is what the store's first ingested file was
+ * (a store filled by `put` of a cache: a sequence file of today's version).
+ */
 export interface StoreWriteFileOptions {
-  /** 'sequence' (ggsq, default) or 'session' (ggsn). */
+  /** 'sequence' (ggsq) or 'session' (ggsn). */
   kind?: string
-  /** File version: sequence 2 (default, llama.node) or 3 (node-llama-cpp); session 9 (default) or 10. */
+  /**
+   * File version: sequence 2 (llama.node), 3 (node-llama-cpp) or 4 (llama.cpp 0.1.161);
+   * session 9, 10 or 11.
+   */
   version?: number
-  /** Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944). */
+  /** Payload layout: 'streams-rot' (versions 4 and 11), 'streams' or 'seed' (b4944). */
   layout?: string
-  /** Whether the reader runs with flash attention (V untransposed). Default false. */
+  /** Whether the reader runs with flash attention (V untransposed). */
   flashAttn?: boolean
-  /** Session files: the architecture name. Default 'llama'. */
+  /** Session files: the architecture name. */
   arch?: string
+  /**
+   * iSWA states kept whole (`swa_full`): write only the last `swaWindow` positions of the
+   * sliding-window cache, for a reader whose context keeps only the window.
+   */
+  swaWindow?: number
   /** Called with `(doneBytes, totalBytes)` while the file is written. */
   onProgress?: (done: number, total: number) => void
   /** Aborts the operation. */

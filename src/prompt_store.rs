@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use llama_kv_cache as core;
 use llama_kv_cache::cache::io::Progress;
-use llama_kv_cache::{FileKind, Layout};
+use llama_kv_cache::FileKind;
 use napi::bindgen_prelude::*;
 use napi::sys;
 use napi_derive::napi;
@@ -34,19 +34,24 @@ pub struct StoreCallOptions {
     pub signal: Option<Signal>,
 }
 
-/// Options of `writeFile`.
+/// Options of `writeFile`. Every option left out is what the store's first ingested file was
+/// (a store filled by `put` of a cache: a sequence file of today's version).
 #[napi(object, object_to_js = false)]
 pub struct StoreWriteFileOptions {
-    /// 'sequence' (ggsq, default) or 'session' (ggsn).
+    /// 'sequence' (ggsq) or 'session' (ggsn).
     pub kind: Option<String>,
-    /// File version: sequence 2 (default, llama.node) or 3 (node-llama-cpp); session 9 (default) or 10.
+    /// File version: sequence 2 (llama.node), 3 (node-llama-cpp) or 4 (llama.cpp 0.1.161);
+    /// session 9, 10 or 11.
     pub version: Option<f64>,
-    /// Payload layout: 'streams' (today's llama.cpp, default) or 'seed' (b4944).
+    /// Payload layout: 'streams-rot' (versions 4 and 11), 'streams' or 'seed' (b4944).
     pub layout: Option<String>,
-    /// Whether the reader runs with flash attention (V untransposed). Default false.
+    /// Whether the reader runs with flash attention (V untransposed).
     pub flash_attn: Option<bool>,
-    /// Session files: the architecture name. Default 'llama'.
+    /// Session files: the architecture name.
     pub arch: Option<String>,
+    /// iSWA states kept whole (`swa_full`): write only the last `swaWindow` positions of the
+    /// sliding-window cache, for a reader whose context keeps only the window.
+    pub swa_window: Option<f64>,
     /// Called with `(doneBytes, totalBytes)` while the file is written.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
@@ -58,7 +63,7 @@ pub struct StoreWriteFileOptions {
 /// What `put` / `putFile` stored.
 #[napi(object)]
 pub struct StorePutResult {
-    /// Tokens covered by full blocks: the prefix the store now holds for this prompt.
+    /// The restore point this put gives the prompt: tokens a later restore of it loads.
     pub tokens: f64,
     /// Blocks this call stored.
     pub blocks_written: f64,
@@ -68,6 +73,9 @@ pub struct StorePutResult {
     pub blocks_skipped: f64,
     /// Bytes of the skipped blocks.
     pub bytes_skipped: f64,
+    /// Checkpoints this call stored: the partial last block, a sliding window, a recurrent
+    /// state.
+    pub checkpoints_written: f64,
 }
 
 /// Counts of a store.
@@ -101,6 +109,7 @@ impl From<store::PutReport> for StorePutResult {
             bytes_written: r.bytes_written as f64,
             blocks_skipped: r.blocks_skipped as f64,
             bytes_skipped: r.bytes_skipped as f64,
+            checkpoints_written: r.checkpoints_written as f64,
         }
     }
 }
@@ -415,8 +424,9 @@ fn write_file_job(
     let (mut progress, mut signal) = (None, None);
     if let Some(Obj(o)) = options {
         opts.kind = match o.kind.as_deref() {
-            None | Some("sequence") => FileKind::Sequence,
-            Some("session") => FileKind::Session,
+            None => None,
+            Some("sequence") => Some(FileKind::Sequence),
+            Some("session") => Some(FileKind::Session),
             Some(k) => {
                 return Err(err(
                     Code::InvalidArg,
@@ -425,11 +435,10 @@ fn write_file_job(
             }
         };
         opts.version = o.version.map(|v| u32v("version", v)).transpose()?;
-        opts.layout = crate::jobs::layout(o.layout.as_deref())?.unwrap_or(Layout::Streams);
-        opts.flash_attn = o.flash_attn.unwrap_or(false);
-        if let Some(arch) = o.arch {
-            opts.arch = arch;
-        }
+        opts.layout = crate::jobs::layout(o.layout.as_deref())?;
+        opts.flash_attn = o.flash_attn;
+        opts.arch = o.arch;
+        opts.swa_window = o.swa_window.map(|v| u32v("swaWindow", v)).transpose()?;
         progress = o.on_progress;
         signal = o.signal;
     }

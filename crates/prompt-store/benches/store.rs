@@ -71,7 +71,16 @@ fn main() {
 
     // hashing
     let small = cache(16, 1, 8);
-    let fp = Geometry::of_cache(&small).unwrap().fingerprint("bench");
+    let fp = prompt_store::Shape {
+        memory: llama_kv_cache::MemoryKind::Unified,
+        main: Some(prompt_store::KvShape {
+            layers: Geometry::of_cache(&small).unwrap(),
+            rot: (0, 0),
+        }),
+        swa: None,
+        recurrent: None,
+    }
+    .fingerprint("bench");
     let t_chain = time(|| {
         black_box(chain_keys(&fp, black_box(&tokens), 256));
     });

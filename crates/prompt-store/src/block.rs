@@ -108,6 +108,20 @@ pub struct BlockRows<'a> {
 }
 
 impl<'a> BlockRows<'a> {
+    /// Rows of `n_tokens` tokens laid out as in a block: per layer, K rows then V rows.
+    pub(crate) fn new(data: &'a [u8], geometry: &'a Geometry, n_tokens: usize) -> Self {
+        BlockRows {
+            data,
+            geometry,
+            n_tokens,
+        }
+    }
+
+    /// Tokens (rows per layer).
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
     /// K rows of layer `il` (n_tokens rows).
     pub fn k(&self, il: usize) -> &'a [u8] {
         self.part(il, false)
@@ -189,11 +203,7 @@ pub fn decode<'a>(value: &'a [u8], id: &BlockId<'a>) -> Result<BlockRows<'a>, Co
         Some((g, _)) if &g == id.geometry => {}
         _ => return bad("geometry differs".into()),
     }
-    Ok(BlockRows {
-        data: &body[header_len(id)..],
-        geometry: id.geometry,
-        n_tokens: n,
-    })
+    Ok(BlockRows::new(&body[header_len(id)..], id.geometry, n))
 }
 
 #[cfg(test)]

@@ -1,17 +1,18 @@
 //! What shapes a block's bytes (layer count, per-layer K/V types and row sizes), the
-//! fingerprint made of it and the model identity, and the chain keys rooted in the fingerprint.
+//! chain keys rooted in a [fingerprint](crate::Shape::fingerprint), and the keys derived from
+//! them (sliding-window rows, checkpoints and their index).
 
-use llama_kv_cache::state::{params_for_shapes, StreamBlock};
+use llama_kv_cache::state::params_for_shapes;
 use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor};
 
 use sha2::{Digest, Sha256};
 
 use crate::backend::Key;
-use crate::error::{StoreError, StoreResult};
+use crate::error::StoreResult;
 
 /// Version of the block format and of the key derivation. Part of every fingerprint, so a
 /// format change starts a fresh chain instead of misreading old blocks.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// One layer's K and V as stored in a block (V always as rows: untransposed): the core
 /// codec's [`LayerShape`].
@@ -25,22 +26,8 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    /// The geometry of a (non-recurrent) cache.
+    /// The per-layer shapes of a cache.
     pub fn of_cache(cache: &KvCache) -> StoreResult<Geometry> {
-        if cache.recurrent() {
-            return Err(StoreError::InvalidArg(
-                "a recurrent cache keeps one state per sequence, not rows per position: it has no prefix blocks"
-                    .into(),
-            ));
-        }
-        let (k, v) = (cache.params().n_rot_k, cache.params().n_rot_v);
-        if k != 0 || v != 0 {
-            // rotated rows mean nothing to a cache that does not know the rotation, and the
-            // block format does not record it
-            return Err(StoreError::Cache(llama_kv_cache::KvError::Unsupported(format!(
-                "the cache's K/V are rotated (nRotK {k}, nRotV {v}); the prompt store keeps unrotated rows: re-type to an unrotated cache first"
-            ))));
-        }
         let layers = (0..cache.n_layer())
             .map(|il| {
                 Ok(LayerGeometry {
@@ -54,13 +41,6 @@ impl Geometry {
         Ok(Geometry { layers })
     }
 
-    /// The geometry of a parsed payload stream that holds data.
-    pub fn of_stream(stream: &StreamBlock) -> StoreResult<Geometry> {
-        Ok(Geometry {
-            layers: stream.layer_shapes()?,
-        })
-    }
-
     /// Bytes of K and V of one token over all layers.
     pub fn bytes_per_token(&self) -> u64 {
         self.layers.iter().map(|l| l.k_row + l.v_row).sum()
@@ -68,9 +48,15 @@ impl Geometry {
 
     /// Parameters of a one-sequence cache of `size` cells with this geometry (to write llama.cpp
     /// files). `v_trans` chooses llama.cpp's V layout: transposed without flash attention.
-    pub fn cache_params(&self, size: u32, v_trans: bool) -> StoreResult<CacheParams> {
+    pub fn cache_params(
+        &self,
+        size: u32,
+        v_trans: bool,
+        rot: (u32, u32),
+    ) -> StoreResult<CacheParams> {
         let mut p = params_for_shapes(&self.layers, size)?;
         p.flash_attn = !v_trans;
+        (p.n_rot_k, p.n_rot_v) = rot;
         p.validate()?;
         Ok(p)
     }
@@ -108,20 +94,6 @@ impl Geometry {
             })
             .collect::<Option<Vec<_>>>()?;
         Some((Geometry { layers }, len))
-    }
-
-    /// `key_{-1}`: SHA-256 over a domain tag, the format version, the caller's model identity
-    /// (e.g. the GGUF file's sha256) and this geometry.
-    pub fn fingerprint(&self, model: &str) -> Key {
-        let mut h = Sha256::new();
-        h.update(b"llama-kv-cache prompt-store fingerprint\0");
-        h.update(FORMAT_VERSION.to_le_bytes());
-        h.update((model.len() as u64).to_le_bytes());
-        h.update(model.as_bytes());
-        let mut g = Vec::new();
-        self.encode(&mut g);
-        h.update(&g);
-        Key(h.finalize().into())
     }
 
     /// A one-line description for messages.
@@ -162,6 +134,44 @@ pub fn chain_keys(fingerprint: &Key, tokens: &[i32], block_tokens: usize) -> Vec
     keys
 }
 
+/// The chain key a restore point at `i` full blocks extends: the fingerprint for `i == 0`,
+/// else the key of block `i - 1`.
+pub fn chain_at(fingerprint: &Key, keys: &[Key], i: usize) -> Key {
+    if i == 0 {
+        *fingerprint
+    } else {
+        keys[i - 1]
+    }
+}
+
+fn derived(domain: &[u8], base: &Key, tokens: &[i32]) -> Key {
+    let mut h = Sha256::new();
+    h.update(domain);
+    h.update(base.0);
+    h.update((tokens.len() as u32).to_le_bytes());
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    Key(h.finalize().into())
+}
+
+/// The key of the sliding-window rows of the block whose chain key is `key` (iSWA states that
+/// held the whole range).
+pub fn swa_key(key: &Key) -> Key {
+    derived(b"llama-kv-cache prompt-store swa rows\0", key, &[])
+}
+
+/// The key of the checkpoint at the prefix that extends chain key `at` by `tail` tokens: the
+/// exact token prefix it ends, as every chain key.
+pub fn checkpoint_key(at: &Key, tail: &[i32]) -> Key {
+    derived(b"llama-kv-cache prompt-store checkpoint\0", at, tail)
+}
+
+/// The key of the list of checkpoint offsets after chain key `at`.
+pub fn index_key(at: &Key) -> Key {
+    derived(b"llama-kv-cache prompt-store checkpoint index\0", at, &[])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,9 +190,11 @@ mod tests {
         }
     }
 
+    const FP: Key = Key([7; 32]);
+
     #[test]
     fn chain_keys_of_a_shared_prefix_are_shared_and_diverge_after_it() {
-        let fp = geo(GgmlType::F16, 64).fingerprint("m");
+        let fp = FP;
         let a: Vec<i32> = (0..64).collect();
         let mut b = a.clone();
         b[40] = -5;
@@ -196,21 +208,18 @@ mod tests {
 
     #[test]
     fn a_partial_block_has_no_key() {
-        let fp = geo(GgmlType::F16, 64).fingerprint("m");
+        let fp = FP;
         assert_eq!(chain_keys(&fp, &[1; 31], 16).len(), 1);
         assert!(chain_keys(&fp, &[1; 15], 16).is_empty());
     }
 
     #[test]
-    fn fingerprint_covers_model_types_and_row_sizes() {
-        let base = geo(GgmlType::F16, 64);
-        let fp = base.fingerprint("m");
-        assert_ne!(fp, base.fingerprint("m2"));
-        assert_ne!(fp, geo(GgmlType::Q8_0, 68).fingerprint("m"));
-        assert_ne!(fp, geo(GgmlType::F16, 128).fingerprint("m"));
-        let mut three = base.clone();
-        three.layers.push(three.layers[0]);
-        assert_ne!(fp, three.fingerprint("m"));
+    fn checkpoint_keys_cover_the_tail_and_its_length() {
+        let a = checkpoint_key(&FP, &[1, 2]);
+        assert_ne!(a, checkpoint_key(&FP, &[1, 2, 0]));
+        assert_ne!(a, checkpoint_key(&FP, &[1, 3]));
+        assert_ne!(checkpoint_key(&FP, &[]), index_key(&FP));
+        assert_ne!(swa_key(&FP), index_key(&FP));
     }
 
     #[test]
@@ -225,7 +234,7 @@ mod tests {
 
     #[test]
     fn key_hex_round_trips() {
-        let k = geo(GgmlType::F16, 64).fingerprint("x");
+        let k = checkpoint_key(&FP, &[1]);
         assert_eq!(Key::from_hex(&k.hex()), Some(k));
         assert_eq!(Key::from_hex("zz"), None);
     }

@@ -2,9 +2,11 @@
 //! deduplicated by prefix and kept across restarts.
 //!
 //! Block `i` of a prompt is stored under a chain key
-//! `key_i = BLAKE3(key_{i-1} || tokens of block i)` whose root `key_{-1}` is the
-//! [fingerprint](Geometry::fingerprint) of the model and the cache geometry, so two prompts share
+//! `key_i = SHA-256(key_{i-1} || tokens of block i)` whose root `key_{-1}` is the
+//! [fingerprint](Shape::fingerprint) of the model and its memory's shape, so two prompts share
 //! exactly the blocks of their common prefix, and a key says everything that shaped its bytes.
+//! What a restore point needs beyond full blocks (a partial last block, a sliding window, a
+//! recurrent state) is a [checkpoint] keyed by the exact prefix it ends.
 //! Each value is one self-describing [block](block) (header, K and V rows of every layer,
 //! checksum), so a backend that evicts values can never leave half a block behind.
 //!
@@ -20,19 +22,26 @@
 
 mod backend;
 pub mod block;
+mod capture;
+pub mod checkpoint;
 mod dir;
 mod error;
 mod geometry;
 mod memory;
 mod payload;
+mod shape;
 mod store;
 mod tiered;
 
 pub use backend::{Backend, Key, Usage};
 pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
-pub use geometry::{chain_keys, Geometry, LayerGeometry, FORMAT_VERSION};
+pub use geometry::{
+    chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, LayerGeometry,
+    FORMAT_VERSION,
+};
 pub use memory::MemoryBackend;
+pub use shape::{FileFormat, KvShape, Shape};
 pub use store::{
     PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS, MAX_BLOCK_TOKENS,
     MIN_BLOCK_TOKENS,

@@ -1,21 +1,36 @@
 //! The prompt store: `put`, `lookup`, `restore`, `put_file`, `write_file`, `stats` over any
-//! [`Backend`].
+//! [`Backend`], for every memory llama.cpp 0.1.161 writes (unified, iSWA, hybrid, recurrent,
+//! with rotated K/V or not).
+//!
+//! A restore point P is served by the chain's full blocks for [0, bt * floor(P / bt)) plus,
+//! where the memory needs more (a partial last block, a sliding window, a recurrent state), a
+//! checkpoint keyed by the exact prefix P ends (see [`crate::checkpoint`]). A lookup returns the
+//! longest P for which everything is stored; a restore reads and verifies it, and falls back to
+//! the next longest when a value turns out corrupt.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use llama_kv_cache::cache::io::Progress;
-use llama_kv_cache::state::files::{inspect_bytes, params_for, write_atomic, FileKind};
-use llama_kv_cache::{KvCache, KvError, Layout, ReadOptions, Tensor, WriteOptions};
+use llama_kv_cache::state::files::{header_bytes, write_atomic, FileKind};
+use llama_kv_cache::{
+    convert_bytes, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions, Tensor,
+    WriteOptions,
+};
 
 use sha2::{Digest, Sha256};
 
 use crate::backend::{Backend, Key};
-use crate::block::{self, BlockId};
+use crate::block::{self, BlockId, BlockRows};
+use crate::capture::{unified_shape, Capture, KvRows};
+use crate::checkpoint::{self, CheckpointId, SwaRows};
 use crate::error::{StoreError, StoreResult};
-use crate::geometry::{chain_keys, Geometry, FORMAT_VERSION};
-use crate::payload::PayloadBuilder;
+use crate::geometry::{
+    chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
+};
+use crate::payload::KvPartWriter;
+use crate::shape::{Fields, FileFormat, Shape};
 
 /// Tokens per block unless configured (LMCache's chunk size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 256;
@@ -27,19 +42,29 @@ pub const MAX_BLOCK_TOKENS: u32 = 4096;
 /// Blocks encoded and sent to the backend per batch: bounds memory on long prompts.
 const PUT_BATCH: usize = 8;
 
+/// Restores that meet corrupt values re-plan at most this often before giving up on the
+/// prompt (each round removes what it found corrupt).
+const MAX_REPLANS: usize = 4;
+
+/// Index entries: the offset, plus this bit when the checkpoint needs the SWA blocks too.
+const NEEDS_SWA_BLOCKS: u32 = 1 << 31;
+
 /// What `put` did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PutReport {
-    /// Tokens covered by full blocks (the prefix the store now holds for this prompt).
+    /// The restore point this put gives the prompt: tokens a later restore of it loads.
     pub tokens: u64,
     /// Blocks this call stored.
     pub blocks_written: u64,
-    /// Bytes this call stored.
+    /// Bytes this call stored (blocks and checkpoints).
     pub bytes_written: u64,
     /// Blocks that were already stored (by anyone).
     pub blocks_skipped: u64,
     /// Bytes of the blocks already stored.
     pub bytes_skipped: u64,
+    /// Checkpoints this call stored (a partial last block, a sliding window, a recurrent
+    /// state).
+    pub checkpoints_written: u64,
 }
 
 /// Counts of a store: what the backend holds and what this `PromptStore` saw.
@@ -49,7 +74,8 @@ pub struct StoreStats {
     pub backend: &'static str,
     /// Tokens per block.
     pub block_tokens: u32,
-    /// Values stored (blocks, plus one small model record per model).
+    /// Values stored (blocks, checkpoints and their index, plus one small model record per
+    /// model).
     pub blocks: u64,
     /// Bytes stored.
     pub bytes: u64,
@@ -60,46 +86,41 @@ pub struct StoreStats {
     /// Blocks found by lookups and restores of this store object.
     pub hits: u64,
     /// Lookups and restores of this store object that stopped before the prompt's last full
-    /// block (each counts once, at the block where it stopped).
+    /// block (each counts once).
     pub misses: u64,
-    /// Blocks read that failed verification (checksum, fingerprint, key, index, tokens,
-    /// geometry): counted as misses, never loaded, and removed from the backend.
+    /// Values read that failed verification (checksum, fingerprint, key, index, tokens,
+    /// geometry), blocks and checkpoints alike: counted as misses, never loaded, and removed
+    /// from the backend.
     pub corrupt: u64,
 }
 
-/// How `write_file` writes a llama.cpp file.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// How `write_file` writes a llama.cpp file. Every field left `None` is what the store's first
+/// ingested file was (a store filled by `put` of a live cache: a sequence file of today's
+/// version, V transposed).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WriteFileOptions {
     /// Session (`ggsn`) or sequence (`ggsq`) file.
-    pub kind: FileKind,
-    /// File version; default: what today's llama.node reads (ggsn 9, ggsq 2).
+    pub kind: Option<FileKind>,
+    /// File version.
     pub version: Option<u32>,
-    /// Payload layout; default: today's (`streams`).
-    pub layout: Layout,
-    /// Whether the reader runs with flash attention (V untransposed). Default false, as in
-    /// llama.node and node-llama-cpp.
-    pub flash_attn: bool,
-    /// Session files: the architecture name (default "llama").
-    pub arch: String,
+    /// Payload layout of the KV parts.
+    pub layout: Option<Layout>,
+    /// Whether the reader runs with flash attention (V untransposed).
+    pub flash_attn: Option<bool>,
+    /// Session files: the architecture name.
+    pub arch: Option<String>,
+    /// iSWA states kept whole (`swa_full`): write only the last `swa_window` positions of the
+    /// sliding-window part, for a reader whose context keeps only the window.
+    pub swa_window: Option<u32>,
 }
 
-impl Default for WriteFileOptions {
-    fn default() -> Self {
-        WriteFileOptions {
-            kind: FileKind::Sequence,
-            version: None,
-            layout: Layout::Streams,
-            flash_attn: false,
-            arch: "llama".into(),
-        }
-    }
-}
-
-/// The geometry the store's model is bound to, and the fingerprint made of it.
+/// What the store's model is bound to: its shape, the fingerprint made of it, and the format
+/// of the files it ingested.
 #[derive(Clone)]
 struct Bound {
-    geometry: Geometry,
+    shape: Shape,
     fingerprint: Key,
+    format: FileFormat,
 }
 
 #[derive(Default)]
@@ -109,10 +130,32 @@ struct Counters {
     corrupt: AtomicU64,
 }
 
-/// A prompt store for one model. The model's geometry is fixed by the first cache or file it
-/// sees and recorded in the backend (a small model record beside the blocks), so a later
-/// process can `lookup` and `write_file` without a cache; a cache of another geometry is
-/// refused with [`StoreError::Geometry`] (use another `model` string for it).
+/// A restore point and what serves it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Plan {
+    /// Tokens restored.
+    len: usize,
+    /// Full blocks of the main part (and of the SWA part when `swa_blocks`).
+    blocks: usize,
+    /// Whether the SWA rows come from SWA blocks.
+    swa_blocks: bool,
+    /// The checkpoint's key, when one is needed.
+    checkpoint: Option<Key>,
+}
+
+/// Who a restored payload is for: the sequence its cells name, its V layout, and the SWA
+/// window a reader keeps (`None`: every stored position).
+#[derive(Clone, Copy)]
+struct Target {
+    seq: i32,
+    v_trans: bool,
+    swa_window: Option<u32>,
+}
+
+/// A prompt store for one model. The model's shape is fixed by the first cache or file it sees
+/// and recorded in the backend (a small model record beside the blocks), so a later process
+/// can `lookup` and `write_file` without a cache; a cache of another shape is refused with
+/// [`StoreError::Geometry`] (use another `model` string for it).
 pub struct PromptStore {
     backend: Arc<dyn Backend>,
     model: String,
@@ -141,6 +184,30 @@ fn tick(progress: &mut Option<Progress<'_>>, done: u64, total: u64) -> StoreResu
 }
 
 const RECORD_MAGIC: [u8; 4] = *b"KVPM";
+
+/// The format `write_file` defaults to for a store filled by `put` of a live cache: a sequence
+/// file that llama.node and node-llama-cpp read (version 2), or today's version 4 when the
+/// rows are rotated (only it records the rotation).
+fn live_format(cache: &KvCache) -> FileFormat {
+    let p = cache.params();
+    let rotated = p.n_rot_k != 0 || p.n_rot_v != 0;
+    let kind = FileKind::Sequence;
+    FileFormat {
+        kind,
+        version: if rotated {
+            kind.rotation_version()
+        } else {
+            kind.default_version()
+        },
+        layout: if rotated {
+            Layout::StreamsRot
+        } else {
+            Layout::Streams
+        },
+        flash_attn: !cache.v_trans(),
+        arch: None,
+    }
+}
 
 impl PromptStore {
     /// A store for `model` (the caller's identity of the weights, e.g. the GGUF file's sha256)
@@ -181,11 +248,16 @@ impl PromptStore {
     }
 
     /// The chain keys of the full blocks of `tokens` under the store's fingerprint, if the
-    /// model's geometry is known.
+    /// model's shape is known.
     pub fn keys(&self, tokens: &[i32]) -> StoreResult<Option<Vec<Key>>> {
         Ok(self
             .known()?
             .map(|b| chain_keys(&b.fingerprint, tokens, self.block_tokens)))
+    }
+
+    /// The shape the store is bound to, if known.
+    pub fn shape(&self) -> StoreResult<Option<Shape>> {
+        Ok(self.known()?.map(|b| b.shape))
     }
 
     fn record_key(&self) -> Key {
@@ -196,32 +268,33 @@ impl PromptStore {
         Key(h.finalize().into())
     }
 
-    fn encode_record(g: &Geometry) -> Vec<u8> {
+    fn encode_record(shape: &Shape, format: &FileFormat) -> Vec<u8> {
         let mut out = RECORD_MAGIC.to_vec();
-        g.encode(&mut out);
+        shape.encode(&mut out);
+        format.encode(&mut out);
         let sum = blake3::hash(&out);
         out.extend_from_slice(sum.as_bytes());
         out
     }
 
-    fn decode_record(v: &[u8]) -> Option<Geometry> {
+    fn decode_record(v: &[u8]) -> Option<(Shape, FileFormat)> {
         let body = v.get(..v.len().checked_sub(32)?)?;
         if blake3::hash(body).as_bytes() != &v[body.len()..] || body.get(..4)? != RECORD_MAGIC {
             return None;
         }
-        match Geometry::decode(&body[4..]) {
-            Some((g, used)) if used == body.len() - 4 => Some(g),
-            _ => None,
-        }
+        let mut f = Fields::new(&body[4..]);
+        let shape = Shape::decode(&mut f)?;
+        let format = FileFormat::decode(&mut f)?;
+        (f.at == f.bytes.len()).then_some((shape, format))
     }
 
-    /// The recorded geometry; a corrupt record is removed and reads as absent.
-    fn read_record(&self) -> StoreResult<Option<Geometry>> {
+    /// The recorded shape; a corrupt record is removed and reads as absent.
+    fn read_record(&self) -> StoreResult<Option<(Shape, FileFormat)>> {
         let key = self.record_key();
         match self.backend.get_many(&[key])?.pop().flatten() {
             None => Ok(None),
             Some(v) => match Self::decode_record(&v) {
-                Some(g) => Ok(Some(g)),
+                Some(r) => Ok(Some(r)),
                 None => {
                     self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
                     self.backend.remove(&key)?;
@@ -231,25 +304,35 @@ impl PromptStore {
         }
     }
 
-    fn bound_to(&self, g: Geometry) -> Bound {
+    fn bound_to(&self, shape: Shape, format: FileFormat) -> Bound {
         Bound {
-            fingerprint: g.fingerprint(&self.model),
-            geometry: g,
+            fingerprint: shape.fingerprint(&self.model),
+            shape,
+            format,
         }
     }
 
-    /// The bound geometry, from memory or the model record.
+    /// The bound shape, from memory or the model record.
     fn known(&self) -> StoreResult<Option<Bound>> {
         let mut bound = self.bound.lock().unwrap_or_else(|p| p.into_inner());
         if bound.is_none() {
-            *bound = self.read_record()?.map(|g| self.bound_to(g));
+            *bound = self.read_record()?.map(|(s, f)| self.bound_to(s, f));
         }
         Ok(bound.clone())
     }
 
-    /// Binds the store to `g` (recording it when the model has no record yet) or refuses a
-    /// geometry that differs from the bound one.
-    fn bind(&self, g: &Geometry) -> StoreResult<Bound> {
+    fn refuse(&self, bound: &Shape, got: &Shape) -> StoreError {
+        StoreError::Geometry(format!(
+            "this store holds model {:?} as {}; the state is {}",
+            self.model,
+            bound.describe(),
+            got.describe()
+        ))
+    }
+
+    /// Binds the store to `shape` (recording it with `format` when the model has no record yet)
+    /// or refuses a shape that differs from the bound one.
+    fn bind(&self, shape: &Shape, format: FileFormat) -> StoreResult<Bound> {
         let mut bound = self.bound.lock().unwrap_or_else(|p| p.into_inner());
         let b = match bound.as_ref() {
             Some(b) => b.clone(),
@@ -257,57 +340,100 @@ impl PromptStore {
                 let recorded = match self.read_record()? {
                     Some(r) => r,
                     None => {
-                        self.backend
-                            .put_if_absent(&self.record_key(), &Self::encode_record(g))?;
+                        self.backend.put_if_absent(
+                            &self.record_key(),
+                            &Self::encode_record(shape, &format),
+                        )?;
                         // another process may have recorded first; an instant eviction leaves ours
-                        self.read_record()?.unwrap_or_else(|| g.clone())
+                        self.read_record()?
+                            .unwrap_or_else(|| (shape.clone(), format.clone()))
                     }
                 };
-                bound.insert(self.bound_to(recorded)).clone()
+                bound.insert(self.bound_to(recorded.0, recorded.1)).clone()
             }
         };
-        if &b.geometry != g {
-            return Err(StoreError::Geometry(format!(
-                "this store holds model {:?} as {}; the cache is {}",
-                self.model,
-                b.geometry.describe(),
-                g.describe()
-            )));
+        if &b.shape != shape {
+            return Err(self.refuse(&b.shape, shape));
         }
         Ok(b)
     }
 
-    /// Stores the full blocks of sequence `seq` of `cache` that the store lacks. The sequence's
-    /// cells must hold positions `0..n` with no pending K-shift; `tokens` are the prompt's
-    /// tokens (blocks cover `min(n, tokens.len())` tokens; a trailing partial block is not
-    /// stored). `progress(done, total)` counts blocks and may abort between batches.
+    /// Stores what sequence `seq` of `cache` needs to be restored: the full blocks of its rows
+    /// that the store lacks and, when the prompt ends inside a block (or the cache is
+    /// recurrent), a checkpoint at its end. The sequence's cells must hold positions `0..n`
+    /// with no pending K-shift; `tokens` are the prompt's tokens. `progress(done, total)`
+    /// counts blocks and may abort between batches.
     pub fn put(
         &self,
         cache: &KvCache,
         seq: i32,
         tokens: &[i32],
+        progress: Option<Progress<'_>>,
+    ) -> StoreResult<PutReport> {
+        let capture = Capture::of_cache(cache, seq, tokens.len())?;
+        self.put_capture(&capture, tokens, live_format(cache), progress)
+    }
+
+    fn put_capture(
+        &self,
+        c: &Capture<'_>,
+        tokens: &[i32],
+        format: FileFormat,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        let g = Geometry::of_cache(cache)?;
-        if cache.has_shift() {
-            return Err(StoreError::NotPrefix(
-                "the cache has a pending K-shift (apply it with update() first): its K rows are not those of positions 0..n"
-                    .into(),
-            ));
-        }
-        let order = position_order(cache, seq)?;
-        let bound = self.bind(&g)?;
-        let usable = order.len().min(tokens.len());
-        let tokens = &tokens[..usable - usable % self.block_tokens];
-        let keys = chain_keys(&bound.fingerprint, tokens, self.block_tokens);
-        let present = self.backend.contains_many(&keys)?;
-        let mut report = PutReport {
-            tokens: tokens.len() as u64,
-            ..Default::default()
-        };
+        let bound = self.bind(&c.shape, format)?;
+        let bt = self.block_tokens;
+        let len = c.len.min(tokens.len());
+        let tokens = &tokens[..len];
+        let keys = chain_keys(&bound.fingerprint, tokens, bt);
+        // the SWA rows go into blocks when the state held the whole range
+        let swa_full = c.swa.as_ref().filter(|s| s.is_prefix(len));
+        let mut report = PutReport::default();
         let total = keys.len() as u64;
         tick(&mut progress, 0, total)?;
+        let sets = [
+            c.main.as_ref().map(|m| (m, keys.clone())),
+            swa_full.map(|s| (s, keys.iter().map(swa_key).collect::<Vec<_>>())),
+        ];
+        for (rows, set_keys) in sets.iter().flatten() {
+            self.put_blocks(&bound, rows, tokens, set_keys, &mut report, &mut progress)?;
+        }
+        // a checkpoint where the blocks alone do not restore the whole state: it must end
+        // exactly where the tokens do
+        let n_full = keys.len();
+        let ends_here = c.recurrent_end.is_none_or(|e| e == len)
+            && c.swa
+                .as_ref()
+                .is_none_or(|s| s.positions.last().is_none_or(|&p| p as usize + 1 == len));
+        let needs = !len.is_multiple_of(bt)
+            || !c.recurrent.is_empty()
+            || (c.swa.is_some() && swa_full.is_none());
+        report.tokens = if !needs {
+            len as u64
+        } else if ends_here && len > 0 {
+            self.put_checkpoint(&bound, c, tokens, &keys, swa_full.is_some(), &mut report)?;
+            len as u64
+        } else if bound.shape.blocks_restore() && (c.swa.is_none() || swa_full.is_some()) {
+            (n_full * bt) as u64
+        } else {
+            0
+        };
+        Ok(report)
+    }
+
+    /// Stores the full blocks of `rows` under `keys` that the store lacks.
+    fn put_blocks(
+        &self,
+        bound: &Bound,
+        rows: &KvRows<'_>,
+        tokens: &[i32],
+        keys: &[Key],
+        report: &mut PutReport,
+        progress: &mut Option<Progress<'_>>,
+    ) -> StoreResult<()> {
         let bt = self.block_tokens;
+        let geometry = Geometry::of_cache(&rows.cache)?;
+        let present = self.backend.contains_many(keys)?;
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
         // encode buffers return here after each batch: one set of allocations per put
         let mut spare: Vec<Vec<u8>> = Vec::new();
@@ -317,26 +443,26 @@ impl PromptStore {
                 key,
                 index: i as u32,
                 tokens: &tokens[i * bt..(i + 1) * bt],
-                geometry: &g,
+                geometry: &geometry,
             };
             if present[i] {
                 report.blocks_skipped += 1;
                 report.bytes_skipped += block::encoded_len(&id) as u64;
             } else {
                 let mut value = spare.pop().unwrap_or_default();
-                let cells = &order[i * bt..(i + 1) * bt];
+                let cells = &rows.cells[i * bt..(i + 1) * bt];
                 block::encode_into(&id, &mut value, |out, il, is_v| {
-                    append_rows(cache, cells, il, is_v, out)
+                    append_rows(&rows.cache, cells, il, is_v, out)
                 })?;
                 pending.push((*key, value));
             }
             if pending.len() == PUT_BATCH || i + 1 == keys.len() {
-                self.flush(&pending, &mut report)?;
+                self.flush(&pending, report)?;
                 spare.extend(pending.drain(..).map(|(_, v)| v));
-                tick(&mut progress, i as u64 + 1, total)?;
+                tick(progress, i as u64 + 1, keys.len() as u64)?;
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     fn flush(&self, pending: &[(Key, Vec<u8>)], report: &mut PutReport) -> StoreResult<()> {
@@ -357,48 +483,210 @@ impl PromptStore {
         Ok(())
     }
 
-    /// The length in tokens of the longest prefix of `tokens` whose blocks are all stored:
-    /// one pass over the chain (one round trip on a network backend), no values read.
+    /// Stores the checkpoint at `tokens.len()` and lists it in its chain position's index.
+    fn put_checkpoint(
+        &self,
+        bound: &Bound,
+        c: &Capture<'_>,
+        tokens: &[i32],
+        keys: &[Key],
+        swa_in_blocks: bool,
+        report: &mut PutReport,
+    ) -> StoreResult<()> {
+        let bt = self.block_tokens;
+        let n_full = keys.len();
+        let at = chain_at(&bound.fingerprint, keys, n_full);
+        let tail = &tokens[n_full * bt..];
+        let key = checkpoint_key(&at, tail);
+        if !self.backend.contains_many(&[key])?[0] {
+            let swa = match &c.swa {
+                None => SwaRows::None,
+                Some(_) if swa_in_blocks => SwaRows::Tail,
+                Some(s) => SwaRows::Window(s.positions.clone()),
+            };
+            let id = CheckpointId {
+                fingerprint: &bound.fingerprint,
+                key: &key,
+                len: tokens.len() as u32,
+                tail,
+            };
+            let value = checkpoint::encode(&id, &c.shape, &swa, &c.recurrent, |out, is_swa| {
+                let (rows, cells) = match (is_swa, &c.swa, &c.main) {
+                    (false, _, Some(m)) => (m, &m.cells[n_full * bt..tokens.len()]),
+                    (true, Some(s), _) if swa_in_blocks => (s, &s.cells[n_full * bt..tokens.len()]),
+                    (true, Some(s), _) => (s, &s.cells[..]),
+                    _ => return Ok(()),
+                };
+                let geometry = Geometry::of_cache(&rows.cache)?;
+                for il in 0..geometry.layers.len() {
+                    for is_v in [false, true] {
+                        if !cells.is_empty() {
+                            append_rows(&rows.cache, cells, il, is_v, out)?;
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+            if self.backend.put_if_absent(&key, &value)? {
+                report.checkpoints_written += 1;
+                report.bytes_written += value.len() as u64;
+            }
+        }
+        let entry = tail.len() as u32 | if swa_in_blocks { NEEDS_SWA_BLOCKS } else { 0 };
+        self.add_to_index(&index_key(&at), entry)
+    }
+
+    /// Adds `entry` to an index value (replacing it whole).
+    fn add_to_index(&self, key: &Key, entry: u32) -> StoreResult<()> {
+        let current = self.backend.get_many(&[*key])?.pop().flatten();
+        let mut entries = current
+            .as_deref()
+            .and_then(checkpoint::decode_index)
+            .unwrap_or_default();
+        if entries.contains(&entry) {
+            return Ok(());
+        }
+        entries.push(entry);
+        entries.sort_unstable();
+        if current.is_some() {
+            self.backend.remove(key)?;
+        }
+        self.backend
+            .put_if_absent(key, &checkpoint::encode_index(&entries))?;
+        Ok(())
+    }
+
+    /// The restore points of `tokens`, longest first: what the blocks serve alone, and every
+    /// listed checkpoint whose blocks are present. At most four round trips on a network
+    /// backend, no value but the small index values read.
+    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<Vec<Plan>> {
+        let bt = self.block_tokens;
+        let shape = &bound.shape;
+        let keys = chain_keys(&bound.fingerprint, tokens, bt);
+        let n_main = if shape.main.is_some() {
+            self.backend.present_prefix(&keys)?
+        } else {
+            keys.len()
+        };
+        let n_swa = if shape.swa.is_some() {
+            let swa: Vec<Key> = keys[..n_main].iter().map(swa_key).collect();
+            self.backend.present_prefix(&swa)?
+        } else {
+            n_main
+        };
+        let block_point = if shape.blocks_restore() { n_swa } else { 0 };
+        let mut plans = Vec::new();
+        // chain positions whose checkpoints could beat the blocks: none when the blocks
+        // already serve every token (no index is read then)
+        let first = block_point.min(n_main);
+        let last = (first..=n_main)
+            .rev()
+            .find(|&i| tokens.len().min(i * bt + bt - 1) > block_point * bt);
+        let ats: Vec<Key> = last
+            .map_or(0..0, |last| first..last + 1)
+            .map(|i| chain_at(&bound.fingerprint, &keys, i))
+            .collect();
+        let index_keys: Vec<Key> = ats.iter().map(index_key).collect();
+        let indexes = if index_keys.is_empty() {
+            Vec::new()
+        } else {
+            self.backend.get_many(&index_keys)?
+        };
+        let mut candidates = Vec::new();
+        for (j, value) in indexes.iter().enumerate() {
+            let i = first + j;
+            for entry in value
+                .as_deref()
+                .and_then(checkpoint::decode_index)
+                .unwrap_or_default()
+            {
+                let (o, swa_blocks) = (
+                    (entry & !NEEDS_SWA_BLOCKS) as usize,
+                    entry & NEEDS_SWA_BLOCKS != 0,
+                );
+                let len = i * bt + o;
+                if o >= bt
+                    || len > tokens.len()
+                    || len <= block_point * bt
+                    || (swa_blocks && i > n_swa)
+                {
+                    continue;
+                }
+                let key = checkpoint_key(&ats[j], &tokens[i * bt..len]);
+                candidates.push(Plan {
+                    len,
+                    blocks: i,
+                    swa_blocks,
+                    checkpoint: Some(key),
+                });
+            }
+        }
+        let ckpt_keys: Vec<Key> = candidates.iter().filter_map(|p| p.checkpoint).collect();
+        let present = if ckpt_keys.is_empty() {
+            Vec::new()
+        } else {
+            self.backend.contains_many(&ckpt_keys)?
+        };
+        plans.extend(
+            candidates
+                .into_iter()
+                .zip(present)
+                .filter(|(_, p)| *p)
+                .map(|(c, _)| c),
+        );
+        if block_point > 0 {
+            plans.push(Plan {
+                len: block_point * bt,
+                blocks: block_point,
+                swa_blocks: shape.swa.is_some(),
+                checkpoint: None,
+            });
+        }
+        plans.sort_by_key(|p| std::cmp::Reverse(p.len));
+        Ok(plans)
+    }
+
+    /// The length in tokens of the longest prefix of `tokens` the store can restore: full
+    /// blocks plus, where the memory needs one, a checkpoint at its end. Reads no rows.
     pub fn lookup(&self, tokens: &[i32]) -> StoreResult<u64> {
         let Some(bound) = self.known()? else {
             return Ok(0);
         };
-        let keys = chain_keys(&bound.fingerprint, tokens, self.block_tokens);
-        let n = self.backend.present_prefix(&keys)?;
-        self.count(n, keys.len());
-        Ok((n * self.block_tokens) as u64)
+        let best = self.plans(&bound, tokens)?.first().map_or(0, |p| p.len);
+        self.count(best, tokens.len());
+        Ok(best as u64)
     }
 
     fn count(&self, found: usize, wanted: usize) {
+        let bt = self.block_tokens;
         self.counters
             .hits
-            .fetch_add(found as u64, Ordering::Relaxed);
-        if found < wanted {
+            .fetch_add(found.div_ceil(bt) as u64, Ordering::Relaxed);
+        if found < wanted - wanted % bt {
             self.counters.misses.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// Reads and verifies the stored prefix of `tokens` block by block into a one-sequence
-    /// payload for `seq`: the leading blocks that are present and pass verification. A corrupt
-    /// or foreign value ends the prefix, is counted and removed. Returns the blocks loaded
-    /// (0: no payload).
-    fn load_prefix(
+    fn corrupt(&self, key: &Key) {
+        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+        // best effort: a later put stores a good value under this key
+        let _ = self.backend.remove(key);
+    }
+
+    /// Reads and verifies the blocks `keys[..n]` of one part, calling `put(i, rows)` for each.
+    /// Returns false (after counting and removing it) when one is absent or corrupt.
+    fn read_blocks(
         &self,
         bound: &Bound,
+        geometry: &Geometry,
+        keys: &[Key],
         tokens: &[i32],
-        seq: i32,
-        v_trans: bool,
-    ) -> StoreResult<(usize, Vec<u8>)> {
-        let keys = chain_keys(&bound.fingerprint, tokens, self.block_tokens);
-        let n = self.backend.present_prefix(&keys)?;
-        if n == 0 {
-            self.count(0, keys.len());
-            return Ok((0, Vec::new()));
-        }
+        put: &mut dyn FnMut(usize, &BlockRows<'_>),
+    ) -> StoreResult<bool> {
         let bt = self.block_tokens;
-        let mut payload = PayloadBuilder::new(&bound.geometry, bt, n, seq, v_trans)?;
+        let mut ok = 0;
         let mut corrupt = None;
-        self.backend.visit_many(&keys[..n], &mut |i, value| {
+        self.backend.visit_many(keys, &mut |i, value| {
             // absent: evicted between the two calls
             let Some(value) = value else { return false };
             let id = BlockId {
@@ -406,11 +694,12 @@ impl PromptStore {
                 key: &keys[i],
                 index: i as u32,
                 tokens: &tokens[i * bt..(i + 1) * bt],
-                geometry: &bound.geometry,
+                geometry,
             };
             match block::decode(value, &id) {
                 Ok(rows) => {
-                    payload.push(&rows);
+                    put(i, &rows);
+                    ok += 1;
                     true
                 }
                 Err(_) => {
@@ -420,22 +709,153 @@ impl PromptStore {
             }
         })?;
         if let Some(key) = corrupt {
-            self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-            // best effort: a later put stores a good block under this key
-            let _ = self.backend.remove(&key);
+            self.corrupt(&key);
         }
-        let good = payload.blocks();
-        self.count(good, keys.len());
-        if good == 0 {
-            return Ok((0, Vec::new()));
+        Ok(ok == keys.len())
+    }
+
+    /// The payload of the restore point `plan` for sequence `seq`: its parts in llama.cpp's
+    /// order, V transposed or not. `None` when a value turned out absent or corrupt (counted
+    /// and removed: the caller plans again).
+    fn assemble(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        plan: &Plan,
+        target: Target,
+        out: &mut Vec<u8>,
+    ) -> StoreResult<bool> {
+        let Target {
+            seq,
+            v_trans,
+            swa_window,
+        } = target;
+        let bt = self.block_tokens;
+        let shape = &bound.shape;
+        let keys = chain_keys(&bound.fingerprint, &tokens[..plan.blocks * bt], bt);
+        let ckpt_value = match &plan.checkpoint {
+            Some(key) => match self.backend.get_many(&[*key])?.pop().flatten() {
+                Some(v) => Some(v),
+                None => return Ok(false),
+            },
+            None => None,
+        };
+        let tail = &tokens[plan.blocks * bt..plan.len];
+        let at = chain_at(&bound.fingerprint, &keys, plan.blocks);
+        let ckpt = match (&plan.checkpoint, &ckpt_value) {
+            (Some(key), Some(v)) => {
+                let id = CheckpointId {
+                    fingerprint: &bound.fingerprint,
+                    key,
+                    len: plan.len as u32,
+                    tail,
+                };
+                debug_assert_eq!(*key, checkpoint_key(&at, tail));
+                match checkpoint::decode(v, &id, shape) {
+                    Ok(c) => Some(c),
+                    Err(_) => {
+                        self.corrupt(key);
+                        return Ok(false);
+                    }
+                }
+            }
+            _ => None,
+        };
+        let positions: Vec<i32> = (0..plan.len as i32).collect();
+        if let Some(main) = &shape.main {
+            let w = KvPartWriter::begin(out, &main.layers, &positions, seq, v_trans, main.rot)?;
+            let complete = self.read_blocks(
+                bound,
+                &main.layers,
+                &keys,
+                tokens,
+                &mut |i: usize, rows: &BlockRows<'_>| w.put(out, i * bt, rows),
+            )?;
+            if !complete {
+                return Ok(false);
+            }
+            if let Some(rows) = ckpt.as_ref().and_then(|c| c.main.as_ref()) {
+                w.put(out, plan.blocks * bt, rows);
+            }
         }
-        Ok((good, payload.finish()?))
+        if let Some(swa) = &shape.swa {
+            let window = ckpt.as_ref().and_then(|c| match &c.swa_mode {
+                SwaRows::Window(p) => Some(p.clone()),
+                _ => None,
+            });
+            match window {
+                Some(p) => {
+                    let w = KvPartWriter::begin(out, &swa.layers, &p, seq, v_trans, swa.rot)?;
+                    if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
+                        w.put(out, 0, rows);
+                    }
+                }
+                None => {
+                    // the whole range is in SWA blocks (and the tail in the checkpoint);
+                    // a reader that keeps only the window gets its last positions
+                    let keep = swa_window.map_or(plan.len, |n| (n as usize).min(plan.len));
+                    let from = plan.len - keep;
+                    let w = KvPartWriter::begin(
+                        out,
+                        &swa.layers,
+                        &positions[from..],
+                        seq,
+                        v_trans,
+                        swa.rot,
+                    )?;
+                    let swa_keys: Vec<Key> = keys.iter().map(swa_key).collect();
+                    let complete = self.read_blocks(
+                        bound,
+                        &swa.layers,
+                        &swa_keys,
+                        tokens,
+                        &mut |i: usize, rows: &BlockRows<'_>| {
+                            put_window(&w, out, i * bt, from, rows)
+                        },
+                    )?;
+                    if !complete {
+                        return Ok(false);
+                    }
+                    if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
+                        put_window(&w, out, plan.blocks * bt, from, rows);
+                    }
+                }
+            }
+        }
+        if let Some(c) = &ckpt {
+            out.extend_from_slice(c.recurrent);
+        }
+        Ok(true)
+    }
+
+    /// Plans `tokens`, then assembles the longest restore point that verifies.
+    fn load(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        target: Target,
+    ) -> StoreResult<Option<(usize, Vec<u8>)>> {
+        for _ in 0..MAX_REPLANS {
+            let plans = self.plans(bound, tokens)?;
+            let Some(plan) = plans.first() else {
+                self.count(0, tokens.len());
+                return Ok(None);
+            };
+            let mut out = Vec::new();
+            if self.assemble(bound, tokens, plan, target, &mut out)? {
+                self.count(plan.len, tokens.len());
+                return Ok(Some((plan.len, out)));
+            }
+        }
+        self.count(0, tokens.len());
+        Ok(None)
     }
 
     /// Loads the longest stored prefix of `tokens` into sequence `seq` of `cache`
     /// (transactionally: on any error the cache is unchanged) and returns its length in tokens.
     /// The sequence's previous cells are replaced. When nothing is stored, returns 0 and leaves
-    /// the cache unchanged.
+    /// the cache unchanged. The cache must be of the store's shape: a unified or recurrent
+    /// cache (iSWA and hybrid states are restored through `write_file`).
     pub fn restore(
         &self,
         cache: &mut KvCache,
@@ -443,83 +863,74 @@ impl PromptStore {
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {
-        let g = Geometry::of_cache(cache)?;
         if seq < 0 || seq as u32 >= cache.params().n_seq_max {
             return Err(StoreError::Cache(KvError::OutOfRange(format!(
                 "seq id {seq} is outside [0, {})",
                 cache.params().n_seq_max
             ))));
         }
-        // without a model record (evicted from a shared store, or never written there), the
-        // cache's own geometry gives the same fingerprint a put of this model used
-        let bound = match self.known()? {
-            Some(bound) => bound,
-            None => self.bound_to(g.clone()),
+        let bound = if cache.recurrent() {
+            // a recurrent cache without a state has no shape of its own: the record's is
+            // used, and the load checks the state against the cache
+            match self.known()? {
+                Some(b) if b.shape.memory == MemoryKind::Recurrent => b,
+                Some(b) => {
+                    return Err(StoreError::Geometry(format!(
+                        "this store holds model {:?} as {}; the cache is recurrent",
+                        self.model,
+                        b.shape.describe()
+                    )))
+                }
+                None => return Ok(0),
+            }
+        } else {
+            let shape = unified_shape(cache)?;
+            // without a model record (evicted from a shared store, or never written there),
+            // the cache's own shape gives the same fingerprint a put of this model used
+            let bound = match self.known()? {
+                Some(bound) => bound,
+                None => self.bound_to(shape.clone(), live_format(cache)),
+            };
+            if bound.shape != shape {
+                return Err(self.refuse(&bound.shape, &shape));
+            }
+            bound
         };
-        if bound.geometry != g {
-            return Err(StoreError::Geometry(format!(
-                "this store holds model {:?} as {}; the cache is {}",
-                self.model,
-                bound.geometry.describe(),
-                g.describe()
-            )));
-        }
-        let (blocks, payload) = self.load_prefix(&bound, tokens, seq, cache.v_trans())?;
-        if blocks == 0 {
+        let Some((len, payload)) = self.load(
+            &bound,
+            tokens,
+            Target {
+                seq,
+                v_trans: cache.v_trans(),
+                swa_window: None,
+            },
+        )?
+        else {
             return Ok(0);
-        }
+        };
         let opts = ReadOptions {
-            layout: Some(Layout::Streams),
+            layout: Some(if cache.recurrent() {
+                Layout::Seed
+            } else {
+                Layout::StreamsRot
+            }),
             allow_scattered: true,
             ..ReadOptions::default()
         };
         cache.state_read(&payload, seq, opts, progress)?;
-        Ok((blocks * self.block_tokens) as u64)
+        Ok(len as u64)
     }
 
-    /// Ingests a llama.cpp session or sequence file's bytes: its one sequence's full blocks,
-    /// with the file's tokens.
+    /// Ingests a llama.cpp session or sequence file's bytes (any version, layout and memory
+    /// this package reads): its one sequence's full blocks and, where needed, a checkpoint at
+    /// its end, with the file's tokens.
     pub fn put_bytes(
         &self,
         bytes: &[u8],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        let ins = inspect_bytes(bytes)?;
-        let recurrent = ins
-            .arch
-            .as_deref()
-            .is_some_and(llama_kv_cache::model::arch::is_recurrent);
-        let mut params = params_for(&ins, recurrent)?;
-        let tokens = ins.header.tokens.clone();
-        let read = ReadOptions {
-            layout: Some(ins.payload.layout),
-            allow_scattered: true,
-            ..ReadOptions::default()
-        };
-        let seq = match ins.header.kind {
-            FileKind::Sequence => {
-                params.n_seq_max = params.n_seq_max.max(1);
-                let mut cache = KvCache::new(params)?;
-                cache.load_sequence_bytes(bytes, 0, read, None)?;
-                return self.put(&cache, 0, &tokens, progress);
-            }
-            FileKind::Session => {
-                let mut cache = KvCache::new(params)?;
-                cache.load_session_bytes(bytes, read, None)?;
-                let with_cells: Vec<i32> = (0..cache.params().n_seq_max as i32)
-                    .filter(|&s| cache.seq_cell_count(s).unwrap_or(0) > 0)
-                    .collect();
-                match with_cells.as_slice() {
-                    [s] => (*s, cache),
-                    _ => {
-                        return Err(StoreError::NotPrefix(format!(
-                            "the session holds sequences {with_cells:?}; the store ingests sessions of exactly one sequence"
-                        )))
-                    }
-                }
-            }
-        };
-        self.put(&seq.1, seq.0, &tokens, progress)
+        let (capture, tokens, format) = Capture::of_file(bytes)?;
+        self.put_capture(&capture, &tokens, format, progress)
     }
 
     /// [`PromptStore::put_bytes`] of a file.
@@ -534,36 +945,63 @@ impl PromptStore {
         &self,
         tokens: &[i32],
         opts: &WriteFileOptions,
-        progress: Option<Progress<'_>>,
+        mut progress: Option<Progress<'_>>,
     ) -> StoreResult<Option<(u64, Vec<u8>)>> {
         let Some(bound) = self.known()? else {
             return Ok(None);
         };
-        let (blocks, payload) = self.load_prefix(&bound, tokens, 0, !opts.flash_attn)?;
-        if blocks == 0 {
+        let d = &bound.format;
+        let flash_attn = opts.flash_attn.unwrap_or(d.flash_attn);
+        let Some((len, payload)) = self.load(
+            &bound,
+            tokens,
+            Target {
+                seq: 0,
+                v_trans: !flash_attn,
+                swa_window: opts.swa_window,
+            },
+        )?
+        else {
             return Ok(None);
-        }
-        let n = blocks * self.block_tokens;
-        let params = bound.geometry.cache_params(n as u32, !opts.flash_attn)?;
-        let mut cache = KvCache::new(params)?;
-        let read = ReadOptions {
-            layout: Some(Layout::Streams),
-            allow_scattered: false,
-            ..ReadOptions::default()
         };
-        cache.state_read(&payload, 0, read, None)?;
-        let write = WriteOptions {
-            version: opts.version,
-            layout: opts.layout,
-            n_stream: 1,
+        // the store's own form: a sequence file of today's version; anything else is a
+        // conversion of it
+        let canonical_version = FileKind::Sequence.rotation_version();
+        let mut file = header_bytes(FileKind::Sequence, canonical_version, &tokens[..len]);
+        file.extend_from_slice(&payload);
+        drop(payload);
+        let kind = opts.kind.unwrap_or(d.kind);
+        let version = opts
+            .version
+            .or((opts.kind.is_none() || opts.kind == Some(d.kind)).then_some(d.version));
+        let rotation = version.is_none_or(|v| kind.records_rotation(v));
+        let layout = match opts.layout {
+            Some(l) => l,
+            None if !rotation && d.layout == Layout::StreamsRot => Layout::Streams,
+            None => d.layout,
         };
-        let bytes = match opts.kind {
-            FileKind::Sequence => cache.sequence_file_bytes(0, &tokens[..n], write, progress)?,
-            FileKind::Session => {
-                cache.session_file_bytes(&tokens[..n], &opts.arch, None, write, progress)?
-            }
+        let unchanged = kind == FileKind::Sequence
+            && version.unwrap_or(canonical_version) == canonical_version
+            && layout != Layout::Seed;
+        let bytes = if unchanged {
+            file
+        } else {
+            let convert = ConvertOptions {
+                write: WriteOptions {
+                    version,
+                    layout,
+                    n_stream: 1,
+                },
+                to: Some(kind),
+                arch: opts.arch.clone().or_else(|| d.arch.clone()),
+                recurrent: Some(bound.shape.memory == MemoryKind::Recurrent),
+                ..ConvertOptions::default()
+            };
+            convert_bytes(&file, &convert)?
         };
-        Ok(Some((n as u64, bytes)))
+        let n = bytes.len() as u64;
+        tick(&mut progress, n, n)?;
+        Ok(Some((len as u64, bytes)))
     }
 
     /// Writes the longest stored prefix of `tokens` to `path` as a llama.cpp file (atomically)
@@ -601,27 +1039,20 @@ impl PromptStore {
     }
 }
 
-/// `order[p]` = the cell holding position `p` of sequence `seq`; refuses a sequence whose
-/// cells are not exactly positions `0..n`.
-fn position_order(cache: &KvCache, seq: i32) -> StoreResult<Vec<u32>> {
-    let n = cache.seq_cell_count(seq)? as usize;
-    let mut order = vec![u32::MAX; n];
-    let cells = cache.cells();
-    for i in 0..cells.len() {
-        let c = cells.get(i);
-        if !c.seqs.contains(seq as usize) {
-            continue;
-        }
-        let p = c.pos;
-        if p < 0 || p as usize >= n || order[p as usize] != u32::MAX {
-            return Err(StoreError::NotPrefix(format!(
-                "sequence {seq}: its {n} cells must hold positions 0..{n} once each, found position {p}{}",
-                if p >= 0 && (p as usize) < n { " twice" } else { "" }
-            )));
-        }
-        order[p as usize] = i as u32;
+/// Writes the rows of positions `first..` that fall in a window starting at position `from`.
+fn put_window(
+    w: &KvPartWriter<'_>,
+    out: &mut [u8],
+    first: usize,
+    from: usize,
+    rows: &BlockRows<'_>,
+) {
+    let n = rows.n_tokens();
+    if first + n <= from {
+        return;
     }
-    Ok(order)
+    let skip = from.saturating_sub(first);
+    w.put_from(out, first + skip - from, rows, skip);
 }
 
 /// Appends the K (or V, as rows) of layer `il` for `cells`, in order: one read for a run of

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{CacheParams, FileKind, GgmlType, KvCache, Layout, Tensor, UBatch};
-use prompt_store::{Backend, DirBackend, MemoryBackend, PromptStore, StoreError, WriteFileOptions};
+use prompt_store::{
+    checkpoint_key, Backend, DirBackend, MemoryBackend, PromptStore, StoreError, WriteFileOptions,
+};
 
 const BT: u32 = 16;
 
@@ -94,15 +96,61 @@ fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
         fill(&mut src, 1, 40, 0);
         let toks = tokens(40, 0);
         let r = store.put(&src, 1, &toks, None).unwrap();
-        assert_eq!((r.tokens, r.blocks_written, r.blocks_skipped), (32, 2, 0));
+        // two full blocks, and the partial last one as a checkpoint
+        assert_eq!(
+            (
+                r.tokens,
+                r.blocks_written,
+                r.blocks_skipped,
+                r.checkpoints_written
+            ),
+            (40, 2, 0, 1)
+        );
         let mut dst = KvCache::new(params(fa, ty, 128)).unwrap();
         fill(&mut dst, 0, 10, 99); // another sequence stays untouched
         let before = rows_by_position(&dst, 0);
-        assert_eq!(store.restore(&mut dst, 2, &toks, None).unwrap(), 32);
-        assert_eq!(rows_by_position(&dst, 2), rows_by_position(&src, 1)[..32]);
+        assert_eq!(store.restore(&mut dst, 2, &toks, None).unwrap(), 40);
+        assert_eq!(rows_by_position(&dst, 2), rows_by_position(&src, 1));
         assert_eq!(rows_by_position(&dst, 0), before);
-        assert_eq!(dst.seq_pos_max(2).unwrap(), 31);
+        assert_eq!(dst.seq_pos_max(2).unwrap(), 39);
+        // a prompt that goes on past the checkpoint restores it; one that diverges inside the
+        // partial block restores the full blocks only
+        let longer = [toks.as_slice(), &[7, 8, 9]].concat();
+        assert_eq!(store.lookup(&longer).unwrap(), 40);
+        let mut diverged = toks.clone();
+        diverged[35] = -1;
+        assert_eq!(store.lookup(&diverged).unwrap(), 32);
+        assert_eq!(store.lookup(&toks[..39]).unwrap(), 32);
     }
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_a_counted_miss_and_the_restore_falls_back_to_the_blocks() {
+    let store = memory_store();
+    let mut src = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut src, 0, 40, 0);
+    let toks = tokens(40, 0);
+    store.put(&src, 0, &toks, None).unwrap();
+    // the checkpoint of the 8 tokens after the second block
+    let backend = store.backend().clone();
+    let keys = store.keys(&toks).unwrap().unwrap();
+    let ckpt = checkpoint_key(&keys[1], &toks[32..]);
+    let mut v = backend.get_many(&[ckpt]).unwrap().pop().flatten().unwrap();
+    let at = v.len() / 2;
+    v[at] ^= 0x10;
+    backend.remove(&ckpt).unwrap();
+    backend.put_if_absent(&ckpt, &v).unwrap();
+    // the lookup sees a present checkpoint; the restore reads it, rejects it and falls back
+    assert_eq!(store.lookup(&toks).unwrap(), 40);
+    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    assert_eq!(store.restore(&mut dst, 0, &toks, None).unwrap(), 32);
+    assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0)[..32]);
+    assert_eq!(store.stats().unwrap().corrupt, 1);
+    // the corrupt value was removed: the next lookup is honest, and a put repairs it
+    assert_eq!(store.lookup(&toks).unwrap(), 32);
+    store.put(&src, 0, &toks, None).unwrap();
+    let mut again = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    assert_eq!(store.restore(&mut again, 0, &toks, None).unwrap(), 40);
 }
 
 #[test]
@@ -379,34 +427,37 @@ fn write_file_gives_a_llama_cpp_file_of_the_prefix_and_put_bytes_reads_it_back()
         (FileKind::Session, 9, Layout::Seed),
     ] {
         let opts = WriteFileOptions {
-            kind,
+            kind: Some(kind),
             version: Some(version),
-            layout,
+            layout: Some(layout),
             ..Default::default()
         };
         let (n, bytes) = store.file_bytes(&toks, &opts, None).unwrap().unwrap();
-        assert_eq!(n, 48);
+        assert_eq!(n, 50);
         let ins = inspect_bytes(&bytes).unwrap();
         assert_eq!((ins.header.kind, ins.header.version), (kind, version));
-        assert_eq!(ins.header.tokens, toks[..48]);
+        assert_eq!(ins.header.tokens, toks);
         let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
         match kind {
             FileKind::Sequence => {
                 dst.load_sequence_bytes(&bytes, 3, Default::default(), None)
                     .unwrap();
-                assert_eq!(rows_by_position(&dst, 3), rows_by_position(&c, 0)[..48]);
+                assert_eq!(rows_by_position(&dst, 3), rows_by_position(&c, 0));
             }
             FileKind::Session => {
                 dst.load_session_bytes(&bytes, Default::default(), None)
                     .unwrap();
-                assert_eq!(rows_by_position(&dst, 0), rows_by_position(&c, 0)[..48]);
+                assert_eq!(rows_by_position(&dst, 0), rows_by_position(&c, 0));
             }
         }
         // ingesting the file into a fresh store gives the same blocks
         let other = memory_store();
         let r = other.put_bytes(&bytes, None).unwrap();
-        assert_eq!((r.tokens, r.blocks_written), (48, 3));
-        assert_eq!(other.lookup(&toks).unwrap(), 48);
+        assert_eq!(
+            (r.tokens, r.blocks_written, r.checkpoints_written),
+            (50, 3, 1)
+        );
+        assert_eq!(other.lookup(&toks).unwrap(), 50);
     }
     assert!(memory_store()
         .file_bytes(&toks, &Default::default(), None)

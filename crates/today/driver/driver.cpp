@@ -14,17 +14,27 @@
 //       decodes token T at position P of that sequence (0 for a session) and reports the greedy
 //       next token (`next`). `pos_max` is the sequence's largest position after the load.
 //
+//   today-driver turns model=M [context options] tokens=1,2,3 turns=N1,N2 out=PREFIX
+//       decodes the conversation `tokens` turn by turn (each turn in batches of n_batch) and
+//       after the turn ending at token Ni saves PREFIX-Ni.ggsn (session) and PREFIX-Ni.ggsq
+//       (sequence 0), as an app that saves after every turn does.
+//   today-driver resume model=M [context options] (session=F | seq_file=F) tokens=1,2,3
+//       loads the file into a fresh context (a sequence file into sequence 0), checks that its
+//       tokens begin `tokens`, evaluates only the rest and reports how many tokens it loaded
+//       and evaluated, and the logits after the last one. Without a file: a cold run of all.
+//
 //   today-driver hparams model=M
 //       the hyper-parameters llama.cpp derives from the GGUF (`llama_model::hparams`, read
 //       through the internal headers), per layer where they can differ; no context is made.
 //
-// context options: ctx=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
+// context options: ctx=N ubatch=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
 // Failures print {"error": "..."} and exit 1.
 
 #include "llama.h"
 // internal: `hparams` reads llama_model::hparams, which the public API does not show per layer
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -103,7 +113,8 @@ static llama_context * make_context(llama_model * model) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = iarg("ctx", "64");
     cp.n_batch         = cp.n_ctx;
-    cp.n_ubatch        = cp.n_ctx;
+    cp.n_ubatch        = iarg("ubatch", "0") > 0 ? iarg("ubatch", "0") : cp.n_ctx;
+    cp.n_batch         = cp.n_ubatch;
     cp.n_seq_max       = iarg("seqs", "1");
     cp.n_threads       = 1;
     cp.n_threads_batch = 1;
@@ -249,6 +260,90 @@ static void cont(llama_context * ctx, int n_vocab) {
     printf("{\"next\":%d,\"pos_max\":%d,\"n_tokens\":%zu}\n", next[0], pos_max, n);
 }
 
+// decodes tokens[from, to) of sequence 0 at their positions, n_batch at a time; returns the
+// logits after the last one
+static std::vector<float> eval_range(llama_context * ctx, int n_vocab, const std::vector<int> & tokens, size_t from,
+                                     size_t to) {
+    const size_t step = llama_n_batch(ctx);
+    std::vector<float> last;
+    for (size_t at = from; at < to; at += step) {
+        const size_t n = std::min(step, to - at);
+        llama_batch b = llama_batch_init((int32_t) n, 0, 1);
+        for (size_t i = 0; i < n; i++) {
+            b.token[i]     = tokens[at + i];
+            b.pos[i]       = (int) (at + i);
+            b.n_seq_id[i]  = 1;
+            b.seq_id[i][0] = 0;
+            b.logits[i]    = at + i + 1 == to;
+        }
+        b.n_tokens = (int32_t) n;
+        if (llama_decode(ctx, b) != 0) {
+            llama_batch_free(b);
+            die("llama_decode failed");
+        }
+        if (at + n == to) {
+            const float * l = llama_get_logits_ith(ctx, (int) n - 1);
+            last.assign(l, l + n_vocab);
+        }
+        llama_batch_free(b);
+    }
+    return last;
+}
+
+static void turns(llama_context * ctx, int n_vocab) {
+    const std::vector<int> tokens = ints(arg("tokens"), ',');
+    size_t done = 0;
+    for (int end : ints(arg("turns"), ',')) {
+        if (end <= (int) done || end > (int) tokens.size()) {
+            die("turns must ascend within the tokens");
+        }
+        eval_range(ctx, n_vocab, tokens, done, end);
+        done = end;
+        const std::string base = arg("out") + "-" + std::to_string(end);
+        if (!llama_state_save_file(ctx, (base + ".ggsn").c_str(), tokens.data(), end)) {
+            die("llama_state_save_file failed");
+        }
+        if (!llama_state_seq_save_file(ctx, (base + ".ggsq").c_str(), 0, tokens.data(), end)) {
+            die("llama_state_seq_save_file failed");
+        }
+    }
+    printf("{\"saved\":%zu}\n", done);
+}
+
+static void resume(llama_context * ctx, int n_vocab) {
+    const std::vector<int> tokens = ints(arg("tokens"), ',');
+    std::vector<llama_token> file_tokens(tokens.size() + 1);
+    size_t n = 0;
+    if (g_args.count("session")) {
+        if (!llama_state_load_file(ctx, arg("session").c_str(), file_tokens.data(), file_tokens.size(), &n)) {
+            die("llama_state_load_file failed");
+        }
+    } else if (g_args.count("seq_file")) {
+        if (!llama_state_seq_load_file(ctx, arg("seq_file").c_str(), 0, file_tokens.data(), file_tokens.size(), &n)) {
+            die("llama_state_seq_load_file failed");
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (i >= tokens.size() || file_tokens[i] != tokens[i]) {
+            die("the file's tokens are not a prefix of the conversation");
+        }
+    }
+    if (n >= tokens.size()) {
+        die("the file holds the whole conversation: nothing to evaluate");
+    }
+    const int pos_max = llama_memory_seq_pos_max(llama_get_memory(ctx), 0);
+    const std::vector<float> logits = eval_range(ctx, n_vocab, tokens, n, tokens.size());
+    std::ostringstream js;
+    js.precision(9);
+    js << "{\"loaded\":" << n << ",\"pos_max\":" << pos_max << ",\"evaluated\":" << tokens.size() - n
+       << ",\"logits\":[";
+    for (size_t i = 0; i < logits.size(); i++) {
+        js << (i ? "," : "") << logits[i];
+    }
+    js << "]}";
+    printf("%s\n", js.str().c_str());
+}
+
 int main(int argc, char ** argv) {
     if (argc < 2) {
         die("usage: today-driver gen|cont key=value...");
@@ -281,6 +376,10 @@ int main(int argc, char ** argv) {
         gen(model, ctx, n_vocab);
     } else if (action == "cont") {
         cont(ctx, n_vocab);
+    } else if (action == "turns") {
+        turns(ctx, n_vocab);
+    } else if (action == "resume") {
+        resume(ctx, n_vocab);
     } else {
         die("unknown action " + action);
     }

@@ -339,7 +339,8 @@ pub fn resolve_version(kind: FileKind, opts: &WriteOptions) -> Result<(u32, Layo
     }
 }
 
-pub(crate) fn header_bytes(kind: FileKind, version: u32, tokens: &[i32]) -> Vec<u8> {
+/// A state file's header: magic, version and the token list.
+pub fn header_bytes(kind: FileKind, version: u32, tokens: &[i32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + 4 * tokens.len());
     out.extend_from_slice(&kind.magic().to_le_bytes());
     out.extend_from_slice(&version.to_le_bytes());

@@ -1,0 +1,331 @@
+//! Checkpoints: what a restore point P needs beyond the chain's full blocks, as one
+//! self-describing value keyed by the exact token prefix it ends
+//! ([`checkpoint_key`](crate::geometry::checkpoint_key)):
+//!
+//! ```text
+//! "KVPC"  u32 version  [32] fingerprint  [32] key  u32 P  u32 n_tail  i32 tail[n_tail]
+//! u32 swa_mode (0 none, 1 tail rows, 2 window)  u32 n_win  i32 window positions[n_win]
+//! u64 n_recurrent
+//! main rows: per layer K rows then V rows of the tail (n_tail rows, untransposed)
+//! swa rows: the same for the SWA layers, n_tail rows (mode 1) or n_win rows (mode 2)
+//! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes)
+//! [32] BLAKE3 of everything before
+//! ```
+//!
+//! The tail is the partial block after the last full block (tokens [bt * floor(P / bt), P)), so
+//! a conversation that continues a saved one restores all of it.
+//!
+//! A chain position's checkpoints are listed in an index value (`"KVPI"`, the offsets after
+//! that position's chain key), so a lookup asks for one small value per block instead of
+//! probing every offset. Index values are replaced whole when a checkpoint is added; two
+//! writers racing may drop each other's entry, which costs a miss, never a wrong prefix, since
+//! every checkpoint is verified when read.
+
+use crate::backend::Key;
+use crate::block::{BlockRows, Corrupt};
+use crate::error::{StoreError, StoreResult};
+use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::shape::{Fields, PutLe, Shape};
+
+const MAGIC: [u8; 4] = *b"KVPC";
+const INDEX_MAGIC: [u8; 4] = *b"KVPI";
+const CHECKSUM: usize = 32;
+
+/// What identifies a checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct CheckpointId<'a> {
+    /// The store's fingerprint.
+    pub fingerprint: &'a Key,
+    /// The checkpoint's key.
+    pub key: &'a Key,
+    /// The restore point: tokens the state covers.
+    pub len: u32,
+    /// The tokens after the last full block.
+    pub tail: &'a [i32],
+}
+
+/// The sliding-window rows a checkpoint carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SwaRows {
+    /// Not an iSWA memory.
+    None,
+    /// The rows of the tail: the other positions are in the SWA blocks.
+    Tail,
+    /// The window the state kept, at these positions (ascending).
+    Window(Vec<i32>),
+}
+
+impl SwaRows {
+    fn mode(&self) -> u32 {
+        match self {
+            SwaRows::None => 0,
+            SwaRows::Tail => 1,
+            SwaRows::Window(_) => 2,
+        }
+    }
+}
+
+/// A verified checkpoint, borrowed from its value.
+pub struct CheckpointView<'a> {
+    /// Tail rows of the main part.
+    pub main: Option<BlockRows<'a>>,
+    /// Which SWA rows it carries.
+    pub swa_mode: SwaRows,
+    /// The SWA rows (tail or window).
+    pub swa: Option<BlockRows<'a>>,
+    /// The recurrent part's bytes (empty when the memory has none).
+    pub recurrent: &'a [u8],
+}
+
+fn rows_len(g: Option<&Geometry>, n: usize) -> usize {
+    g.map_or(0, |g| n * g.bytes_per_token() as usize)
+}
+
+/// Encodes a checkpoint. `rows(out, is_swa)` appends the main tail rows (`is_swa` false), then
+/// the SWA rows, laid out as in a block; the encoder checks their lengths.
+pub fn encode(
+    id: &CheckpointId<'_>,
+    shape: &Shape,
+    swa: &SwaRows,
+    recurrent: &[u8],
+    mut rows: impl FnMut(&mut Vec<u8>, bool) -> StoreResult<()>,
+) -> StoreResult<Vec<u8>> {
+    let main_g = shape.main.as_ref().map(|m| &m.layers);
+    let swa_g = shape.swa.as_ref().map(|m| &m.layers);
+    let n_tail = id.tail.len();
+    let n_swa = match swa {
+        SwaRows::None => 0,
+        SwaRows::Tail => n_tail,
+        SwaRows::Window(p) => p.len(),
+    };
+    let window: &[i32] = match swa {
+        SwaRows::Window(p) => p,
+        _ => &[],
+    };
+    let total = 4
+        + 4
+        + 32
+        + 32
+        + 4
+        + 4
+        + 4 * n_tail
+        + 8
+        + 4 * window.len()
+        + 8
+        + rows_len(main_g, n_tail)
+        + rows_len(swa_g, n_swa)
+        + recurrent.len()
+        + CHECKSUM;
+    let mut out = Vec::new();
+    out.try_reserve_exact(total).map_err(|_| {
+        StoreError::Cache(llama_kv_cache::KvError::Backend(format!(
+            "cannot allocate {total} bytes for a checkpoint"
+        )))
+    })?;
+    out.extend_from_slice(&MAGIC);
+    out.put_u32(FORMAT_VERSION);
+    out.extend_from_slice(&id.fingerprint.0);
+    out.extend_from_slice(&id.key.0);
+    out.put_u32(id.len);
+    out.put_u32(n_tail as u32);
+    out.put_i32s(id.tail);
+    out.put_u32(swa.mode());
+    out.put_u32(window.len() as u32);
+    out.put_i32s(window);
+    out.put_u64(recurrent.len() as u64);
+    for (is_swa, want) in [
+        (false, rows_len(main_g, n_tail)),
+        (true, rows_len(swa_g, n_swa)),
+    ] {
+        let start = out.len();
+        if want > 0 {
+            rows(&mut out, is_swa)?;
+        }
+        if out.len() - start != want {
+            return Err(StoreError::InvalidArg(format!(
+                "checkpoint {} rows: {} bytes, expected {want}",
+                if is_swa { "SWA" } else { "main" },
+                out.len() - start
+            )));
+        }
+    }
+    out.extend_from_slice(recurrent);
+    let sum = blake3::hash(&out);
+    out.extend_from_slice(sum.as_bytes());
+    debug_assert_eq!(out.len(), total);
+    Ok(out)
+}
+
+/// Verifies `value` as the checkpoint `id` of a store of `shape`: checksum, then every header
+/// field against what the caller expects, then the lengths the shape implies.
+pub fn decode<'a>(
+    value: &'a [u8],
+    id: &CheckpointId<'a>,
+    shape: &'a Shape,
+) -> Result<CheckpointView<'a>, Corrupt> {
+    let bad = |why: &str| Err(Corrupt(why.to_string()));
+    if value.len() < CHECKSUM + 8 {
+        return bad("too short for a checkpoint");
+    }
+    let (body, sum) = value.split_at(value.len() - CHECKSUM);
+    if blake3::hash(body).as_bytes() != sum {
+        return bad("checksum mismatch");
+    }
+    let mut f = Fields::new(body);
+    let parsed = (|| {
+        let magic = f.take(4)?;
+        let version = f.u32()?;
+        let fp = f.take(32)?;
+        let key = f.take(32)?;
+        let len = f.u32()?;
+        let n_tail = f.u32()? as usize;
+        let tail = f.i32s(n_tail)?;
+        let mode = f.u32()?;
+        let n_win = f.u32()? as usize;
+        let window = f.i32s(n_win)?;
+        let n_rec = usize::try_from(f.u64()?).ok()?;
+        Some((magic, version, fp, key, len, tail, mode, window, n_rec))
+    })();
+    let Some((magic, version, fp, key, len, tail, mode, window, n_rec)) = parsed else {
+        return bad("truncated header");
+    };
+    if magic != MAGIC || version != FORMAT_VERSION {
+        return bad("not a checkpoint of this format");
+    }
+    if fp != id.fingerprint.0 {
+        return bad("another model or geometry (fingerprint mismatch)");
+    }
+    if key != id.key.0 || len != id.len || tail != id.tail {
+        return bad("another prefix (key, length or tokens differ)");
+    }
+    let swa_mode = match (mode, shape.swa.is_some()) {
+        (0, false) => SwaRows::None,
+        (1, true) if window.is_empty() => SwaRows::Tail,
+        (2, true) => SwaRows::Window(window),
+        _ => return bad("SWA rows that do not fit the memory"),
+    };
+    if (n_rec > 0) != shape.recurrent.is_some()
+        || shape.recurrent.is_some_and(|r| r != n_rec as u64)
+    {
+        return bad("recurrent state that does not fit the memory");
+    }
+    let main_g = shape.main.as_ref().map(|m| &m.layers);
+    let swa_g = shape.swa.as_ref().map(|m| &m.layers);
+    let n_swa = match &swa_mode {
+        SwaRows::None => 0,
+        SwaRows::Tail => tail.len(),
+        SwaRows::Window(p) => p.len(),
+    };
+    let (main_len, swa_len) = (rows_len(main_g, tail.len()), rows_len(swa_g, n_swa));
+    if f.bytes.len() - f.at != main_len + swa_len + n_rec {
+        return bad("rows of the wrong length");
+    }
+    let at = f.at;
+    let main = main_g.map(|g| BlockRows::new(&body[at..at + main_len], g, tail.len()));
+    let swa =
+        swa_g.map(|g| BlockRows::new(&body[at + main_len..at + main_len + swa_len], g, n_swa));
+    Ok(CheckpointView {
+        main,
+        swa_mode,
+        swa,
+        recurrent: &body[at + main_len + swa_len..],
+    })
+}
+
+/// An index value: the sorted offsets of the checkpoints after one chain position.
+pub fn encode_index(offsets: &[u32]) -> Vec<u8> {
+    let mut out = INDEX_MAGIC.to_vec();
+    out.put_u32(FORMAT_VERSION);
+    out.put_u32(offsets.len() as u32);
+    for o in offsets {
+        out.put_u32(*o);
+    }
+    let sum = blake3::hash(&out);
+    out.extend_from_slice(sum.as_bytes());
+    out
+}
+
+/// The offsets of an index value, or `None` when it is not one (then it reads as empty).
+pub fn decode_index(value: &[u8]) -> Option<Vec<u32>> {
+    let (body, sum) = value.split_at(value.len().checked_sub(CHECKSUM)?);
+    if blake3::hash(body).as_bytes() != sum {
+        return None;
+    }
+    let mut f = Fields::new(body);
+    if f.take(4)? != INDEX_MAGIC || f.u32()? != FORMAT_VERSION {
+        return None;
+    }
+    let n = f.u32()? as usize;
+    let offsets = (0..n).map(|_| f.u32()).collect::<Option<Vec<_>>>()?;
+    (f.at == body.len()).then_some(offsets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::LayerGeometry;
+    use crate::shape::KvShape;
+    use llama_kv_cache::model::MemoryKind;
+    use llama_kv_cache::GgmlType;
+
+    fn shape() -> Shape {
+        let g = Geometry {
+            layers: vec![LayerGeometry {
+                k_type: GgmlType::F16,
+                k_row: 4,
+                v_type: GgmlType::F16,
+                v_row: 2,
+            }],
+        };
+        Shape {
+            memory: MemoryKind::Iswa,
+            main: Some(KvShape {
+                layers: g.clone(),
+                rot: (0, 0),
+            }),
+            swa: Some(KvShape {
+                layers: g,
+                rot: (0, 0),
+            }),
+            recurrent: None,
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_round_trips_and_every_flip_is_corrupt() {
+        let s = shape();
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let id = CheckpointId {
+            fingerprint: &fp,
+            key: &key,
+            len: 18,
+            tail: &[7, 8],
+        };
+        let swa = SwaRows::Window(vec![15, 16, 17]);
+        let v = encode(&id, &s, &swa, &[], |out, is_swa| {
+            let n = if is_swa { 3 } else { 2 };
+            out.extend(std::iter::repeat_n(is_swa as u8 + 1, n * 6));
+            Ok(())
+        })
+        .unwrap();
+        let got = decode(&v, &id, &s).unwrap();
+        assert_eq!(got.swa_mode, swa);
+        assert_eq!(got.main.as_ref().unwrap().k(0), &[1; 8]);
+        assert_eq!(got.swa.as_ref().unwrap().v(0), &[2; 6]);
+        for i in 0..v.len() {
+            let mut w = v.clone();
+            w[i] ^= 1;
+            assert!(decode(&w, &id, &s).is_err(), "flip at {i}");
+        }
+        let other = CheckpointId { len: 19, ..id };
+        assert!(decode(&v, &other, &s).is_err());
+    }
+
+    #[test]
+    fn index_values_round_trip_and_garbage_reads_as_none() {
+        let v = encode_index(&[0, 3, 9]);
+        assert_eq!(decode_index(&v), Some(vec![0, 3, 9]));
+        assert_eq!(decode_index(&v[1..]), None);
+        assert_eq!(decode_index(b"x"), None);
+    }
+}

@@ -1,0 +1,346 @@
+//! What a store holds for one model: which memory writes its state (llama.cpp's unified cache,
+//! iSWA, hybrid or recurrent memory) and the shape of each part, the fingerprint made of it,
+//! and the model record (shape plus the file format of what was ingested) that lets a later
+//! process write files without a cache.
+//!
+//! A restore point P of each memory needs (see the README's table):
+//! - `main` (the whole unified cache, iSWA's base, hybrid's attention cache): rows for [0, P),
+//!   kept per position in the chain's blocks;
+//! - `swa` (iSWA's sliding-window cache): the window before P, or rows for [0, P) when the
+//!   state held the whole range (`swa_full`), then kept in blocks of their own;
+//! - `recurrent` (recurrent memory, hybrid's recurrent part): the state after exactly P tokens,
+//!   kept in a checkpoint.
+
+use llama_kv_cache::model::MemoryKind;
+use llama_kv_cache::state::files::FileKind;
+use llama_kv_cache::Layout;
+use sha2::{Digest, Sha256};
+
+use crate::backend::Key;
+use crate::geometry::{Geometry, FORMAT_VERSION};
+
+/// Rows of one KV part: the layers' shapes and the Hadamard rotation they are stored in
+/// (`n_rot_k`, `n_rot_v`; rotated rows are kept as they are, so the rotation is part of the
+/// fingerprint and rotated and unrotated blocks never mix).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// One entry per layer of the part.
+    pub layers: Geometry,
+    /// `(n_rot_k, n_rot_v)`.
+    pub rot: (u32, u32),
+}
+
+/// The parts of one model's memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Which memory writes the state.
+    pub memory: MemoryKind,
+    /// The part kept per position for [0, P): absent for a recurrent memory.
+    pub main: Option<KvShape>,
+    /// iSWA: the sliding-window part.
+    pub swa: Option<KvShape>,
+    /// Recurrent and hybrid memories: bytes of one sequence's recurrent state.
+    pub recurrent: Option<u64>,
+}
+
+/// What the files a store ingested were: the defaults of `write_file`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileFormat {
+    /// Session or sequence.
+    pub kind: FileKind,
+    /// Version.
+    pub version: u32,
+    /// Payload layout of its KV parts.
+    pub layout: Layout,
+    /// Whether V was untransposed (flash attention).
+    pub flash_attn: bool,
+    /// Sessions: the architecture.
+    pub arch: Option<String>,
+}
+
+fn memory_id(m: MemoryKind) -> u32 {
+    match m {
+        MemoryKind::Unified => 0,
+        MemoryKind::Iswa => 1,
+        MemoryKind::Recurrent => 2,
+        MemoryKind::Hybrid => 3,
+    }
+}
+
+fn memory_of(id: u32) -> Option<MemoryKind> {
+    [
+        MemoryKind::Unified,
+        MemoryKind::Iswa,
+        MemoryKind::Recurrent,
+        MemoryKind::Hybrid,
+    ]
+    .into_iter()
+    .find(|&m| memory_id(m) == id)
+}
+
+/// Little-endian fields appended to a buffer: the store's values are built of these.
+pub(crate) trait PutLe {
+    fn put_u32(&mut self, v: u32);
+    fn put_u64(&mut self, v: u64);
+    fn put_i32s(&mut self, v: &[i32]);
+}
+
+impl PutLe for Vec<u8> {
+    fn put_u32(&mut self, v: u32) {
+        self.extend_from_slice(&v.to_le_bytes());
+    }
+    fn put_u64(&mut self, v: u64) {
+        self.extend_from_slice(&v.to_le_bytes());
+    }
+    fn put_i32s(&mut self, v: &[i32]) {
+        for t in v {
+            self.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+}
+
+/// Reads what [`PutLe`] wrote; `None` past the end.
+pub(crate) struct Fields<'a> {
+    pub bytes: &'a [u8],
+    pub at: usize,
+}
+
+impl<'a> Fields<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        Fields { bytes, at: 0 }
+    }
+    pub fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.bytes.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    pub fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    pub fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    pub fn i32s(&mut self, n: usize) -> Option<Vec<i32>> {
+        let b = self.take(n.checked_mul(4)?)?;
+        Some(
+            b.chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    }
+}
+
+impl KvShape {
+    fn encode(&self, out: &mut Vec<u8>) {
+        self.layers.encode(out);
+        out.put_u32(self.rot.0);
+        out.put_u32(self.rot.1);
+    }
+
+    fn decode(f: &mut Fields<'_>) -> Option<KvShape> {
+        let (layers, used) = Geometry::decode(&f.bytes[f.at..])?;
+        f.at += used;
+        Some(KvShape {
+            layers,
+            rot: (f.u32()?, f.u32()?),
+        })
+    }
+
+    fn describe(&self) -> String {
+        let rot = match self.rot {
+            (0, 0) => String::new(),
+            (k, v) => format!(", rotated (nRotK {k}, nRotV {v})"),
+        };
+        format!("{}{rot}", self.layers.describe())
+    }
+}
+
+impl Shape {
+    /// Canonical bytes: memory id, then each part behind a presence flag.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u32(memory_id(self.memory));
+        for part in [&self.main, &self.swa] {
+            out.put_u32(part.is_some() as u32);
+            if let Some(p) = part {
+                p.encode(out);
+            }
+        }
+        out.put_u32(self.recurrent.is_some() as u32);
+        if let Some(r) = self.recurrent {
+            out.put_u64(r);
+        }
+    }
+
+    pub(crate) fn decode(f: &mut Fields<'_>) -> Option<Shape> {
+        let memory = memory_of(f.u32()?)?;
+        let part = |f: &mut Fields<'_>| match f.u32()? {
+            0 => Some(None),
+            1 => KvShape::decode(f).map(Some),
+            _ => None,
+        };
+        let main = part(f)?;
+        let swa = part(f)?;
+        let recurrent = match f.u32()? {
+            0 => None,
+            1 => Some(f.u64()?),
+            _ => return None,
+        };
+        Some(Shape {
+            memory,
+            main,
+            swa,
+            recurrent,
+        })
+    }
+
+    /// `key_{-1}`: SHA-256 over a domain tag, the format version, the caller's model identity
+    /// (e.g. the GGUF file's sha256) and this shape.
+    pub fn fingerprint(&self, model: &str) -> Key {
+        let mut h = Sha256::new();
+        h.update(b"llama-kv-cache prompt-store fingerprint\0");
+        h.update(FORMAT_VERSION.to_le_bytes());
+        h.update((model.len() as u64).to_le_bytes());
+        h.update(model.as_bytes());
+        let mut g = Vec::new();
+        self.encode(&mut g);
+        h.update(&g);
+        Key(h.finalize().into())
+    }
+
+    /// Whether every block boundary of the chain is a restore point by itself: nothing outside
+    /// the blocks is needed (no recurrent state; an SWA part only when kept in blocks too).
+    pub fn blocks_restore(&self) -> bool {
+        self.recurrent.is_none()
+    }
+
+    /// A one-line description for messages.
+    pub fn describe(&self) -> String {
+        let mut s = self.memory.name().to_string();
+        if let Some(m) = &self.main {
+            s += &format!(", {}", m.describe());
+        }
+        if let Some(w) = &self.swa {
+            s += &format!(", sliding window: {}", w.describe());
+        }
+        if let Some(r) = self.recurrent {
+            s += &format!(", recurrent state of {r} bytes");
+        }
+        s
+    }
+}
+
+impl FileFormat {
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        out.put_u32(self.kind.magic());
+        out.put_u32(self.version);
+        out.put_u32(match self.layout {
+            Layout::Seed => 0,
+            Layout::Streams => 1,
+            Layout::StreamsRot => 2,
+        });
+        out.put_u32(self.flash_attn as u32);
+        let arch = self.arch.as_deref().unwrap_or("");
+        out.put_u32(arch.len() as u32);
+        out.extend_from_slice(arch.as_bytes());
+    }
+
+    pub(crate) fn decode(f: &mut Fields<'_>) -> Option<FileFormat> {
+        let magic = f.u32()?;
+        let kind = [FileKind::Sequence, FileKind::Session]
+            .into_iter()
+            .find(|k| k.magic() == magic)?;
+        let version = f.u32()?;
+        let layout = [Layout::Seed, Layout::Streams, Layout::StreamsRot]
+            .into_iter()
+            .nth(f.u32()? as usize)?;
+        let flash_attn = match f.u32()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
+        let n = f.u32()? as usize;
+        let arch = std::str::from_utf8(f.take(n)?).ok()?;
+        Some(FileFormat {
+            kind,
+            version,
+            layout,
+            flash_attn,
+            arch: (!arch.is_empty()).then(|| arch.to_string()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::LayerGeometry;
+    use llama_kv_cache::GgmlType;
+
+    fn kv(rows: u64, rot: (u32, u32)) -> KvShape {
+        KvShape {
+            layers: Geometry {
+                layers: vec![
+                    LayerGeometry {
+                        k_type: GgmlType::F16,
+                        k_row: rows,
+                        v_type: GgmlType::F16,
+                        v_row: rows,
+                    };
+                    2
+                ],
+            },
+            rot,
+        }
+    }
+
+    #[test]
+    fn shapes_round_trip_and_every_part_changes_the_fingerprint() {
+        let base = Shape {
+            memory: MemoryKind::Iswa,
+            main: Some(kv(64, (0, 0))),
+            swa: Some(kv(32, (0, 0))),
+            recurrent: None,
+        };
+        let variants = [
+            Shape {
+                main: Some(kv(64, (64, 0))),
+                ..base.clone()
+            },
+            Shape {
+                swa: None,
+                memory: MemoryKind::Unified,
+                ..base.clone()
+            },
+            Shape {
+                recurrent: Some(100),
+                memory: MemoryKind::Hybrid,
+                swa: None,
+                ..base.clone()
+            },
+        ];
+        for s in std::iter::once(&base).chain(&variants) {
+            let mut b = Vec::new();
+            s.encode(&mut b);
+            let mut f = Fields::new(&b);
+            assert_eq!(Shape::decode(&mut f).as_ref(), Some(s));
+            assert_eq!(f.at, b.len());
+            if s != &base {
+                assert_ne!(s.fingerprint("m"), base.fingerprint("m"));
+            }
+        }
+    }
+
+    #[test]
+    fn file_formats_round_trip() {
+        let f = FileFormat {
+            kind: FileKind::Session,
+            version: 11,
+            layout: Layout::StreamsRot,
+            flash_attn: true,
+            arch: Some("gemma3".into()),
+        };
+        let mut b = Vec::new();
+        f.encode(&mut b);
+        assert_eq!(FileFormat::decode(&mut Fields::new(&b)), Some(f));
+    }
+}

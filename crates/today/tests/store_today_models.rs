@@ -1,0 +1,254 @@
+//! The prompt store with today's memories, proven by llama.cpp 0.1.161 itself: a 300-token
+//! conversation saved after each turn (as llama.node's `save_state_path` and node-llama-cpp's
+//! `saveStateToFile` do) is ingested; the store then writes a file for the same conversation
+//! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
+//! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
+//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba (hybrid), mamba.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use llama_kv_cache::state::files::inspect_file;
+use llama_kv_cache::FileKind;
+use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
+use serde_json::Value;
+use today_peer::{models_dir, run};
+
+const BT: u32 = 64;
+const TURNS: [usize; 2] = [200, 300];
+
+struct Case {
+    name: &'static str,
+    model: &'static str,
+    fa: bool,
+    types: (i32, i32),
+    swa_full: bool,
+    /// The micro-batch (a small one lets the window-only SWA cache prune, as in an app).
+    ubatch: u32,
+    /// Whether every block boundary of a session restores by itself (no checkpoint needed).
+    /// Sequence files of a `swa_full` context carry only the window: 0.1.161 writes a
+    /// sequence's SWA cells that are not masked, its sessions every cell.
+    blocks_restore: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let base = Case {
+        name: "",
+        model: "llama-h16.gguf",
+        fa: false,
+        types: (1, 1),
+        swa_full: false,
+        ubatch: 512,
+        blocks_restore: true,
+    };
+    vec![
+        Case {
+            name: "f16",
+            ..base
+        },
+        Case {
+            name: "rotated-q8_0",
+            model: "llama-h64.gguf",
+            fa: true,
+            types: (8, 8),
+            ..base
+        },
+        Case {
+            name: "gemma3-window",
+            model: "gemma3-swa.gguf",
+            ubatch: 32,
+            blocks_restore: false,
+            ..base
+        },
+        Case {
+            name: "gemma3-swa-full",
+            model: "gemma3-swa.gguf",
+            swa_full: true,
+            ..base
+        },
+        Case {
+            name: "jamba",
+            model: "jamba.gguf",
+            blocks_restore: false,
+            ..base
+        },
+        Case {
+            name: "mamba",
+            model: "mamba.gguf",
+            blocks_restore: false,
+            ..base
+        },
+    ]
+}
+
+impl Case {
+    fn args(&self) -> Vec<String> {
+        vec![
+            format!("model={}", models_dir().join(self.model).display()),
+            "ctx=512".into(),
+            format!("ubatch={}", self.ubatch),
+            format!("fa={}", self.fa as u8),
+            format!("type_k={}", self.types.0),
+            format!("type_v={}", self.types.1),
+            format!("swa_full={}", self.swa_full as u8),
+        ]
+    }
+
+    fn run(&self, action: &str, extra: &[String]) -> Value {
+        let mut args = self.args();
+        args.extend_from_slice(extra);
+        run(action, &args).unwrap_or_else(|e| panic!("{}: {e}", self.name))
+    }
+}
+
+fn list(tokens: &[i32]) -> String {
+    tokens
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Deterministic tokens of the tiny models' 320-token vocabulary (no control tokens).
+fn conversation(n: usize, seed: u32) -> Vec<i32> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            3 + (x % 317) as i32
+        })
+        .collect()
+}
+
+fn logits(v: &Value) -> Vec<f64> {
+    v["logits"]
+        .as_array()
+        .expect("logits")
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn assert_close(case: &str, what: &str, got: &[f64], cold: &[f64]) {
+    assert_eq!(got.len(), cold.len());
+    let worst = got
+        .iter()
+        .zip(cold)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    // the same K/V rows; only the order of the peer's own sums may differ between one batch
+    // and two
+    assert!(
+        worst < 1e-3,
+        "{case} {what}: logits differ from a cold run by {worst}"
+    );
+    eprintln!("{case}: {what} within {worst:.2e} of a cold run");
+}
+
+/// Loads `file` into 0.1.161, evaluates the rest of `tokens`, and checks what it evaluated
+/// and that its logits equal a cold run's.
+fn resume_matches_cold(case: &Case, kind: FileKind, file: &Path, tokens: &[i32], restored: u64) {
+    let which = match kind {
+        FileKind::Session => "session",
+        FileKind::Sequence => "seq_file",
+    };
+    let warm = case.run(
+        "resume",
+        &[
+            format!("{which}={}", file.display()),
+            format!("tokens={}", list(tokens)),
+        ],
+    );
+    let label = format!(
+        "{} {}: loaded {restored}, evaluated {}",
+        case.name,
+        kind.name(),
+        warm["evaluated"]
+    );
+    assert_eq!(warm["loaded"].as_u64(), Some(restored), "{label}: {warm}");
+    assert_eq!(
+        warm["evaluated"].as_u64(),
+        Some(tokens.len() as u64 - restored),
+        "{label}"
+    );
+    assert_eq!(
+        warm["pos_max"].as_i64(),
+        Some(restored as i64 - 1),
+        "{label}"
+    );
+    let cold = case.run("resume", &[format!("tokens={}", list(tokens))]);
+    assert_close(&label, "logits", &logits(&warm), &logits(&cold));
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("today-store-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn the_store_restores_todays_memories_and_0_1_161_continues_them_exactly() {
+    let a = conversation(300, 1);
+    let plus = [a.as_slice(), &conversation(40, 2)].concat();
+    let diverged = [&a[..200], &conversation(140, 3)[..]].concat();
+    for case in cases() {
+        let dir = scratch(case.name);
+        let prefix = dir.join("turn");
+        case.run(
+            "turns",
+            &[
+                format!("tokens={}", list(&a)),
+                format!("turns={}", list(&TURNS.map(|t| t as i32))),
+                format!("out={}", prefix.display()),
+            ],
+        );
+        for kind in [FileKind::Session, FileKind::Sequence] {
+            let ext = match kind {
+                FileKind::Session => "ggsn",
+                FileKind::Sequence => "ggsq",
+            };
+            let store =
+                PromptStore::new(Arc::new(MemoryBackend::new(None)), case.name, BT).unwrap();
+            for turn in TURNS {
+                let file = PathBuf::from(format!("{}-{turn}.{ext}", prefix.display()));
+                let r = store
+                    .put_file(&file, None)
+                    .unwrap_or_else(|e| panic!("{} {}: {e}", case.name, file.display()));
+                assert_eq!(r.tokens, turn as u64, "{} {}", case.name, file.display());
+            }
+            // a block boundary restores by itself only where nothing outside the blocks is
+            // needed; elsewhere the longest correct prefix is the 200-token turn's checkpoint
+            let at_boundary = store.lookup(&a[..256]).unwrap();
+            let whole_range = case.blocks_restore && (kind == FileKind::Session || !case.swa_full);
+            let want = if whole_range { 256 } else { 200 };
+            assert_eq!(at_boundary, want, "{} {}", case.name, kind.name());
+            for (what, tokens, restored) in [("plus 40", &plus, 300), ("diverged", &diverged, 200)]
+            {
+                assert_eq!(
+                    store.lookup(tokens).unwrap(),
+                    restored,
+                    "{} {what}",
+                    case.name
+                );
+                let out = dir.join(format!("stored-{what}.{ext}"));
+                let n = store
+                    .write_file(tokens, &out, &WriteFileOptions::default(), None)
+                    .unwrap();
+                assert_eq!(n, restored, "{} {} {what}", case.name, kind.name());
+                // the file is of the kind and version that was ingested
+                let ins = inspect_file(&out).unwrap();
+                assert_eq!(ins.header.kind, kind);
+                assert_eq!(
+                    ins.header.version,
+                    kind.rotation_version(),
+                    "{} {what}",
+                    case.name
+                );
+                resume_matches_cold(&case, kind, &out, tokens, restored);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
