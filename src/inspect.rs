@@ -266,15 +266,7 @@ pub fn inspect_state(
 ) -> Result<Inspection, Code> {
     guard(|| {
         let ins = inspect(args::source("source", &source)?)?;
-        let recurrent = match (&ins.arch, ins.payload.layout) {
-            // several memories: the top level describes the first part
-            _ if ins.parts.len() > 1 => Some(ins.parts[0].kind == PartKind::Recurrent),
-            // a stream-less payload of v11 / v4 is a recurrent memory
-            _ if ins.parts[0].kind == PartKind::Recurrent => Some(true),
-            (Some(arch), _) => Some(llama_kv_cache::model::arch::is_recurrent(arch)),
-            (None, Layout::Streams | Layout::StreamsRot) => Some(false),
-            (None, Layout::Seed) => None,
-        };
+        let recurrent = ins.recurrent();
         let header = ins.header.clone();
         let described: Vec<(&Part, Described)> = ins
             .parts

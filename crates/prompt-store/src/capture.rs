@@ -189,20 +189,33 @@ impl<'a> Capture<'a> {
     }
 
     /// The one sequence of a llama.cpp session or sequence file's bytes: its shape, its state,
-    /// its tokens and the file's format.
-    pub fn of_file(bytes: &[u8]) -> StoreResult<(Capture<'static>, Vec<i32>, FileFormat)> {
+    /// its tokens and the file's format. `recurrent` answers what an old sequence file cannot
+    /// tell (the store's model is recurrent); without it, a stream-less payload whose one cell
+    /// ends the tokens is a recurrent state (a KV prefix holds positions 0..n).
+    pub fn of_file(
+        bytes: &[u8],
+        recurrent: Option<bool>,
+    ) -> StoreResult<(Capture<'static>, Vec<i32>, FileFormat)> {
         let ins = inspect_bytes(bytes)?;
+        let whole_recurrent = ins.parts.len() == 1
+            && ins
+                .recurrent()
+                .or(recurrent)
+                .unwrap_or_else(|| ends_in_one_cell(&ins));
         if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
             return Err(StoreError::Cache(KvError::Unsupported(format!(
                 "the file's cells carry the '{}' cell extension of M-RoPE / PLE models, which the prompt store does not keep yet",
                 p.payload.ext.name()
             ))));
         }
-        let kv_layout = ins
-            .parts
-            .iter()
-            .find(|p| p.kind == PartKind::Kv)
-            .map_or(Layout::StreamsRot, |p| p.payload.layout);
+        let kv_layout = match ins.parts.iter().find(|p| p.kind == PartKind::Kv) {
+            Some(p) if !whole_recurrent => p.payload.layout,
+            // a recurrent memory has no layout of its own: the era of the file decides (the
+            // seed's sessions carry the outputs block)
+            _ if ins.header.kind.records_rotation(ins.header.version) => Layout::StreamsRot,
+            _ if ins.outputs.is_some() => Layout::Seed,
+            _ => Layout::Streams,
+        };
         let v_trans = ins
             .parts
             .iter()
@@ -221,8 +234,10 @@ impl<'a> Capture<'a> {
         let mut recurrent_part = None;
         for part in &ins.parts {
             match part.kind {
-                PartKind::Kv => loaded.push((part.role, load_kv_part(bytes, &ins, part)?)),
-                PartKind::Recurrent => {
+                PartKind::Kv if !whole_recurrent => {
+                    loaded.push((part.role, load_kv_part(bytes, &ins, part)?))
+                }
+                _ => {
                     let at = ins.payload_offset + part.range.start;
                     recurrent_part = Some(&bytes[at..ins.payload_offset + part.range.end]);
                 }
@@ -262,7 +277,11 @@ impl<'a> Capture<'a> {
             None => tokens.len(),
         };
         let shape = Shape {
-            memory: ins.memory,
+            memory: if whole_recurrent {
+                MemoryKind::Recurrent
+            } else {
+                ins.memory
+            },
             main: main.as_ref().map(KvRows::shape).transpose()?,
             swa: swa.as_ref().map(KvRows::shape).transpose()?,
             recurrent: recurrent_part.map(|_| recurrent.len() as u64),
@@ -277,6 +296,17 @@ impl<'a> Capture<'a> {
         };
         Ok((capture, tokens, format))
     }
+}
+
+/// Whether a single stream-less payload holds one cell at the last token's position: a
+/// recurrent state, since a KV cache of those tokens holds every position.
+fn ends_in_one_cell(ins: &Inspection) -> bool {
+    let n = ins.header.tokens.len();
+    let streams = &ins.parts[0].payload.streams;
+    n > 1
+        && ins.parts[0].payload.layout == Layout::Seed
+        && streams.len() == 1
+        && streams[0].cells.positions() == [n as i32 - 1]
 }
 
 /// A cache of one KV part's shape holding that part, loaded as the core loads files.

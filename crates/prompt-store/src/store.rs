@@ -929,7 +929,9 @@ impl PromptStore {
         bytes: &[u8],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        let (capture, tokens, format) = Capture::of_file(bytes)?;
+        let known = self.known()?;
+        let recurrent = known.map(|b| b.shape.memory == MemoryKind::Recurrent);
+        let (capture, tokens, format) = Capture::of_file(bytes, recurrent)?;
         self.put_capture(&capture, &tokens, format, progress)
     }
 

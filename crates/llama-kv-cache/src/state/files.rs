@@ -448,6 +448,22 @@ pub struct Inspection {
     pub payload_offset: usize,
 }
 
+impl Inspection {
+    /// Whether the state is recurrent, as far as the file tells: a payload of several memories
+    /// by its first part, a stream-less payload of session 11 / sequence 4 always, a session by
+    /// its architecture, a payload with the stream prefix never. `None`: a stream-less payload
+    /// of an older sequence file, which a seed-era KV cache and a recurrent memory both wrote.
+    pub fn recurrent(&self) -> Option<bool> {
+        match (&self.arch, self.payload.layout) {
+            _ if self.parts.len() > 1 => Some(self.parts[0].kind == PartKind::Recurrent),
+            _ if self.parts[0].kind == PartKind::Recurrent => Some(true),
+            (Some(arch), _) => Some(crate::model::arch::is_recurrent(arch)),
+            (None, Layout::Streams | Layout::StreamsRot) => Some(false),
+            (None, Layout::Seed) => None,
+        }
+    }
+}
+
 /// Whether a part's cells carry the seq ids a one-sequence save of its layout writes.
 fn one_sequence_cells(p: &Part) -> bool {
     let want = match (p.kind, p.payload.layout) {
