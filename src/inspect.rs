@@ -3,9 +3,9 @@
 use std::collections::HashMap;
 
 use llama_kv_cache::state::files::{inspect_bytes, inspect_file};
-use llama_kv_cache::state::parts::{Part, PartKind};
+use llama_kv_cache::state::parts::Part;
 use llama_kv_cache::state::{ParsedPayload, VBlock};
-use llama_kv_cache::{GgmlType, Layout};
+use llama_kv_cache::GgmlType;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
