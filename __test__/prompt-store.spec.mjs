@@ -217,6 +217,34 @@ test('four processes putting and restoring overlapping prompts in one directory:
   t.deepEqual(fs.readdirSync(path.join(dir, 'tmp')), [])
 })
 
+const T161 = path.join(HERE, 'fixtures', 't161')
+
+test("putFile ingests llama.cpp 0.1.161's files of every memory and writeFile gives each back byte for byte", async (t) => {
+  // rotated q8_0, sliding window (f16 and rotated q8_0), hybrid, recurrent, plain: 10-token
+  // prompts, so each is one checkpoint (the partial block) plus whatever its memory needs
+  for (const name of ['h64-q8_0-fa', 'gemma3-swa', 'gemma3-swa-q8_0-fa', 'jamba', 'mamba', 'h16-f16']) {
+    for (const ext of ['ggsn', 'ggsq']) {
+      const file = path.join(T161, `t161-${name}.${ext}`)
+      const store = new PromptStore({ model: name, blockTokens: 16 })
+      const { tokens } = inspectState(file)
+      t.like(await store.putFile(file), { tokens: 10, blocksWritten: 0, checkpointsWritten: 1 }, file)
+      t.is(await store.lookup(tokens), 10)
+      t.is(await store.lookup(tokens.slice(0, 9)), 0, 'a prompt that ends inside the checkpoint restores nothing')
+      const out = path.join(tmp(), `out.${ext}`)
+      t.is(await store.writeFile(tokens, out), 10)
+      t.true(fs.readFileSync(out).equals(fs.readFileSync(file)), `${name}.${ext}: the same bytes llama.cpp wrote`)
+    }
+  }
+})
+
+test('a store holds one shape: a file of another memory or rotation is ERR_KV_STORE_GEOMETRY naming both', async (t) => {
+  const store = new PromptStore({ model: 'one-name', blockTokens: 16 })
+  await store.putFile(path.join(T161, 't161-gemma3-swa.ggsn'))
+  const e = await t.throwsAsync(store.putFile(path.join(T161, 't161-gemma3-swa-q8_0-fa.ggsn')), { code: 'ERR_KV_STORE_GEOMETRY' })
+  t.regex(e.message, /iswa.*sliding window.*nRotK 64/)
+  await t.throwsAsync(store.putFile(path.join(T161, 't161-mamba.ggsq')), { code: 'ERR_KV_STORE_GEOMETRY', message: /recurrent/ })
+})
+
 test('the store CLI ingests files, looks up, writes, reports and collects, with no progress bar off a terminal', (t) => {
   const dir = tmp()
   const storeDir = path.join(dir, 'store')

@@ -36,10 +36,14 @@ const USAGE = `usage:
       --transformer           the input sequence file holds a transformer state
   llama-kv-cache store <command> --store DIR | --url URL [options]
                               a prompt store directory, or a Redis server shared by machines
-      put <file>...           ingest llama.cpp session/sequence files (one sequence each)
-      lookup <tokens>         print the stored prefix length in tokens
-      write <tokens> <out>    write the stored prefix as a llama.cpp file (--kind, --version,
-                              --layout, --flash-attn, --arch as for convert); prints its length
+      put <file>...           ingest llama.cpp session/sequence files (one sequence each; any
+                              memory: unified, sliding-window, hybrid, recurrent, rotated K/V)
+      lookup <tokens>         print the longest restorable prefix in tokens
+      write <tokens> <out>    write that prefix as a llama.cpp file; prints its length. Default:
+                              the kind, version, layout and flash-attn setting of the files put;
+                              --kind, --version, --layout, --flash-attn, --arch as for convert
+      --swa-window N          write: keep only the last N positions of a whole sliding-window
+                              cache (for a reader without swa_full)
       stats [--json]          blocks, bytes, budget and evictions
       gc                      recount, enforce --max-bytes, remove leftovers of interrupted writes
       --model ID              the model identity the blocks were stored under (put/lookup/write)
@@ -282,7 +286,7 @@ async function storeCommand(args) {
   const [sub, ...rest] = args
   const flags = parseFlags(rest, {
     store: 'str', url: 'str', prefix: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool',
-    kind: 'str', version: 'int', layout: 'str', 'flash-attn': 'bool', arch: 'str',
+    kind: 'str', version: 'int', layout: 'str', 'flash-attn': 'bool', arch: 'str', 'swa-window': 'int',
   })
   if (!flags.store && !flags.url) fail(`store ${sub ?? ''} needs --store DIR or --url URL\n${USAGE}`)
   // where the blocks are, for messages: a URL without its credentials
@@ -306,7 +310,7 @@ async function storeCommand(args) {
         const bar = progressBar(path.basename(file))
         const r = await store.putFile(file, { onProgress: bar.onProgress })
         bar.done()
-        process.stdout.write(`${file}: ${r.tokens} tokens, ${r.blocksWritten} blocks written (${r.bytesWritten} bytes), ${r.blocksSkipped} already stored\n`)
+        process.stdout.write(`${file}: ${r.tokens} tokens, ${r.blocksWritten} blocks written (${r.bytesWritten} bytes), ${r.blocksSkipped} already stored, ${r.checkpointsWritten} checkpoints written\n`)
       }
     } else if (sub === 'lookup') {
       const [tokensFile] = flags.positional
@@ -318,7 +322,7 @@ async function storeCommand(args) {
       const bar = progressBar(path.basename(out))
       const n = await store.writeFile(readTokens(tokensFile), out, {
         kind: flags.kind, version: flags.version, layout: flags.layout, flashAttn: flags['flash-attn'], arch: flags.arch,
-        onProgress: bar.onProgress,
+        swaWindow: flags['swa-window'], onProgress: bar.onProgress,
       })
       bar.done()
       if (n === 0) process.stderr.write('llama-kv-cache: nothing stored for these tokens; no file written\n')

@@ -502,3 +502,89 @@ fn block_size_and_model_are_validated() {
         Err(StoreError::InvalidArg(_))
     ));
 }
+
+/// A recurrent cache (Mamba's one state per sequence) whose sequence 0 holds the state after
+/// `n` tokens: rows as `row_byte` of a salt that stands for the state's content.
+fn recurrent_state(n: u32, salt: u32) -> KvCache {
+    let mut p = CacheParams::new(4, 2, 64, 32);
+    p.recurrent = true;
+    p.n_seq_max = 4;
+    let mut c = KvCache::new(p).unwrap();
+    // a recurrent memory takes a sequence's tokens as one group and keeps one cell for them
+    let ub = UBatch {
+        pos: (0..n as i32).collect(),
+        n_seq_tokens: n,
+        seq_ids: vec![vec![0]],
+    };
+    let slot = c.find_slot(&ub).unwrap().expect("room");
+    for il in 0..c.n_layer() {
+        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
+            let row = c.row_size(il, which).unwrap();
+            let state = vec![row_byte(n, il, v, salt); row];
+            c.write_rows(il, which, slot.head, &state).unwrap();
+        }
+    }
+    c
+}
+
+#[test]
+fn a_recurrent_cache_is_stored_as_checkpoints_and_restores_the_turn_a_prompt_diverges_after() {
+    let store = memory_store();
+    let conversation = tokens(70, 5);
+    // saved after each turn: the state after 20 tokens (inside block 1), then after 48 (a block
+    // boundary, which a recurrent memory still needs a checkpoint for)
+    for (n, salt) in [(20, 1), (48, 2)] {
+        let cache = recurrent_state(n, salt);
+        let r = store
+            .put(&cache, 0, &conversation[..n as usize], None)
+            .unwrap();
+        assert_eq!(
+            (r.tokens, r.blocks_written, r.checkpoints_written),
+            (n as u64, 0, 1)
+        );
+    }
+    let mut diverged = conversation.clone();
+    diverged[30] = -7;
+    assert_eq!(store.lookup(&conversation).unwrap(), 48);
+    assert_eq!(store.lookup(&diverged).unwrap(), 20);
+    // never a prefix whose state is missing: 19 tokens end inside the first turn
+    assert_eq!(store.lookup(&conversation[..19]).unwrap(), 0);
+    for (prompt, n, salt) in [(&conversation, 48, 2), (&diverged, 20, 1)] {
+        let mut dst = recurrent_state(1, 9);
+        assert_eq!(store.restore(&mut dst, 2, prompt, None).unwrap(), n);
+        assert_eq!(dst.seq_pos_max(2).unwrap(), n as i32 - 1);
+        assert_eq!(
+            rows_by_position(&dst, 2),
+            rows_by_position(&recurrent_state(n as u32, salt), 0)
+        );
+        // the other sequence is untouched
+        assert_eq!(
+            rows_by_position(&dst, 0),
+            rows_by_position(&recurrent_state(1, 9), 0)
+        );
+    }
+    // a corrupt checkpoint is a counted miss, and the restore falls back to the longest prefix
+    // that is still correct: the first turn's state
+    let keys = store.keys(&conversation).unwrap().unwrap();
+    let latest = checkpoint_key(&keys[2], &[]);
+    let mut v = store.backend().get_many(&[latest]).unwrap()[0]
+        .clone()
+        .unwrap();
+    let at = v.len() - 40;
+    v[at] ^= 1;
+    store.backend().remove(&latest).unwrap();
+    store.backend().put_if_absent(&latest, &v).unwrap();
+    let mut dst = recurrent_state(1, 9);
+    assert_eq!(store.restore(&mut dst, 1, &conversation, None).unwrap(), 20);
+    assert_eq!(
+        rows_by_position(&dst, 1),
+        rows_by_position(&recurrent_state(20, 1), 0)
+    );
+    assert_eq!(store.stats().unwrap().corrupt, 1);
+    // a transformer cache cannot restore a recurrent store's states
+    let (mut kv, _) = prompt(4);
+    assert!(matches!(
+        store.restore(&mut kv, 1, &conversation, None),
+        Err(StoreError::Geometry(_))
+    ));
+}

@@ -18,6 +18,10 @@
 //       decodes the conversation `tokens` turn by turn (each turn in batches of n_batch) and
 //       after the turn ending at token Ni saves PREFIX-Ni.ggsn (session) and PREFIX-Ni.ggsq
 //       (sequence 0), as an app that saves after every turn does.
+//   today-driver branches model=M [context options] tokens=1,2,3 tails=4,5;6,7 out=PREFIX
+//       decodes the shared prefix `tokens` once, then for each tail k: removes the previous
+//       tail (seq_rm), decodes tail k after the prefix and saves the session PREFIX-k.ggsn:
+//       many conversations that share a prefix, as a server's slots have them.
 //   today-driver resume model=M [context options] (session=F | seq_file=F) tokens=1,2,3
 //       loads the file into a fresh context (a sequence file into sequence 0), checks that its
 //       tokens begin `tokens`, evaluates only the rest and reports how many tokens it loaded
@@ -310,6 +314,27 @@ static void turns(llama_context * ctx, int n_vocab) {
     printf("{\"saved\":%zu}\n", done);
 }
 
+static void branches(llama_context * ctx, int n_vocab) {
+    const std::vector<int> prefix = ints(arg("tokens"), ',');
+    eval_range(ctx, n_vocab, prefix, 0, prefix.size());
+    std::stringstream ss(arg("tails"));
+    std::string item;
+    int k = 0;
+    while (std::getline(ss, item, ';')) {
+        llama_memory_seq_rm(llama_get_memory(ctx), 0, (llama_pos) prefix.size(), -1);
+        std::vector<int> all = prefix;
+        for (int t : ints(item, ',')) {
+            all.push_back(t);
+        }
+        eval_range(ctx, n_vocab, all, prefix.size(), all.size());
+        const std::string out = arg("out") + "-" + std::to_string(k++) + ".ggsn";
+        if (!llama_state_save_file(ctx, out.c_str(), all.data(), all.size())) {
+            die("llama_state_save_file failed");
+        }
+    }
+    printf("{\"saved\":%d}\n", k);
+}
+
 static void resume(llama_context * ctx, int n_vocab) {
     const std::vector<int> tokens = ints(arg("tokens"), ',');
     std::vector<llama_token> file_tokens(tokens.size() + 1);
@@ -378,6 +403,8 @@ int main(int argc, char ** argv) {
         cont(ctx, n_vocab);
     } else if (action == "turns") {
         turns(ctx, n_vocab);
+    } else if (action == "branches") {
+        branches(ctx, n_vocab);
     } else if (action == "resume") {
         resume(ctx, n_vocab);
     } else {

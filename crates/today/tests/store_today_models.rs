@@ -252,3 +252,66 @@ fn the_store_restores_todays_memories_and_0_1_161_continues_them_exactly() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn fifty_conversations_sharing_a_2048_token_prefix_on_an_iswa_model_store_it_once() {
+    // gemma3 with swa_full, so that removing one conversation's tail leaves the next one's
+    // window exact; its sessions keep every SWA position, which the store keeps in blocks too
+    let case = Case {
+        name: "gemma3-dedup",
+        model: "gemma3-swa.gguf",
+        swa_full: true,
+        ..cases().remove(0)
+    };
+    let dir = scratch(case.name);
+    let prefix = conversation(2048, 11);
+    let tails: Vec<Vec<i32>> = (0..50).map(|k| conversation(32, 100 + k)).collect();
+    let mut args = case.args();
+    args[1] = "ctx=2304".into();
+    args.extend([
+        format!("tokens={}", list(&prefix)),
+        format!(
+            "tails={}",
+            tails.iter().map(|t| list(t)).collect::<Vec<_>>().join(";")
+        ),
+        format!("out={}", dir.join("conv").display()),
+    ]);
+    run("branches", &args).unwrap();
+    let files: Vec<PathBuf> = (0..50)
+        .map(|k| dir.join(format!("conv-{k}.ggsn")))
+        .collect();
+    let one = PromptStore::new(Arc::new(MemoryBackend::new(None)), "g", BT).unwrap();
+    one.put_file(&files[0], None).unwrap();
+    let one_conversation = one.stats().unwrap().bytes;
+    let all = PromptStore::new(Arc::new(MemoryBackend::new(None)), "g", BT).unwrap();
+    let mut skipped = 0;
+    for f in &files {
+        let r = all.put_file(f, None).unwrap();
+        assert_eq!(r.tokens, 2080);
+        skipped += r.blocks_skipped;
+    }
+    // the 32 shared blocks of each part were stored once
+    assert_eq!(skipped, 49 * 2 * 32);
+    // the irreducible rest: each further conversation's tail rows (both parts)
+    let shape = all.shape().unwrap().unwrap();
+    let per_token: u64 = [&shape.main, &shape.swa]
+        .iter()
+        .filter_map(|p| p.as_ref())
+        .map(|p| p.layers.bytes_per_token())
+        .sum();
+    let tails_bytes = 49 * 32 * per_token;
+    let total = all.stats().unwrap().bytes;
+    let budget = (one_conversation + tails_bytes) as f64 * 1.10;
+    eprintln!(
+        "50 conversations: {total} bytes; one conversation {one_conversation} + 49 tails {tails_bytes} = {} (ratio {:.3})",
+        one_conversation + tails_bytes,
+        total as f64 / (one_conversation + tails_bytes) as f64
+    );
+    assert!(total as f64 <= budget, "{total} > {budget}");
+    // each conversation restores whole
+    for (k, tail) in tails.iter().enumerate().step_by(7) {
+        let tokens = [prefix.as_slice(), tail].concat();
+        assert_eq!(all.lookup(&tokens).unwrap(), 2080, "conversation {k}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
