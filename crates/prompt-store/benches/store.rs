@@ -5,6 +5,12 @@
 //!   against writing and reading the same bytes as plain files (`fs::write` / `fs::read`, the
 //!   bytes read kept in memory as a restore keeps them).
 //!
+//! - per memory kind (unified, rotated q8_0, iSWA window-only and whole, hybrid, recurrent), a
+//!   4,096-token sequence file of 16 + 16 layers (or 16 and a recurrent part): `put_file`
+//!   against writing the bytes it stores as plain files, `write_file` of the same tokens
+//!   against reading them back; and the lookup of a 32k-token prompt (128 blocks) whose store
+//!   holds a checkpoint in every block, against the stats of its block files.
+//!
 //! Run: `cargo bench -p prompt-store --bench store` (set `TMPDIR` to choose the disk).
 
 use std::fs;
@@ -12,8 +18,9 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use llama_kv_cache::{CacheParams, KvCache, Tensor, UBatch};
-use prompt_store::{chain_keys, Backend, DirBackend, Geometry, PromptStore};
+use llama_kv_cache::state::files::{header_bytes, FileKind};
+use llama_kv_cache::{CacheParams, GgmlType, KvCache, Layout, Tensor, UBatch};
+use prompt_store::{chain_keys, Backend, DirBackend, Geometry, PromptStore, WriteFileOptions};
 
 const REPS: usize = 7;
 
@@ -63,6 +70,194 @@ fn cache_fa(cells: u32, layers: u32, embd: u32, flash_attn: bool) -> KvCache {
         }
     }
     c
+}
+
+/// A cache of `layers` x `embd` whose sequence 0 holds positions `p0..p0 + n` (a recurrent
+/// cache: its one state after them).
+fn filled(params: CacheParams, p0: i32, n: u32) -> KvCache {
+    let mut c = KvCache::new(params).unwrap();
+    let ub = if c.recurrent() {
+        UBatch {
+            pos: (p0..p0 + n as i32).collect(),
+            n_seq_tokens: n,
+            seq_ids: vec![vec![0]],
+        }
+    } else {
+        UBatch::sequence(0, p0, n)
+    };
+    let slot = c.find_slot(&ub).unwrap().unwrap();
+    let cells = if c.recurrent() { 1 } else { n as usize };
+    for il in 0..c.n_layer() {
+        for which in [Tensor::K, Tensor::V] {
+            let row = c.row_size(il, which).unwrap();
+            let rows: Vec<u8> = (0..row * cells)
+                .map(|i| (i * 7 + il as usize) as u8)
+                .collect();
+            c.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+    c
+}
+
+/// A sequence file (today's version 4) of `tokens` whose payload is the parts' states of
+/// sequence 0, in llama.cpp's order.
+fn sequence_file(tokens: &[i32], parts: &[&KvCache]) -> Vec<u8> {
+    let mut out = header_bytes(FileKind::Sequence, 4, tokens);
+    for c in parts {
+        let layout = if c.recurrent() {
+            Layout::Seed
+        } else {
+            Layout::StreamsRot
+        };
+        out.extend(c.state_write(0, layout, 1, None).unwrap());
+    }
+    out
+}
+
+/// `put_file`, `write_file` and a lookup per memory kind, against plain file I/O of the bytes.
+fn memory_kinds(tmp: &std::path::Path, tokens: &[i32]) {
+    let n = 4096u32;
+    let toks = &tokens[..n as usize];
+    let kv = |layers: u32, size: u32, ty: GgmlType, rot: u32| {
+        let mut p = CacheParams::new(size, layers, 1024, 1024);
+        p.type_k = ty;
+        p.type_v = ty;
+        p.flash_attn = true;
+        (p.n_rot_k, p.n_rot_v) = (rot, rot);
+        p
+    };
+    let recurrent = || {
+        let mut p = CacheParams::new(1, 16, 64, 64);
+        p.recurrent = true;
+        p.n_embd_k_s = 3 * 4096;
+        p.n_embd_v_s = 16 * 4096;
+        p
+    };
+    let full = || filled(kv(16, n, GgmlType::F16, 0), 0, n);
+    let window = || filled(kv(16, 1024, GgmlType::F16, 0), n as i32 - 1024, 1024);
+    let kinds: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "unified f16",
+            sequence_file(toks, &[&filled(kv(32, n, GgmlType::F16, 0), 0, n)]),
+        ),
+        (
+            "unified q8_0 rotated",
+            sequence_file(toks, &[&filled(kv(32, n, GgmlType::Q8_0, 64), 0, n)]),
+        ),
+        ("iswa window", sequence_file(toks, &[&full(), &window()])),
+        (
+            "iswa whole (swa_full)",
+            sequence_file(toks, &[&full(), &full()]),
+        ),
+        (
+            "hybrid",
+            sequence_file(toks, &[&full(), &filled(recurrent(), 0, n)]),
+        ),
+        (
+            "recurrent",
+            sequence_file(toks, &[&filled(recurrent(), 0, n)]),
+        ),
+    ];
+    for (name, file) in kinds {
+        let path = tmp.join("kind.ggsq");
+        fs::write(&path, &file).unwrap();
+        let dir = tmp.join("kind-store");
+        let mut put_store = None;
+        let mut stored = 0;
+        let t_put = time_with(
+            || {
+                let _ = fs::remove_dir_all(&dir);
+                let b: Arc<dyn Backend> = Arc::new(DirBackend::open(&dir, None).unwrap());
+                PromptStore::new(b, "bench", 256).unwrap()
+            },
+            |s| {
+                stored = s.put_file(&path, None).unwrap().bytes_written;
+                put_store = Some(s);
+            },
+        );
+        let store = put_store.unwrap();
+        let raw = tmp.join("kind-raw");
+        fs::create_dir_all(&raw).unwrap();
+        // ingesting a file is reading it and writing what is stored
+        let chunk_len = stored as usize / 17;
+        let t_write = time(|| {
+            let input = fs::read(&path).unwrap();
+            for i in 0..17 {
+                let at = (i * chunk_len).min(input.len().saturating_sub(chunk_len));
+                fs::write(raw.join(format!("{i}")), &input[at..at + chunk_len]).unwrap();
+            }
+        });
+        let out = tmp.join("kind-out.ggsq");
+        let t_file = time(|| {
+            let n = store
+                .write_file(toks, &out, &WriteFileOptions::default(), None)
+                .unwrap();
+            assert_eq!(n, 4096);
+        });
+        // writing a file is reading the blocks and writing the file (durably, as write_file)
+        let raw_out = tmp.join("kind-raw-out");
+        let t_read = time(|| {
+            let all: Vec<Vec<u8>> = (0..17)
+                .map(|i| fs::read(raw.join(format!("{i}"))).unwrap())
+                .collect();
+            let mut f = fs::File::create(&raw_out).unwrap();
+            for chunk in &all {
+                std::io::Write::write_all(&mut f, chunk).unwrap();
+            }
+            f.sync_all().unwrap();
+        });
+        println!(
+            "{name}: {:.1} MiB stored; put_file {} (raw read + write {}; ratio {:.2}); write_file {} (raw read + synced write {}; ratio {:.2}; goal >= 0.8)",
+            stored as f64 / (1 << 20) as f64,
+            ms(t_put),
+            ms(t_write),
+            t_write / t_put,
+            ms(t_file),
+            ms(t_read),
+            t_read / t_file
+        );
+    }
+    // lookup of a 128-block hybrid prompt with a checkpoint after every block
+    let dir = tmp.join("lookup-ckpt");
+    let backend = Arc::new(DirBackend::open(&dir, None).unwrap());
+    let store = PromptStore::new(backend.clone(), "bench-hybrid", 256).unwrap();
+    let attn = |size| {
+        let mut p = CacheParams::new(size, 1, 8, 8);
+        p.flash_attn = true;
+        p
+    };
+    let tiny_recurrent = || {
+        let mut p = CacheParams::new(1, 1, 8, 8);
+        p.recurrent = true;
+        p
+    };
+    for b in 1..=128u32 {
+        let end = b * 256 - 17;
+        let t = &tokens[..end as usize];
+        let file = sequence_file(
+            t,
+            &[
+                &filled(attn(end), 0, end),
+                &filled(tiny_recurrent(), 0, end),
+            ],
+        );
+        store.put_bytes(&file, None).unwrap();
+    }
+    assert_eq!(store.lookup(tokens).unwrap(), 128 * 256 - 17);
+    let t_lookup = time(|| {
+        black_box(store.lookup(black_box(tokens)).unwrap());
+    });
+    let keys = store.keys(tokens).unwrap().unwrap();
+    let paths: Vec<_> = keys.iter().map(|k| backend.path_of(k)).collect();
+    let t_stat = time(|| {
+        black_box(paths.iter().filter(|p| p.is_file()).count());
+    });
+    println!(
+        "warm lookup of a 32k-token hybrid prompt (128 blocks, a checkpoint in each) in dir: {} (128 raw stats: {}; ratio {:.2}); limit 1 ms",
+        ms(t_lookup),
+        ms(t_stat),
+        t_stat / t_lookup
+    );
 }
 
 fn main() {
@@ -184,4 +379,5 @@ fn main() {
             t_read / t_restore
         );
     }
+    memory_kinds(tmp.path(), &tokens);
 }

@@ -1,50 +1,183 @@
 //! One sequence's state as the store keeps it: a [`Capture`] of a live cache or of a llama.cpp
-//! file, split by memory part. A file's KV parts are each loaded into a cache of their own shape
-//! (the core's transactional load, one part at a time), so their rows are read exactly as a
-//! load would place them; a recurrent part is kept as llama.cpp's own bytes.
+//! file, split by memory part. A file's KV rows are read in place from its bytes (the core's
+//! structural parse gives every layer's data range), so ingesting a file copies each row once,
+//! into its block; a recurrent part is kept as llama.cpp's own bytes.
 
-use std::ops::Deref;
-
-use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, FileKind, Inspection};
+use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
-use llama_kv_cache::{KvCache, KvError, Layout, MemoryKind, ReadOptions};
+use llama_kv_cache::state::{StreamBlock, VBlock};
+use llama_kv_cache::tensors::transpose::{transpose, Shape as TransposeShape};
+use llama_kv_cache::{KvCache, KvError, Layout, MemoryKind, Tensor};
 
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::Geometry;
 use crate::shape::{FileFormat, KvShape, Shape};
 
-/// A cache the capture reads: the caller's, or one made for a file's part.
-pub(crate) enum CacheRef<'a> {
-    Borrowed(&'a KvCache),
-    Owned(Box<KvCache>),
+/// Where a capture's rows are: a live cache, or one KV part of a file's bytes.
+pub(crate) enum RowSource<'a> {
+    Cache(&'a KvCache),
+    Part {
+        /// The whole file.
+        bytes: &'a [u8],
+        /// Offset of the part's data ranges in `bytes`.
+        base: usize,
+        stream: &'a StreamBlock,
+        geometry: Geometry,
+    },
 }
 
-impl Deref for CacheRef<'_> {
-    type Target = KvCache;
-    fn deref(&self) -> &KvCache {
+impl RowSource<'_> {
+    /// The per-layer shapes of the rows.
+    pub fn geometry(&self) -> StoreResult<Geometry> {
         match self {
-            CacheRef::Borrowed(c) => c,
-            CacheRef::Owned(c) => c,
+            RowSource::Cache(c) => Geometry::of_cache(c),
+            RowSource::Part { geometry, .. } => Ok(geometry.clone()),
         }
+    }
+
+    /// Appends the K (or V, as rows) of layer `il` for `cells`, in order: one read for a run
+    /// of consecutive cells (the usual case), else one per cell.
+    pub fn append(
+        &self,
+        il: usize,
+        is_v: bool,
+        cells: &[u32],
+        out: &mut Vec<u8>,
+    ) -> StoreResult<()> {
+        let contiguous = cells.windows(2).all(|w| w[1] == w[0] + 1);
+        let runs: Vec<(u32, usize)> = if contiguous {
+            cells
+                .first()
+                .map(|&c| (c, cells.len()))
+                .into_iter()
+                .collect()
+        } else {
+            cells.iter().map(|&c| (c, 1)).collect()
+        };
+        for (first, n) in runs {
+            match self {
+                RowSource::Cache(c) => {
+                    let which = if is_v { Tensor::V } else { Tensor::K };
+                    out.extend_from_slice(&c.read_rows(il as u32, which, first, n as u32)?);
+                }
+                RowSource::Part {
+                    bytes,
+                    base,
+                    stream,
+                    geometry,
+                } => {
+                    let layer = &stream.layers[il];
+                    let first = first as usize;
+                    let at = |r: &std::ops::Range<usize>, row: usize| {
+                        &bytes[base + r.start + first * row..base + r.start + (first + n) * row]
+                    };
+                    match (&layer.v, is_v) {
+                        (_, false) => {
+                            out.extend_from_slice(at(&layer.k_data, layer.k_row_size as usize))
+                        }
+                        (VBlock::Rows { data, row_size, .. }, true) => {
+                            out.extend_from_slice(at(data, *row_size as usize))
+                        }
+                        (
+                            VBlock::Transposed {
+                                data,
+                                el_size,
+                                n_embd,
+                                ..
+                            },
+                            true,
+                        ) => {
+                            // n_embd runs of cell_count elements: the cells' columns become rows
+                            let (el, channels) = (*el_size as usize, *n_embd as usize);
+                            let count = stream.cells.len();
+                            let start = out.len();
+                            crate::payload::grow(out, n * geometry.layers[il].v_row as usize)?;
+                            let shape = TransposeShape {
+                                rows: channels,
+                                cols: n,
+                                el,
+                                src_stride: count * el,
+                                dst_stride: channels * el,
+                            };
+                            let src = &bytes[base + data.start + first * el..base + data.end];
+                            transpose(src, &mut out[start..], shape);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-/// The cells of one sequence in a cache, in position order.
+/// The cells of one sequence, in position order.
 pub(crate) struct KvRows<'a> {
-    pub cache: CacheRef<'a>,
+    pub source: RowSource<'a>,
     /// `cells[i]` holds `positions[i]`; positions ascend.
     pub cells: Vec<u32>,
     pub positions: Vec<i32>,
 }
 
-impl KvRows<'_> {
-    fn of(cache: CacheRef<'_>, seq: i32) -> StoreResult<KvRows<'_>> {
+impl<'a> KvRows<'a> {
+    /// Sequence `seq` of a live cache.
+    fn of_cache(cache: &'a KvCache, seq: i32) -> StoreResult<KvRows<'a>> {
         let cells = cache.cells();
-        let mut found: Vec<(i32, u32)> = (0..cells.len())
+        let found: Vec<(i32, u32)> = (0..cells.len())
             .map(|i| (i, cells.get(i)))
             .filter(|(_, c)| c.seqs.contains(seq as usize))
             .map(|(i, c)| (c.pos, i as u32))
             .collect();
+        Self::sorted(RowSource::Cache(cache), found, seq)
+    }
+
+    /// The cells of a file's KV part that belong to `seq` (every cell when `seq` is `None`:
+    /// a sequence file's one sequence).
+    fn of_part(
+        bytes: &'a [u8],
+        base: usize,
+        part: &'a Part,
+        seq: Option<i32>,
+    ) -> StoreResult<KvRows<'a>> {
+        let with_cells: Vec<&StreamBlock> = part
+            .payload
+            .streams
+            .iter()
+            .filter(|s| !s.cells.is_empty())
+            .collect();
+        let stream = match with_cells.as_slice() {
+            [s] => *s,
+            _ => {
+                return Err(StoreError::NotPrefix(format!(
+                    "the {} part holds {} streams with cells; the store ingests one sequence",
+                    part.role,
+                    with_cells.len()
+                )))
+            }
+        };
+        let geometry = Geometry {
+            layers: stream.layer_shapes()?,
+        };
+        let found: Vec<(i32, u32)> = stream
+            .cells
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| seq.is_none_or(|s| stream.cells.seq_ids(*i).contains(&s)))
+            .map(|(i, c)| (c.pos, i as u32))
+            .collect();
+        let source = RowSource::Part {
+            bytes,
+            base,
+            stream,
+            geometry,
+        };
+        Self::sorted(source, found, seq.unwrap_or(0))
+    }
+
+    fn sorted(
+        source: RowSource<'a>,
+        mut found: Vec<(i32, u32)>,
+        seq: i32,
+    ) -> StoreResult<KvRows<'a>> {
         found.sort_unstable();
         if let Some(w) = found.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(StoreError::NotPrefix(format!(
@@ -54,7 +187,7 @@ impl KvRows<'_> {
         }
         let (positions, cells) = found.into_iter().unzip();
         Ok(KvRows {
-            cache,
+            source,
             cells,
             positions,
         })
@@ -71,10 +204,13 @@ impl KvRows<'_> {
     }
 
     fn shape(&self) -> StoreResult<KvShape> {
-        let p = self.cache.params();
+        let rot = match &self.source {
+            RowSource::Cache(c) => (c.params().n_rot_k, c.params().n_rot_v),
+            RowSource::Part { stream, .. } => stream.n_rot.unwrap_or((0, 0)),
+        };
         Ok(KvShape {
-            layers: Geometry::of_cache(&self.cache)?,
-            rot: (p.n_rot_k, p.n_rot_v),
+            layers: self.source.geometry()?,
+            rot,
         })
     }
 }
@@ -173,7 +309,7 @@ impl<'a> Capture<'a> {
                 recurrent_end: Some((pos + 1) as usize),
             });
         }
-        let main = KvRows::of(CacheRef::Borrowed(cache), seq)?;
+        let main = KvRows::of_cache(cache, seq)?;
         let n = main.positions.len();
         if !main.is_prefix(n) {
             return Err(not_prefix(seq, n));
@@ -193,10 +329,10 @@ impl<'a> Capture<'a> {
     /// tell (the store's model is recurrent); without it, a stream-less payload whose one cell
     /// ends the tokens is a recurrent state (a KV prefix holds positions 0..n).
     pub fn of_file(
-        bytes: &[u8],
+        bytes: &'a [u8],
+        ins: &'a Inspection,
         recurrent: Option<bool>,
-    ) -> StoreResult<(Capture<'static>, Vec<i32>, FileFormat)> {
-        let ins = inspect_bytes(bytes)?;
+    ) -> StoreResult<(Capture<'a>, FileFormat)> {
         let whole_recurrent = ins.parts.len() == 1
             && ins
                 .recurrent()
@@ -222,6 +358,7 @@ impl<'a> Capture<'a> {
             .filter(|p| p.kind == PartKind::Kv)
             .flat_map(|p| p.payload.streams.iter())
             .find_map(|s| s.v_trans);
+        let tokens = &ins.header.tokens;
         let format = FileFormat {
             kind: ins.header.kind,
             version: ins.header.version,
@@ -229,39 +366,35 @@ impl<'a> Capture<'a> {
             flash_attn: v_trans == Some(false),
             arch: ins.arch.clone(),
         };
-        let tokens = ins.header.tokens.clone();
-        let mut loaded: Vec<(PartRole, KvCache)> = Vec::new();
-        let mut recurrent_part = None;
-        for part in &ins.parts {
-            match part.kind {
-                PartKind::Kv if !whole_recurrent => {
-                    loaded.push((part.role, load_kv_part(bytes, &ins, part)?))
-                }
-                _ => {
-                    let at = ins.payload_offset + part.range.start;
-                    recurrent_part = Some(&bytes[at..ins.payload_offset + part.range.end]);
-                }
-            }
-        }
-        // the file's one sequence: a sequence file's is loaded as 0; a session's is the only
-        // one with cells
+        let kv_parts: Vec<&Part> = ins
+            .parts
+            .iter()
+            .filter(|p| p.kind == PartKind::Kv && !whole_recurrent)
+            .collect();
+        let recurrent_part = ins
+            .parts
+            .iter()
+            .find(|p| whole_recurrent || p.kind == PartKind::Recurrent)
+            .map(|p| &bytes[ins.payload_offset + p.range.start..ins.payload_offset + p.range.end]);
+        // the file's one sequence: a sequence file's cells are all its own; a session's is the
+        // only one with cells
         let seq = match ins.header.kind {
-            FileKind::Sequence => 0,
-            FileKind::Session => session_sequence(&loaded, recurrent_part)?,
+            FileKind::Sequence => None,
+            FileKind::Session => Some(session_sequence(&kv_parts, recurrent_part)?),
         };
         let mut main = None;
         let mut swa = None;
-        for (role, cache) in loaded {
-            let rows = KvRows::of(CacheRef::Owned(Box::new(cache)), seq)?;
-            match role {
+        for part in kv_parts {
+            let base = ins.payload_offset + part.range.start;
+            let rows = KvRows::of_part(bytes, base, part, seq)?;
+            match part.role {
                 PartRole::Swa => swa = Some(rows),
                 _ => main = Some(rows),
             }
         }
         let (recurrent, recurrent_end) = match recurrent_part {
             Some(part) => {
-                let id = (ins.header.kind == FileKind::Session).then_some(seq);
-                let (r, pos) = recurrent_one_sequence(part, id)?;
+                let (r, pos) = recurrent_one_sequence(part, seq)?;
                 (r, Some((pos + 1) as usize))
             }
             None => (Vec::new(), None),
@@ -270,7 +403,7 @@ impl<'a> Capture<'a> {
             Some(m) => {
                 let n = m.positions.len();
                 if !m.is_prefix(n) {
-                    return Err(not_prefix(seq, n));
+                    return Err(not_prefix(seq.unwrap_or(0), n));
                 }
                 n.min(tokens.len())
             }
@@ -294,7 +427,7 @@ impl<'a> Capture<'a> {
             len,
             recurrent_end,
         };
-        Ok((capture, tokens, format))
+        Ok((capture, format))
     }
 }
 
@@ -309,44 +442,28 @@ fn ends_in_one_cell(ins: &Inspection) -> bool {
         && streams[0].cells.positions() == [n as i32 - 1]
 }
 
-/// A cache of one KV part's shape holding that part, loaded as the core loads files.
-fn load_kv_part(bytes: &[u8], ins: &Inspection, part: &Part) -> StoreResult<KvCache> {
-    let mut params = params_for_payload(&part.payload, false)?;
-    params.n_seq_max = params.n_seq_max.max(1);
-    let mut cache = KvCache::new(params)?;
-    let read = ReadOptions {
-        layout: Some(part.payload.layout),
-        allow_scattered: true,
-        part: (ins.parts.len() > 1).then_some(part.role),
-    };
-    match ins.header.kind {
-        FileKind::Sequence => cache.load_sequence_bytes(bytes, 0, read, None)?,
-        FileKind::Session => cache.load_session_bytes(bytes, read, None)?,
-    };
-    Ok(cache)
-}
-
-/// The one sequence of a session that holds a state.
-fn session_sequence(loaded: &[(PartRole, KvCache)], recurrent: Option<&[u8]>) -> StoreResult<i32> {
-    let mut with_cells: Vec<i32> = Vec::new();
-    for (_, cache) in loaded {
-        for s in 0..cache.params().n_seq_max as i32 {
-            if cache.seq_cell_count(s).unwrap_or(0) > 0 && !with_cells.contains(&s) {
-                with_cells.push(s);
-            }
-        }
-    }
-    if loaded.is_empty() {
+/// The one sequence of a session that holds a state: the seq id of every KV cell, or of the
+/// recurrent state's cell.
+fn session_sequence(kv_parts: &[&Part], recurrent: Option<&[u8]>) -> StoreResult<i32> {
+    let mut ids: Vec<i32> = kv_parts
+        .iter()
+        .flat_map(|p| p.payload.streams.iter())
+        .flat_map(|s| s.cells.all_ids().iter().copied())
+        .collect();
+    if kv_parts.is_empty() {
         // a recurrent session: the seq id of its one cell
         let id = recurrent
             .and_then(|r| r.get(12..16))
             .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")));
-        return Ok(id.unwrap_or(0));
+        ids.extend(id);
     }
-    match with_cells.as_slice() {
+    ids.sort_unstable();
+    ids.dedup();
+    match ids.as_slice() {
         [s] => Ok(*s),
+        [] => Ok(0),
         _ => Err(StoreError::NotPrefix(format!(
-            "the session holds sequences {with_cells:?}; the store ingests sessions of exactly one sequence"
+            "the session holds sequences {ids:?}; the store ingests sessions of exactly one sequence"
         ))),
     }
 }

@@ -13,10 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use llama_kv_cache::cache::io::Progress;
-use llama_kv_cache::state::files::{header_bytes, write_atomic, FileKind};
+use llama_kv_cache::state::files::{header_bytes, inspect_bytes, write_atomic, FileKind};
 use llama_kv_cache::{
-    convert_bytes, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions, Tensor,
-    WriteOptions,
+    convert_bytes, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions, WriteOptions,
 };
 
 use sha2::{Digest, Sha256};
@@ -432,7 +431,7 @@ impl PromptStore {
         progress: &mut Option<Progress<'_>>,
     ) -> StoreResult<()> {
         let bt = self.block_tokens;
-        let geometry = Geometry::of_cache(&rows.cache)?;
+        let geometry = rows.source.geometry()?;
         let present = self.backend.contains_many(keys)?;
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
         // encode buffers return here after each batch: one set of allocations per put
@@ -452,7 +451,7 @@ impl PromptStore {
                 let mut value = spare.pop().unwrap_or_default();
                 let cells = &rows.cells[i * bt..(i + 1) * bt];
                 block::encode_into(&id, &mut value, |out, il, is_v| {
-                    append_rows(&rows.cache, cells, il, is_v, out)
+                    rows.source.append(il, is_v, cells, out)
                 })?;
                 pending.push((*key, value));
             }
@@ -517,11 +516,11 @@ impl PromptStore {
                     (true, Some(s), _) => (s, &s.cells[..]),
                     _ => return Ok(()),
                 };
-                let geometry = Geometry::of_cache(&rows.cache)?;
+                let geometry = rows.source.geometry()?;
                 for il in 0..geometry.layers.len() {
                     for is_v in [false, true] {
                         if !cells.is_empty() {
-                            append_rows(&rows.cache, cells, il, is_v, out)?;
+                            rows.source.append(il, is_v, cells, out)?;
                         }
                     }
                 }
@@ -556,45 +555,26 @@ impl PromptStore {
         Ok(())
     }
 
-    /// The restore points of `tokens`, longest first: what the blocks serve alone, and every
-    /// listed checkpoint whose blocks are present. At most four round trips on a network
-    /// backend, no value but the small index values read.
-    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<Vec<Plan>> {
+    /// The stored checkpoints of `tokens` listed at chain positions `range` that the blocks
+    /// support: two round trips (the index values, then the checkpoints' presence).
+    fn checkpoints_in(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        keys: &[Key],
+        range: std::ops::Range<usize>,
+        (block_point, n_swa): (usize, usize),
+    ) -> StoreResult<Vec<Plan>> {
         let bt = self.block_tokens;
-        let shape = &bound.shape;
-        let keys = chain_keys(&bound.fingerprint, tokens, bt);
-        let n_main = if shape.main.is_some() {
-            self.backend.present_prefix(&keys)?
-        } else {
-            keys.len()
-        };
-        let n_swa = if shape.swa.is_some() {
-            let swa: Vec<Key> = keys[..n_main].iter().map(swa_key).collect();
-            self.backend.present_prefix(&swa)?
-        } else {
-            n_main
-        };
-        let block_point = if shape.blocks_restore() { n_swa } else { 0 };
-        let mut plans = Vec::new();
-        // chain positions whose checkpoints could beat the blocks: none when the blocks
-        // already serve every token (no index is read then)
-        let first = block_point.min(n_main);
-        let last = (first..=n_main)
-            .rev()
-            .find(|&i| tokens.len().min(i * bt + bt - 1) > block_point * bt);
-        let ats: Vec<Key> = last
-            .map_or(0..0, |last| first..last + 1)
-            .map(|i| chain_at(&bound.fingerprint, &keys, i))
+        let ats: Vec<Key> = range
+            .clone()
+            .map(|i| chain_at(&bound.fingerprint, keys, i))
             .collect();
         let index_keys: Vec<Key> = ats.iter().map(index_key).collect();
-        let indexes = if index_keys.is_empty() {
-            Vec::new()
-        } else {
-            self.backend.get_many(&index_keys)?
-        };
+        let indexes = self.backend.get_many(&index_keys)?;
         let mut candidates = Vec::new();
         for (j, value) in indexes.iter().enumerate() {
-            let i = first + j;
+            let i = range.start + j;
             for entry in value
                 .as_deref()
                 .and_then(checkpoint::decode_index)
@@ -621,19 +601,61 @@ impl PromptStore {
                 });
             }
         }
+        if candidates.is_empty() {
+            return Ok(candidates);
+        }
         let ckpt_keys: Vec<Key> = candidates.iter().filter_map(|p| p.checkpoint).collect();
-        let present = if ckpt_keys.is_empty() {
-            Vec::new()
+        let present = self.backend.contains_many(&ckpt_keys)?;
+        Ok(candidates
+            .into_iter()
+            .zip(present)
+            .filter(|(_, p)| *p)
+            .map(|(c, _)| c)
+            .collect())
+    }
+
+    /// The restore points of `tokens`, longest first: what the blocks serve alone, and the
+    /// listed checkpoints of the highest chain positions that have any whose blocks are
+    /// present. Two round trips for the blocks, two per batch of index values; no value but
+    /// the small index values read.
+    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<Vec<Plan>> {
+        let bt = self.block_tokens;
+        let shape = &bound.shape;
+        let keys = chain_keys(&bound.fingerprint, tokens, bt);
+        let n_main = if shape.main.is_some() {
+            self.backend.present_prefix(&keys)?
         } else {
-            self.backend.contains_many(&ckpt_keys)?
+            keys.len()
         };
-        plans.extend(
-            candidates
-                .into_iter()
-                .zip(present)
-                .filter(|(_, p)| *p)
-                .map(|(c, _)| c),
-        );
+        let n_swa = if shape.swa.is_some() {
+            let swa: Vec<Key> = keys[..n_main].iter().map(swa_key).collect();
+            self.backend.present_prefix(&swa)?
+        } else {
+            n_main
+        };
+        let block_point = if shape.blocks_restore() { n_swa } else { 0 };
+        let mut plans = Vec::new();
+        // chain positions whose checkpoints could beat the blocks (none when the blocks already
+        // serve every token: no index is read then), searched from the longest down in
+        // batches of 4, 16, 64, ...: the checkpoint a prompt needs is usually its last, and a
+        // checkpoint at position i beats every one below it
+        let first = block_point.min(n_main);
+        let mut top = (first..=n_main)
+            .rev()
+            .find(|&i| tokens.len().min(i * bt + bt - 1) > block_point * bt)
+            .map(|last| last + 1);
+        let mut batch = 4;
+        while let Some(end) = top {
+            let start = end.saturating_sub(batch).max(first);
+            let found =
+                self.checkpoints_in(bound, tokens, &keys, start..end, (block_point, n_swa))?;
+            if !found.is_empty() {
+                plans.extend(found);
+                break;
+            }
+            top = (start > first).then_some(start);
+            batch *= 4;
+        }
         if block_point > 0 {
             plans.push(Plan {
                 len: block_point * bt,
@@ -829,11 +851,13 @@ impl PromptStore {
     }
 
     /// Plans `tokens`, then assembles the longest restore point that verifies.
+    /// The payload goes after `head(len)` (a file's header, or nothing) in the one buffer.
     fn load(
         &self,
         bound: &Bound,
         tokens: &[i32],
         target: Target,
+        head: &dyn Fn(usize) -> Vec<u8>,
     ) -> StoreResult<Option<(usize, Vec<u8>)>> {
         for _ in 0..MAX_REPLANS {
             let plans = self.plans(bound, tokens)?;
@@ -841,7 +865,7 @@ impl PromptStore {
                 self.count(0, tokens.len());
                 return Ok(None);
             };
-            let mut out = Vec::new();
+            let mut out = head(plan.len);
             if self.assemble(bound, tokens, plan, target, &mut out)? {
                 self.count(plan.len, tokens.len());
                 return Ok(Some((plan.len, out)));
@@ -904,6 +928,7 @@ impl PromptStore {
                 v_trans: cache.v_trans(),
                 swa_window: None,
             },
+            &|_| Vec::new(),
         )?
         else {
             return Ok(0);
@@ -931,8 +956,9 @@ impl PromptStore {
     ) -> StoreResult<PutReport> {
         let known = self.known()?;
         let recurrent = known.map(|b| b.shape.memory == MemoryKind::Recurrent);
-        let (capture, tokens, format) = Capture::of_file(bytes, recurrent)?;
-        self.put_capture(&capture, &tokens, format, progress)
+        let ins = inspect_bytes(bytes)?;
+        let (capture, format) = Capture::of_file(bytes, &ins, recurrent)?;
+        self.put_capture(&capture, &ins.header.tokens, format, progress)
     }
 
     /// [`PromptStore::put_bytes`] of a file.
@@ -954,7 +980,8 @@ impl PromptStore {
         };
         let d = &bound.format;
         let flash_attn = opts.flash_attn.unwrap_or(d.flash_attn);
-        let Some((len, payload)) = self.load(
+        let canonical_version = FileKind::Sequence.rotation_version();
+        let Some((len, file)) = self.load(
             &bound,
             tokens,
             Target {
@@ -962,16 +989,13 @@ impl PromptStore {
                 v_trans: !flash_attn,
                 swa_window: opts.swa_window,
             },
+            // the store's own form: a sequence file of today's version; anything else is a
+            // conversion of it
+            &|len| header_bytes(FileKind::Sequence, canonical_version, &tokens[..len]),
         )?
         else {
             return Ok(None);
         };
-        // the store's own form: a sequence file of today's version; anything else is a
-        // conversion of it
-        let canonical_version = FileKind::Sequence.rotation_version();
-        let mut file = header_bytes(FileKind::Sequence, canonical_version, &tokens[..len]);
-        file.extend_from_slice(&payload);
-        drop(payload);
         let kind = opts.kind.unwrap_or(d.kind);
         let version = opts
             .version
@@ -1055,24 +1079,4 @@ fn put_window(
     }
     let skip = from.saturating_sub(first);
     w.put_from(out, first + skip - from, rows, skip);
-}
-
-/// Appends the K (or V, as rows) of layer `il` for `cells`, in order: one read for a run of
-/// consecutive cells (the usual case), else one per cell.
-fn append_rows(
-    cache: &KvCache,
-    cells: &[u32],
-    il: usize,
-    is_v: bool,
-    out: &mut Vec<u8>,
-) -> StoreResult<()> {
-    let which = if is_v { Tensor::V } else { Tensor::K };
-    let il = il as u32;
-    let contiguous = cells.windows(2).all(|w| w[1] == w[0] + 1);
-    if contiguous {
-        out.extend_from_slice(&cache.read_rows(il, which, cells[0], cells.len() as u32)?);
-    } else {
-        out.extend_from_slice(&cache.rows_of_cells(il, which, cells)?);
-    }
-    Ok(())
 }
