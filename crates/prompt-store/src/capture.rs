@@ -337,7 +337,7 @@ impl<'a> Capture<'a> {
             && ins
                 .recurrent()
                 .or(recurrent)
-                .unwrap_or_else(|| ends_in_one_cell(&ins));
+                .unwrap_or_else(|| ends_in_one_cell(ins));
         if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
             return Err(StoreError::Cache(KvError::Unsupported(format!(
                 "the file's cells carry the '{}' cell extension of M-RoPE / PLE models, which the prompt store does not keep yet",
