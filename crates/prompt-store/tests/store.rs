@@ -588,3 +588,40 @@ fn a_recurrent_cache_is_stored_as_checkpoints_and_restores_the_turn_a_prompt_div
         Err(StoreError::Geometry(_))
     ));
 }
+
+#[test]
+fn rotated_rows_are_stored_with_their_rotation_and_never_restored_into_an_unrotated_cache() {
+    let rotated = |rot: u32| {
+        let mut p = CacheParams::new(128, 2, 64, 64);
+        (p.type_k, p.type_v, p.flash_attn) = (GgmlType::Q8_0, GgmlType::Q8_0, true);
+        (p.n_rot_k, p.n_rot_v) = (rot, rot);
+        p.n_seq_max = 4;
+        p
+    };
+    let store = memory_store();
+    let mut src = KvCache::new(rotated(64)).unwrap();
+    fill(&mut src, 0, 40, 3);
+    let toks = tokens(40, 3);
+    assert_eq!(store.put(&src, 0, &toks, None).unwrap().tokens, 40);
+    let shape = store.shape().unwrap().unwrap();
+    assert_eq!(shape.main.unwrap().rot, (64, 64));
+    let mut dst = KvCache::new(rotated(64)).unwrap();
+    assert_eq!(store.restore(&mut dst, 1, &toks, None).unwrap(), 40);
+    assert_eq!(rows_by_position(&dst, 1), rows_by_position(&src, 0));
+    // the same bytes in an unrotated cache would mean other K/V: refused, cache unchanged
+    let mut plain = KvCache::new(rotated(0)).unwrap();
+    let e = store.restore(&mut plain, 1, &toks, None).unwrap_err();
+    assert!(matches!(e, StoreError::Geometry(_)), "{e}");
+    assert!(e.to_string().contains("nRotK 64"), "{e}");
+    assert_eq!(plain.seq_cell_count(1).unwrap(), 0);
+    // and a file written from it records the rotation
+    let (_, bytes) = store
+        .file_bytes(&toks, &WriteFileOptions::default(), None)
+        .unwrap()
+        .unwrap();
+    let ins = inspect_bytes(&bytes).unwrap();
+    assert_eq!(
+        (ins.header.version, ins.payload.streams[0].n_rot),
+        (4, Some((64, 64)))
+    );
+}
