@@ -973,6 +973,20 @@ export interface PromptStoreOptions {
    * it. Default: unbounded. (Redis has its own: `maxmemory`.)
    */
   maxBytes?: number
+  /**
+   * A tenant: mixed into the root of every key, so two namespaces on one directory or
+   * server share no block, and nothing done in one (lookups, put counts) shows in the
+   * other. Default '' (one namespace shared by every store that names none).
+   */
+  namespace?: string
+  /**
+   * A secret (string or bytes, at least 16 bytes) that every value this store writes is
+   * tagged with (keyed BLAKE3): a value without the tag, written without the secret, with
+   * another one, or altered, is rejected (counted in `stats().rejected`), never loaded, and
+   * replaced by the next put. Without it, anyone who can write to the storage can store rows
+   * under any prompt's keys.
+   */
+  secret?: string | Uint8Array
 }
 
 /** What a state read did. */
@@ -1142,8 +1156,13 @@ export interface StoreStats {
   hits: number
   /** This object's lookups, restores and writeFile calls that stopped before the prompt's last full block. */
   misses: number
-  /** Blocks that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed. */
+  /** Values that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed. */
   corrupt: number
+  /**
+   * Values another writer left (without this store's secret, or copied from another key):
+   * never loaded, replaced by this store's own.
+   */
+  rejected: number
 }
 
 /**

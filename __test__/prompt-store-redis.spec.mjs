@@ -138,11 +138,12 @@ test('blocks corrupted in Redis by hand (garbage, truncated, copied to another k
   }
   for (const [what, at] of [['garbage', 2], ['truncated', 1], ['copied from another key', 4]]) {
     tamper[what](keyOf[at])
-    const corrupt = (await store.stats()).corrupt
+    const bad = (s) => s.corrupt + s.rejected
+    const before = bad(await store.stats())
     const dst = emptyCache()
     t.is(await store.restore(dst, 0, tokens), 16 * at, `${what}: stops before block ${at}`)
     t.deepEqual(rows(dst, 16 * at), rows(cache, 16 * at), what)
-    t.is((await store.stats()).corrupt, corrupt + 1, `${what}: counted`)
+    t.is(bad(await store.stats()), before + 1, `${what}: counted`)
     await store.put(cache, 0, tokens) // the bad value was removed: put stores a good one again
     t.is(await store.lookup(tokens), 96, what)
   }
@@ -250,4 +251,49 @@ test('the store CLI works on a Redis URL, and prints it without the password', a
   t.is(wrong.status, 1)
   t.regex(wrong.stderr, /ERR_KV_STORE_AUTH/)
   t.notRegex(wrong.stderr, /nope/)
+})
+
+test('two namespaces on one Redis: B sees nothing of A, and B\'s garbage under A\'s tokens leaves A\'s restore exact', async (t) => {
+  const redis = await redisForTest(t)
+  const [a, b] = ['tenant-a', 'tenant-b'].map((namespace) => open(redis.url, { namespace }))
+  const { cache, tokens } = promptCache(KvCache, 0)
+  t.like(await a.put(cache, 0, tokens), { blocksWritten: 6 })
+  t.is(await b.lookup(tokens), 0)
+  const garbage = promptCache(KvCache, 1).cache // other rows, A's tokens
+  t.like(await b.put(garbage, 0, tokens), { blocksWritten: 6, blocksSkipped: 0 }, 'no skip tells B that A stored it')
+  const dst = emptyCache()
+  t.is(await a.restore(dst, 0, tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  t.like(await b.stats(), { hits: 0 })
+})
+
+test('a secret: values written without it, with another one, or flipped in Redis are rejected, never loaded, and replaced', async (t) => {
+  const redis = await redisForTest(t)
+  const secret = 'a fleet secret of more than 16 bytes'
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const garbage = promptCache(KvCache, 1).cache
+  for (const attacker of [{}, { secret: Buffer.from('another secret, 16+ bytes long') }]) {
+    redis.cli(['FLUSHALL'])
+    // an attacker who can write to Redis stores their rows under the prompt's keys first
+    t.like(await open(redis.url, attacker).put(garbage, 0, tokens), { blocksWritten: 6 })
+    const honest = open(redis.url, { secret })
+    t.is(await honest.lookup(tokens), 0, 'their values do not count')
+    const dst = emptyCache()
+    t.is(await honest.restore(dst, 0, tokens), 0, 'and are never loaded')
+    t.like(await honest.put(cache, 0, tokens), { blocksWritten: 6, blocksSkipped: 0 }, 'but replaced')
+    t.true((await honest.stats()).rejected >= 6)
+    t.is(await honest.restore(dst, 0, tokens), 96)
+    t.deepEqual(rows(dst, 96), rows(cache, 96))
+  }
+  // a byte flipped in Redis
+  const honest = open(redis.url, { secret })
+  const keys = redis.cli(['--raw', 'KEYS', 'llama-kv:*']).split('\n').filter(Boolean)
+  const victim = keys.find((k) => redis.cliBuffer(['GETRANGE', k, '0', '3']).toString() === 'KVPB')
+  const value = redis.cliBuffer(['GET', victim])
+  value[value.length - 200] ^= 1
+  redis.cli(['SET', victim], value)
+  const dst = emptyCache()
+  t.true((await honest.restore(dst, 0, tokens)) < 96)
+  t.like(await honest.stats(), { corrupt: 1 })
+  t.throws(() => open(redis.url, { secret: 'short' }), { code: 'ERR_KV_INVALID_ARG', message: /secret must be at least 16 bytes, got 5/ })
 })

@@ -97,8 +97,11 @@ pub struct StoreStats {
     pub hits: f64,
     /// This object's lookups, restores and writeFile calls that stopped before the prompt's last full block.
     pub misses: f64,
-    /// Blocks that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed.
+    /// Values that failed verification (checksum, model, key, tokens): counted misses, never loaded, removed.
     pub corrupt: f64,
+    /// Values another writer left (without this store's secret, or copied from another key):
+    /// never loaded, replaced by this store's own.
+    pub rejected: f64,
 }
 
 impl From<store::PutReport> for StorePutResult {
@@ -126,6 +129,7 @@ impl From<store::StoreStats> for StoreStats {
             hits: s.hits as f64,
             misses: s.misses as f64,
             corrupt: s.corrupt as f64,
+            rejected: s.rejected as f64,
         }
     }
 }
@@ -466,8 +470,16 @@ impl PromptStore {
             };
             let backend = crate::store_backend::open(&o)?;
             let model = crate::model::model_identity(&o.model)?;
-            let inner =
-                store::PromptStore::new(backend, &model, block_tokens).map_err(from_store)?;
+            let mut inner = store::PromptStore::new(backend, &model, block_tokens)
+                .map_err(from_store)?
+                .with_namespace(o.namespace.as_deref().unwrap_or(""));
+            if let Some(secret) = &o.secret {
+                let bytes: &[u8] = match secret {
+                    napi::Either::A(s) => s.as_bytes(),
+                    napi::Either::B(b) => b,
+                };
+                inner = inner.with_secret(bytes).map_err(from_store)?;
+            }
             Ok(PromptStore {
                 inner: Arc::new(inner),
             })

@@ -44,6 +44,17 @@ pub struct PromptStoreOptions {
     /// Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
     /// it. Default: unbounded. (Redis has its own: `maxmemory`.)
     pub max_bytes: Option<f64>,
+    /// A tenant: mixed into the root of every key, so two namespaces on one directory or
+    /// server share no block, and nothing done in one (lookups, put counts) shows in the
+    /// other. Default '' (one namespace shared by every store that names none).
+    pub namespace: Option<String>,
+    /// A secret (string or bytes, at least 16 bytes) that every value this store writes is
+    /// tagged with (keyed BLAKE3): a value without the tag, written without the secret, with
+    /// another one, or altered, is rejected (counted in `stats().rejected`), never loaded, and
+    /// replaced by the next put. Without it, anyone who can write to the storage can store rows
+    /// under any prompt's keys.
+    #[napi(ts_type = "string | Uint8Array")]
+    pub secret: Option<napi::Either<String, napi::bindgen_prelude::Uint8Array>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

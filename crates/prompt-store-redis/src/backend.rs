@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use prompt_store::{block, Backend, Key, StoreError, StoreResult, Usage};
+use prompt_store::{Backend, Key, StoreError, StoreResult, Usage};
 use redis::Value;
 
 use crate::client::{ClientError, RedisClient};
@@ -135,6 +135,22 @@ impl Backend for RedisBackend {
         }
     }
 
+    /// `GETRANGE key -n -1` per key, pipelined: a missing key reads as an empty string.
+    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
+        let redis_keys = self.redis_keys(keys);
+        Ok(self
+            .client
+            .pipeline_each(&redis_keys, |pipe, key| {
+                pipe.cmd("GETRANGE").arg(key).arg(-(n as i64)).arg(-1);
+            })?
+            .into_iter()
+            .map(|reply| match reply {
+                Value::BulkString(bytes) if bytes.len() == n => Some(bytes),
+                _ => None,
+            })
+            .collect())
+    }
+
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
         let redis_keys = self.redis_keys(keys);
         Ok(self
@@ -155,9 +171,9 @@ impl Backend for RedisBackend {
             .unwrap_or(false))
     }
 
-    /// `SET NX`, with the TTL for blocks only: other values (the store's small model record,
-    /// which a process needs to look up prompts without a cache) are kept, so a fleet that
-    /// reads but does not put keeps finding its blocks.
+    /// `SET NX`, with the TTL for every value but the store's small model record (which a
+    /// process needs to look up prompts without a cache), so a fleet that reads but does not
+    /// put keeps finding its blocks.
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
         let redis_keys: Vec<Vec<u8>> = entries.iter().map(|(k, _)| self.redis_key(k)).collect();
         let pairs: Vec<(&[u8], &[u8])> = redis_keys
@@ -166,7 +182,7 @@ impl Backend for RedisBackend {
             .map(|(key, (_, value))| (key.as_slice(), *value))
             .collect();
         let (blocks, others): (Vec<usize>, Vec<usize>) =
-            (0..pairs.len()).partition(|&i| pairs[i].1.starts_with(&block::MAGIC));
+            (0..pairs.len()).partition(|&i| !prompt_store::is_model_record(pairs[i].1));
         if self.ttl.is_none() || others.is_empty() {
             return Ok(self.client.set_nx_many(&pairs, self.ttl)?);
         }

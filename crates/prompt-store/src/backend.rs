@@ -101,6 +101,17 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// The last `n` bytes of each value (`None` where absent or shorter), in order: what a
+    /// store with a secret checks to tell its own values from others' without reading them.
+    /// One round trip for a network backend. The default reads the values.
+    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
+        Ok(self
+            .get_many(keys)?
+            .into_iter()
+            .map(|v| v.and_then(|v| v.len().checked_sub(n).map(|at| v[at..].to_vec())))
+            .collect())
+    }
+
     /// Whether each key is present, in order, without transferring values. One round trip
     /// for a network backend (a pipeline of `EXISTS`).
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>>;

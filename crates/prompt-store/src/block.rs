@@ -5,7 +5,7 @@
 //! u32 n_tokens  i32 tokens[n_tokens]
 //! geometry: u32 n_layer, per layer i32 k_type, u64 k_row, i32 v_type, u64 v_row
 //! per layer: K rows (n_tokens * k_row), then V rows (n_tokens * v_row, untransposed)
-//! [32] BLAKE3 of everything before
+//! trailer: [32] BLAKE3 of everything before, [32] tag (see [`crate::seal`])
 //! ```
 //!
 //! All integers little-endian. The header repeats the block's own chain key, so a value copied
@@ -15,10 +15,10 @@
 use crate::backend::Key;
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::seal::{Broken, Sealer, TRAILER};
 
 /// The magic at the start of every block.
 pub const MAGIC: [u8; 4] = *b"KVPB";
-const CHECKSUM: usize = 32;
 
 /// What identifies a block: the fields its header must carry.
 #[derive(Clone, Copy, Debug)]
@@ -41,23 +41,25 @@ fn header_len(id: &BlockId<'_>) -> usize {
 
 /// Total encoded size of a block.
 pub fn encoded_len(id: &BlockId<'_>) -> usize {
-    header_len(id) + id.tokens.len() * id.geometry.bytes_per_token() as usize + CHECKSUM
+    header_len(id) + id.tokens.len() * id.geometry.bytes_per_token() as usize + TRAILER
 }
 
 /// Encodes a block. `rows(out, layer, is_v)` appends the layer's `n_tokens` K (or V) rows, in
 /// token order; the encoder checks that it appended exactly that many bytes.
 pub fn encode(
     id: &BlockId<'_>,
+    sealer: &Sealer,
     rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
 ) -> StoreResult<Vec<u8>> {
     let mut out = Vec::new();
-    encode_into(id, &mut out, rows)?;
+    encode_into(id, sealer, &mut out, rows)?;
     Ok(out)
 }
 
 /// [`encode`] into `out`, replacing its contents (so that a caller can reuse one buffer).
 pub fn encode_into(
     id: &BlockId<'_>,
+    sealer: &Sealer,
     out: &mut Vec<u8>,
     mut rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
 ) -> StoreResult<()> {
@@ -93,8 +95,7 @@ pub fn encode_into(
             }
         }
     }
-    let sum = blake3::hash(out);
-    out.extend_from_slice(sum.as_bytes());
+    sealer.seal(id.key, out);
     debug_assert_eq!(out.len(), total);
     Ok(())
 }
@@ -147,23 +148,43 @@ impl<'a> BlockRows<'a> {
     }
 }
 
-/// Why a value is not the expected block. Never an error to the caller: a counted miss.
+/// Why a value is not the expected one, and whether it was damaged (`Broken::Corrupt`) or left
+/// by another writer (`Broken::Rejected`). Never an error to the caller: a counted miss.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Corrupt(pub String);
+pub struct Corrupt(pub String, pub Broken);
+
+impl Corrupt {
+    /// A damaged value, for `why`.
+    pub fn damaged(why: impl Into<String>) -> Corrupt {
+        Corrupt(why.into(), Broken::Corrupt)
+    }
+
+    /// The trailer's verdict as a reason.
+    pub fn of(b: Broken) -> Corrupt {
+        match b {
+            Broken::Corrupt => Corrupt::damaged("checksum mismatch"),
+            Broken::Rejected => Corrupt(
+                "not written with this store's secret under this key".into(),
+                Broken::Rejected,
+            ),
+        }
+    }
+}
 
 /// Verifies `value` as the block `id` and returns its rows: checksum first (a flipped or
 /// truncated value fails here), then every header field against what the caller expects
 /// (a foreign value: another model, geometry, key, index or tokens).
-pub fn decode<'a>(value: &'a [u8], id: &BlockId<'a>) -> Result<BlockRows<'a>, Corrupt> {
-    let bad = |why: String| Err(Corrupt(why));
+pub fn decode<'a>(
+    value: &'a [u8],
+    id: &BlockId<'a>,
+    sealer: &Sealer,
+) -> Result<BlockRows<'a>, Corrupt> {
+    let bad = |why: String| Err(Corrupt::damaged(why));
     let want = encoded_len(id);
-    if value.len() < CHECKSUM + 8 {
+    if value.len() < TRAILER + 8 {
         return bad(format!("{} bytes is too short for a block", value.len()));
     }
-    let (body, sum) = value.split_at(value.len() - CHECKSUM);
-    if blake3::hash(body).as_bytes() != sum {
-        return bad("checksum mismatch".into());
-    }
+    let body = sealer.open(id.key, value).map_err(Corrupt::of)?;
     if body[..4] != MAGIC {
         return bad("bad magic".into());
     }
@@ -234,7 +255,7 @@ mod tests {
             tokens,
             geometry: g,
         };
-        encode(&id, |out, il, is_v| {
+        encode(&id, &Sealer::new(None), |out, il, is_v| {
             let row = if is_v { 4 } else { 8 };
             let fill = (il * 2 + is_v as usize) as u8;
             out.extend(std::iter::repeat_n(fill, row * tokens.len()));
@@ -257,7 +278,7 @@ mod tests {
             geometry: &g,
         };
         assert_eq!(v.len(), encoded_len(&id));
-        let rows = decode(&v, &id).unwrap();
+        let rows = decode(&v, &id, &Sealer::new(None)).unwrap();
         assert_eq!(rows.k(0), &[0; 24]);
         assert_eq!(rows.v(0), &[1; 12]);
         assert_eq!(rows.k(1), &[2; 24]);
@@ -280,8 +301,11 @@ mod tests {
         for i in 0..v.len() {
             let mut w = v.clone();
             w[i] ^= 0x40;
-            assert!(decode(&w, &id).is_err(), "flip at {i}");
-            assert!(decode(&v[..i], &id).is_err(), "truncated to {i}");
+            assert!(decode(&w, &id, &Sealer::new(None)).is_err(), "flip at {i}");
+            assert!(
+                decode(&v[..i], &id, &Sealer::new(None)).is_err(),
+                "truncated to {i}"
+            );
         }
     }
 
@@ -298,16 +322,23 @@ mod tests {
             tokens: &tokens,
             geometry: &g,
         };
-        assert_eq!(decode(&v, &id).unwrap_err().0, "stored under another key");
+        // the tag covers the key: a value under another key was not written there
+        assert_eq!(
+            decode(&v, &id, &Sealer::new(None)).unwrap_err().1,
+            Broken::Rejected
+        );
         id.key = &key;
         id.tokens = &[5, 7];
-        assert_eq!(decode(&v, &id).unwrap_err().0, "tokens differ");
+        assert_eq!(
+            decode(&v, &id, &Sealer::new(None)).unwrap_err().0,
+            "tokens differ"
+        );
         id.tokens = &tokens;
         id.index = 4;
-        assert!(decode(&v, &id).is_err());
+        assert!(decode(&v, &id, &Sealer::new(None)).is_err());
         let other_fp = Key([3; 32]);
         id.index = 3;
         id.fingerprint = &other_fp;
-        assert!(decode(&v, &id).is_err());
+        assert!(decode(&v, &id, &Sealer::new(None)).is_err());
     }
 }

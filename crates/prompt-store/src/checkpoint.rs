@@ -9,7 +9,7 @@
 //! main rows: per layer K rows then V rows of the tail (n_tail rows, untransposed)
 //! swa rows: the same for the SWA layers, n_tail rows (mode 1) or n_win rows (mode 2)
 //! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes)
-//! [32] BLAKE3 of everything before
+//! trailer (see [`crate::seal`])
 //! ```
 //!
 //! The tail is the partial block after the last full block (tokens [bt * floor(P / bt), P)), so
@@ -25,11 +25,11 @@ use crate::backend::Key;
 use crate::block::{BlockRows, Corrupt};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::seal::{Sealer, TRAILER};
 use crate::shape::{Fields, PutLe, Shape};
 
 const MAGIC: [u8; 4] = *b"KVPC";
 const INDEX_MAGIC: [u8; 4] = *b"KVPI";
-const CHECKSUM: usize = 32;
 
 /// What identifies a checkpoint.
 #[derive(Clone, Copy, Debug)]
@@ -85,6 +85,7 @@ fn rows_len(g: Option<&Geometry>, n: usize) -> usize {
 /// the SWA rows, laid out as in a block; the encoder checks their lengths.
 pub fn encode(
     id: &CheckpointId<'_>,
+    sealer: &Sealer,
     shape: &Shape,
     swa: &SwaRows,
     recurrent: &[u8],
@@ -115,7 +116,7 @@ pub fn encode(
         + rows_len(main_g, n_tail)
         + rows_len(swa_g, n_swa)
         + recurrent.len()
-        + CHECKSUM;
+        + TRAILER;
     let mut out = Vec::new();
     out.try_reserve_exact(total).map_err(|_| {
         StoreError::Cache(llama_kv_cache::KvError::Backend(format!(
@@ -150,8 +151,7 @@ pub fn encode(
         }
     }
     out.extend_from_slice(recurrent);
-    let sum = blake3::hash(&out);
-    out.extend_from_slice(sum.as_bytes());
+    sealer.seal(id.key, &mut out);
     debug_assert_eq!(out.len(), total);
     Ok(out)
 }
@@ -161,16 +161,11 @@ pub fn encode(
 pub fn decode<'a>(
     value: &'a [u8],
     id: &CheckpointId<'a>,
+    sealer: &Sealer,
     shape: &'a Shape,
 ) -> Result<CheckpointView<'a>, Corrupt> {
-    let bad = |why: &str| Err(Corrupt(why.to_string()));
-    if value.len() < CHECKSUM + 8 {
-        return bad("too short for a checkpoint");
-    }
-    let (body, sum) = value.split_at(value.len() - CHECKSUM);
-    if blake3::hash(body).as_bytes() != sum {
-        return bad("checksum mismatch");
-    }
+    let bad = |why: &str| Err(Corrupt::damaged(why));
+    let body = sealer.open(id.key, value).map_err(Corrupt::of)?;
     let mut f = Fields::new(body);
     let parsed = (|| {
         let magic = f.take(4)?;
@@ -232,25 +227,22 @@ pub fn decode<'a>(
     })
 }
 
-/// An index value: the sorted offsets of the checkpoints after one chain position.
-pub fn encode_index(offsets: &[u32]) -> Vec<u8> {
+/// An index value under `key`: the sorted offsets of the checkpoints after one chain position.
+pub fn encode_index(key: &Key, sealer: &Sealer, offsets: &[u32]) -> Vec<u8> {
     let mut out = INDEX_MAGIC.to_vec();
     out.put_u32(FORMAT_VERSION);
     out.put_u32(offsets.len() as u32);
     for o in offsets {
         out.put_u32(*o);
     }
-    let sum = blake3::hash(&out);
-    out.extend_from_slice(sum.as_bytes());
+    sealer.seal(key, &mut out);
     out
 }
 
-/// The offsets of an index value, or `None` when it is not one (then it reads as empty).
-pub fn decode_index(value: &[u8]) -> Option<Vec<u32>> {
-    let (body, sum) = value.split_at(value.len().checked_sub(CHECKSUM)?);
-    if blake3::hash(body).as_bytes() != sum {
-        return None;
-    }
+/// The offsets of an index value under `key`, or `None` when it is not one of this store's
+/// (then it reads as empty: the checkpoints it lists are verified when read anyway).
+pub fn decode_index(key: &Key, sealer: &Sealer, value: &[u8]) -> Option<Vec<u32>> {
+    let body = sealer.open(key, value).ok()?;
     let mut f = Fields::new(body);
     if f.take(4)? != INDEX_MAGIC || f.u32()? != FORMAT_VERSION {
         return None;
@@ -302,30 +294,33 @@ mod tests {
             tail: &[7, 8],
         };
         let swa = SwaRows::Window(vec![15, 16, 17]);
-        let v = encode(&id, &s, &swa, &[], |out, is_swa| {
+        let sealer = Sealer::new(Some(b"k"));
+        let v = encode(&id, &sealer, &s, &swa, &[], |out, is_swa| {
             let n = if is_swa { 3 } else { 2 };
             out.extend(std::iter::repeat_n(is_swa as u8 + 1, n * 6));
             Ok(())
         })
         .unwrap();
-        let got = decode(&v, &id, &s).unwrap();
+        let got = decode(&v, &id, &sealer, &s).unwrap();
         assert_eq!(got.swa_mode, swa);
         assert_eq!(got.main.as_ref().unwrap().k(0), &[1; 8]);
         assert_eq!(got.swa.as_ref().unwrap().v(0), &[2; 6]);
         for i in 0..v.len() {
             let mut w = v.clone();
             w[i] ^= 1;
-            assert!(decode(&w, &id, &s).is_err(), "flip at {i}");
+            assert!(decode(&w, &id, &sealer, &s).is_err(), "flip at {i}");
         }
         let other = CheckpointId { len: 19, ..id };
-        assert!(decode(&v, &other, &s).is_err());
+        assert!(decode(&v, &other, &sealer, &s).is_err());
     }
 
     #[test]
     fn index_values_round_trip_and_garbage_reads_as_none() {
-        let v = encode_index(&[0, 3, 9]);
-        assert_eq!(decode_index(&v), Some(vec![0, 3, 9]));
-        assert_eq!(decode_index(&v[1..]), None);
-        assert_eq!(decode_index(b"x"), None);
+        let (k, sealer) = (Key([3; 32]), Sealer::new(None));
+        let v = encode_index(&k, &sealer, &[0, 3, 9]);
+        assert_eq!(decode_index(&k, &sealer, &v), Some(vec![0, 3, 9]));
+        assert_eq!(decode_index(&k, &sealer, &v[1..]), None);
+        assert_eq!(decode_index(&Key([4; 32]), &sealer, &v), None);
+        assert_eq!(decode_index(&k, &sealer, b"x"), None);
     }
 }

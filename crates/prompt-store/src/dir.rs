@@ -303,6 +303,29 @@ impl Backend for DirBackend {
         Ok(())
     }
 
+    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
+        keys.iter()
+            .map(|k| {
+                let path = self.path_of(k);
+                let mut f = match File::open(&path) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+                    Err(e) => return Err(io_error(format!("cannot open {}", path.display()), &e)),
+                };
+                let read = |f: &mut File| -> std::io::Result<Option<Vec<u8>>> {
+                    if f.metadata()?.len() < n as u64 {
+                        return Ok(None);
+                    }
+                    f.seek(SeekFrom::End(-(n as i64)))?;
+                    let mut tail = vec![0; n];
+                    f.read_exact(&mut tail)?;
+                    Ok(Some(tail))
+                };
+                read(&mut f).map_err(|e| io_error(format!("cannot read {}", path.display()), &e))
+            })
+            .collect()
+    }
+
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
         Ok(keys.iter().map(|k| self.path_of(k).is_file()).collect())
     }

@@ -29,6 +29,7 @@ mod error;
 mod geometry;
 mod memory;
 mod payload;
+pub mod seal;
 mod shape;
 mod store;
 mod tiered;
@@ -43,7 +44,7 @@ pub use geometry::{
 pub use memory::MemoryBackend;
 pub use shape::{FileFormat, KvShape, Shape};
 pub use store::{
-    PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS, MAX_BLOCK_TOKENS,
-    MIN_BLOCK_TOKENS,
+    is_model_record, PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS,
+    MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS,
 };
 pub use tiered::TieredBackend;

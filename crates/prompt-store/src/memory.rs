@@ -51,6 +51,17 @@ impl Backend for MemoryBackend {
             .collect())
     }
 
+    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
+        let inner = self.lock();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                let v = inner.values.peek(k)?;
+                v.len().checked_sub(n).map(|at| v[at..].to_vec())
+            })
+            .collect())
+    }
+
     fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
         let inner = self.lock();
         Ok(keys.iter().map(|k| inner.values.contains(k)).collect())

@@ -194,13 +194,16 @@ impl Shape {
     }
 
     /// `key_{-1}`: SHA-256 over a domain tag, the format version, the caller's model identity
-    /// (e.g. the GGUF file's sha256) and this shape.
-    pub fn fingerprint(&self, model: &str) -> Key {
+    /// (e.g. the GGUF file's hash), the namespace (tenant) and this shape. Two namespaces
+    /// share no key.
+    pub fn fingerprint(&self, model: &str, namespace: &str) -> Key {
         let mut h = Sha256::new();
         h.update(b"llama-kv-cache prompt-store fingerprint\0");
         h.update(FORMAT_VERSION.to_le_bytes());
-        h.update((model.len() as u64).to_le_bytes());
-        h.update(model.as_bytes());
+        for part in [model, namespace] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
         let mut g = Vec::new();
         self.encode(&mut g);
         h.update(&g);
@@ -318,6 +321,8 @@ mod tests {
                 ..base.clone()
             },
         ];
+        assert_ne!(base.fingerprint("m", ""), base.fingerprint("m", "tenant"));
+        assert_ne!(base.fingerprint("m", "ab"), base.fingerprint("ma", "b"));
         for s in std::iter::once(&base).chain(&variants) {
             let mut b = Vec::new();
             s.encode(&mut b);
@@ -325,7 +330,7 @@ mod tests {
             assert_eq!(Shape::decode(&mut f).as_ref(), Some(s));
             assert_eq!(f.at, b.len());
             if s != &base {
-                assert_ne!(s.fingerprint("m"), base.fingerprint("m"));
+                assert_ne!(s.fingerprint("m", ""), base.fingerprint("m", ""));
             }
         }
     }

@@ -29,6 +29,7 @@ use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
 };
 use crate::payload::KvPartWriter;
+use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
 
 /// Tokens per block unless configured (LMCache's chunk size).
@@ -91,6 +92,9 @@ pub struct StoreStats {
     /// geometry), blocks and checkpoints alike: counted as misses, never loaded, and removed
     /// from the backend.
     pub corrupt: u64,
+    /// Values that another writer left (not tagged with this store's secret, or copied from
+    /// another key), met by reads and puts: never loaded, and replaced by this store's own.
+    pub rejected: u64,
 }
 
 /// How `write_file` writes a llama.cpp file. Every field left `None` is what the store's first
@@ -127,6 +131,17 @@ struct Counters {
     hits: AtomicU64,
     misses: AtomicU64,
     corrupt: AtomicU64,
+    rejected: AtomicU64,
+}
+
+/// What a backend holds under a key, as far as a store can tell without reading the value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Presence {
+    Absent,
+    /// Present (with a secret: tagged by this store's secret).
+    Ours,
+    /// Present, but tagged by another writer.
+    Foreign,
 }
 
 /// A restore point and what serves it.
@@ -158,6 +173,8 @@ struct Target {
 pub struct PromptStore {
     backend: Arc<dyn Backend>,
     model: String,
+    namespace: String,
+    sealer: Sealer,
     block_tokens: usize,
     bound: Mutex<Option<Bound>>,
     counters: Counters,
@@ -183,6 +200,13 @@ fn tick(progress: &mut Option<Progress<'_>>, done: u64, total: u64) -> StoreResu
 }
 
 const RECORD_MAGIC: [u8; 4] = *b"KVPM";
+
+/// Whether a stored value is a store's model record (which backends with an expiry keep: a
+/// process needs it to look up prompts without a cache) rather than a block, checkpoint or
+/// index value.
+pub fn is_model_record(value: &[u8]) -> bool {
+    value.starts_with(&RECORD_MAGIC)
+}
 
 /// The format `write_file` defaults to for a store filled by `put` of a live cache: a sequence
 /// file that llama.node and node-llama-cpp read (version 2), or today's version 4 when the
@@ -230,10 +254,34 @@ impl PromptStore {
         Ok(PromptStore {
             backend,
             model: model.into(),
+            namespace: String::new(),
+            sealer: Sealer::new(None),
             block_tokens: block_tokens as usize,
             bound: Mutex::new(None),
             counters: Counters::default(),
         })
+    }
+
+    /// The store in namespace `namespace` (a tenant): mixed into the root of every key, so two
+    /// namespaces share no value and nothing one does shows in the other. The default, `""`,
+    /// is shared by every store that names none.
+    pub fn with_namespace(mut self, namespace: &str) -> PromptStore {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The store with a `secret` (at least 16 bytes): every value it writes carries a keyed
+    /// BLAKE3 tag, and a value without this tag (written without the secret, with another one,
+    /// or copied from another key) is rejected on read and replaced on put.
+    pub fn with_secret(mut self, secret: &[u8]) -> StoreResult<PromptStore> {
+        if secret.len() < 16 {
+            return Err(StoreError::InvalidArg(format!(
+                "secret must be at least 16 bytes, got {}",
+                secret.len()
+            )));
+        }
+        self.sealer = Sealer::new(Some(secret));
+        Ok(self)
     }
 
     /// The backend.
@@ -263,28 +311,33 @@ impl PromptStore {
         let mut h = Sha256::new();
         h.update(b"llama-kv-cache prompt-store model record\0");
         h.update(FORMAT_VERSION.to_le_bytes());
-        h.update(self.model.as_bytes());
+        for part in [&self.model, &self.namespace] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
         Key(h.finalize().into())
     }
 
-    fn encode_record(shape: &Shape, format: &FileFormat) -> Vec<u8> {
+    fn encode_record(&self, shape: &Shape, format: &FileFormat) -> Vec<u8> {
         let mut out = RECORD_MAGIC.to_vec();
         shape.encode(&mut out);
         format.encode(&mut out);
-        let sum = blake3::hash(&out);
-        out.extend_from_slice(sum.as_bytes());
+        self.sealer.seal(&self.record_key(), &mut out);
         out
     }
 
-    fn decode_record(v: &[u8]) -> Option<(Shape, FileFormat)> {
-        let body = v.get(..v.len().checked_sub(32)?)?;
-        if blake3::hash(body).as_bytes() != &v[body.len()..] || body.get(..4)? != RECORD_MAGIC {
-            return None;
-        }
-        let mut f = Fields::new(&body[4..]);
-        let shape = Shape::decode(&mut f)?;
-        let format = FileFormat::decode(&mut f)?;
-        (f.at == f.bytes.len()).then_some((shape, format))
+    fn decode_record(&self, v: &[u8]) -> Result<(Shape, FileFormat), Broken> {
+        let body = self.sealer.open(&self.record_key(), v)?;
+        let parsed = (|| {
+            if body.get(..4)? != RECORD_MAGIC {
+                return None;
+            }
+            let mut f = Fields::new(&body[4..]);
+            let shape = Shape::decode(&mut f)?;
+            let format = FileFormat::decode(&mut f)?;
+            (f.at == f.bytes.len()).then_some((shape, format))
+        })();
+        parsed.ok_or(Broken::Corrupt)
     }
 
     /// The recorded shape; a corrupt record is removed and reads as absent.
@@ -292,10 +345,10 @@ impl PromptStore {
         let key = self.record_key();
         match self.backend.get_many(&[key])?.pop().flatten() {
             None => Ok(None),
-            Some(v) => match Self::decode_record(&v) {
-                Some(r) => Ok(Some(r)),
-                None => {
-                    self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            Some(v) => match self.decode_record(&v) {
+                Ok(r) => Ok(Some(r)),
+                Err(broken) => {
+                    self.count_broken(broken);
                     self.backend.remove(&key)?;
                     Ok(None)
                 }
@@ -305,7 +358,7 @@ impl PromptStore {
 
     fn bound_to(&self, shape: Shape, format: FileFormat) -> Bound {
         Bound {
-            fingerprint: shape.fingerprint(&self.model),
+            fingerprint: shape.fingerprint(&self.model, &self.namespace),
             shape,
             format,
         }
@@ -341,7 +394,7 @@ impl PromptStore {
                     None => {
                         self.backend.put_if_absent(
                             &self.record_key(),
-                            &Self::encode_record(shape, &format),
+                            &self.encode_record(shape, &format),
                         )?;
                         // another process may have recorded first; an instant eviction leaves ours
                         self.read_record()?
@@ -432,7 +485,7 @@ impl PromptStore {
     ) -> StoreResult<()> {
         let bt = self.block_tokens;
         let geometry = rows.source.geometry()?;
-        let present = self.backend.contains_many(keys)?;
+        let present = self.presence(keys)?;
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
         // encode buffers return here after each batch: one set of allocations per put
         let mut spare: Vec<Vec<u8>> = Vec::new();
@@ -444,13 +497,14 @@ impl PromptStore {
                 tokens: &tokens[i * bt..(i + 1) * bt],
                 geometry: &geometry,
             };
-            if present[i] {
+            if present[i] == Presence::Ours {
                 report.blocks_skipped += 1;
                 report.bytes_skipped += block::encoded_len(&id) as u64;
             } else {
+                self.replace_foreign(key, present[i])?;
                 let mut value = spare.pop().unwrap_or_default();
                 let cells = &rows.cells[i * bt..(i + 1) * bt];
-                block::encode_into(&id, &mut value, |out, il, is_v| {
+                block::encode_into(&id, &self.sealer, &mut value, |out, il, is_v| {
                     rows.source.append(il, is_v, cells, out)
                 })?;
                 pending.push((*key, value));
@@ -497,7 +551,9 @@ impl PromptStore {
         let at = chain_at(&bound.fingerprint, keys, n_full);
         let tail = &tokens[n_full * bt..];
         let key = checkpoint_key(&at, tail);
-        if !self.backend.contains_many(&[key])?[0] {
+        let present = self.presence(&[key])?[0];
+        if present != Presence::Ours {
+            self.replace_foreign(&key, present)?;
             let swa = match &c.swa {
                 None => SwaRows::None,
                 Some(_) if swa_in_blocks => SwaRows::Tail,
@@ -509,23 +565,32 @@ impl PromptStore {
                 len: tokens.len() as u32,
                 tail,
             };
-            let value = checkpoint::encode(&id, &c.shape, &swa, &c.recurrent, |out, is_swa| {
-                let (rows, cells) = match (is_swa, &c.swa, &c.main) {
-                    (false, _, Some(m)) => (m, &m.cells[n_full * bt..tokens.len()]),
-                    (true, Some(s), _) if swa_in_blocks => (s, &s.cells[n_full * bt..tokens.len()]),
-                    (true, Some(s), _) => (s, &s.cells[..]),
-                    _ => return Ok(()),
-                };
-                let geometry = rows.source.geometry()?;
-                for il in 0..geometry.layers.len() {
-                    for is_v in [false, true] {
-                        if !cells.is_empty() {
-                            rows.source.append(il, is_v, cells, out)?;
+            let value = checkpoint::encode(
+                &id,
+                &self.sealer,
+                &c.shape,
+                &swa,
+                &c.recurrent,
+                |out, is_swa| {
+                    let (rows, cells) = match (is_swa, &c.swa, &c.main) {
+                        (false, _, Some(m)) => (m, &m.cells[n_full * bt..tokens.len()]),
+                        (true, Some(s), _) if swa_in_blocks => {
+                            (s, &s.cells[n_full * bt..tokens.len()])
+                        }
+                        (true, Some(s), _) => (s, &s.cells[..]),
+                        _ => return Ok(()),
+                    };
+                    let geometry = rows.source.geometry()?;
+                    for il in 0..geometry.layers.len() {
+                        for is_v in [false, true] {
+                            if !cells.is_empty() {
+                                rows.source.append(il, is_v, cells, out)?;
+                            }
                         }
                     }
-                }
-                Ok(())
-            })?;
+                    Ok(())
+                },
+            )?;
             if self.backend.put_if_absent(&key, &value)? {
                 report.checkpoints_written += 1;
                 report.bytes_written += value.len() as u64;
@@ -540,7 +605,7 @@ impl PromptStore {
         let current = self.backend.get_many(&[*key])?.pop().flatten();
         let mut entries = current
             .as_deref()
-            .and_then(checkpoint::decode_index)
+            .and_then(|v| checkpoint::decode_index(key, &self.sealer, v))
             .unwrap_or_default();
         if entries.contains(&entry) {
             return Ok(());
@@ -551,7 +616,7 @@ impl PromptStore {
             self.backend.remove(key)?;
         }
         self.backend
-            .put_if_absent(key, &checkpoint::encode_index(&entries))?;
+            .put_if_absent(key, &checkpoint::encode_index(key, &self.sealer, &entries))?;
         Ok(())
     }
 
@@ -577,7 +642,7 @@ impl PromptStore {
             let i = range.start + j;
             for entry in value
                 .as_deref()
-                .and_then(checkpoint::decode_index)
+                .and_then(|v| checkpoint::decode_index(&index_keys[j], &self.sealer, v))
                 .unwrap_or_default()
             {
                 let (o, swa_blocks) = (
@@ -605,11 +670,11 @@ impl PromptStore {
             return Ok(candidates);
         }
         let ckpt_keys: Vec<Key> = candidates.iter().filter_map(|p| p.checkpoint).collect();
-        let present = self.backend.contains_many(&ckpt_keys)?;
+        let present = self.presence(&ckpt_keys)?;
         Ok(candidates
             .into_iter()
             .zip(present)
-            .filter(|(_, p)| *p)
+            .filter(|(_, p)| *p == Presence::Ours)
             .map(|(c, _)| c)
             .collect())
     }
@@ -623,13 +688,13 @@ impl PromptStore {
         let shape = &bound.shape;
         let keys = chain_keys(&bound.fingerprint, tokens, bt);
         let n_main = if shape.main.is_some() {
-            self.backend.present_prefix(&keys)?
+            self.present_prefix(&keys)?
         } else {
             keys.len()
         };
         let n_swa = if shape.swa.is_some() {
             let swa: Vec<Key> = keys[..n_main].iter().map(swa_key).collect();
-            self.backend.present_prefix(&swa)?
+            self.present_prefix(&swa)?
         } else {
             n_main
         };
@@ -689,8 +754,57 @@ impl PromptStore {
         }
     }
 
-    fn corrupt(&self, key: &Key) {
-        self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+    fn count_broken(&self, broken: Broken) {
+        let counter = match broken {
+            Broken::Corrupt => &self.counters.corrupt,
+            Broken::Rejected => &self.counters.rejected,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// What the backend holds under each key: with a secret, a present value's tag is checked
+    /// (its last 64 bytes, one round trip), so a value of another writer neither counts as
+    /// stored nor stops a put.
+    fn presence(&self, keys: &[Key]) -> StoreResult<Vec<Presence>> {
+        if !self.sealer.authenticated() {
+            let present = self.backend.contains_many(keys)?;
+            return Ok(present
+                .into_iter()
+                .map(|p| if p { Presence::Ours } else { Presence::Absent })
+                .collect());
+        }
+        let tails = self.backend.get_tails(keys, TRAILER)?;
+        Ok(tails
+            .iter()
+            .zip(keys)
+            .map(|(tail, key)| match tail {
+                None => Presence::Absent,
+                Some(t) if self.sealer.tail_is_ours(key, t) => Presence::Ours,
+                Some(_) => Presence::Foreign,
+            })
+            .collect())
+    }
+
+    /// How many leading `keys` hold this store's values.
+    fn present_prefix(&self, keys: &[Key]) -> StoreResult<usize> {
+        if !self.sealer.authenticated() {
+            return self.backend.present_prefix(keys);
+        }
+        let present = self.presence(keys)?;
+        Ok(present.iter().take_while(|&&p| p == Presence::Ours).count())
+    }
+
+    /// Removes a value another writer left under `key`, so that ours can be stored there.
+    fn replace_foreign(&self, key: &Key, presence: Presence) -> StoreResult<()> {
+        if presence == Presence::Foreign {
+            self.count_broken(Broken::Rejected);
+            self.backend.remove(key)?;
+        }
+        Ok(())
+    }
+
+    fn corrupt(&self, key: &Key, broken: Broken) {
+        self.count_broken(broken);
         // best effort: a later put stores a good value under this key
         let _ = self.backend.remove(key);
     }
@@ -718,20 +832,20 @@ impl PromptStore {
                 tokens: &tokens[i * bt..(i + 1) * bt],
                 geometry,
             };
-            match block::decode(value, &id) {
+            match block::decode(value, &id, &self.sealer) {
                 Ok(rows) => {
                     put(i, &rows);
                     ok += 1;
                     true
                 }
-                Err(_) => {
-                    corrupt = Some(keys[i]);
+                Err(c) => {
+                    corrupt = Some((keys[i], c.1));
                     false
                 }
             }
         })?;
-        if let Some(key) = corrupt {
-            self.corrupt(&key);
+        if let Some((key, broken)) = corrupt {
+            self.corrupt(&key, broken);
         }
         Ok(ok == keys.len())
     }
@@ -773,10 +887,10 @@ impl PromptStore {
                     tail,
                 };
                 debug_assert_eq!(*key, checkpoint_key(&at, tail));
-                match checkpoint::decode(v, &id, shape) {
+                match checkpoint::decode(v, &id, &self.sealer, shape) {
                     Ok(c) => Some(c),
-                    Err(_) => {
-                        self.corrupt(key);
+                    Err(c) => {
+                        self.corrupt(key, c.1);
                         return Ok(false);
                     }
                 }
@@ -1061,6 +1175,7 @@ impl PromptStore {
             hits: self.counters.hits.load(Ordering::Relaxed),
             misses: self.counters.misses.load(Ordering::Relaxed),
             corrupt: self.counters.corrupt.load(Ordering::Relaxed),
+            rejected: self.counters.rejected.load(Ordering::Relaxed),
         })
     }
 }

@@ -302,7 +302,13 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
             "{name}"
         );
         let s = store.stats().unwrap();
-        assert_eq!((s.corrupt, s.misses), (1, 1), "{name}");
+        // a damaged value is corrupt; a whole value under another key is another writer's
+        let want = if name == "swap" { (0, 1) } else { (1, 0) };
+        assert_eq!(
+            (s.corrupt, s.rejected, s.misses),
+            (want.0, want.1, 1),
+            "{name}"
+        );
         // the bad block was dropped, so the same prompt can be stored whole again
         assert!(!files[2].exists(), "{name}");
         let r = store.put(&src, 0, &toks, None).unwrap();
@@ -624,4 +630,100 @@ fn rotated_rows_are_stored_with_their_rotation_and_never_restored_into_an_unrota
         (ins.header.version, ins.payload.streams[0].n_rot),
         (4, Some((64, 64)))
     );
+}
+
+const SECRET: &[u8] = b"the store's secret, 32 bytes ok!";
+
+#[test]
+fn two_namespaces_on_one_directory_share_nothing_and_cannot_touch_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenant = |ns: &str| {
+        PromptStore::new(
+            Arc::new(DirBackend::open(dir.path(), None).unwrap()),
+            "m",
+            BT,
+        )
+        .unwrap()
+        .with_namespace(ns)
+    };
+    let (a, b) = (tenant("a"), tenant("b"));
+    let (src, toks) = prompt(40);
+    a.put(&src, 0, &toks, None).unwrap();
+    // B sees nothing of A's prompt, and its put of other rows under A's tokens stores its own
+    // blocks (no skip counts that would tell A's prompt is there)
+    assert_eq!(b.lookup(&toks).unwrap(), 0);
+    let mut garbage = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut garbage, 0, 40, 77);
+    let r = b.put(&garbage, 0, &toks, None).unwrap();
+    assert_eq!((r.blocks_written, r.blocks_skipped), (2, 0));
+    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    assert_eq!(a.restore(&mut dst, 0, &toks, None).unwrap(), 40);
+    assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0));
+    // the default namespace is a third one
+    assert_eq!(tenant("").lookup(&toks).unwrap(), 0);
+}
+
+#[test]
+fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced() {
+    let (src, toks) = prompt(40);
+    let mut garbage = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    fill(&mut garbage, 0, 40, 77);
+    let open = |backend: &Arc<DirBackend>, secret: Option<&[u8]>| {
+        let s = PromptStore::new(backend.clone(), "m", BT).unwrap();
+        match secret {
+            Some(k) => s.with_secret(k).unwrap(),
+            None => s,
+        }
+    };
+    for attacker in [None, Some(&b"another secret of 32 bytes, too!"[..])] {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = Arc::new(DirBackend::open(dir.path(), None).unwrap());
+        // the attacker writes first, at the very keys the honest store uses
+        open(&backend, attacker)
+            .put(&garbage, 0, &toks, None)
+            .unwrap();
+        let honest = open(&backend, Some(SECRET));
+        assert_eq!(
+            honest.lookup(&toks).unwrap(),
+            0,
+            "foreign values count as absent"
+        );
+        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        assert_eq!(honest.restore(&mut dst, 0, &toks, None).unwrap(), 0);
+        assert_eq!(
+            dst.seq_cell_count(0).unwrap(),
+            0,
+            "nothing of theirs loaded"
+        );
+        // the honest put replaces them: two blocks and the checkpoint (and its index)
+        let r = honest.put(&src, 0, &toks, None).unwrap();
+        assert_eq!(
+            (r.blocks_written, r.blocks_skipped, r.checkpoints_written),
+            (2, 0, 1)
+        );
+        assert!(honest.stats().unwrap().rejected >= 3);
+        assert_eq!(honest.restore(&mut dst, 0, &toks, None).unwrap(), 40);
+        assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let backend = Arc::new(DirBackend::open(dir.path(), None).unwrap());
+    let honest = open(&backend, Some(SECRET));
+    honest.put(&src, 0, &toks, None).unwrap();
+    // bytes flipped on disk are never loaded either
+    let keys = honest.keys(&toks).unwrap().unwrap();
+    let file = backend.path_of(&keys[1]);
+    let mut b = std::fs::read(&file).unwrap();
+    let at = b.len() - 100;
+    b[at] ^= 1;
+    std::fs::write(&file, b).unwrap();
+    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    assert_eq!(honest.restore(&mut dst, 0, &toks, None).unwrap(), 16);
+    assert_eq!(honest.stats().unwrap().corrupt, 1);
+    // and a secret shorter than 16 bytes is refused
+    assert!(matches!(
+        PromptStore::new(backend.clone(), "m", BT)
+            .unwrap()
+            .with_secret(b"short"),
+        Err(StoreError::InvalidArg(_))
+    ));
 }
