@@ -275,7 +275,7 @@ fn main() {
         swa: None,
         recurrent: None,
     }
-    .fingerprint("bench");
+    .fingerprint("bench", "");
     let t_chain = time(|| {
         black_box(chain_keys(&fp, black_box(&tokens), 256));
     });
