@@ -809,7 +809,11 @@ export interface ModelInfo {
 
 /** Options of `modelInfo`. */
 export interface ModelInfoOptions {
-  /** Hash every byte of the file for the fingerprint (reads the whole file). Default false. */
+  /**
+   * Hash every byte of the file for the fingerprint (reads the whole file once per file
+   * version: the hash is remembered by path, size and modification time in the user's cache
+   * directory, or `LLAMA_KV_CACHE_DIR`). Default false.
+   */
   hashFile?: boolean
 }
 
@@ -936,8 +940,11 @@ export interface PromptStoreOptions {
   /**
    * Identity of the model weights: part of every block key, so stores of different models
    * never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
-   * by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
-   * milliseconds); any other string (e.g. the file's sha256) is used as it is.
+   * by the BLAKE3 hash of the whole file (`modelInfo(path, { hashFile: true }).fingerprint`),
+   * so two fine-tunes of one base model share no key. It is computed once per file version
+   * and remembered by path, size and modification time in the user's cache directory
+   * (`LLAMA_KV_CACHE_DIR` chooses another). Any other string (e.g. the file's sha256) is used
+   * as it is; name LoRA adapters and control vectors in it too, since they change K/V.
    */
   model: string
   /**

@@ -175,10 +175,13 @@ mtest('modelInfo reads the header only, and the fingerprint covers header and da
   bytes[bytes.length - 1] ^= 0xff
   fs.writeFileSync(copy, bytes)
   t.is(modelInfo(copy).fingerprint, a.fingerprint)
-  const whole = modelInfo(file, { hashFile: true })
+  const whole = modelInfo(copy, { hashFile: true }) // a new file version: read whole
   t.regex(whole.fingerprint, /^blake3-file:[0-9a-f]{64}$/)
   t.is(whole.bytesRead >= whole.fileSize, true)
-  t.not(modelInfo(copy, { hashFile: true }).fingerprint, whole.fingerprint)
+  const again = modelInfo(copy, { hashFile: true }) // remembered for this version
+  t.is(again.fingerprint, whole.fingerprint)
+  t.true(again.bytesRead < again.fileSize, `read ${again.bytesRead}`)
+  t.not(modelInfo(file, { hashFile: true }).fingerprint, whole.fingerprint)
 
   // another header (general.name's last byte): another fingerprint
   const renamed = fs.readFileSync(file)
@@ -352,7 +355,7 @@ mtest('fromModel remembers the RoPE: update() shifts K exactly as update({ rope 
 
 // ---- PromptStore({ model: ggufPath }) --------------------------------------------------------------
 
-mtest('PromptStore with model: a GGUF path keys its blocks by the model fingerprint', async (t) => {
+mtest('PromptStore with model: a GGUF path keys its blocks by the hash of the whole file', async (t) => {
   const dir = tmp('store')
   const file = model('llama-h16.gguf')
   const tokens = Array.from({ length: 64 }, (_, i) => 300 + i)
@@ -365,7 +368,7 @@ mtest('PromptStore with model: a GGUF path keys its blocks by the model fingerpr
   // the same store opened with the fingerprint itself, or with a copy of the file, finds the blocks
   const copy = tmp('copy.gguf')
   fs.copyFileSync(file, copy)
-  t.is(new PromptStore({ model: modelInfo(file).fingerprint, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
+  t.is(new PromptStore({ model: modelInfo(file, { hashFile: true }).fingerprint, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
   t.is(new PromptStore({ model: copy, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
   // another model, or the path string taken literally, does not
   t.is(new PromptStore({ model: model('llama-h32.gguf'), path: dir, blockTokens: 16 }).lookupSync(tokens), 0)

@@ -245,6 +245,24 @@ test('a store holds one shape: a file of another memory or rotation is ERR_KV_ST
   await t.throwsAsync(store.putFile(path.join(T161, 't161-mamba.ggsq')), { code: 'ERR_KV_STORE_GEOMETRY', message: /recurrent/ })
 })
 
+test('two GGUF files that differ in one weight byte are two models: different fingerprints, no shared block', async (t) => {
+  const dir = tmp()
+  const original = path.join(HERE, '..', 'interop', 'models', 'llama-h16.gguf')
+  const tuned = path.join(dir, 'llama-h16-tuned.gguf')
+  const bytes = fs.readFileSync(original)
+  bytes[bytes.length - 3] ^= 1 // the last tensor's data
+  fs.writeFileSync(tuned, bytes)
+  const { modelInfo } = require('../index.js')
+  t.is(modelInfo(original).fingerprint, modelInfo(tuned).fingerprint, 'the header alone cannot tell them apart')
+  t.not(modelInfo(original, { hashFile: true }).fingerprint, modelInfo(tuned, { hashFile: true }).fingerprint)
+  const storeDir = path.join(dir, 'store')
+  const [a, b] = [original, tuned].map((model) => new PromptStore({ model, path: storeDir, blockTokens: 16 }))
+  const { cache, tokens } = promptCache(KvCache, 0)
+  t.like(await a.put(cache, 0, tokens), { blocksWritten: 6 })
+  t.is(await b.lookup(tokens), 0)
+  t.like(await b.put(cache, 0, tokens), { blocksWritten: 6, blocksSkipped: 0 })
+})
+
 test('the store CLI ingests files, looks up, writes, reports and collects, with no progress bar off a terminal', (t) => {
   const dir = tmp()
   const storeDir = path.join(dir, 'store')

@@ -3,7 +3,7 @@
 //! lives in the core (`gguf`, `model`, `fit`).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use llama_kv_cache as core;
 use llama_kv_cache::model::gguf;
@@ -167,7 +167,9 @@ pub struct ModelShift {
 /// Options of `modelInfo`.
 #[napi(object, object_to_js = false)]
 pub struct ModelInfoOptions {
-    /// Hash every byte of the file for the fingerprint (reads the whole file). Default false.
+    /// Hash every byte of the file for the fingerprint (reads the whole file once per file
+    /// version: the hash is remembered by path, size and modification time in the user's cache
+    /// directory, or `LLAMA_KV_CACHE_DIR`). Default false.
     pub hash_file: Option<bool>,
 }
 
@@ -276,14 +278,53 @@ pub(crate) fn model_identity(model: &str) -> JsResult<String> {
             .is_ok_and(|_| &magic == b"GGUF")
     };
     if names_gguf || (path.is_file() && starts_gguf()) {
-        Ok(read_model(path, false)?.fingerprint)
+        // a GGUF file it must be: its header is read (and checked) first
+        Ok(read_model(path, true)?.fingerprint)
     } else {
         Ok(model.to_string())
     }
 }
 
+/// Where the weights' fingerprints are remembered: `LLAMA_KV_CACHE_DIR`, else the user's cache
+/// directory (`XDG_CACHE_HOME`, `~/Library/Caches` on macOS, `LOCALAPPDATA` on Windows,
+/// `~/.cache`), else the temporary directory.
+fn fingerprint_cache_dir() -> PathBuf {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(dir) = var("LLAMA_KV_CACHE_DIR") {
+        return dir.join("fingerprints");
+    }
+    let base = var("XDG_CACHE_HOME")
+        .or_else(|| {
+            if cfg!(windows) {
+                var("LOCALAPPDATA")
+            } else if cfg!(target_os = "macos") {
+                var("HOME").map(|h| h.join("Library").join("Caches"))
+            } else {
+                var("HOME").map(|h| h.join(".cache"))
+            }
+        })
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("llama-kv-cache").join("fingerprints")
+}
+
+/// A model's description; with `hash_file`, its fingerprint covers every byte of the file
+/// (remembered per file version, so only the first call reads the weights).
 fn read_model(path: &Path, hash_file: bool) -> JsResult<core::ModelInfo> {
-    core::ModelInfo::from_file(path, hash_file).map_err(from_core)
+    let mut info = core::ModelInfo::from_file(path, false).map_err(from_core)?;
+    if hash_file {
+        let (fingerprint, read_whole) =
+            core::model::fingerprint::cached_hash_file(path, &fingerprint_cache_dir())
+                .map_err(from_core)?;
+        info.fingerprint = fingerprint;
+        if read_whole {
+            info.bytes_read += info.file_size;
+        }
+    }
+    Ok(info)
 }
 
 /// Describes a GGUF model from its header and tensor-info table alone (tensor data is never

@@ -18,8 +18,11 @@ use crate::error::{err, from_store, Code, JsResult};
 pub struct PromptStoreOptions {
     /// Identity of the model weights: part of every block key, so stores of different models
     /// never mix. A path to the GGUF file (`*.gguf`, or any file with the GGUF magic) is replaced
-    /// by its `modelInfo` fingerprint (header, tensor-info table and data size; read in
-    /// milliseconds); any other string (e.g. the file's sha256) is used as it is.
+    /// by the BLAKE3 hash of the whole file (`modelInfo(path, { hashFile: true }).fingerprint`),
+    /// so two fine-tunes of one base model share no key. It is computed once per file version
+    /// and remembered by path, size and modification time in the user's cache directory
+    /// (`LLAMA_KV_CACHE_DIR` chooses another). Any other string (e.g. the file's sha256) is used
+    /// as it is; name LoRA adapters and control vectors in it too, since they change K/V.
     pub model: String,
     /// A directory for the embedded `dir` backend (created if missing), shared safely by several
     /// processes. Without `path` (and `url`), blocks live in this process's memory.

@@ -691,14 +691,8 @@ pub fn read_file(path: &Path, hash_file: bool) -> Result<ReadHeader> {
         })?
     };
     let fingerprint = if hash_file {
-        let mut f = File::open(path).map_err(|e| io_err(path, e))?;
-        let mut counted = Counting {
-            inner: &mut f,
-            count: 0,
-        };
-        std::io::copy(&mut counted, &mut hasher).map_err(|e| io_err(path, e))?;
-        counting.count += counted.count;
-        format!("blake3-file:{}", hasher.finalize().to_hex())
+        counting.count = len;
+        crate::model::fingerprint::hash_file(path)?
     } else {
         hasher.update(&header.data_size.to_le_bytes());
         format!("blake3:{}", hasher.finalize().to_hex())
