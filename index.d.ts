@@ -1143,6 +1143,11 @@ export interface StorePutResult {
    * state.
    */
   checkpointsWritten: number
+  /**
+   * Tiers that could not be reached (e.g. `['redis']`): the put landed in the others, and a
+   * later put reaches these once they are back. Empty when every tier took it.
+   */
+  degraded: Array<string>
 }
 
 /** Counts of a store. */
@@ -1170,6 +1175,18 @@ export interface StoreStats {
    * never loaded, replaced by this store's own.
    */
   rejected: number
+  /** Each tier's state and last error (stores with `tiers`; empty otherwise). */
+  tiers: Array<StoreTier>
+}
+
+/** How one tier of a store is doing. */
+export interface StoreTier {
+  /** 'memory', 'dir' or 'redis'. */
+  name: string
+  /** Whether its last call succeeded (a down tier is retried with backoff). */
+  up: boolean
+  /** Its last error, if any (kept after it recovers). */
+  lastError?: string
 }
 
 /**

@@ -297,3 +297,50 @@ test('a secret: values written without it, with another one, or flipped in Redis
   t.like(await honest.stats(), { corrupt: 1 })
   t.throws(() => open(redis.url, { secret: 'short' }), { code: 'ERR_KV_INVALID_ARG', message: /secret must be at least 16 bytes, got 5/ })
 })
+
+/** A cache holding `tokens`, with rows as promptCache makes them (so equal tokens at equal positions have equal rows). */
+function promptOf(tokens) {
+  const n = tokens.length
+  const cache = new KvCache({ size: 128, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 2 })
+  cache.findSlot({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
+  for (let il = 0; il < 2; il++) {
+    for (let i = 0; i < n; i++) {
+      const row = (sign) => Float32Array.from({ length: 32 }, (_, j) => sign * (tokens[i] + il + j / 64))
+      cache.writeKF32(il, i, row(1))
+      cache.writeVF32(il, i, row(-1))
+    }
+  }
+  return { cache, tokens }
+}
+
+/** Prompt 0 grown to `n` tokens. */
+const grownPrompt = (n) => promptOf([...promptTokens(0), ...Array.from({ length: n - 96 }, (_, i) => 5000 + i)])
+
+test('tiers with Redis down: a grown conversation restores its local prefix, puts land in the local tiers, and reach Redis again after a restart', async (t) => {
+  const redis = await redisForTest(t)
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-degraded-'))
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const store = open(redis.url, { tiers: ['memory', 'dir', 'redis'], path: dir })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  t.like(await store.put(cache, 0, tokens), { blocksWritten: 6, degraded: [] })
+  await redis.kill()
+  const grown = grownPrompt(120)
+  t.is(await store.lookup(grown.tokens), 96, 'the locally held prefix')
+  const dst = emptyCache()
+  t.is(await store.restore(dst, 0, grown.tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  const put = await store.put(grown.cache, 0, grown.tokens)
+  t.like(put, { tokens: 120, blocksWritten: 1, checkpointsWritten: 1 })
+  t.deepEqual(put.degraded, ['redis'])
+  const { tiers } = await store.stats()
+  t.like(tiers, [{ name: 'memory', up: true }, { name: 'dir', up: true }, { name: 'redis', up: false }])
+  t.regex(tiers[2].lastError, new RegExp(`127\\.0\\.0\\.1:${redis.port}`))
+  t.is(new PromptStore({ model: MODEL, path: dir, blockTokens: 16 }).lookupSync(grown.tokens), 120, 'landed in the dir tier')
+  await redis.restart()
+  await new Promise((resolve) => setTimeout(resolve, 700)) // past the first backoff
+  // a conversation the local tiers do not hold (Redis lost everything: no persistence)
+  const other = promptOf(Array.from({ length: 96 }, (_, i) => 7000 + i))
+  t.like(await store.put(other.cache, 0, other.tokens), { blocksWritten: 6, degraded: [] })
+  t.is(await open(redis.url).lookup(other.tokens), 96, 'the same PromptStore reaches Redis again')
+  t.like((await store.stats()).tiers[2], { name: 'redis', up: true })
+})

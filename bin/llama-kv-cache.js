@@ -310,7 +310,7 @@ async function storeCommand(args) {
         const bar = progressBar(path.basename(file))
         const r = await store.putFile(file, { onProgress: bar.onProgress })
         bar.done()
-        process.stdout.write(`${file}: ${r.tokens} tokens, ${r.blocksWritten} blocks written (${r.bytesWritten} bytes), ${r.blocksSkipped} already stored, ${r.checkpointsWritten} checkpoints written\n`)
+        process.stdout.write(`${file}: ${r.tokens} tokens, ${r.blocksWritten} blocks written (${r.bytesWritten} bytes), ${r.blocksSkipped} already stored, ${r.checkpointsWritten} checkpoints written${r.degraded.length ? ` (not reached: ${r.degraded.join(', ')})` : ''}\n`)
       }
     } else if (sub === 'lookup') {
       const [tokensFile] = flags.positional
@@ -330,7 +330,7 @@ async function storeCommand(args) {
       if (n === 0) process.exitCode = 3
     } else if (sub === 'stats' || sub === 'gc') {
       const s = sub === 'gc' ? await store.gc() : await store.stats()
-      const { hits: _h, misses: _m, corrupt: _c, ...dir } = s
+      const { hits: _h, misses: _m, corrupt: _c, rejected: _r, ...dir } = s
       process.stdout.write(flags.json ? `${JSON.stringify(dir, null, 2)}\n`
         : `${where}: ${dir.blocks} blocks, ${dir.bytes} bytes${dir.maxBytes == null ? '' : ` of ${dir.maxBytes}`}, ${dir.evictions} evictions\n`)
     } else {

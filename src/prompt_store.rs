@@ -76,6 +76,20 @@ pub struct StorePutResult {
     /// Checkpoints this call stored: the partial last block, a sliding window, a recurrent
     /// state.
     pub checkpoints_written: f64,
+    /// Tiers that could not be reached (e.g. `['redis']`): the put landed in the others, and a
+    /// later put reaches these once they are back. Empty when every tier took it.
+    pub degraded: Vec<String>,
+}
+
+/// How one tier of a store is doing.
+#[napi(object)]
+pub struct StoreTier {
+    /// 'memory', 'dir' or 'redis'.
+    pub name: String,
+    /// Whether its last call succeeded (a down tier is retried with backoff).
+    pub up: bool,
+    /// Its last error, if any (kept after it recovers).
+    pub last_error: Option<String>,
 }
 
 /// Counts of a store.
@@ -102,6 +116,8 @@ pub struct StoreStats {
     /// Values another writer left (without this store's secret, or copied from another key):
     /// never loaded, replaced by this store's own.
     pub rejected: f64,
+    /// Each tier's state and last error (stores with `tiers`; empty otherwise).
+    pub tiers: Vec<StoreTier>,
 }
 
 impl From<store::PutReport> for StorePutResult {
@@ -113,6 +129,7 @@ impl From<store::PutReport> for StorePutResult {
             blocks_skipped: r.blocks_skipped as f64,
             bytes_skipped: r.bytes_skipped as f64,
             checkpoints_written: r.checkpoints_written as f64,
+            degraded: r.degraded.iter().map(|d| d.to_string()).collect(),
         }
     }
 }
@@ -130,6 +147,15 @@ impl From<store::StoreStats> for StoreStats {
             misses: s.misses as f64,
             corrupt: s.corrupt as f64,
             rejected: s.rejected as f64,
+            tiers: s
+                .tiers
+                .into_iter()
+                .map(|t| StoreTier {
+                    name: t.name.into(),
+                    up: t.up,
+                    last_error: t.last_error,
+                })
+                .collect(),
         }
     }
 }

@@ -145,6 +145,12 @@ pub trait Backend: Send + Sync {
     /// Counts of what is stored.
     fn usage(&self) -> StoreResult<Usage>;
 
+    /// How each tier is doing (a tiered backend; a single backend has no tiers to report:
+    /// its calls fail or succeed as they are).
+    fn health(&self) -> Vec<crate::tiered::TierHealth> {
+        Vec::new()
+    }
+
     /// Housekeeping: recount what is stored, enforce the byte budget, and remove leftovers of
     /// interrupted writes. Returns the usage afterwards. The default only reports usage.
     fn gc(&self) -> StoreResult<Usage> {

@@ -47,4 +47,4 @@ pub use store::{
     is_model_record, PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS,
     MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS,
 };
-pub use tiered::TieredBackend;
+pub use tiered::{TierHealth, TieredBackend};

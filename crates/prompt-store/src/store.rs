@@ -31,6 +31,7 @@ use crate::geometry::{
 use crate::payload::KvPartWriter;
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
+use crate::tiered::TierHealth;
 
 /// Tokens per block unless configured (LMCache's chunk size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 256;
@@ -50,7 +51,7 @@ const MAX_REPLANS: usize = 4;
 const NEEDS_SWA_BLOCKS: u32 = 1 << 31;
 
 /// What `put` did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PutReport {
     /// The restore point this put gives the prompt: tokens a later restore of it loads.
     pub tokens: u64,
@@ -65,6 +66,9 @@ pub struct PutReport {
     /// Checkpoints this call stored (a partial last block, a sliding window, a recurrent
     /// state).
     pub checkpoints_written: u64,
+    /// Tiers that were down after this call (their backoff running): the put landed in the
+    /// others, and a later put reaches these once they are back.
+    pub degraded: Vec<&'static str>,
 }
 
 /// Counts of a store: what the backend holds and what this `PromptStore` saw.
@@ -95,6 +99,8 @@ pub struct StoreStats {
     /// Values that another writer left (not tagged with this store's secret, or copied from
     /// another key), met by reads and puts: never loaded, and replaced by this store's own.
     pub rejected: u64,
+    /// Each tier's state and last error (tiered stores).
+    pub tiers: Vec<TierHealth>,
 }
 
 /// How `write_file` writes a llama.cpp file. Every field left `None` is what the store's first
@@ -434,6 +440,13 @@ impl PromptStore {
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
         let bound = self.bind(&c.shape, format)?;
+        // the record may be gone from a shared tier that lost its data (a Redis restarted
+        // without persistence): readers without a cache need it, so every put restores it
+        // (a no-op `SET NX` where it is)
+        self.backend.put_if_absent(
+            &self.record_key(),
+            &self.encode_record(&bound.shape, &bound.format),
+        )?;
         let bt = self.block_tokens;
         let len = c.len.min(tokens.len());
         let tokens = &tokens[..len];
@@ -470,6 +483,13 @@ impl PromptStore {
         } else {
             0
         };
+        report.degraded = self
+            .backend
+            .health()
+            .into_iter()
+            .filter(|h| !h.up)
+            .map(|h| h.name)
+            .collect();
         Ok(report)
     }
 
@@ -1176,6 +1196,7 @@ impl PromptStore {
             misses: self.counters.misses.load(Ordering::Relaxed),
             corrupt: self.counters.corrupt.load(Ordering::Relaxed),
             rejected: self.counters.rejected.load(Ordering::Relaxed),
+            tiers: self.backend.health(),
         })
     }
 }
