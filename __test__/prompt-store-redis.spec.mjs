@@ -337,7 +337,12 @@ test('tiers with Redis down: a grown conversation restores its local prefix, put
   t.regex(tiers[2].lastError, new RegExp(`127\\.0\\.0\\.1:${redis.port}`))
   t.is(new PromptStore({ model: MODEL, path: dir, blockTokens: 16 }).lookupSync(grown.tokens), 120, 'landed in the dir tier')
   await redis.restart()
-  await new Promise((resolve) => setTimeout(resolve, 700)) // past the first backoff
+  // the tier is tried again once its backoff (0.5 s, doubling while it stays down) is over:
+  // any call then finds it back
+  const deadline = Date.now() + 40_000
+  while (!(await store.stats()).tiers[2].up && Date.now() < deadline) {
+    await new Promise((resolve) => setTimeout(resolve, 200))
+  }
   // a conversation the local tiers do not hold (Redis lost everything: no persistence)
   const other = promptOf(Array.from({ length: 96 }, (_, i) => 7000 + i))
   t.like(await store.put(other.cache, 0, other.tokens), { blocksWritten: 6, degraded: [] })
