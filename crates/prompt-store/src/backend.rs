@@ -69,6 +69,17 @@ pub struct Usage {
     pub max_bytes: Option<u64>,
 }
 
+/// How one tier is doing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierHealth {
+    /// The tier's backend name.
+    pub name: &'static str,
+    /// Whether its last call succeeded.
+    pub up: bool,
+    /// The last error it gave, if any (kept after it recovers).
+    pub last_error: Option<String>,
+}
+
 /// A key-value store of immutable values. Every method may be called from several threads at
 /// once (and, for shared backends, from several processes or machines): values are only ever
 /// added whole or removed whole, never modified in place.
@@ -147,7 +158,7 @@ pub trait Backend: Send + Sync {
 
     /// How each tier is doing (a tiered backend; a single backend has no tiers to report:
     /// its calls fail or succeed as they are).
-    fn health(&self) -> Vec<crate::tiered::TierHealth> {
+    fn health(&self) -> Vec<TierHealth> {
         Vec::new()
     }
 

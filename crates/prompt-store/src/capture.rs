@@ -203,6 +203,18 @@ impl<'a> KvRows<'a> {
                 .all(|(i, &p)| p == i as i32)
     }
 
+    /// The number of cells, which must hold positions `0..n` (sequence `seq`, for messages).
+    fn prefix_len(&self, seq: i32) -> StoreResult<usize> {
+        let n = self.positions.len();
+        if self.is_prefix(n) {
+            Ok(n)
+        } else {
+            Err(StoreError::NotPrefix(format!(
+                "sequence {seq}: its {n} cells must hold positions 0..{n} once each"
+            )))
+        }
+    }
+
     fn shape(&self) -> StoreResult<KvShape> {
         let rot = match &self.source {
             RowSource::Cache(c) => (c.params().n_rot_k, c.params().n_rot_v),
@@ -243,12 +255,6 @@ pub(crate) struct Capture<'a> {
     /// The recurrent state's position + 1, when there is one: a checkpoint needs it to be
     /// `len` exactly.
     pub recurrent_end: Option<usize>,
-}
-
-fn not_prefix(seq: i32, n: usize) -> StoreError {
-    StoreError::NotPrefix(format!(
-        "sequence {seq}: its {n} cells must hold positions 0..{n} once each"
-    ))
 }
 
 /// The cell of a one-sequence recurrent part, rewritten without seq ids (as llama.cpp writes a
@@ -310,10 +316,7 @@ impl<'a> Capture<'a> {
             });
         }
         let main = KvRows::of_cache(cache, seq)?;
-        let n = main.positions.len();
-        if !main.is_prefix(n) {
-            return Err(not_prefix(seq, n));
-        }
+        let n = main.prefix_len(seq)?;
         Ok(Capture {
             shape: unified_shape(cache)?,
             main: Some(main),
@@ -400,13 +403,7 @@ impl<'a> Capture<'a> {
             None => (Vec::new(), None),
         };
         let len = match &main {
-            Some(m) => {
-                let n = m.positions.len();
-                if !m.is_prefix(n) {
-                    return Err(not_prefix(seq.unwrap_or(0), n));
-                }
-                n.min(tokens.len())
-            }
+            Some(m) => m.prefix_len(seq.unwrap_or(0))?.min(tokens.len()),
             None => tokens.len(),
         };
         let shape = Shape {

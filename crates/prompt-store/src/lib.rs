@@ -34,7 +34,7 @@ mod shape;
 mod store;
 mod tiered;
 
-pub use backend::{Backend, Key, Usage};
+pub use backend::{Backend, Key, TierHealth, Usage};
 pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
 pub use geometry::{
@@ -47,4 +47,4 @@ pub use store::{
     is_model_record, PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS,
     MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS,
 };
-pub use tiered::{TierHealth, TieredBackend};
+pub use tiered::TieredBackend;

@@ -20,7 +20,7 @@ use llama_kv_cache::{
 
 use sha2::{Digest, Sha256};
 
-use crate::backend::{Backend, Key};
+use crate::backend::{Backend, Key, TierHealth};
 use crate::block::{self, BlockId, BlockRows};
 use crate::capture::{unified_shape, Capture, KvRows};
 use crate::checkpoint::{self, CheckpointId, SwaRows};
@@ -31,7 +31,6 @@ use crate::geometry::{
 use crate::payload::KvPartWriter;
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
-use crate::tiered::TierHealth;
 
 /// Tokens per block unless configured (LMCache's chunk size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 256;
@@ -393,7 +392,14 @@ impl PromptStore {
     fn bind(&self, shape: &Shape, format: FileFormat) -> StoreResult<Bound> {
         let mut bound = self.bound.lock().unwrap_or_else(|p| p.into_inner());
         let b = match bound.as_ref() {
-            Some(b) => b.clone(),
+            Some(b) => {
+                // the record may be gone from a shared tier that lost its data (a Redis
+                // restarted without persistence): readers without a cache need it, so every
+                // put restores it (a no-op `SET NX` where it is)
+                self.backend
+                    .put_if_absent(&self.record_key(), &self.encode_record(&b.shape, &b.format))?;
+                b.clone()
+            }
             None => {
                 let recorded = match self.read_record()? {
                     Some(r) => r,
@@ -440,13 +446,6 @@ impl PromptStore {
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
         let bound = self.bind(&c.shape, format)?;
-        // the record may be gone from a shared tier that lost its data (a Redis restarted
-        // without persistence): readers without a cache need it, so every put restores it
-        // (a no-op `SET NX` where it is)
-        self.backend.put_if_absent(
-            &self.record_key(),
-            &self.encode_record(&bound.shape, &bound.format),
-        )?;
         let bt = self.block_tokens;
         let len = c.len.min(tokens.len());
         let tokens = &tokens[..len];
@@ -456,12 +455,12 @@ impl PromptStore {
         let mut report = PutReport::default();
         let total = keys.len() as u64;
         tick(&mut progress, 0, total)?;
-        let sets = [
-            c.main.as_ref().map(|m| (m, keys.clone())),
-            swa_full.map(|s| (s, keys.iter().map(swa_key).collect::<Vec<_>>())),
-        ];
-        for (rows, set_keys) in sets.iter().flatten() {
-            self.put_blocks(&bound, rows, tokens, set_keys, &mut report, &mut progress)?;
+        if let Some(main) = &c.main {
+            self.put_blocks(&bound, main, tokens, &keys, &mut report, &mut progress)?;
+        }
+        if let Some(swa) = swa_full {
+            let swa_keys: Vec<Key> = keys.iter().map(swa_key).collect();
+            self.put_blocks(&bound, swa, tokens, &swa_keys, &mut report, &mut progress)?;
         }
         // a checkpoint where the blocks alone do not restore the whole state: it must end
         // exactly where the tokens do
@@ -703,7 +702,8 @@ impl PromptStore {
     /// listed checkpoints of the highest chain positions that have any whose blocks are
     /// present. Two round trips for the blocks, two per batch of index values; no value but
     /// the small index values read.
-    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<Vec<Plan>> {
+    /// Returns the chain keys of `tokens` with them (the restore reads those blocks).
+    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<(Vec<Key>, Vec<Plan>)> {
         let bt = self.block_tokens;
         let shape = &bound.shape;
         let keys = chain_keys(&bound.fingerprint, tokens, bt);
@@ -750,7 +750,7 @@ impl PromptStore {
             });
         }
         plans.sort_by_key(|p| std::cmp::Reverse(p.len));
-        Ok(plans)
+        Ok((keys, plans))
     }
 
     /// The length in tokens of the longest prefix of `tokens` the store can restore: full
@@ -759,7 +759,7 @@ impl PromptStore {
         let Some(bound) = self.known()? else {
             return Ok(0);
         };
-        let best = self.plans(&bound, tokens)?.first().map_or(0, |p| p.len);
+        let best = self.plans(&bound, tokens)?.1.first().map_or(0, |p| p.len);
         self.count(best, tokens.len());
         Ok(best as u64)
     }
@@ -877,6 +877,7 @@ impl PromptStore {
         &self,
         bound: &Bound,
         tokens: &[i32],
+        keys: &[Key],
         plan: &Plan,
         target: Target,
         out: &mut Vec<u8>,
@@ -888,7 +889,7 @@ impl PromptStore {
         } = target;
         let bt = self.block_tokens;
         let shape = &bound.shape;
-        let keys = chain_keys(&bound.fingerprint, &tokens[..plan.blocks * bt], bt);
+        let keys = &keys[..plan.blocks];
         let ckpt_value = match &plan.checkpoint {
             Some(key) => match self.backend.get_many(&[*key])?.pop().flatten() {
                 Some(v) => Some(v),
@@ -897,7 +898,7 @@ impl PromptStore {
             None => None,
         };
         let tail = &tokens[plan.blocks * bt..plan.len];
-        let at = chain_at(&bound.fingerprint, &keys, plan.blocks);
+        let at = chain_at(&bound.fingerprint, keys, plan.blocks);
         let ckpt = match (&plan.checkpoint, &ckpt_value) {
             (Some(key), Some(v)) => {
                 let id = CheckpointId {
@@ -923,7 +924,7 @@ impl PromptStore {
             let complete = self.read_blocks(
                 bound,
                 &main.layers,
-                &keys,
+                keys,
                 tokens,
                 &mut |i: usize, rows: &BlockRows<'_>| w.put(out, i * bt, rows),
             )?;
@@ -994,13 +995,13 @@ impl PromptStore {
         head: &dyn Fn(usize) -> Vec<u8>,
     ) -> StoreResult<Option<(usize, Vec<u8>)>> {
         for _ in 0..MAX_REPLANS {
-            let plans = self.plans(bound, tokens)?;
+            let (keys, plans) = self.plans(bound, tokens)?;
             let Some(plan) = plans.first() else {
                 self.count(0, tokens.len());
                 return Ok(None);
             };
             let mut out = head(plan.len);
-            if self.assemble(bound, tokens, plan, target, &mut out)? {
+            if self.assemble(bound, tokens, &keys, plan, target, &mut out)? {
                 self.count(plan.len, tokens.len());
                 return Ok(Some((plan.len, out)));
             }

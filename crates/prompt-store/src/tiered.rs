@@ -11,24 +11,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, Key, Usage};
+use crate::backend::{Backend, Key, TierHealth, Usage};
 use crate::error::{StoreError, StoreResult};
 
 /// First wait before a failed tier is tried again.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// Longest wait.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-
-/// How one tier is doing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TierHealth {
-    /// The tier's backend name.
-    pub name: &'static str,
-    /// Whether its last call succeeded.
-    pub up: bool,
-    /// The last error it gave, if any (kept after it recovers).
-    pub last_error: Option<String>,
-}
 
 #[derive(Default)]
 struct TierState {
