@@ -233,6 +233,13 @@ export declare class KvCache {
   get recurrent(): boolean
   /** Padding of `n`: 256 with flash attention, else 32. */
   get padding(): number
+  /**
+   * What each cell keeps beside its position: 'none', 'pos2' or 'pos2-tok' (M-RoPE and
+   * PLE models; saved in state files after each cell's seq id count).
+   */
+  get cellExt(): string
+  /** Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused). */
+  get mrope(): boolean
   /** K type name. */
   get typeK(): string
   /** V type name. */
@@ -399,6 +406,8 @@ export interface CellColumns {
   seqOffsets: Uint32Array
   /** Every cell's sequence ids, ascending per cell, concatenated. */
   seqIds: Int32Array
+  /** Per cell `x, y, tok` (three numbers) in a cache with a `cellExt`; empty otherwise. */
+  ext: Int32Array
 }
 
 /** One cell's metadata. */
@@ -613,6 +622,11 @@ export interface Inspection {
    */
   memory: string
   /**
+   * What each cell carries after its seq id count: 'none', or 'pos2' / 'pos2-tok' for the
+   * files of M-RoPE (Qwen-VL) and PLE models. No byte says so: decided by exact length.
+   */
+  cellExt: string
+  /**
    * Payloads of several memories (iSWA, hybrid): each part in payload order. The top-level
    * `streams`, `layers`, `nLayer`, `vTrans` and rotation describe the first part. Absent for
    * a single memory.
@@ -656,6 +670,17 @@ export interface KvCacheOptions {
   canShift?: boolean
   /** Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1. */
   nSeqMax?: number
+  /**
+   * What each cell keeps beside its position, as llama.cpp 0.1.161 saves it after each
+   * cell's seq id count: 'none', 'pos2' (x, y) or 'pos2-tok' (x, y, token: M-RoPE models
+   * such as Qwen2-VL / Qwen2.5-VL / Qwen3-VL, and PLE models). Default 'none'.
+   */
+  cellExt?: string
+  /**
+   * The model's RoPE is M-RoPE: placed text tokens get `x = y = pos`, and seqAdd / seqDiv
+   * throw ERR_KV_UNSUPPORTED (llama.cpp cannot shift such a cache either). Default false.
+   */
+  mrope?: boolean
   /**
    * Hadamard rotation of K, as llama.cpp 0.1.161 stores quantized K (its `n_rot_k`: 0, or
    * a power of two dividing the K width; llama.cpp uses the largest power of two >= 64 that
@@ -782,6 +807,12 @@ export interface ModelInfo {
   recurrent?: ModelRecurrent
   /** 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model. */
   memory: string
+  /**
+   * What each cell keeps beside its position: 'pos2-tok' for M-RoPE models (Qwen2-VL,
+   * Qwen2.5-VL, Qwen3-VL, Qwen3.5) and PLE models, 'none' for every other. Their state
+   * files carry it after each cell's seq id count.
+   */
+  cellExt: string
   /** Why `KvCache.fromModel` refuses this model; absent when it accepts it. */
   unsupported?: string
   /** K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks. */
@@ -1234,6 +1265,12 @@ export interface UBatchInput {
   seqIds: Array<number | Array<number>>
   /** Tokens per group (1 for llama.cpp's simple split; equal groups for recurrent models). Default 1. */
   nSeqTokens?: number
+  /**
+   * Each token's cell extension, three numbers per token: `x, y, tok` (its 2D position and
+   * token id; tok -1 for an embedding), for a cache with `cellExt` 'pos2' or 'pos2-tok'
+   * (M-RoPE and PLE models). Default: an M-RoPE text token's (`x = y = pos`, tok -1).
+   */
+  ext?: Array<number> | Int32Array
 }
 
 /** Options of `update` / `updateSync`. */

@@ -142,13 +142,27 @@ def write_qwen2(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, yarn=None)
     write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="qwen2", biases=True, yarn=yarn)
 
 
-def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="llama", biases=False, yarn=None):
+def write_qwen2vl(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+    """qwen2vl (Qwen2-VL's text model): qwen2's tensors, M-RoPE over four position sections
+    (temporal, height, width, other) splitting head_dim/2 as Qwen2-VL does (16, 24, 24, 0 of 64).
+    llama.cpp 0.1.161 saves every cell of such a model with its `llama_kv_cell_ext`."""
+    head_dim = n_embd // n_head
+    quarter = head_dim // 8
+    sections = [quarter, (head_dim // 2 - quarter) // 2, (head_dim // 2 - quarter) // 2, 0]
+    write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="qwen2vl", biases=True,
+                rope_sections=sections)
+
+
+def write_llama(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed, arch="llama", biases=False, yarn=None,
+                rope_sections=None):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
     w = begin(path, arch, os.path.splitext(os.path.basename(path))[0], n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(head_dim)
+    if rope_sections is not None:
+        w.add_rope_dimension_sections(rope_sections)
     w.add_rope_freq_base(10000.0)
     if yarn is not None:
         factor, orig_ctx = yarn
@@ -284,6 +298,7 @@ def main():
     write_qwen2(os.path.join(out, "qwen2-h64.gguf"), 128, 2, 1, 128, 2, seed=264)
     write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
     write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))
+    write_qwen2vl(os.path.join(out, "qwen2vl.gguf"), 128, 2, 1, 128, 2, seed=2002)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

@@ -2,7 +2,7 @@
 //! packed ubatches, finite floats. The option objects that hold them are converted by the
 //! class methods that take them.
 
-use llama_kv_cache::{GgmlType, UBatch};
+use llama_kv_cache::{CellExt, CellExtValue, GgmlType, UBatch};
 use napi::bindgen_prelude::*;
 
 use crate::args::{u32v, Num};
@@ -22,6 +22,40 @@ pub fn ggml_type(name: &str, v: Option<String>, default: GgmlType) -> JsResult<G
 pub fn ggml_type_opt(name: &str, v: Option<String>) -> JsResult<Option<GgmlType>> {
     v.map(|s| ggml_type(name, Some(s), GgmlType::F16))
         .transpose()
+}
+
+/// A cell extension name ('none', 'pos2', 'pos2-tok').
+pub fn cell_ext(name: &str, v: Option<String>) -> JsResult<CellExt> {
+    match v {
+        None => Ok(CellExt::None),
+        Some(s) => CellExt::from_name(&s).ok_or_else(|| {
+            err(
+                Code::InvalidArg,
+                format!("{name} must be 'none', 'pos2' or 'pos2-tok', got {s:?}"),
+            )
+        }),
+    }
+}
+
+/// Cell extensions packed as `x, y, tok` per token.
+pub fn cell_exts(flat: &[i32]) -> JsResult<Vec<CellExtValue>> {
+    if !flat.len().is_multiple_of(3) {
+        return Err(err(
+            Code::InvalidArg,
+            format!(
+                "ext holds {} numbers: give three (x, y, tok) per token",
+                flat.len()
+            ),
+        ));
+    }
+    Ok(flat
+        .chunks_exact(3)
+        .map(|e| CellExtValue {
+            x: e[0],
+            y: e[1],
+            tok: e[2],
+        })
+        .collect())
 }
 
 /// A width or per-layer widths.
@@ -89,6 +123,7 @@ pub fn packed_ubatch(
         pos: pos.to_vec(),
         n_seq_tokens,
         seq_ids,
+        ext: Vec::new(),
     })
 }
 

@@ -126,6 +126,9 @@ pub struct Inspection {
     /// The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
     /// version whose KV caches all have a stream prefix), 'iswa' or 'hybrid'.
     pub memory: String,
+    /// What each cell carries after its seq id count: 'none', or 'pos2' / 'pos2-tok' for the
+    /// files of M-RoPE (Qwen-VL) and PLE models. No byte says so: decided by exact length.
+    pub cell_ext: String,
     /// Payloads of several memories (iSWA, hybrid): each part in payload order. The top-level
     /// `streams`, `layers`, `nLayer`, `vTrans` and rotation describe the first part. Absent for
     /// a single memory.
@@ -323,6 +326,7 @@ pub fn inspect_state(
             n_rot_k: first.n_rot.map(|r| r.0),
             n_rot_v: first.n_rot.map(|r| r.1),
             memory: ins.memory.name().into(),
+            cell_ext: ins.payload.ext.name().into(),
             parts,
             layers,
             streams,

@@ -132,6 +132,10 @@ pub struct ModelInfo {
     pub recurrent: Option<ModelRecurrent>,
     /// 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model.
     pub memory: String,
+    /// What each cell keeps beside its position: 'pos2-tok' for M-RoPE models (Qwen2-VL,
+    /// Qwen2.5-VL, Qwen3-VL, Qwen3.5) and PLE models, 'none' for every other. Their state
+    /// files carry it after each cell's seq id count.
+    pub cell_ext: String,
     /// Why `KvCache.fromModel` refuses this model; absent when it accepts it.
     pub unsupported: Option<String>,
     /// K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks.
@@ -243,6 +247,7 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
             n_embd_v_s: x.n_embd_v_s,
         }),
         memory: m.memory.name().into(),
+        cell_ext: m.cell_ext.name().into(),
         unsupported: m.check_supported().err().map(|e| e.to_string()),
         bytes_per_cell,
         n_tensors: m.n_tensors as f64,

@@ -37,6 +37,13 @@ pub struct KvCacheOptions {
     pub can_shift: Option<bool>,
     /// Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1.
     pub n_seq_max: Option<f64>,
+    /// What each cell keeps beside its position, as llama.cpp 0.1.161 saves it after each
+    /// cell's seq id count: 'none', 'pos2' (x, y) or 'pos2-tok' (x, y, token: M-RoPE models
+    /// such as Qwen2-VL / Qwen2.5-VL / Qwen3-VL, and PLE models). Default 'none'.
+    pub cell_ext: Option<String>,
+    /// The model's RoPE is M-RoPE: placed text tokens get `x = y = pos`, and seqAdd / seqDiv
+    /// throw ERR_KV_UNSUPPORTED (llama.cpp cannot shift such a cache either). Default false.
+    pub mrope: Option<bool>,
     /// Hadamard rotation of K, as llama.cpp 0.1.161 stores quantized K (its `n_rot_k`: 0, or
     /// a power of two dividing the K width; llama.cpp uses the largest power of two >= 64 that
     /// divides the head dimension). Recorded in session v11 / sequence v4 files and checked
@@ -96,6 +103,11 @@ pub struct UBatchInput {
     pub seq_ids: Vec<Either<f64, Vec<f64>>>,
     /// Tokens per group (1 for llama.cpp's simple split; equal groups for recurrent models). Default 1.
     pub n_seq_tokens: Option<f64>,
+    /// Each token's cell extension, three numbers per token: `x, y, tok` (its 2D position and
+    /// token id; tok -1 for an embedding), for a cache with `cellExt` 'pos2' or 'pos2-tok'
+    /// (M-RoPE and PLE models). Default: an M-RoPE text token's (`x = y = pos`, tok -1).
+    #[napi(ts_type = "Array<number> | Int32Array")]
+    pub ext: Option<Either<Vec<f64>, I32Copy>>,
 }
 
 /// Where a ubatch was placed.
@@ -158,6 +170,8 @@ pub struct CellColumns {
     pub seq_offsets: Uint32Array,
     /// Every cell's sequence ids, ascending per cell, concatenated.
     pub seq_ids: Int32Array,
+    /// Per cell `x, y, tok` (three numbers) in a cache with a `cellExt`; empty otherwise.
+    pub ext: Int32Array,
 }
 
 /// A snapshot of every cell (llama.cpp's `llama_kv_cache_view`).

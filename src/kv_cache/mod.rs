@@ -177,6 +177,8 @@ impl KvCache {
                 n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
                 n_rot_k: options.n_rot_k.map_or(Ok(0), |x| u32v("nRotK", x))?,
                 n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
+                cell_ext: convert::cell_ext("cellExt", options.cell_ext)?,
+                mrope: options.mrope.unwrap_or(false),
             };
             let cache = KvCache::from_params(&env, params, &options.device, None)?;
             if let Some(on) = options.release_memory {
@@ -346,6 +348,19 @@ impl KvCache {
         self.with(|c| Ok(c.padding()))
     }
 
+    /// What each cell keeps beside its position: 'none', 'pos2' or 'pos2-tok' (M-RoPE and
+    /// PLE models; saved in state files after each cell's seq id count).
+    #[napi(getter)]
+    pub fn cell_ext(&self) -> Result<String, Code> {
+        self.with(|c| Ok(c.params().cell_ext.name().to_string()))
+    }
+
+    /// Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused).
+    #[napi(getter)]
+    pub fn mrope(&self) -> Result<bool, Code> {
+        self.with(|c| Ok(c.params().mrope))
+    }
+
     /// K type name.
     #[napi(getter)]
     pub fn type_k(&self) -> Result<String, Code> {
@@ -404,6 +419,7 @@ impl KvCache {
                 tail: Int32Array::new(cols.tail),
                 seq_offsets: Uint32Array::new(cols.seq_offsets),
                 seq_ids: Int32Array::new(cols.seq_ids),
+                ext: Int32Array::new(cols.ext),
             })
         })
     }

@@ -258,9 +258,21 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
         Some(n) => u32v("nSeqTokens", n)?,
         None => 1,
     };
+    let ext = match u.ext {
+        None => Vec::new(),
+        Some(Either::A(list)) => convert::cell_exts(
+            &list
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| i32_named(|| format!("ext[{i}]"), v))
+                .collect::<JsResult<Vec<i32>>>()?,
+        )?,
+        Some(Either::B(typed)) => convert::cell_exts(&typed.0)?,
+    };
     Ok(UBatch {
         pos,
         n_seq_tokens,
         seq_ids,
+        ext,
     })
 }

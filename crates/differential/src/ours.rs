@@ -283,6 +283,7 @@ pub fn split_equal(toks: &[Tok], n_ubatch: u32) -> Result<Vec<UBatch>, String> {
             pos,
             n_seq_tokens: length as u32,
             seq_ids,
+            ext: Vec::new(),
         });
     }
     Ok(out)
@@ -744,6 +745,7 @@ impl Ours {
                     pos: vec![0; cell_count as usize],
                     n_seq_tokens: cell_count,
                     seq_ids: vec![vec![dst]],
+                    ext: Vec::new(),
                 };
                 if self
                     .cache

@@ -188,6 +188,7 @@ fn recurrent_find_slot_without_a_free_cell_fails_without_changes() {
         pos: vec![0, 0],
         n_seq_tokens: 1,
         seq_ids: vec![vec![0], vec![1]],
+        ext: Vec::new(),
     };
     c.find_slot(&ub).unwrap().unwrap();
     c.seq_cp(0, 1, -1, -1).unwrap();
@@ -197,6 +198,7 @@ fn recurrent_find_slot_without_a_free_cell_fails_without_changes() {
         pos: vec![1, 1],
         n_seq_tokens: 1,
         seq_ids: vec![vec![0], vec![1]],
+        ext: Vec::new(),
     };
     if c.find_slot(&ub).unwrap().is_none() {
         let after: Vec<_> = (0..2).map(|i| c.cell(i).unwrap()).collect();

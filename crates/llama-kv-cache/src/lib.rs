@@ -16,12 +16,13 @@
 
 // The layers, from the bottom: each module may import only those above it in this list (the
 // module-graph test in tests/module_graph.rs holds the code to it).
-//   base:    error, alloc, ggml_type, params
+//   base:    error, alloc, ggml_type, cell_ext, params
 //   layer 1: cells, tensors
 //   layer 2: model
 //   layer 3: state (the codec and the file containers, without a cache)
 //   layer 4: cache (the unified KV cache and its state I/O)
 pub mod alloc;
+mod cell_ext;
 mod error;
 mod ggml_type;
 mod params;
@@ -45,6 +46,7 @@ pub use cache::slot::{PrepareOptions, Slot};
 pub use cache::stream::{StateIn, StateOut};
 pub use cache::view::{CacheView, CellColumns};
 pub use cache::KvCache;
+pub use cell_ext::{CellExt, CellExtValue};
 pub use cells::ubatch::UBatch;
 pub use cells::{Cell, SeqSet};
 pub use error::{KvError, Result};

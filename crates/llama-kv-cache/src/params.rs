@@ -1,5 +1,6 @@
 //! Construction parameters of a cache, with llama.cpp's defaults and its validity rules.
 
+use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 
@@ -41,6 +42,14 @@ pub struct CacheParams {
     /// Size of the Hadamard blocks V is stored rotated by (`n_rot_v`, 64 for quantized V with
     /// a head dimension that is a multiple of 64); 0 = V is not rotated.
     pub n_rot_v: u32,
+    /// What each cell keeps beside its position and sequences, and its state payloads carry
+    /// after each cell's `n_seq_id` (llama.cpp 0.1.161's `has_cell_ext()`: M-RoPE and PLE
+    /// models). Placement records it; `seqCp`, defrag and state I/O keep it.
+    pub cell_ext: CellExt,
+    /// The model's RoPE is M-RoPE (llama.cpp's `n_pos_per_embd() > 1`): a placed text token's
+    /// extension gets its position as `x` and `y`, and positions cannot be shifted or divided
+    /// (0.1.161 asserts on `seq_add` and `seq_div` of such a cache).
+    pub mrope: bool,
 }
 
 impl CacheParams {
@@ -61,6 +70,8 @@ impl CacheParams {
             n_seq_max: 1,
             n_rot_k: 0,
             n_rot_v: 0,
+            cell_ext: CellExt::None,
+            mrope: false,
         }
     }
 
@@ -102,6 +113,12 @@ impl CacheParams {
                 "nSeqMax must be in [1, {MAX_SEQ}], got {}",
                 self.n_seq_max
             )));
+        }
+        if self.recurrent && !self.cell_ext.is_none() {
+            return bad(format!(
+                "a recurrent cache keeps no cell extensions, got cellExt '{}'",
+                self.cell_ext.name()
+            ));
         }
         if self.recurrent && self.n_seq_max > self.size {
             return bad(format!(

@@ -240,6 +240,7 @@ fn slot_restorer_clears_a_recurrent_cache_like_the_seed() {
         pos: vec![0, 1],
         n_seq_tokens: 2,
         seq_ids: vec![vec![1]],
+        ext: Vec::new(),
     };
     let slot = c.find_slot(&ub).unwrap();
     r.save(slot.as_ref());
@@ -421,6 +422,7 @@ fn recurrent_seq_rm_refuses_partial_ranges() {
         pos: vec![0, 1, 2],
         n_seq_tokens: 3,
         seq_ids: vec![vec![1]],
+        ext: Vec::new(),
     };
     c.find_slot(&ub).unwrap().unwrap();
     assert!(!c.seq_rm(1, 1, -1).unwrap());
@@ -440,6 +442,7 @@ fn recurrent_placement_fails_cleanly_where_llama_cpp_asserts() {
         pos: vec![0, 0, 0],
         n_seq_tokens: 1,
         seq_ids: vec![vec![0], vec![1], vec![2]],
+        ext: Vec::new(),
     };
     c.find_slot(&one_each).unwrap().unwrap();
     c.seq_cp(0, 2, -1, -1).unwrap(); // seq 2 now shares cell of seq 0; cell of 2 freed
@@ -453,12 +456,14 @@ fn place_shared_then_fill(c: &mut KvCache) {
         pos: vec![1, 1],
         n_seq_tokens: 1,
         seq_ids: vec![vec![0], vec![2]],
+        ext: Vec::new(),
     };
     let _ = c.find_slot(&ub).unwrap();
     let ub = UBatch {
         pos: vec![2, 2, 2],
         n_seq_tokens: 1,
         seq_ids: vec![vec![0], vec![1], vec![2]],
+        ext: Vec::new(),
     };
     let r = c.find_slot(&ub).unwrap();
     // either it placed all three in distinct cells, or it failed and restored the cells

@@ -150,6 +150,7 @@ fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
                 pos: pos.clone(),
                 n_seq_tokens: *n_seq_tokens as u32,
                 seq_ids: seqs.clone(),
+                ext: Vec::new(),
             };
             let got = cache.find_slot(&ub).unwrap().map(|s| s.head);
             let want = model.find_slot(pos, seqs, *n_seq_tokens);
@@ -192,6 +193,7 @@ fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
                     pos: pos.clone(),
                     n_seq_tokens: *n_seq_tokens as u32,
                     seq_ids: seqs.clone(),
+                    ext: Vec::new(),
                 };
                 let slot = cache.find_slot(&ubatch).unwrap();
                 let head = model.find_slot(pos, seqs, *n_seq_tokens);

@@ -16,7 +16,10 @@ use std::path::{Path, PathBuf};
 /// under `src/`) of one layer; `""` is the crate root (`lib.rs`).
 const CORE_LAYERS: &[(&str, &[&str])] = &[
     ("errors", &["error"]),
-    ("allocation and element types", &["alloc", "ggml_type"]),
+    (
+        "allocation, element types and cell extensions",
+        &["alloc", "ggml_type", "cell_ext"],
+    ),
     ("cache parameters", &["params"]),
     ("cells and tensors", &["cells", "tensors"]),
     ("models", &["model"]),

@@ -81,6 +81,7 @@ fn filled(params: CacheParams, p0: i32, n: u32) -> KvCache {
             pos: (p0..p0 + n as i32).collect(),
             n_seq_tokens: n,
             seq_ids: vec![vec![0]],
+            ext: Vec::new(),
         }
     } else {
         UBatch::sequence(0, p0, n)

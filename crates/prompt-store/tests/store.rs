@@ -521,6 +521,7 @@ fn recurrent_state(n: u32, salt: u32) -> KvCache {
         pos: (0..n as i32).collect(),
         n_seq_tokens: n,
         seq_ids: vec![vec![0]],
+        ext: Vec::new(),
     };
     let slot = c.find_slot(&ub).unwrap().expect("room");
     for il in 0..c.n_layer() {

@@ -108,6 +108,8 @@ static void print_hparams(const llama_model * m) {
     js << ",\"rope_type\":" << (int) h.rope_type << ",\"rope_freq_base\":" << h.rope_freq_base_train;
     js << ",\"rope_freq_scale\":" << h.rope_freq_scale_train << ",\"n_ctx_orig_yarn\":" << h.n_ctx_orig_yarn;
     js << ",\"n_swa\":" << h.n_swa << ",\"n_embd_r\":" << h.n_embd_r() << ",\"n_embd_s\":" << h.n_embd_s();
+    // what has_cell_ext() decides by: M-RoPE positions or PLE heads
+    js << ",\"n_pos_per_embd\":" << h.n_pos_per_embd() << ",\"ple_n_heads\":" << h.ple_n_heads;
     js << ",\"recurrent\":" << (llama_model_is_recurrent(m) ? 1 : 0);
     js << ",\"hybrid\":" << (llama_model_is_hybrid(m) ? 1 : 0) << "}";
     printf("%s\n", js.str().c_str());

@@ -251,6 +251,19 @@ pub fn specs() -> Vec<Spec> {
             memory: "hybrid",
             ..base.clone()
         },
+        // M-RoPE: every cell is saved with its extension (x, y, token)
+        Spec {
+            name: "qwen2vl",
+            model: "qwen2vl.gguf",
+            ..base.clone()
+        },
+        Spec {
+            name: "qwen2vl-par2",
+            model: "qwen2vl.gguf",
+            prompts: vec![p0.clone(), p1.clone()],
+            seq: 1,
+            ..base.clone()
+        },
     ]
 }
 

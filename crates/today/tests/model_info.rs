@@ -2,7 +2,8 @@
 //! load): for every tiny model of `interop/make_models.py`, the per-layer K/V heads and widths,
 //! the sliding-window and recurrent layers, RoPE type, dims and base, the window, the recurrent
 //! state widths and the memory kind agree. This is today's llama.cpp: Gemma 3's
-//! `sliding_window_pattern` key and Jamba's hybrid memory are read as 0.1.161 reads them.
+//! `sliding_window_pattern` key and Jamba's hybrid memory are read as 0.1.161 reads them, and
+//! Qwen2-VL's M-RoPE gives its cells the extension 0.1.161 saves (`has_cell_ext()`).
 
 use llama_kv_cache::{MemoryKind, ModelInfo};
 use serde_json::Value;
@@ -42,13 +43,18 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
     d.number("n_embd_s", r.n_embd_v_s);
     d.number("recurrent", (m.memory == MemoryKind::Recurrent) as u8);
     d.number("hybrid", (m.memory == MemoryKind::Hybrid) as u8);
+    // llama_kv_cache::has_cell_ext(): the cells of M-RoPE and PLE models carry an extension
+    let has_cell_ext =
+        h["n_pos_per_embd"].as_u64() > Some(1) || h["ple_n_heads"].as_u64() > Some(0);
+    d.eq("has_cell_ext", !m.cell_ext.is_none(), has_cell_ext);
     d.lines
 }
 
 #[test]
 fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
     let mut failures = Vec::new();
-    for name in TINY_MODELS {
+    // and an M-RoPE model, which the seed-era peer of the shared list does not read alike
+    for name in TINY_MODELS.into_iter().chain(["qwen2vl.gguf"]) {
         let path = models_dir().join(name);
         let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
         let theirs = run("hparams", &[format!("model={}", path.display())])

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::cache::io::Progress;
 use crate::cache::KvCache;
+use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::params::CacheParams;
@@ -182,14 +183,6 @@ struct Plan {
 
 impl Plan {
     fn new(ins: &Inspection, input: Arc<Input>, opts: &ConvertOptions) -> Result<Plan> {
-        if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
-            // the view caches hold no cell extension: the output would lose the 2D positions
-            return Err(KvError::Unsupported(format!(
-                "the file's cells carry the '{}' cell extension of M-RoPE / PLE models, which \
-                 convert does not rewrite yet",
-                p.payload.ext.name()
-            )));
-        }
         let parts: Vec<&Part> = match opts.part {
             None => ins.parts.iter().collect(),
             Some(want) => vec![ins.parts.iter().find(|p| p.role == want).ok_or_else(|| {
@@ -248,6 +241,9 @@ impl Plan {
                 seq,
                 kinds: (ins.header.kind, to),
                 layout,
+                // M-RoPE / PLE cells keep their extension in the form the output's version
+                // writes (x, y only in the first versions that saved it)
+                ext: to.cell_exts(version)[0],
                 opts,
             };
             planned.push(job.plan(&input)?);
@@ -336,6 +332,8 @@ struct PartJob<'a> {
     seq: i32,
     kinds: (FileKind, FileKind),
     layout: Layout,
+    /// The extension the output's cells carry when the input's carry one.
+    ext: CellExt,
     opts: &'a ConvertOptions,
 }
 
@@ -375,6 +373,9 @@ impl PartJob<'_> {
         let rotate = [opts.n_rot_k.is_some(), opts.n_rot_v.is_some()];
         let convert = retype.contains(&true) || rotate.contains(&true);
         let mut out_params = params.clone();
+        if !params.cell_ext.is_none() {
+            out_params.cell_ext = self.ext;
+        }
         if convert {
             let (tk, tv) = (
                 opts.type_k.unwrap_or(params.type_k),

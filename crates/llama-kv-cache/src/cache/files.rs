@@ -11,7 +11,7 @@ use crate::state::files::{
     body_splits, concat, ext_readings, file_layouts, header_bytes, parse_header, resolve_version,
     session_prefix, write_atomic_with, FileHeader, FileKind, Outputs, SessionBody, WriteOptions,
 };
-use crate::state::parts::{parse_parts, Part, PartKind, PartRole};
+use crate::state::parts::{parse_parts_with, Part, PartKind, PartRole};
 use crate::state::Layout;
 
 /// What a file load restored.
@@ -215,7 +215,7 @@ impl KvCache {
         let mut parts_seen = Vec::new();
         for split in &splits {
             let body = &bytes[split.payload.clone()];
-            let (shapes, shape_errors) = parse_parts(body, layouts);
+            let (shapes, shape_errors) = parse_parts_with(body, layouts, self.params().cell_ext);
             errors.extend(shape_errors);
             for shape in shapes {
                 for p in shape.parts {
@@ -278,14 +278,19 @@ impl KvCache {
                     return Err(e);
                 }
                 // the version is not known here (a raw payload has none): every extension
-                if let Some((_, p)) =
-                    ext_readings(bytes, &splits, layouts, &[CellExt::Pos2Tok, CellExt::Pos2])
-                        .first()
-                {
+                // this cache does not keep
+                let own = self.params().cell_ext;
+                let others: Vec<CellExt> = [CellExt::Pos2Tok, CellExt::Pos2, CellExt::None]
+                    .into_iter()
+                    .filter(|&e| e != own)
+                    .collect();
+                if let Some((_, p)) = ext_readings(bytes, &splits, layouts, &others).first() {
                     return Err(KvError::Unsupported(format!(
-                        "the file's cells carry the '{}' cell extension of M-RoPE / PLE models \
-                         (Qwen-VL and the like), which this cache does not hold; \
-                         inspectStateFile reads such files",
+                        "the file's cells carry the '{}' cell extension, and this cache keeps '{}' \
+                         (M-RoPE models such as Qwen-VL, and PLE models, keep 'pos2-tok'; \
+                         every other model 'none'): build the cache with cellExt '{}'",
+                        p.parts[0].payload.ext.name(),
+                        own.name(),
                         p.parts[0].payload.ext.name()
                     )));
                 }

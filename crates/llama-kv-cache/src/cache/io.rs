@@ -4,6 +4,7 @@
 
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
+use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt, PayloadCells};
@@ -13,7 +14,7 @@ use crate::state::sink::{Sink, SliceSink, WriteSink};
 use crate::state::source::Cursor;
 use crate::state::{
     ambiguous, cell_count_header, check_meta, data_header, k_header, n_stream_header,
-    no_layout_fits, parse_payload, v_header, Layout, ParsedPayload, VBlock,
+    no_layout_fits, parse_payload_with, v_header, Layout, ParsedPayload, VBlock,
 };
 use crate::tensors::storage::Tensor;
 
@@ -142,7 +143,7 @@ impl KvCache {
             (_, Layout::Seed) => 0,
             (_, Layout::Streams | Layout::StreamsRot) => cells,
         };
-        4 + cells * cell_len(0, CellExt::None) + 4 * ids
+        4 + cells * cell_len(0, self.params.cell_ext) + 4 * ids
     }
 
     /// Writes the cell count and the metadata of the cells `ranges` into `out`, which is
@@ -154,6 +155,24 @@ impl KvCache {
         let (count, out) = out.split_at_mut(4);
         count.copy_from_slice(&cell_count_header(n as u32));
         let cells = ranges.iter().flat_map(|&(a, b)| a..b);
+        let kind = self.params.cell_ext;
+        if !kind.is_none() {
+            // M-RoPE / PLE caches: every cell with its extension after its seq id count
+            let mut at = 0;
+            for i in cells {
+                let ids = match (seq, layout) {
+                    (-1, _) => seqs[i],
+                    (_, Layout::Seed) => SeqSet::EMPTY,
+                    (s, _) => SeqSet::single(s as usize),
+                };
+                let len = cell_len(ids.len(), kind);
+                let ext = Some(self.cells.ext(i));
+                let ids = ids.iter().map(|f| f as i32);
+                put_cell(&mut out[at..at + len], pos[i], kind, ext, ids);
+                at += len;
+            }
+            return;
+        }
         match (seq, layout) {
             (-1, _) => {
                 let mut at = 0;
@@ -526,7 +545,7 @@ impl KvCache {
                 errors.push((l, e));
                 continue;
             }
-            let attempt = parse_payload(data, l, true).and_then(|p| {
+            let attempt = parse_payload_with(data, l, self.params.cell_ext, true).and_then(|p| {
                 check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
                 self.check_data(&p)?;
                 Ok(p)
@@ -688,6 +707,7 @@ impl KvCache {
             pos: cells.positions().iter().map(|&p| p.max(0)).collect(),
             n_seq_tokens: n as u32,
             seq_ids: vec![vec![dest]],
+            ext: cells.exts().to_vec(),
         };
         if self.params.recurrent {
             if n != 1 {
@@ -722,6 +742,9 @@ impl KvCache {
         for (k, &cell) in free.iter().enumerate() {
             self.cells.set_pos(cell, cells.positions()[k]);
             self.cells.insert_seq(cell, dest as usize);
+            if let Some(&ext) = cells.exts().get(k) {
+                self.cells.set_ext(cell, ext);
+            }
         }
         self.cells.used += n as u32;
         self.cells.settle();
@@ -755,6 +778,9 @@ impl KvCache {
         self.head = 0;
         self.cells
             .fill_free(0, cells.positions(), |k| cells.seq_set(k));
+        for (i, &ext) in cells.exts().iter().enumerate() {
+            self.cells.set_ext(i, ext);
+        }
         if recurrent {
             for i in 0..cells.len() {
                 self.cells.set_src(i, i as i32);
@@ -876,6 +902,7 @@ type TensorBackup = (Vec<u8>, Vec<u8>);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::parse_payload;
     use crate::{CacheParams, ReadOptions};
 
     fn cache(n_rot: u32, type_k: GgmlType) -> KvCache {

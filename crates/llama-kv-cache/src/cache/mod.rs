@@ -71,7 +71,10 @@ impl KvCache {
         }
         // after the tensors: those are lazily zeroed, the cell columns are written now (-1), so
         // an impossible size fails on the tensors before any page is touched
-        let cells = Cells::new(size, params.n_seq_max as usize)?;
+        let mut cells = Cells::new(size, params.n_seq_max as usize)?;
+        if !params.cell_ext.is_none() {
+            cells.keep_ext()?;
+        }
         Ok(KvCache {
             cells,
             spare_cells: None,

@@ -138,6 +138,7 @@ impl KvCache {
         } else {
             Some(self.check_seq("seqAdd", seq)?)
         };
+        self.check_shiftable_positions("seqAdd")?;
         if delta == 0 {
             return Ok(());
         }
@@ -189,6 +190,7 @@ impl KvCache {
         } else {
             Some(self.check_seq("seqDiv", seq)?)
         };
+        self.check_shiftable_positions("seqDiv")?;
         if d <= 0 {
             return Err(KvError::InvalidArg(format!(
                 "seqDiv: divisor must be a positive integer, got {d}"
@@ -219,6 +221,19 @@ impl KvCache {
         let (shifted, _) = self.cells.shift_seq_in_range(s, p0, p1, |pos| div.of(pos));
         self.cells.settle();
         self.has_shift |= shifted;
+        Ok(())
+    }
+
+    /// Refuses to move the positions of an M-RoPE cache, whatever the amount: each cell's K
+    /// is rotated by four position sections, of which a shift knows one (llama.cpp 0.1.161
+    /// asserts `n_pos_per_embd() == 1` in `seq_add` and `seq_div`).
+    fn check_shiftable_positions(&self, op: &str) -> Result<()> {
+        if self.params.mrope {
+            return Err(KvError::Unsupported(format!(
+                "{op}: the cache holds M-RoPE positions (Qwen-VL and the like), which cannot be \
+                 shifted or divided (llama.cpp refuses too); remove and re-evaluate instead"
+            )));
+        }
         Ok(())
     }
 

@@ -4,7 +4,8 @@
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::SeqSet;
-use crate::error::Result;
+use crate::error::{KvError, Result};
+use crate::CellExtValue;
 
 /// Where a micro-batch was placed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +42,13 @@ impl KvCache {
     /// case the cache is unchanged.
     pub fn find_slot(&mut self, ubatch: &UBatch) -> Result<Option<Slot>> {
         ubatch.validate(self.params.n_seq_max)?;
+        if !ubatch.ext.is_empty() && self.params.cell_ext.is_none() {
+            return Err(KvError::InvalidArg(
+                "the ubatch carries cell extensions, but this cache keeps none (cellExt 'none'): \
+                 only M-RoPE and PLE caches record them"
+                    .into(),
+            ));
+        }
         if self.params.recurrent {
             Ok(self.find_slot_recurrent(ubatch))
         } else {
@@ -96,6 +104,9 @@ impl KvCache {
         self.cells.fill_free(head as usize, &ubatch.pos[..n], |k| {
             ubatch.seq_set(k / per_group)
         });
+        if self.cells.keeps_ext() {
+            self.record_ext(head as usize, ubatch);
+        }
         self.cells.used += n_tokens;
         self.cells.settle();
         Some(Slot {
@@ -103,6 +114,24 @@ impl KvCache {
             len: n_tokens,
             n: self.n,
         })
+    }
+
+    /// Gives the cells `first..` that a ubatch was placed in their extensions, as
+    /// llama.cpp's `apply_ubatch` does: the ubatch's own, or an M-RoPE text token's (its
+    /// position as `x` and `y`; PLE caches: 0) with no token id.
+    fn record_ext(&mut self, first: usize, ubatch: &UBatch) {
+        for (k, &pos) in ubatch.pos.iter().enumerate() {
+            let ext = match ubatch.ext.get(k) {
+                Some(&e) => e,
+                None if self.params.mrope => CellExtValue {
+                    x: pos,
+                    y: pos,
+                    tok: -1,
+                },
+                None => CellExtValue::default(),
+            };
+            self.cells.set_ext(first + k, ext);
+        }
     }
 
     /// Recurrent placement. Where the seed would hit an assertion (no empty cell left for a

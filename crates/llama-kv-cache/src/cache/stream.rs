@@ -17,7 +17,7 @@ use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::rollback::CellsUndo;
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
-use crate::state::cells::{CellExt, PayloadCells, MAX_PAYLOAD_SEQS};
+use crate::state::cells::{PayloadCells, MAX_PAYLOAD_SEQS};
 use crate::state::rows::{write_columns, write_rows};
 use crate::state::sink::WindowSink;
 use crate::state::{
@@ -361,7 +361,7 @@ impl KvCache {
         } else {
             1
         };
-        let f = StreamFormat::of(layout, CellExt::None);
+        let f = StreamFormat::of(layout, self.params.cell_ext);
         for s in 0..n_stream {
             // a count this cache cannot hold is refused before its cells arrive
             if let Some(count) = c.peek_u32() {
@@ -654,6 +654,7 @@ mod tests {
             pos: vec![0, 1, 2],
             n_seq_tokens: 3,
             seq_ids: vec![vec![0, 1]],
+            ext: Vec::new(),
         })
         .unwrap();
         c.find_slot(&UBatch::sequence(0, 3, 7)).unwrap();

@@ -37,6 +37,8 @@ pub struct CellColumns {
     pub seq_offsets: Vec<u32>,
     /// The sequence ids of every cell, concatenated.
     pub seq_ids: Vec<i32>,
+    /// Per cell `x, y, tok` (its extension), in a cache that keeps them; empty otherwise.
+    pub ext: Vec<i32>,
 }
 
 impl KvCache {
@@ -46,6 +48,8 @@ impl KvCache {
         let size = cells.len();
         let mut seq_offsets = alloc::with_capacity(size + 1, "the cell columns")?;
         let mut seq_ids = alloc::with_capacity(cells.n_tokens() as usize, "the cell columns")?;
+        let mut ext = alloc::with_capacity(3 * cells.ext_column().len(), "the cell columns")?;
+        ext.extend(cells.ext_column().iter().flat_map(|e| [e.x, e.y, e.tok]));
         seq_offsets.push(0);
         for seqs in cells.seqs_column() {
             seq_ids.extend(seqs.iter().map(|s| s as i32));
@@ -58,6 +62,7 @@ impl KvCache {
             tail: alloc::copy(cells.tail_column(), "the cell columns")?,
             seq_offsets,
             seq_ids,
+            ext,
         })
     }
 

@@ -2,7 +2,7 @@
 //! tails), the bitmaps that index it, and the micro-batches placed into it.
 //!
 //! Owns: [`Cells`], [`SeqSet`], the set bitmaps ([`set`]) and [`ubatch::UBatch`].
-//! May import: the base modules (`error`, `alloc`, `params`). Knows nothing of tensors, state
+//! May import: the base modules (`error`, `alloc`, `cell_ext`, `params`). Knows nothing of tensors, state
 //! payloads or models.
 
 pub mod set;

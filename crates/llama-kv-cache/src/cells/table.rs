@@ -10,6 +10,7 @@
 
 pub use crate::params::MAX_SEQ;
 
+use crate::cell_ext::CellExtValue;
 use crate::cells::set::{bits, next_bit, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
 use crate::error::Result;
 
@@ -96,6 +97,8 @@ pub struct Cell {
     pub tail: i32,
     /// Sequences that own the cell.
     pub seqs: SeqSet,
+    /// The cell's extension (M-RoPE / PLE caches; the default elsewhere).
+    pub ext: CellExtValue,
 }
 
 impl Default for Cell {
@@ -106,6 +109,7 @@ impl Default for Cell {
             src: -1,
             tail: -1,
             seqs: SeqSet::EMPTY,
+            ext: CellExtValue::default(),
         }
     }
 }
@@ -122,6 +126,9 @@ pub struct Cells {
     src: Vec<i32>,
     tail: Vec<i32>,
     seqs: Vec<SeqSet>,
+    /// Each cell's extension, in a cache that keeps them ([`Cells::keep_ext`]); empty in any
+    /// other, so that the tables of every other model pay nothing for it.
+    ext: Vec<CellExtValue>,
     /// The cells with `pos >= 0`.
     occupied: CellSet,
     /// Per sequence, the cells that hold it.
@@ -134,7 +141,8 @@ pub struct Cells {
 }
 
 /// Two cell tables are equal when their cells and `used` are: the indexes are derived from
-/// the cells, and their position bounds may differ in how loose they are.
+/// the cells, and their position bounds may differ in how loose they are. A free cell's
+/// extension is never read (placement sets it), so only occupied cells' count.
 impl PartialEq for Cells {
     fn eq(&self, other: &Cells) -> bool {
         self.pos == other.pos
@@ -143,6 +151,8 @@ impl PartialEq for Cells {
             && self.tail == other.tail
             && self.seqs == other.seqs
             && self.used == other.used
+            && self.ext.len() == other.ext.len()
+            && (0..self.ext.len()).all(|i| self.pos[i] < 0 || self.ext[i] == other.ext[i])
     }
 }
 
@@ -172,12 +182,46 @@ impl Cells {
             src: filled(size, -1, what)?,
             tail: filled(size, -1, what)?,
             seqs: filled(size, SeqSet::EMPTY, what)?,
+            ext: Vec::new(),
             occupied: CellSet::new(words, what)?,
             seq,
             seq_pos_max: vec![NO_POS; n_seq],
             dirty: 0,
             used: 0,
         })
+    }
+
+    /// Keeps an extension per cell from now on (a cache whose parameters name one), all at
+    /// llama.cpp's default until placement sets them.
+    pub fn keep_ext(&mut self) -> Result<()> {
+        self.ext = crate::alloc::filled(
+            self.pos.len(),
+            CellExtValue::default(),
+            "the cell extensions",
+        )?;
+        Ok(())
+    }
+
+    /// Whether the table keeps an extension per cell.
+    pub fn keeps_ext(&self) -> bool {
+        !self.ext.is_empty()
+    }
+
+    /// Cell `i`'s extension (the default in a table that keeps none).
+    pub fn ext(&self, i: usize) -> CellExtValue {
+        self.ext.get(i).copied().unwrap_or_default()
+    }
+
+    /// Sets cell `i`'s extension; nothing in a table that keeps none.
+    pub fn set_ext(&mut self, i: usize, ext: CellExtValue) {
+        if let Some(e) = self.ext.get_mut(i) {
+            *e = ext;
+        }
+    }
+
+    /// Every cell's extension (empty in a table that keeps none).
+    pub fn ext_column(&self) -> &[CellExtValue] {
+        &self.ext
     }
 
     /// Number of cells.
@@ -198,6 +242,7 @@ impl Cells {
             src: self.src[i],
             tail: self.tail[i],
             seqs: self.seqs[i],
+            ext: self.ext(i),
         }
     }
 
@@ -440,6 +485,7 @@ impl Cells {
         self.src[i] = cell.src;
         self.tail[i] = cell.tail;
         self.set_seqs(i, cell.seqs);
+        self.set_ext(i, cell.ext);
     }
 
     /// Defrag's move of cell `src` into the free cell `dst`: afterwards `dst` is what `src` was
@@ -460,6 +506,9 @@ impl Cells {
         self.src[dst] = self.src[src];
         self.tail[dst] = self.tail[src];
         self.seqs[dst] = seqs;
+        if let Some(&ext) = self.ext.get(src) {
+            self.ext[dst] = ext;
+        }
         if pos >= 0 {
             self.occupied.remove(src);
             self.occupied.insert(dst, pos);
@@ -899,6 +948,7 @@ impl Cells {
         self.src.fill(-1);
         self.tail.fill(-1);
         self.seqs.fill(SeqSet::EMPTY);
+        self.ext.fill(CellExtValue::default());
         self.occupied.clear();
         for s in &mut self.seq {
             s.clear();
@@ -1009,6 +1059,9 @@ impl Cells {
         move_column(&mut self.delta, src, dst, len, 0);
         move_column(&mut self.src, src, dst, len, -1);
         move_column(&mut self.tail, src, dst, len, -1);
+        if self.keeps_ext() {
+            move_column(&mut self.ext, src, dst, len, CellExtValue::default());
+        }
         self.occupied.move_members(src, dst, len);
         for s in bits(present) {
             self.seq[s].move_members(src, dst, len);

@@ -1,5 +1,6 @@
 //! The micro-batch that `find_slot` places: the seed's `llama_ubatch`, without token data.
 
+use crate::cell_ext::CellExtValue;
 use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 
@@ -17,6 +18,10 @@ pub struct UBatch {
     pub n_seq_tokens: u32,
     /// Sequence ids of each group, in the order given (the first id is the group's own).
     pub seq_ids: Vec<Vec<i32>>,
+    /// Each token's cell extension (its 2D position and token id), for a cache that keeps
+    /// them; empty: M-RoPE text tokens (`x = y = pos`) with no token id recorded (-1), as
+    /// llama.cpp records embeddings. A cache without extensions refuses a non-empty one.
+    pub ext: Vec<CellExtValue>,
 }
 
 impl UBatch {
@@ -26,6 +31,7 @@ impl UBatch {
             pos,
             n_seq_tokens: 1,
             seq_ids,
+            ext: Vec::new(),
         }
     }
 
@@ -64,6 +70,13 @@ impl UBatch {
                 self.seq_ids.len(),
                 self.n_seq_tokens,
                 expected
+            ));
+        }
+        if !self.ext.is_empty() && self.ext.len() != self.pos.len() {
+            return bad(format!(
+                "ubatch has {} cell extensions for {} tokens (give one per token, or none)",
+                self.ext.len(),
+                self.pos.len()
             ));
         }
         for (k, &p) in self.pos.iter().enumerate() {

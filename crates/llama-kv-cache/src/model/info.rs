@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::model::arch::{self, MemoryKind};
@@ -164,6 +165,13 @@ pub struct RopeInfo {
     pub factor_tensors: Vec<String>,
 }
 
+impl RopeInfo {
+    /// Whether positions are M-RoPE's (four per token: llama.cpp's `n_pos_per_embd() > 1`).
+    pub fn is_mrope(&self) -> bool {
+        matches!(self.kind, RopeKind::Mrope | RopeKind::Imrope)
+    }
+}
+
 /// The sliding window.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwaInfo {
@@ -224,6 +232,10 @@ pub struct ModelInfo {
     pub recurrent: Option<RecurrentInfo>,
     /// Which memory llama.cpp builds for it.
     pub memory: MemoryKind,
+    /// What llama.cpp 0.1.161 keeps per cell beside its position (`has_cell_ext()`):
+    /// `pos2-tok` for M-RoPE models (`n_pos_per_embd() > 1`) and PLE models (`ple_n_heads >
+    /// 0`), none for every other.
+    pub cell_ext: CellExt,
     /// Tensors in the file.
     pub n_tensors: u64,
     /// File size.
@@ -578,6 +590,14 @@ impl ModelInfo {
             .get("general.name")
             .and_then(|v| v.as_str())
             .map(String::from);
+        // PLE: qwen4exp with its n-gram hash layers listed (0.1.161 reads the group only then)
+        let ple = arch == "qwen4exp"
+            && matches!(k.raw("ple.layers"), Some((_, GgufValue::Array { len, .. })) if *len > 0);
+        let cell_ext = if rope.is_mrope() || ple {
+            CellExt::Pos2Tok
+        } else {
+            CellExt::None
+        };
         Ok(ModelInfo {
             arch,
             name,
@@ -591,6 +611,7 @@ impl ModelInfo {
             swa,
             recurrent,
             memory,
+            cell_ext,
             n_tensors: h.tensors.len() as u64,
             file_size: h.file_size,
             data_size: h.data_size,
@@ -673,7 +694,10 @@ impl ModelInfo {
         p.type_v = type_v;
         p.flash_attn = flash_attn;
         p.recurrent = recurrent;
-        p.can_shift = !recurrent;
+        // an M-RoPE cache cannot shift: 0.1.161 asserts on seq_add / seq_div of one
+        p.mrope = self.rope.is_mrope();
+        p.can_shift = !recurrent && !p.mrope;
+        p.cell_ext = self.cell_ext;
         p.n_seq_max = n_seq_max;
         let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
         p.size = if recurrent {

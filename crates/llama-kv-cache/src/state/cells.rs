@@ -15,6 +15,7 @@
 //! and a stream as its bytes arrive ([`CellParser::feed`] takes whole cells and stops at the
 //! first one that is cut).
 
+pub use crate::cell_ext::{CellExt, CellExtValue};
 use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 use crate::state::source::{truncated, ByteSource, Cursor};
@@ -29,66 +30,6 @@ const CHUNK: usize = 64 * 1024;
 
 /// Bytes of the largest plausible cell: a read of this many always makes progress.
 const MAX_CELL_BYTES: usize = 8 + 12 + 4 * MAX_PAYLOAD_SEQS as usize;
-
-/// Which cell extension the cells of a payload carry after their `n_seq_id`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum CellExt {
-    /// None: every model without M-RoPE or PLE, and every file before llama.cpp added it.
-    #[default]
-    None,
-    /// The 2D position `x, y` (8 bytes): M-RoPE files of the first llama.cpp versions that
-    /// saved it.
-    Pos2,
-    /// `x, y, tok` (12 bytes): llama.cpp 0.1.161's `llama_kv_cell_ext`.
-    Pos2Tok,
-}
-
-impl CellExt {
-    /// Bytes of the extension in each cell.
-    pub fn bytes(self) -> usize {
-        match self {
-            CellExt::None => 0,
-            CellExt::Pos2 => 8,
-            CellExt::Pos2Tok => 12,
-        }
-    }
-
-    /// Whether cells carry no extension.
-    pub fn is_none(self) -> bool {
-        self == CellExt::None
-    }
-
-    /// Name used in messages and inspection: `none`, `pos2` or `pos2-tok`.
-    pub fn name(self) -> &'static str {
-        match self {
-            CellExt::None => "none",
-            CellExt::Pos2 => "pos2",
-            CellExt::Pos2Tok => "pos2-tok",
-        }
-    }
-}
-
-/// One cell's extension: its 2D position and token (`tok` is -1, llama.cpp's
-/// `LLAMA_TOKEN_NULL`, for embedding input and in [`CellExt::Pos2`] payloads).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CellExtValue {
-    /// Horizontal position.
-    pub x: i32,
-    /// Vertical position.
-    pub y: i32,
-    /// The token the cell holds.
-    pub tok: i32,
-}
-
-impl Default for CellExtValue {
-    fn default() -> Self {
-        CellExtValue {
-            x: 0,
-            y: 0,
-            tok: -1,
-        }
-    }
-}
 
 /// The cells of one stream of a payload, in payload order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -152,6 +93,11 @@ impl PayloadCells {
     /// Which extension the cells carry.
     pub fn ext_kind(&self) -> CellExt {
         self.ext_kind
+    }
+
+    /// Every cell's extension, in payload order (empty when the cells carry none).
+    pub fn exts(&self) -> &[CellExtValue] {
+        &self.ext
     }
 
     /// Appends a cell.

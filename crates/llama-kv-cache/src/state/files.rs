@@ -669,5 +669,6 @@ pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<cr
     p.recurrent = recurrent;
     p.n_seq_max = n_seq_max;
     (p.n_rot_k, p.n_rot_v) = stream.n_rot.unwrap_or((0, 0));
+    p.cell_ext = payload.ext;
     Ok(p)
 }
