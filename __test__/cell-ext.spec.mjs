@@ -2,7 +2,8 @@
 // `x, y, tok` after each cell's seq id count (llama.cpp 0.1.161's llama_kv_cell_ext). A cache
 // built for such a model keeps them (`cellExt`, `cells().ext`), places ubatches with them,
 // loads and saves llama.cpp 0.1.161's own files byte for byte, and refuses to shift
-// positions; a cache without them refuses such files by name and stays as it was. The peer's
+// positions; a cache without them refuses such files by name and stays as it was. The prompt
+// store does not keep extensions yet and refuses such caches and files instead of dropping them. The peer's
 // side (its own files, and ours continuing in it) runs in crates/today's cargo tests.
 import test from 'ava'
 import fs from 'node:fs'
@@ -12,7 +13,7 @@ import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 
 const require = createRequire(import.meta.url)
-const { KvCache, modelInfo, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, PromptStore, modelInfo, inspectState, convertStateFile } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const MODELS = path.join(HERE, '..', 'interop', 'models')
@@ -128,4 +129,16 @@ test('convertStateFile keeps the extension in the form of the output version', (
   t.is(inspectState(tmp('v9.ggsn')).cellExt, 'pos2')
   convertStateFile(fixture('qwen2vl.ggsn'), tmp('v11.ggsn'), { version: 11 })
   t.true(fs.readFileSync(tmp('v11.ggsn')).equals(fs.readFileSync(fixture('qwen2vl.ggsn'))))
+})
+
+test('the prompt store refuses cells with extensions by name instead of storing them without', async (t) => {
+  const store = new PromptStore({ model: 'qwen2vl', blockTokens: 16 })
+  const before = await store.stats()
+  t.throws(() => store.putFileSync(fixture('qwen2vl.ggsn')), code('ERR_KV_UNSUPPORTED', /file's cells carry the 'pos2-tok' cell extension/))
+  const cache = KvCache.fromModel(path.join(MODELS, 'qwen2vl.gguf'), { nCtx: 32, nSeqMax: 2 })
+  cache.loadSessionFileSync(fixture('qwen2vl.ggsn'))
+  await t.throwsAsync(store.put(cache, 0, sidecar('qwen2vl').prompts[0]), code('ERR_KV_UNSUPPORTED', /cache's cells keep the 'pos2-tok'/))
+  const after = await store.stats()
+  t.is(after.blocks, before.blocks)
+  t.is(after.bytes, before.bytes)
 })

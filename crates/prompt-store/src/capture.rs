@@ -7,7 +7,7 @@ use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
 use llama_kv_cache::state::{StreamBlock, VBlock};
 use llama_kv_cache::tensors::transpose::{transpose, Shape as TransposeShape};
-use llama_kv_cache::{KvCache, KvError, Layout, MemoryKind, Tensor};
+use llama_kv_cache::{CellExt, KvCache, KvError, Layout, MemoryKind, Tensor};
 
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::Geometry;
@@ -289,9 +289,22 @@ fn recurrent_one_sequence(part: &[u8], seq: Option<i32>) -> StoreResult<(Vec<u8>
     Ok((out, pos))
 }
 
+/// The refusal of cells with an extension: blocks keep rows and tokens, not each cell's
+/// `x, y, tok`, so a restore would lose an image's 2D positions.
+fn no_cell_ext(what: &str, ext: CellExt) -> StoreError {
+    StoreError::Cache(KvError::Unsupported(format!(
+        "{what} the '{}' cell extension of M-RoPE / PLE models, which the prompt store does not keep yet",
+        ext.name()
+    )))
+}
+
 impl<'a> Capture<'a> {
     /// Sequence `seq` of a live cache (a unified or recurrent one), `tokens` being its prompt.
     pub fn of_cache(cache: &'a KvCache, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
+        let ext = cache.params().cell_ext;
+        if !ext.is_none() {
+            return Err(no_cell_ext("the cache's cells keep", ext));
+        }
         if cache.has_shift() {
             return Err(StoreError::NotPrefix(
                 "the cache has a pending K-shift (apply it with update() first): its K rows are not those of positions 0..n"
@@ -342,10 +355,7 @@ impl<'a> Capture<'a> {
                 .or(recurrent)
                 .unwrap_or_else(|| ends_in_one_cell(ins));
         if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
-            return Err(StoreError::Cache(KvError::Unsupported(format!(
-                "the file's cells carry the '{}' cell extension of M-RoPE / PLE models, which the prompt store does not keep yet",
-                p.payload.ext.name()
-            ))));
+            return Err(no_cell_ext("the file's cells carry", p.payload.ext));
         }
         let kv_layout = match ins.parts.iter().find(|p| p.kind == PartKind::Kv) {
             Some(p) if !whole_recurrent => p.payload.layout,
