@@ -390,3 +390,33 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn streamed_state_keeps_the_extension_both_ways() {
+    let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
+    let mut ub = UBatch::sequence(1, 0, 5);
+    ub.ext = (0..5).map(|k| CellExtValue { x: k * 2, y: 9, tok: 40 + k }).collect();
+    c.find_slot(&ub).unwrap().unwrap();
+    let whole = c.state_write(1, Layout::StreamsRot, 1, None).unwrap();
+    // out in chunks of 7 bytes: the bytes of the one-piece writer
+    let mut out = c.state_out(1, Layout::StreamsRot, 1).unwrap();
+    let mut streamed = Vec::new();
+    let mut buf = [0u8; 7];
+    loop {
+        let n = c.state_out_chunk(&mut out, &mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        streamed.extend_from_slice(&buf[..n]);
+    }
+    assert!(streamed == whole);
+    // in, fed in 5-byte pieces into another sequence
+    let mut load = c.state_in(0, ReadOptions::default()).unwrap();
+    for piece in whole.chunks(5) {
+        c.state_in_write(&mut load, piece).unwrap();
+    }
+    let summary = c.state_in_finish(&mut load).unwrap();
+    for (k, &cell) in summary.placed.iter().enumerate() {
+        assert_eq!(ext_of(&c, cell), ub.ext[k]);
+    }
+}
