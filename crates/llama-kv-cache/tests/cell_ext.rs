@@ -395,7 +395,13 @@ proptest! {
 fn streamed_state_keeps_the_extension_both_ways() {
     let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
     let mut ub = UBatch::sequence(1, 0, 5);
-    ub.ext = (0..5).map(|k| CellExtValue { x: k * 2, y: 9, tok: 40 + k }).collect();
+    ub.ext = (0..5)
+        .map(|k| CellExtValue {
+            x: k * 2,
+            y: 9,
+            tok: 40 + k,
+        })
+        .collect();
     c.find_slot(&ub).unwrap().unwrap();
     let whole = c.state_write(1, Layout::StreamsRot, 1, None).unwrap();
     // out in chunks of 7 bytes: the bytes of the one-piece writer

@@ -32,6 +32,17 @@ impl Default for PrepareOptions {
     }
 }
 
+/// The refusal of a ubatch with cell extensions by a cache that keeps none (out of line: the
+/// placement path stays small).
+#[cold]
+fn no_cell_ext() -> KvError {
+    KvError::InvalidArg(
+        "the ubatch carries cell extensions, but this cache keeps none (cellExt 'none'): \
+         only M-RoPE and PLE caches record them"
+            .into(),
+    )
+}
+
 fn pad(x: u32, p: u32) -> u32 {
     x.div_ceil(p) * p
 }
@@ -43,11 +54,7 @@ impl KvCache {
     pub fn find_slot(&mut self, ubatch: &UBatch) -> Result<Option<Slot>> {
         ubatch.validate(self.params.n_seq_max)?;
         if !ubatch.ext.is_empty() && self.params.cell_ext.is_none() {
-            return Err(KvError::InvalidArg(
-                "the ubatch carries cell extensions, but this cache keeps none (cellExt 'none'): \
-                 only M-RoPE and PLE caches record them"
-                    .into(),
-            ));
+            return Err(no_cell_ext());
         }
         if self.params.recurrent {
             Ok(self.find_slot_recurrent(ubatch))
