@@ -1,6 +1,7 @@
 //! Fuzzes every reader of untrusted bytes: payload detection and restore (whole cache and one
 //! sequence, one part of a payload of several memories), sequence and session files of every
-//! version (v11 / v4 with the rotation, iSWA and hybrid parts), inspection and conversion. A
+//! version (v11 / v4 with the rotation, iSWA and hybrid parts, cells with extensions),
+//! inspection and conversion. A
 //! failed load must leave the cache exactly as it was; a successful one must write back without
 //! error.
 #![no_main]
@@ -10,11 +11,11 @@ use llama_kv_cache::convert_bytes;
 use llama_kv_cache::state::files::inspect_bytes;
 
 use llama_kv_cache::{
-    CacheParams, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, ReadSummary,
+    CacheParams, CellExt, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions, ReadSummary,
     UBatch,
 };
 
-fn cache(flash: bool, ty: GgmlType, rotated: bool) -> KvCache {
+fn cache(flash: bool, ty: GgmlType, rotated: bool, ext: bool) -> KvCache {
     // the rotated cache is shaped like the t161 h64 fixtures (head_dim 64, one KV head)
     let width = if rotated { 64 } else { 32 };
     let mut p = CacheParams::new(16, 2, width, width);
@@ -25,6 +26,11 @@ fn cache(flash: bool, ty: GgmlType, rotated: bool) -> KvCache {
     if rotated {
         p.n_rot_k = 64;
         p.n_rot_v = if flash { 64 } else { 0 };
+    }
+    // an M-RoPE cache: every cell carries x, y, tok (llama.cpp 0.1.161's cell extension)
+    if ext {
+        p.cell_ext = CellExt::Pos2Tok;
+        p.mrope = true;
     }
     let mut c = KvCache::new(p).unwrap();
     c.find_slot(&UBatch::per_token(
@@ -60,8 +66,10 @@ fuzz_target!(|data: &[u8]| {
     } else {
         GgmlType::F16
     };
+    // bit 3: rotated K/V when quantized, cell extensions when not
     let rotated = quantized && selector & 8 == 8;
-    let new_cache = || cache(flash, ty, rotated);
+    let ext = !quantized && selector & 8 == 8;
+    let new_cache = || cache(flash, ty, rotated, ext);
     let mut c = new_cache();
     let layout = if c.params().n_rot_k != 0 {
         Layout::StreamsRot
