@@ -275,6 +275,21 @@ impl FromNapiValue for I32Copy {
     }
 }
 
+impl I32Copy {
+    /// The integers of a field that takes numbers or an Int32Array: each number checked and
+    /// named `name[i]` when it is not an i32.
+    pub fn of(name: &str, v: Either<Vec<f64>, I32Copy>) -> JsResult<Vec<i32>> {
+        match v {
+            Either::A(list) => list
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| i32_named(|| format!("{name}[{i}]"), x))
+                .collect(),
+            Either::B(typed) => Ok(typed.0),
+        }
+    }
+}
+
 /// An options object converted with its field-level message kept and a coded error.
 pub struct Obj<T>(pub T);
 

@@ -8,7 +8,7 @@ use napi_derive::napi;
 
 use super::restorer::SlotRestorer;
 use super::KvCache;
-use crate::args::{i32_named, i32v, opt_i32, u32v, I32s, Num, Obj};
+use crate::args::{i32_named, i32v, opt_i32, u32v, I32Copy, I32s, Num, Obj};
 use crate::convert;
 use crate::error::{err, from_core, Code, JsResult};
 use crate::types::{PrepareBatchOptions, Slot, UBatchInput};
@@ -233,14 +233,7 @@ fn slot(s: core::Slot) -> Slot {
 
 /// A JS ubatch (its typed array `pos` was copied at conversion: see [`crate::args::I32Copy`]).
 fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
-    let pos: Vec<i32> = match u.pos {
-        Either::A(list) => list
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| i32_named(|| format!("pos[{i}]"), p))
-            .collect::<JsResult<_>>()?,
-        Either::B(typed) => typed.0,
-    };
+    let pos = I32Copy::of("pos", u.pos)?;
     let seq_ids = u
         .seq_ids
         .iter()
@@ -260,14 +253,7 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
     };
     let ext = match u.ext {
         None => Vec::new(),
-        Some(Either::A(list)) => convert::cell_exts(
-            &list
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| i32_named(|| format!("ext[{i}]"), v))
-                .collect::<JsResult<Vec<i32>>>()?,
-        )?,
-        Some(Either::B(typed)) => convert::cell_exts(&typed.0)?,
+        Some(ext) => convert::cell_exts(&I32Copy::of("ext", ext)?)?,
     };
     Ok(UBatch {
         pos,
