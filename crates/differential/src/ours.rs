@@ -637,7 +637,7 @@ impl Ours {
                 return Some(format!("cell {i} has sequences but no position"));
             }
             for (j, &cleared) in clear.iter().enumerate() {
-                if !cleared && cells.pos(j) == p && cells.seqs(j).0 & cells.seqs(i).0 != 0 {
+                if !cleared && cells.pos(j) == p && cells.seqs(j).intersects(cells.seqs(i)) {
                     return Some(format!(
                         "cell {j} shares (seq, pos {p}) with cell {i} being restored"
                     ));

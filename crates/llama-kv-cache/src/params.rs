@@ -5,7 +5,7 @@ use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 
 /// The most sequences a cache can track (seq ids `0..MAX_SEQ`).
-pub const MAX_SEQ: usize = 64;
+pub const MAX_SEQ: usize = 256;
 
 /// Hyper-parameters and context parameters that shape a cache (the seed's `hparams` + `cparams`).
 #[derive(Clone, Debug, PartialEq)]
@@ -212,7 +212,11 @@ mod tests {
     fn rejects_zero_size_and_bad_seq_limit() {
         assert!(CacheParams::new(0, 1, 8, 8).validate().is_err());
         let mut p = CacheParams::new(8, 1, 8, 8);
-        p.n_seq_max = 65;
+        p.n_seq_max = 257;
+        assert!(p.validate().is_err());
+        p.n_seq_max = 256;
+        assert!(p.validate().is_ok());
+        p.n_seq_max = 257;
         assert!(p.validate().is_err());
         p.n_seq_max = 0;
         assert!(p.validate().is_err());

@@ -133,13 +133,11 @@ impl KvCache {
     fn meta_size(&self, ranges: &[(usize, usize)], seq: i32, layout: Layout) -> usize {
         let cells: usize = ranges.iter().map(|r| r.1 - r.0).sum();
         let ids = match (seq, layout) {
-            (-1, _) => {
-                let seqs = self.cells.seqs_column();
-                ranges
-                    .iter()
-                    .map(|&(a, b)| seqs[a..b].iter().map(|s| s.len()).sum::<usize>())
-                    .sum()
-            }
+            (-1, _) => ranges
+                .iter()
+                .flat_map(|&(a, b)| a..b)
+                .map(|i| self.cells.seqs(i).len())
+                .sum(),
             (_, Layout::Seed) => 0,
             (_, Layout::Streams | Layout::StreamsRot) => cells,
         };
@@ -150,7 +148,7 @@ impl KvCache {
     /// [`KvCache::meta_size`] bytes long. Fixed-size cells go out as fixed-size chunks, which
     /// compile to plain stores (a cursor over the slice cost 3.5 ns per cell).
     fn put_cells_meta(&self, out: &mut [u8], ranges: &[(usize, usize)], seq: i32, layout: Layout) {
-        let (pos, seqs) = (self.cells.pos_column(), self.cells.seqs_column());
+        let pos = self.cells.pos_column();
         let n: usize = ranges.iter().map(|r| r.1 - r.0).sum();
         let (count, out) = out.split_at_mut(4);
         count.copy_from_slice(&cell_count_header(n as u32));
@@ -161,7 +159,7 @@ impl KvCache {
             let mut at = 0;
             for i in cells {
                 let ids = match (seq, layout) {
-                    (-1, _) => seqs[i],
+                    (-1, _) => self.cells.seqs(i),
                     (_, Layout::Seed) => SeqSet::EMPTY,
                     (s, _) => SeqSet::single(s as usize),
                 };
@@ -177,10 +175,10 @@ impl KvCache {
             (-1, _) => {
                 let mut at = 0;
                 for i in cells {
-                    let set = seqs[i];
+                    let set = self.cells.seqs(i);
                     // a cell of one sequence, the common case: one fixed-size write
-                    if set.0.is_power_of_two() {
-                        let id = set.0.trailing_zeros() as i32;
+                    if let Some(id) = set.only() {
+                        let id = id as i32;
                         let dst: &mut [u8; 12] = (&mut out[at..at + 12]).try_into().unwrap();
                         put_cell_one_id(dst, pos[i], id);
                         at += 12;

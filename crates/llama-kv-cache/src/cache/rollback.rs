@@ -227,7 +227,9 @@ mod tests {
             let columns = |k: &KvCache| {
                 (
                     k.cells.pos_column().to_vec(),
-                    k.cells.seqs_column().to_vec(),
+                    (0..k.cells.len())
+                        .map(|i| k.cells.seqs(i))
+                        .collect::<Vec<_>>(),
                 )
             };
             assert_eq!(

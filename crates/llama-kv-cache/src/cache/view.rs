@@ -51,8 +51,8 @@ impl KvCache {
         let mut ext = alloc::with_capacity(3 * cells.ext_column().len(), "the cell columns")?;
         ext.extend(cells.ext_column().iter().flat_map(|e| [e.x, e.y, e.tok]));
         seq_offsets.push(0);
-        for seqs in cells.seqs_column() {
-            seq_ids.extend(seqs.iter().map(|s| s as i32));
+        for i in 0..size {
+            seq_ids.extend(cells.seqs(i).iter().map(|s| s as i32));
             seq_offsets.push(seq_ids.len() as u32);
         }
         Ok(CellColumns {

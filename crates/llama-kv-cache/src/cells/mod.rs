@@ -5,8 +5,10 @@
 //! May import: the base modules (`error`, `alloc`, `cell_ext`, `params`). Knows nothing of tensors, state
 //! payloads or models.
 
+mod seqs;
 pub mod set;
 mod table;
 pub mod ubatch;
 
+pub use seqs::{SeqColumn, SeqSet};
 pub use table::*;

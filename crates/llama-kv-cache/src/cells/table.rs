@@ -1,7 +1,8 @@
 //! Cell metadata, stored column-wise, with exact per-sequence bookkeeping.
 //!
 //! The seed keeps a `std::set<llama_seq_id>` in every cell and answers every question with a
-//! scan of all cells. Here a cell's sequences are a 64-bit mask, and two kinds of cell sets
+//! scan of all cells. Here a cell's sequences are a bitmask ([`crate::cells::seqs`]: one word per
+//! 64 sequences the cache allows), and two kinds of cell sets
 //! ([`crate::cells::set`]: a bitmap with position bounds per 64-cell word and per 4,096 cells)
 //! index the cells: one of occupied cells (`pos >= 0`, what slot search looks at) and one per
 //! sequence (the cells it owns). An operation on a range of one sequence's positions visits only
@@ -11,60 +12,12 @@
 pub use crate::params::MAX_SEQ;
 
 use crate::cell_ext::CellExtValue;
+use crate::cells::seqs::{SeqColumn, SeqSet};
 use crate::cells::set::{bits, next_bit, runs_of_words, select, CellSet, Cursor, NO_HI, NO_LO};
 use crate::error::Result;
 
 /// Marker for "no position" in the per-sequence maximum.
 const NO_POS: i32 = i32::MIN;
-
-/// A set of sequence ids in `0..MAX_SEQ`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SeqSet(pub u64);
-
-impl SeqSet {
-    /// The empty set.
-    pub const EMPTY: SeqSet = SeqSet(0);
-
-    /// The set holding only `seq`.
-    pub fn single(seq: usize) -> SeqSet {
-        SeqSet(1u64 << seq)
-    }
-
-    /// The set of `ids` (each in `0..MAX_SEQ`, validated by the caller).
-    pub fn of(ids: &[i32]) -> SeqSet {
-        SeqSet(ids.iter().fold(0, |set, &id| set | 1u64 << id))
-    }
-
-    /// Whether `seq` is in the set.
-    pub fn contains(self, seq: usize) -> bool {
-        seq < MAX_SEQ && self.0 & (1u64 << seq) != 0
-    }
-
-    /// Whether the set is empty.
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-
-    /// Number of ids in the set.
-    pub fn len(self) -> usize {
-        self.0.count_ones() as usize
-    }
-
-    /// Adds `seq`.
-    pub fn insert(&mut self, seq: usize) {
-        self.0 |= 1u64 << seq;
-    }
-
-    /// Removes `seq`.
-    pub fn remove(&mut self, seq: usize) {
-        self.0 &= !(1u64 << seq);
-    }
-
-    /// The ids, ascending (the order of the seed's `std::set`).
-    pub fn iter(self) -> impl Iterator<Item = usize> {
-        bits(self.0)
-    }
-}
 
 /// Cells freed by a bulk operation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -125,7 +78,7 @@ pub struct Cells {
     delta: Vec<i32>,
     src: Vec<i32>,
     tail: Vec<i32>,
-    seqs: Vec<SeqSet>,
+    seqs: SeqColumn,
     /// Each cell's extension, in a cache that keeps them ([`Cells::keep_ext`]); empty in any
     /// other, so that the tables of every other model pay nothing for it.
     ext: Vec<CellExtValue>,
@@ -135,7 +88,7 @@ pub struct Cells {
     seq: Vec<CellSet>,
     seq_pos_max: Vec<i32>,
     /// Sequences whose maximum must be recomputed (a cell at the maximum lost it).
-    dirty: u64,
+    dirty: SeqSet,
     /// The seed's `used` counter.
     pub used: u32,
 }
@@ -181,12 +134,12 @@ impl Cells {
             delta: zeroed(size, what)?,
             src: filled(size, -1, what)?,
             tail: filled(size, -1, what)?,
-            seqs: filled(size, SeqSet::EMPTY, what)?,
+            seqs: SeqColumn::new(size, n_seq, what)?,
             ext: Vec::new(),
             occupied: CellSet::new(words, what)?,
             seq,
             seq_pos_max: vec![NO_POS; n_seq],
-            dirty: 0,
+            dirty: SeqSet::EMPTY,
             used: 0,
         })
     }
@@ -241,7 +194,7 @@ impl Cells {
             delta: self.delta[i],
             src: self.src[i],
             tail: self.tail[i],
-            seqs: self.seqs[i],
+            seqs: self.seqs.get(i),
             ext: self.ext(i),
         }
     }
@@ -258,7 +211,7 @@ impl Cells {
 
     /// Sequences of cell `i`.
     pub fn seqs(&self, i: usize) -> SeqSet {
-        self.seqs[i]
+        self.seqs.get(i)
     }
 
     /// Recurrent tail of cell `i`.
@@ -273,17 +226,12 @@ impl Cells {
 
     /// The seed's `is_empty`: no sequence owns the cell.
     pub fn is_empty_cell(&self, i: usize) -> bool {
-        self.seqs[i].is_empty()
+        self.seqs.is_empty(i)
     }
 
     /// Column of positions.
     pub fn pos_column(&self) -> &[i32] {
         &self.pos
-    }
-
-    /// Column of sequence sets.
-    pub fn seqs_column(&self) -> &[SeqSet] {
-        &self.seqs
     }
 
     /// Column of deltas.
@@ -326,7 +274,7 @@ impl Cells {
         if self.seq[seq].count() == 0 {
             return None;
         }
-        if self.dirty & (1 << seq) != 0 {
+        if self.dirty.contains(seq) {
             return self.seq[seq].max_pos(&self.pos);
         }
         Some(self.seq_pos_max[seq])
@@ -399,12 +347,12 @@ impl Cells {
         } else {
             self.occupied.remove(i);
         }
-        for seq in self.seqs[i].iter() {
+        for seq in self.seqs.get(i).iter() {
             self.seq[seq].moved(i, pos);
             if pos > self.seq_pos_max[seq] {
                 self.seq_pos_max[seq] = pos;
             } else if old == self.seq_pos_max[seq] {
-                self.dirty |= 1 << seq;
+                self.dirty.insert(seq);
             }
         }
     }
@@ -431,14 +379,14 @@ impl Cells {
 
     /// Adds `seq` to cell `i`.
     pub fn insert_seq(&mut self, i: usize, seq: usize) {
-        if self.seqs[i].contains(seq) {
+        if self.seqs.contains(i, seq) {
             return;
         }
-        self.seqs[i].insert(seq);
+        self.seqs.insert(i, seq);
         self.seq[seq].insert(i, self.pos[i]);
         if self.seq[seq].count() == 1 {
             self.seq_pos_max[seq] = self.pos[i];
-            self.dirty &= !(1 << seq);
+            self.dirty.remove(seq);
         } else if self.pos[i] > self.seq_pos_max[seq] {
             self.seq_pos_max[seq] = self.pos[i];
         }
@@ -446,33 +394,33 @@ impl Cells {
 
     /// Removes `seq` from cell `i`.
     pub fn remove_seq(&mut self, i: usize, seq: usize) {
-        if !self.seqs[i].contains(seq) {
+        if !self.seqs.contains(i, seq) {
             return;
         }
-        self.seqs[i].remove(seq);
+        self.seqs.remove(i, seq);
         self.seq[seq].remove(i);
         if self.seq[seq].count() == 0 {
             self.seq_pos_max[seq] = NO_POS;
-            self.dirty &= !(1 << seq);
+            self.dirty.remove(seq);
         } else if self.pos[i] == self.seq_pos_max[seq] {
-            self.dirty |= 1 << seq;
+            self.dirty.insert(seq);
         }
     }
 
     /// Removes every sequence from cell `i`.
     pub fn clear_seqs(&mut self, i: usize) {
-        for seq in self.seqs[i].iter() {
+        for seq in self.seqs.get(i).iter() {
             self.remove_seq(i, seq);
         }
     }
 
     /// Replaces the sequence set of cell `i`.
     pub fn set_seqs(&mut self, i: usize, seqs: SeqSet) {
-        let old = self.seqs[i];
-        for seq in SeqSet(old.0 & !seqs.0).iter() {
+        let old = self.seqs.get(i);
+        for seq in old.minus(seqs).iter() {
             self.remove_seq(i, seq);
         }
-        for seq in SeqSet(seqs.0 & !old.0).iter() {
+        for seq in seqs.minus(old).iter() {
             self.insert_seq(i, seq);
         }
     }
@@ -494,18 +442,18 @@ impl Cells {
     /// every defrag destination is, each sequence keeps the same positions, so its count and
     /// maximum stay as they are and only the set bits move: no removal marks a maximum stale.
     pub fn move_cell(&mut self, src: usize, dst: usize) {
-        if src == dst || self.pos[dst] >= 0 || !self.seqs[dst].is_empty() {
+        if src == dst || self.pos[dst] >= 0 || !self.seqs.is_empty(dst) {
             let moved = self.get(src);
             self.set_cell(dst, moved);
             self.set_cell(src, Cell::default());
             return;
         }
-        let (pos, seqs) = (self.pos[src], self.seqs[src]);
+        let (pos, seqs) = (self.pos[src], self.seqs.get(src));
         self.pos[dst] = pos;
         self.delta[dst] = self.delta[src];
         self.src[dst] = self.src[src];
         self.tail[dst] = self.tail[src];
-        self.seqs[dst] = seqs;
+        self.seqs.set(dst, seqs);
         if let Some(&ext) = self.ext.get(src) {
             self.ext[dst] = ext;
         }
@@ -522,44 +470,44 @@ impl Cells {
         self.delta[src] = free.delta;
         self.src[src] = free.src;
         self.tail[src] = free.tail;
-        self.seqs[src] = free.seqs;
+        self.seqs.set(src, free.seqs);
     }
 
     /// Frees cell `i` of word `w`, whose sequences the caller has already dropped from their
     /// sets (the occupied set is the caller's too).
     #[inline(always)]
     fn free_cell(&mut self, i: usize) {
-        self.seqs[i] = SeqSet::EMPTY;
+        self.seqs.set(i, SeqSet::EMPTY);
         self.pos[i] = -1;
         self.src[i] = -1;
     }
 
-    /// The sequences other than `m` that hold any cell (a mask).
-    /// Read from the maxima, one cache line, rather than from each set's count: between
+    /// The sequences other than `seq` that hold any cell.
+    /// Read from the maxima, a few cache lines, rather than from each set's count: between
     /// operations a sequence's maximum is `NO_POS` exactly when it has no cell
     /// (`check_consistency` checks it), and this runs at the start of one.
-    fn others(&self, m: u64) -> u64 {
-        let mut active = 0u64;
+    fn others(&self, seq: usize) -> SeqSet {
+        let mut active = SeqSet::EMPTY;
         for (s, &max) in self.seq_pos_max.iter().enumerate() {
-            if max != NO_POS {
-                active |= 1 << s;
+            if max != NO_POS && s != seq {
+                active.insert(s);
             }
         }
-        active & !m
+        active
     }
 
     /// Whether no sequence of `others` holds a cell of word `w` (a whole word inside the
     /// cache), read from their bitmaps: a word per sequence instead of the 512 bytes of the
     /// word's sequence masks.
     #[inline(always)]
-    fn word_alone(&self, w: usize, others: u64) -> bool {
-        w * 64 + 64 <= self.pos.len() && bits(others).all(|s| self.seq[s].word(w) == 0)
+    fn word_alone(&self, w: usize, others: SeqSet) -> bool {
+        w * 64 + 64 <= self.pos.len() && others.iter().all(|s| self.seq[s].word(w) == 0)
     }
 
     /// Frees the 64 cells of word `w` with column fills (the caller updates the sets).
     fn free_word(&mut self, w: usize) {
         let cells = w * 64..w * 64 + 64;
-        self.seqs[cells.clone()].fill(SeqSet::EMPTY);
+        self.seqs.fill(cells.clone(), SeqSet::EMPTY);
         self.pos[cells.clone()].fill(-1);
         // transformer caches rarely set `src`: skip the write when nothing changes
         if self.src[cells.clone()].iter().any(|&s| s != -1) {
@@ -575,7 +523,7 @@ impl Cells {
     fn shift_word_alone(
         &mut self,
         w: usize,
-        others: u64,
+        others: SeqSet,
         old: (i32, i32),
         new_pos: &impl Fn(i32) -> i32,
     ) -> Option<(i32, i32)> {
@@ -597,8 +545,7 @@ impl Cells {
     /// Removes `seq` from its cells with `p0 <= pos < p1`; cells left without a sequence are
     /// freed (pos -1, src -1). Visits only the words holding positions in the range.
     pub fn remove_seq_in_range(&mut self, seq: usize, p0: i32, p1: i32) -> Freed {
-        let m = 1u64 << seq;
-        let others = self.others(m);
+        let others = self.others(seq);
         let max = self.seq_pos_max[seq];
         let mut out = Freed::default();
         let mut cur = self.seq[seq].cursor(p0, p1);
@@ -609,7 +556,7 @@ impl Cells {
                 // 64 cells of this sequence alone, all in the range: free them with fills
                 let (wlo, whi) = self.seq[seq].bounds(w);
                 if (wlo..=whi).contains(&max) {
-                    self.dirty |= m;
+                    self.dirty.insert(seq);
                 }
                 self.free_word(w);
                 out.note(w * 64, 0);
@@ -623,10 +570,9 @@ impl Cells {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
                 if pos == max {
-                    self.dirty |= m;
+                    self.dirty.insert(seq);
                 }
-                self.seqs[i].0 &= !m;
-                if self.seqs[i].0 == 0 {
+                if self.seqs.remove(i, seq) {
                     emptied |= 1 << b;
                     out.note(i, pos);
                     self.free_cell(i);
@@ -650,10 +596,10 @@ impl Cells {
             for b in bits(hits) {
                 let i = w * 64 + b;
                 let pos = self.pos[i];
-                for seq in bits(self.seqs[i].0) {
+                for seq in self.seqs.get(i).iter() {
                     self.seq[seq].remove(i);
                     if pos == self.seq_pos_max[seq] {
-                        self.dirty |= 1 << seq;
+                        self.dirty.insert(seq);
                     }
                 }
                 out.note(i, pos);
@@ -670,24 +616,21 @@ impl Cells {
 
     /// Adds `dst` to the cells of `src` with `p0 <= pos < p1`.
     pub fn copy_seq_in_range(&mut self, src: usize, dst: usize, p0: i32, p1: i32) {
-        let m = 1u64 << dst;
         let mut cur = self.seq[src].cursor(p0, p1);
         while let Some((w, inside)) = cur.next(&self.seq[src]) {
             let word = self.seq[src].word(w);
             let (hits, mut lo, mut hi) = select(&self.pos, word, w, inside, p0, p1);
             let added = hits & !self.seq[dst].word(w);
-            if let (u64::MAX, Some(seqs)) = (added, self.seqs.get_mut(w * 64..w * 64 + 64)) {
+            if added == u64::MAX && w * 64 + 64 <= self.pos.len() {
                 // 64 cells, all in the range and new to `dst`: one vectorizable pass; the source
                 // word's bounds, clamped to the range, bound their positions
-                for s in seqs {
-                    s.0 |= m;
-                }
+                self.seqs.add_to_all(w * 64..w * 64 + 64, dst);
                 let (wlo, whi) = self.seq[src].bounds(w);
                 let (lo, hi) = (wlo.max(p0), whi.min(p1 - 1));
                 if self.seq[dst].count() == 0 || hi >= self.seq_pos_max[dst] {
                     // a bound, not the exact maximum: `settle` finds it
                     self.seq_pos_max[dst] = hi;
-                    self.dirty |= m;
+                    self.dirty.insert(dst);
                 }
                 self.seq[dst].add_bits(w, added, lo, hi);
                 continue;
@@ -699,7 +642,7 @@ impl Cells {
                 lo = lo.min(pos);
                 hi = hi.max(pos);
                 if added >> b & 1 == 1 {
-                    self.seqs[i].0 |= m;
+                    self.seqs.insert(i, dst);
                     added_lo = added_lo.min(pos);
                     added_hi = added_hi.max(pos);
                 }
@@ -727,8 +670,7 @@ impl Cells {
         p1: i32,
         new_pos: impl Fn(i32) -> i32,
     ) -> (bool, Freed) {
-        let m = 1u64 << seq;
-        let others = self.others(m);
+        let others = self.others(seq);
         let max = self.seq_pos_max(seq).unwrap_or(NO_POS);
         let mut matched = false;
         let mut out = Freed::default();
@@ -745,7 +687,7 @@ impl Cells {
                 if let Some((new_lo, new_hi)) = self.shift_word_alone(w, others, old, &new_pos) {
                     // bounds, not the exact values: `settle` finds the new maximum
                     if old.1 == max || new_hi >= self.seq_pos_max[seq] {
-                        self.dirty |= m;
+                        self.dirty.insert(seq);
                     }
                     self.seq[seq].set_word(w, word, new_lo, new_hi);
                     self.occupied.moved_within(w, new_lo, new_hi);
@@ -760,31 +702,32 @@ impl Cells {
                 let new = new_pos(old);
                 self.delta[i] = self.delta[i].wrapping_add(new.wrapping_sub(old));
                 if old == max {
-                    self.dirty |= m;
+                    self.dirty.insert(seq);
                 }
-                let others = self.seqs[i].0 & !m;
+                let mut others = self.seqs.get(i);
+                others.remove(seq);
                 if new < 0 {
                     out.note(i, 0);
                     emptied |= 1 << b;
-                    for s in bits(others) {
+                    for s in others.iter() {
                         self.seq[s].remove(i);
                         if old == self.seq_pos_max[s] {
-                            self.dirty |= 1 << s;
+                            self.dirty.insert(s);
                         }
                     }
-                    self.seqs[i] = SeqSet::EMPTY;
+                    self.seqs.set(i, SeqSet::EMPTY);
                     self.pos[i] = -1;
                     continue;
                 }
                 self.pos[i] = new;
                 moved_lo = moved_lo.min(new);
                 moved_hi = moved_hi.max(new);
-                for s in bits(others) {
+                for s in others.iter() {
                     self.seq[s].moved(i, new);
                     if new > self.seq_pos_max[s] {
                         self.seq_pos_max[s] = new;
                     } else if old == self.seq_pos_max[s] {
-                        self.dirty |= 1 << s;
+                        self.dirty.insert(s);
                     }
                 }
             }
@@ -829,8 +772,8 @@ impl Cells {
             }
             for b in bits(keep) {
                 let i = w * 64 + b;
-                if self.seqs[i] != single {
-                    self.seqs[i] = single;
+                if self.seqs.get(i) != single {
+                    self.seqs.set(i, single);
                 }
             }
             self.occupied.remove_bits(w, drop);
@@ -839,23 +782,22 @@ impl Cells {
             self.seq[s].clear();
             self.seq_pos_max[s] = NO_POS;
         }
-        self.dirty &= 1 << seq;
+        let still_dirty = self.dirty.contains(seq);
+        self.dirty = if still_dirty { single } else { SeqSet::EMPTY };
         freed
     }
 
     fn fix_empty(&mut self, seq: usize) {
         if self.seq[seq].count() == 0 {
             self.seq_pos_max[seq] = NO_POS;
-            self.dirty &= !(1 << seq);
+            self.dirty.remove(seq);
         }
     }
 
     /// Recomputes the maxima marked stale; called at the end of every mutating operation so
     /// that `seq_pos_max` stays O(1).
     pub fn settle(&mut self) {
-        while self.dirty != 0 {
-            let seq = self.dirty.trailing_zeros() as usize;
-            self.dirty &= self.dirty - 1;
+        while let Some(seq) = self.dirty.pop_first() {
             self.seq_pos_max[seq] = self.seq[seq].max_pos(&self.pos).unwrap_or(NO_POS);
         }
     }
@@ -877,7 +819,7 @@ impl Cells {
             debug_assert!(
                 cells
                     .clone()
-                    .all(|i| self.pos[i] < 0 && self.seqs[i] == SeqSet::EMPTY),
+                    .all(|i| self.pos[i] < 0 && self.seqs.is_empty(i)),
                 "cells {cells:?} are not all free"
             );
             let set = seqs(at - first);
@@ -887,7 +829,7 @@ impl Cells {
             if lo >= 0 && (at + 1..stop).all(|i| seqs(i - first) == set) {
                 let bits = (u64::MAX >> (64 - (stop - at))) << (at % 64);
                 self.pos[cells.clone()].copy_from_slice(new_pos);
-                self.seqs[cells].fill(set);
+                self.seqs.fill(cells, set);
                 self.occupied.add_bits(w, bits, lo, hi);
                 for seq in set.iter() {
                     self.seq[seq].add_bits(w, bits, lo, hi);
@@ -912,13 +854,13 @@ impl Cells {
         // per sequence: its members among the word's new cells and their position bounds
         let mut members = [(0u64, i32::MAX, i32::MIN); MAX_SEQ];
         let mut word = (0u64, i32::MAX, i32::MIN);
-        let mut present = 0u64;
+        let mut present = SeqSet::EMPTY;
         let w = at / 64;
         for (k, &p) in pos.iter().enumerate() {
             let (i, set) = (at + k, seqs(offset + k));
             let bit = 1u64 << (i % 64);
             self.pos[i] = p;
-            self.seqs[i] = set;
+            self.seqs.set(i, set);
             if p >= 0 {
                 word = (word.0 | bit, word.1.min(p), word.2.max(p));
             }
@@ -926,10 +868,10 @@ impl Cells {
                 let m = &mut members[seq];
                 *m = (m.0 | bit, m.1.min(p), m.2.max(p));
             }
-            present |= set.0;
+            present = present.union(set);
         }
         self.occupied.add_bits(w, word.0, word.1, word.2);
-        for seq in SeqSet(present).iter() {
+        for seq in present.iter() {
             let (bits, lo, hi) = members[seq];
             self.seq[seq].add_bits(w, bits, lo, hi);
             // a sequence without cells has the maximum NO_POS, below any position
@@ -947,14 +889,14 @@ impl Cells {
         self.pos.fill(-1);
         self.src.fill(-1);
         self.tail.fill(-1);
-        self.seqs.fill(SeqSet::EMPTY);
+        self.seqs.clear();
         self.ext.fill(CellExtValue::default());
         self.occupied.clear();
         for s in &mut self.seq {
             s.clear();
         }
         self.seq_pos_max.fill(NO_POS);
-        self.dirty = 0;
+        self.dirty = SeqSet::EMPTY;
         self.used = 0;
     }
 
@@ -964,7 +906,7 @@ impl Cells {
             .check("occupied", &self.pos, |i| self.pos[i] >= 0)?;
         for seq in 0..self.n_seq() {
             self.seq[seq].check(&format!("seq {seq}"), &self.pos, |i| {
-                self.seqs[i].contains(seq)
+                self.seqs.contains(i, seq)
             })?;
             if (self.seq_pos_max[seq] == NO_POS) != (self.seq[seq].count() == 0) {
                 return Err(format!(
@@ -974,7 +916,7 @@ impl Cells {
                 ));
             }
             let max = (0..self.pos.len())
-                .filter(|&i| self.seqs[i].contains(seq))
+                .filter(|&i| self.seqs.contains(i, seq))
                 .map(|i| self.pos[i])
                 .max();
             if max != self.seq_pos_max(seq) {
@@ -990,20 +932,22 @@ impl Cells {
 
 /// Defrag's word-at-a-time view and moves of the cells.
 impl Cells {
-    /// The sequences holding at least one cell (a mask), from the sets' counts.
-    fn present(&self) -> u64 {
-        self.seq
-            .iter()
-            .enumerate()
-            .filter(|(_, set)| set.count() > 0)
-            .fold(0, |mask, (s, _)| mask | 1 << s)
+    /// The sequences holding at least one cell, from the sets' counts.
+    fn present(&self) -> SeqSet {
+        let mut present = SeqSet::EMPTY;
+        for (s, set) in self.seq.iter().enumerate() {
+            if set.count() > 0 {
+                present.insert(s);
+            }
+        }
+        present
     }
 
     /// The non-empty cells (held by a sequence: the seed's `!is_empty()`), one bit per cell,
     /// 64 to a word: the union of the sequences' bitmaps, a word per sequence for 64 cells.
     pub fn nonempty_words(&self) -> Vec<u64> {
         let mut words = vec![0u64; self.occupied.words().len()];
-        for s in bits(self.present()) {
+        for s in self.present().iter() {
             for (out, &w) in words.iter_mut().zip(self.seq[s].words()) {
                 *out |= w;
             }
@@ -1020,7 +964,7 @@ impl Cells {
             if occupied[w] == 0 {
                 continue;
             }
-            let held = bits(present).fold(0, |held, s| held | self.seq[s].word(w));
+            let held = present.iter().fold(0, |held, s| held | self.seq[s].word(w));
             let both = occupied[w] & held;
             if both != 0 {
                 return w * 64 + 64 - both.leading_zeros() as usize;
@@ -1051,10 +995,8 @@ impl Cells {
             }
             return;
         }
-        let present = self.seqs[src..src + len]
-            .iter()
-            .fold(0, |mask, s| mask | s.0);
-        move_column(&mut self.seqs, src, dst, len, SeqSet::EMPTY);
+        let present = self.seqs.union_of(src..src + len);
+        self.seqs.move_cells(src, dst, len);
         move_column(&mut self.pos, src, dst, len, -1);
         move_column(&mut self.delta, src, dst, len, 0);
         move_column(&mut self.src, src, dst, len, -1);
@@ -1063,7 +1005,7 @@ impl Cells {
             move_column(&mut self.ext, src, dst, len, CellExtValue::default());
         }
         self.occupied.move_members(src, dst, len);
-        for s in bits(present) {
+        for s in present.iter() {
             self.seq[s].move_members(src, dst, len);
         }
     }
@@ -1072,12 +1014,13 @@ impl Cells {
     /// read from the bitmaps.
     fn all_free(&self, first: usize, len: usize) -> bool {
         let mut sets =
-            std::iter::once(&self.occupied).chain(bits(self.present()).map(|s| &self.seq[s]));
+            std::iter::once(&self.occupied).chain(self.present().iter().map(|s| &self.seq[s]));
         !sets.any(|set| set.any_in(first, len))
     }
 }
 
-/// Copies `col[src..src + len]` to `dst` (apart from it) and fills the source with `free`.
+/// Copies `col[src..src + len]` to `dst` (apart from it) and fills the source with `free`
+/// (the sequence column has its own, [`SeqColumn::move_cells`]).
 fn move_column<T: Copy>(col: &mut [T], src: usize, dst: usize, len: usize, free: T) {
     col.copy_within(src..src + len, dst);
     col[src..src + len].fill(free);
@@ -1090,16 +1033,15 @@ const SHORT_RUN: usize = 4;
 mod tests {
     use super::*;
 
-    #[test]
-    fn seq_set_iterates_ascending() {
-        let mut s = SeqSet::EMPTY;
-        s.insert(5);
-        s.insert(0);
-        s.insert(63);
-        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 5, 63]);
-        assert_eq!(s.len(), 3);
-        s.remove(5);
-        assert!(!s.contains(5));
+    /// The set of sequence ids `k * spread` for each bit `k` of `bits`: with a spread of 1 the
+    /// bits themselves; a spread of 63 puts the ids of a few bits in every word of a 256-sequence
+    /// table.
+    fn spread_ids(bits: u64, spread: usize) -> SeqSet {
+        let mut set = SeqSet::EMPTY;
+        for k in super::bits(bits) {
+            set.insert(k * spread);
+        }
+        set
     }
 
     /// `got` has the cells of `want`, consistent indexes, and the same counts and maxima.
@@ -1123,7 +1065,7 @@ mod tests {
             for (i, &seqs) in cells.iter().enumerate() {
                 if seqs != 0 {
                     t.set_pos(i, i as i32);
-                    t.set_seqs(i, SeqSet(seqs));
+                    t.set_seqs(i, spread_ids(seqs, 1));
                 }
             }
             for seq in 0..3 {
@@ -1141,29 +1083,30 @@ mod tests {
             cells in proptest::collection::vec((-1i32..200, 0u64..16), 0..300),
             size_extra in 0usize..70,
             one_set in proptest::option::of(1u64..16),
+            spread in proptest::sample::select(vec![1usize, 63]),
         ) {
             // cells `before.len()..` filled at once equal cell-by-cell updates: same columns,
             // consistent indexes, same counts and maxima, also where the run starts inside a
             // word that already has members; `one_set` gives every new cell the same sequences
             // (whole words of one set take the column path)
-            let as_cell = |(pos, seqs): (i32, u64)| (pos, if pos < 0 { SeqSet::EMPTY } else { SeqSet(seqs) });
+            let as_cell = |(pos, seqs): (i32, u64)| (pos, if pos < 0 { SeqSet::EMPTY } else { spread_ids(seqs, spread) });
             let before: Vec<(i32, SeqSet)> = before.into_iter().map(as_cell).collect();
             let cells: Vec<(i32, SeqSet)> = match one_set {
-                Some(set) => cells.into_iter().map(|(p, _)| (p.max(0), SeqSet(set))).collect(),
+                Some(set) => cells.into_iter().map(|(p, _)| (p.max(0), spread_ids(set, spread))).collect(),
                 None => cells.into_iter().map(as_cell).collect(),
             };
             let size = before.len() + cells.len() + size_extra;
-            let mut one_by_one = Cells::new(size, 4).unwrap();
-            let mut filled = Cells::new(size, 4).unwrap();
+            let mut one_by_one = Cells::new(size, 4 * spread).unwrap();
+            let mut filled = Cells::new(size, 4 * spread).unwrap();
             for t in [&mut one_by_one, &mut filled] {
                 for (i, &(pos, seqs)) in before.iter().enumerate() {
                     t.set_pos(i, pos);
                     t.set_seqs(i, seqs);
                 }
                 // a stale maximum to carry over
-                if let Some(i) = (0..before.len()).rev().find(|&i| t.seqs[i].contains(1)) {
-                    t.remove_seq(i, 1);
-                    if t.seqs[i] == SeqSet::EMPTY {
+                if let Some(i) = (0..before.len()).rev().find(|&i| t.seqs.contains(i, spread)) {
+                    t.remove_seq(i, spread);
+                    if t.seqs.is_empty(i) {
                         t.set_pos(i, -1);
                     }
                 }
@@ -1191,6 +1134,7 @@ mod tests {
             dst in 0usize..300,
             len in 0usize..200,
             free_dst in proptest::bool::ANY,
+            spread in proptest::sample::select(vec![1usize, 63]),
         ) {
             // cells of five sequences (some with a position and no sequence) filling words
             // partly; a run anywhere, its destination freed first or not (the fast path or
@@ -1199,11 +1143,11 @@ mod tests {
             let size = cells.len();
             let (src, dst) = (src % size, dst % size);
             let len = len.min(size - src.max(dst));
-            let mut one_by_one = Cells::new(size, 5).unwrap();
+            let mut one_by_one = Cells::new(size, 4 * spread + 1).unwrap();
             for (i, &(pos, seqs)) in cells.iter().enumerate() {
                 one_by_one.set_pos(i, pos);
                 if pos >= 0 {
-                    one_by_one.set_seqs(i, SeqSet(seqs));
+                    one_by_one.set_seqs(i, spread_ids(seqs, spread));
                 }
             }
             if free_dst {
@@ -1222,7 +1166,8 @@ mod tests {
             same_tables(&by_run, &one_by_one)?;
             proptest::prop_assert_eq!(by_run.cell_max(), one_by_one.cell_max());
             // the moved bounds still find every member: a range removal agrees too
-            let (a, b) = (by_run.remove_seq_in_range(2, 50, 150), one_by_one.remove_seq_in_range(2, 50, 150));
+            let seq = 2 * spread;
+            let (a, b) = (by_run.remove_seq_in_range(seq, 50, 150), one_by_one.remove_seq_in_range(seq, 50, 150));
             proptest::prop_assert_eq!(a, b);
             proptest::prop_assert!(by_run == one_by_one);
         }
@@ -1236,7 +1181,7 @@ mod tests {
             let mut c = Cells::new(size, 3).unwrap();
             for (i, &(pos, seqs)) in cells.iter().enumerate() {
                 c.set_pos(i, pos);
-                c.set_seqs(i, SeqSet(seqs));
+                c.set_seqs(i, spread_ids(seqs, 1));
             }
             // the seed's loop: the last cell with a position and a sequence
             let want = (0..size)

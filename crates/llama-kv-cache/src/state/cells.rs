@@ -21,9 +21,8 @@ use crate::error::{KvError, Result};
 use crate::state::source::{truncated, ByteSource, Cursor};
 
 /// Most sequences a payload may name: the bound on a cell's `n_seq_id` and on `n_stream`
-/// (this cache tracks at most 64 sequences, llama.cpp's `LLAMA_MAX_SEQ` is 256 in recent
-/// versions, so its files may name that many).
-pub(crate) const MAX_PAYLOAD_SEQS: u32 = 256;
+/// (llama.cpp's `LLAMA_MAX_SEQ`, also the most this cache tracks).
+pub(crate) const MAX_PAYLOAD_SEQS: u32 = crate::MAX_SEQ as u32;
 
 /// Most bytes a file is read in at once while parsing its cells.
 const CHUNK: usize = 64 * 1024;
@@ -448,7 +447,7 @@ mod tests {
         c.push(5, &[2, 3]);
         c.push(6, &[]);
         assert_eq!(c.seq_ids(1), &[2, 3]);
-        assert_eq!(c.seq_set(1), SeqSet(0b1100));
+        assert_eq!(c.seq_set(1), SeqSet::of(&[2, 3]));
         assert_eq!(c.positions(), &[4, 5, 6]);
         assert!(!c.all_have_ids(1));
         let joined = PayloadCells::concat([&c, &c]).unwrap();

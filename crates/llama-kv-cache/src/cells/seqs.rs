@@ -1,0 +1,330 @@
+//! Sets of sequence ids: [`SeqSet`], a value of up to [`MAX_SEQ`] (256, today's
+//! `LLAMA_MAX_SEQ`) ids, and [`SeqColumn`], every cell's set stored in as few words as the
+//! cache's `n_seq_max` needs.
+//!
+//! The column is why this module exists: a cache of at most 64 sequences (almost every cache)
+//! keeps one `u64` per cell, exactly as when 64 was the limit, so its scans and fills move no
+//! more memory than they did; only a cache of more sequences pays a word per 64 of them.
+
+use std::ops::Range;
+
+use crate::cells::set::bits;
+use crate::error::Result;
+use crate::params::MAX_SEQ;
+
+/// Words of a full set.
+const WORDS: usize = MAX_SEQ / 64;
+
+/// A set of sequence ids in `0..MAX_SEQ`.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SeqSet([u64; WORDS]);
+
+impl std::fmt::Debug for SeqSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+impl SeqSet {
+    /// The empty set.
+    pub const EMPTY: SeqSet = SeqSet([0; WORDS]);
+
+    /// The set holding only `seq`.
+    pub fn single(seq: usize) -> SeqSet {
+        let mut set = SeqSet::EMPTY;
+        set.insert(seq);
+        set
+    }
+
+    /// The set of `ids` (each in `0..MAX_SEQ`, validated by the caller).
+    pub fn of(ids: &[i32]) -> SeqSet {
+        let mut set = SeqSet::EMPTY;
+        for &id in ids {
+            set.insert(id as usize);
+        }
+        set
+    }
+
+    /// The sequences `0..n`.
+    pub fn first_n(n: usize) -> SeqSet {
+        let mut set = SeqSet::EMPTY;
+        for (w, word) in set.0.iter_mut().enumerate() {
+            let bits_here = n.saturating_sub(w * 64).min(64);
+            *word = if bits_here == 64 {
+                u64::MAX
+            } else {
+                (1u64 << bits_here) - 1
+            };
+        }
+        set
+    }
+
+    /// Whether `seq` is in the set.
+    #[inline(always)]
+    pub fn contains(self, seq: usize) -> bool {
+        seq < MAX_SEQ && self.0[seq / 64] >> (seq % 64) & 1 != 0
+    }
+
+    /// Whether the set is empty.
+    #[inline(always)]
+    pub fn is_empty(self) -> bool {
+        self.0.iter().all(|&w| w == 0)
+    }
+
+    /// Number of ids in the set.
+    pub fn len(self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// Adds `seq` (in `0..MAX_SEQ`).
+    #[inline(always)]
+    pub fn insert(&mut self, seq: usize) {
+        self.0[seq / 64] |= 1u64 << (seq % 64);
+    }
+
+    /// Removes `seq` (in `0..MAX_SEQ`).
+    #[inline(always)]
+    pub fn remove(&mut self, seq: usize) {
+        self.0[seq / 64] &= !(1u64 << (seq % 64));
+    }
+
+    /// The ids in either set.
+    #[inline(always)]
+    pub fn union(self, other: SeqSet) -> SeqSet {
+        SeqSet(std::array::from_fn(|w| self.0[w] | other.0[w]))
+    }
+
+    /// The ids of `self` not in `other`.
+    #[inline(always)]
+    pub fn minus(self, other: SeqSet) -> SeqSet {
+        SeqSet(std::array::from_fn(|w| self.0[w] & !other.0[w]))
+    }
+
+    /// Whether the sets share an id.
+    #[inline(always)]
+    pub fn intersects(self, other: SeqSet) -> bool {
+        (0..WORDS).any(|w| self.0[w] & other.0[w] != 0)
+    }
+
+    /// The id of a set of exactly one.
+    #[inline(always)]
+    pub fn only(self) -> Option<usize> {
+        let mut nonzero = (0..WORDS).filter(|&w| self.0[w] != 0);
+        match (nonzero.next(), nonzero.next()) {
+            (Some(w), None) if self.0[w].is_power_of_two() => {
+                Some(w * 64 + self.0[w].trailing_zeros() as usize)
+            }
+            _ => None,
+        }
+    }
+
+    /// Removes and returns the smallest id, if any.
+    pub fn pop_first(&mut self) -> Option<usize> {
+        let w = self.0.iter().position(|&w| w != 0)?;
+        let b = self.0[w].trailing_zeros() as usize;
+        self.0[w] &= self.0[w] - 1;
+        Some(w * 64 + b)
+    }
+
+    /// The ids, ascending (the order of the seed's `std::set`).
+    #[inline(always)]
+    pub fn iter(self) -> impl Iterator<Item = usize> {
+        let words = self.0;
+        (0..WORDS)
+            .filter(move |&w| words[w] != 0)
+            .flat_map(move |w| bits(words[w]).map(move |b| w * 64 + b))
+    }
+}
+
+/// Every cell's sequence set, `stride` words per cell: `n_seq_max.div_ceil(64)`, so one word
+/// per cell for the caches of up to 64 sequences.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqColumn {
+    words: Vec<u64>,
+    stride: usize,
+}
+
+impl SeqColumn {
+    /// `len` empty cells for sequences `0..n_seq`; an error (not an abort) when the column
+    /// cannot be allocated.
+    pub fn new(len: usize, n_seq: usize, what: &str) -> Result<SeqColumn> {
+        let stride = n_seq.div_ceil(64).clamp(1, WORDS);
+        // cell counts are u32s: no overflow on a 64-bit target
+        Ok(SeqColumn {
+            words: crate::alloc::zeroed(len * stride, what)?,
+            stride,
+        })
+    }
+
+    /// Cell `i`'s words.
+    #[inline(always)]
+    fn cell(&self, i: usize) -> &[u64] {
+        &self.words[i * self.stride..(i + 1) * self.stride]
+    }
+
+    /// Cell `i`'s set.
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> SeqSet {
+        if self.stride == 1 {
+            let mut set = SeqSet::EMPTY;
+            set.0[0] = self.words[i];
+            return set;
+        }
+        let mut set = SeqSet::EMPTY;
+        set.0[..self.stride].copy_from_slice(self.cell(i));
+        set
+    }
+
+    /// Sets cell `i`'s set (of ids below the column's sequence count).
+    #[inline(always)]
+    pub fn set(&mut self, i: usize, set: SeqSet) {
+        debug_assert!(set.0[self.stride..].iter().all(|&w| w == 0), "{set:?}");
+        let s = self.stride;
+        self.words[i * s..(i + 1) * s].copy_from_slice(&set.0[..s]);
+    }
+
+    /// Whether cell `i` holds `seq`.
+    #[inline(always)]
+    pub fn contains(&self, i: usize, seq: usize) -> bool {
+        seq / 64 < self.stride && self.words[i * self.stride + seq / 64] >> (seq % 64) & 1 != 0
+    }
+
+    /// Whether cell `i` holds no sequence.
+    #[inline(always)]
+    pub fn is_empty(&self, i: usize) -> bool {
+        self.cell(i).iter().all(|&w| w == 0)
+    }
+
+    /// Adds `seq` (below the column's sequence count) to cell `i`.
+    #[inline(always)]
+    pub fn insert(&mut self, i: usize, seq: usize) {
+        self.words[i * self.stride + seq / 64] |= 1u64 << (seq % 64);
+    }
+
+    /// Removes `seq` from cell `i`; whether the cell holds no sequence afterwards.
+    #[inline(always)]
+    pub fn remove(&mut self, i: usize, seq: usize) -> bool {
+        self.words[i * self.stride + seq / 64] &= !(1u64 << (seq % 64));
+        self.is_empty(i)
+    }
+
+    /// Sets every cell of `cells` to `set`.
+    pub fn fill(&mut self, cells: Range<usize>, set: SeqSet) {
+        let s = self.stride;
+        let words = &mut self.words[cells.start * s..cells.end * s];
+        if s == 1 {
+            words.fill(set.0[0]);
+        } else {
+            for cell in words.chunks_exact_mut(s) {
+                cell.copy_from_slice(&set.0[..s]);
+            }
+        }
+    }
+
+    /// Adds `seq` to every cell of `cells`.
+    pub fn add_to_all(&mut self, cells: Range<usize>, seq: usize) {
+        let (s, bit) = (self.stride, 1u64 << (seq % 64));
+        let words = &mut self.words[cells.start * s..cells.end * s];
+        if s == 1 {
+            words.iter_mut().for_each(|w| *w |= bit);
+        } else {
+            words
+                .iter_mut()
+                .skip(seq / 64)
+                .step_by(s)
+                .for_each(|w| *w |= bit);
+        }
+    }
+
+    /// The sequences of any cell of `cells`.
+    pub fn union_of(&self, cells: Range<usize>) -> SeqSet {
+        let s = self.stride;
+        let mut set = SeqSet::EMPTY;
+        for (k, &w) in self.words[cells.start * s..cells.end * s]
+            .iter()
+            .enumerate()
+        {
+            set.0[k % s] |= w;
+        }
+        set
+    }
+
+    /// Copies cells `src..src + len` to `dst` (apart from them) and empties the source.
+    pub fn move_cells(&mut self, src: usize, dst: usize, len: usize) {
+        let s = self.stride;
+        self.words.copy_within(src * s..(src + len) * s, dst * s);
+        self.words[src * s..(src + len) * s].fill(0);
+    }
+
+    /// Empties every cell.
+    pub fn clear(&mut self) {
+        self.words.fill(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_set_iterates_ascending_across_words() {
+        let mut s = SeqSet::EMPTY;
+        for seq in [255, 5, 0, 63, 64, 200] {
+            s.insert(seq);
+        }
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 5, 63, 64, 200, 255]);
+        assert_eq!(s.len(), 6);
+        s.remove(5);
+        assert!(!s.contains(5) && s.contains(64) && !s.contains(256));
+        assert_eq!(s.only(), None);
+        assert_eq!(SeqSet::single(130).only(), Some(130));
+        assert_eq!(SeqSet::EMPTY.only(), None);
+        assert_eq!(s.pop_first(), Some(0));
+        assert_eq!(s.pop_first(), Some(63));
+        assert_eq!(format!("{s:?}"), "{64, 200, 255}");
+    }
+
+    #[test]
+    fn first_n_holds_exactly_the_first_ids() {
+        for n in [0, 1, 63, 64, 65, 128, 255, 256] {
+            assert_eq!(
+                SeqSet::first_n(n).iter().collect::<Vec<_>>(),
+                (0..n).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn set_algebra() {
+        let (a, b) = (SeqSet::of(&[1, 70, 130]), SeqSet::of(&[70, 250]));
+        assert_eq!(a.union(b), SeqSet::of(&[1, 70, 130, 250]));
+        assert_eq!(a.minus(b), SeqSet::of(&[1, 130]));
+        assert!(a.intersects(b) && !a.intersects(SeqSet::of(&[2])));
+    }
+
+    /// One word per cell up to 64 sequences, four at 256: the same sets either way.
+    #[test]
+    fn column_strides_keep_each_cells_set() {
+        for n_seq in [2, 64, 65, 256] {
+            let mut col = SeqColumn::new(10, n_seq, "test").unwrap();
+            assert_eq!(col.stride, n_seq.div_ceil(64));
+            let top = n_seq - 1;
+            col.insert(3, top);
+            col.insert(3, 0);
+            assert_eq!(col.get(3), SeqSet::of(&[0, top as i32]));
+            assert!(col.contains(3, top) && !col.contains(2, top) && !col.contains(3, 300));
+            assert!(!col.remove(3, 0));
+            assert!(col.remove(3, top));
+            col.fill(2..5, SeqSet::single(top));
+            col.add_to_all(4..7, 0);
+            assert_eq!(col.get(4), SeqSet::of(&[0, top as i32]));
+            assert_eq!(col.get(6), SeqSet::single(0));
+            assert_eq!(col.union_of(0..10), SeqSet::of(&[0, top as i32]));
+            col.move_cells(2, 7, 3);
+            assert!((2..5).all(|i| col.is_empty(i)));
+            assert_eq!(col.get(7), SeqSet::single(top));
+            col.clear();
+            assert!((0..10).all(|i| col.is_empty(i)));
+        }
+    }
+}
