@@ -238,6 +238,8 @@ export declare class KvCache {
    * PLE models; saved in state files after each cell's seq id count).
    */
   get cellExt(): string
+  /** Number of sequences the cache tracks (seq ids `0..nSeqMax`). */
+  get nSeqMax(): number
   /** Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused). */
   get mrope(): boolean
   /** K type name. */
@@ -668,7 +670,7 @@ export interface KvCacheOptions {
   recurrent?: boolean
   /** Whether K-shift is allowed (false for MLA models). Default true. */
   canShift?: boolean
-  /** Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1. */
+  /** Number of sequences (seq ids 0..nSeqMax-1), at most 256 (llama.cpp's `LLAMA_MAX_SEQ`). Default 1. */
   nSeqMax?: number
   /**
    * What each cell keeps beside its position, as llama.cpp 0.1.161 saves it after each

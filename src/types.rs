@@ -35,7 +35,7 @@ pub struct KvCacheOptions {
     pub recurrent: Option<bool>,
     /// Whether K-shift is allowed (false for MLA models). Default true.
     pub can_shift: Option<bool>,
-    /// Number of sequences (seq ids 0..nSeqMax-1), at most 64. Default 1.
+    /// Number of sequences (seq ids 0..nSeqMax-1), at most 256 (llama.cpp's `LLAMA_MAX_SEQ`). Default 1.
     pub n_seq_max: Option<f64>,
     /// What each cell keeps beside its position, as llama.cpp 0.1.161 saves it after each
     /// cell's seq id count: 'none', 'pos2' (x, y) or 'pos2-tok' (x, y, token: M-RoPE models

@@ -355,6 +355,12 @@ impl KvCache {
         self.with(|c| Ok(c.params().cell_ext.name().to_string()))
     }
 
+    /// Number of sequences the cache tracks (seq ids `0..nSeqMax`).
+    #[napi(getter)]
+    pub fn n_seq_max(&self) -> Result<u32, Code> {
+        self.with(|c| Ok(c.params().n_seq_max))
+    }
+
     /// Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused).
     #[napi(getter)]
     pub fn mrope(&self) -> Result<bool, Code> {

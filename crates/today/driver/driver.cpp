@@ -9,9 +9,9 @@
 //       its next position and reports the greedy token after it (`next2`).
 //       shift=P0:P1:D (after saving): seq_rm(0, P0, P1), seq_add(0, P1, -1, -D), then the
 //       decode of `next` at the shifted position applies the K-shift; post_session= saves after it.
-//   today-driver cont model=M [context options] (session=F | seq_file=F dest=S) token=T pos=P
+//   today-driver cont model=M [context options] (session=F | seq_file=F) [dest=S] token=T pos=P
 //       loads the file (a session into the whole context, a sequence file into sequence `dest`),
-//       decodes token T at position P of that sequence (0 for a session) and reports the greedy
+//       decodes token T at position P of sequence `dest` (default 0) and reports the greedy
 //       next token (`next`). `pos_max` is the sequence's largest position after the load.
 //
 //   today-driver turns model=M [context options] tokens=1,2,3 turns=N1,N2 out=PREFIX
@@ -250,13 +250,12 @@ static void gen(llama_model * model, llama_context * ctx, int n_vocab) {
 static void cont(llama_context * ctx, int n_vocab) {
     std::vector<llama_token> tokens(65536);
     size_t n = 0;
-    int dest = 0;
+    const int dest = iarg("dest", "0");
     if (g_args.count("session")) {
         if (!llama_state_load_file(ctx, arg("session").c_str(), tokens.data(), tokens.size(), &n)) {
             die("llama_state_load_file failed");
         }
     } else {
-        dest = iarg("dest", "0");
         if (!llama_state_seq_load_file(ctx, arg("seq_file").c_str(), dest, tokens.data(), tokens.size(), &n)) {
             die("llama_state_seq_load_file failed");
         }
