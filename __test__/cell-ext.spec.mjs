@@ -3,8 +3,7 @@
 // built for such a model keeps them (`cellExt`, `cells().ext`), places ubatches with them,
 // loads and saves llama.cpp 0.1.161's own files byte for byte, and refuses to shift
 // positions; a cache without them refuses such files by name and stays as it was. The prompt
-// store does not keep extensions yet and refuses such caches and files instead of dropping them. The peer's
-// side (its own files, and ours continuing in it) runs in crates/today's cargo tests.
+// store keeps them in its blocks and checkpoints. The peer's side (its own files, and ours continuing in it) runs in crates/today's cargo tests.
 import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'
@@ -131,14 +130,28 @@ test('convertStateFile keeps the extension in the form of the output version', (
   t.true(fs.readFileSync(tmp('v11.ggsn')).equals(fs.readFileSync(fixture('qwen2vl.ggsn'))))
 })
 
-test('the prompt store refuses cells with extensions by name instead of storing them without', async (t) => {
-  const store = new PromptStore({ model: 'qwen2vl', blockTokens: 16 })
-  const before = await store.stats()
-  t.throws(() => store.putFileSync(fixture('qwen2vl.ggsn')), code('ERR_KV_UNSUPPORTED', /file's cells carry the 'pos2-tok' cell extension/))
-  const cache = KvCache.fromModel(path.join(MODELS, 'qwen2vl.gguf'), { nCtx: 32, nSeqMax: 2 })
-  cache.loadSessionFileSync(fixture('qwen2vl.ggsn'))
-  await t.throwsAsync(store.put(cache, 0, sidecar('qwen2vl').prompts[0]), code('ERR_KV_UNSUPPORTED', /cache's cells keep the 'pos2-tok'/))
-  const after = await store.stats()
-  t.is(after.blocks, before.blocks)
-  t.is(after.bytes, before.bytes)
+test('the prompt store keeps every cell\'s extension: the peer\'s file written back, a live cache restored', async (t) => {
+  const prompt = sidecar('qwen2vl').prompts[0]
+  const fromFile = new PromptStore({ model: 'qwen2vl', blockTokens: 16 })
+  t.is(fromFile.putFileSync(fixture('qwen2vl.ggsn')).tokens, prompt.length)
+  t.is(fromFile.writeFileSync(prompt, tmp('stored.ggsn')), prompt.length)
+  const model = () => KvCache.fromModel(path.join(MODELS, 'qwen2vl.gguf'), { nCtx: 32, nSeqMax: 1 })
+  const cells = (file) => {
+    const c = model()
+    c.loadSessionFileSync(file)
+    return occupied(c)
+  }
+  t.deepEqual(cells(tmp('stored.ggsn')), cells(fixture('qwen2vl.ggsn')))
+
+  // a live cache with an image's tokens: 2D positions apart from their text positions
+  const cache = model()
+  const n = 20
+  const ext = Array.from({ length: n }, (_, p) => (p >= 4 && p < 12 ? [4 + ((p - 4) % 4), 4 + Math.floor((p - 4) / 4), -1] : [p, p, 300 + p])).flat()
+  cache.findSlot({ pos: Array.from({ length: n }, (_, p) => p), seqIds: Array(n).fill(0), ext })
+  const tokens = Array.from({ length: n }, (_, p) => 300 + p)
+  const store = new PromptStore({ model: 'qwen2vl-live', blockTokens: 16 })
+  t.is((await store.put(cache, 0, tokens)).tokens, n)
+  const fresh = model()
+  t.is(await store.restore(fresh, 0, tokens), n)
+  t.deepEqual(occupied(fresh), occupied(cache))
 })

@@ -5,6 +5,7 @@
 //! u32 n_tokens  i32 tokens[n_tokens]
 //! geometry: u32 n_layer, per layer i32 k_type, u64 k_row, i32 v_type, u64 v_row
 //! per layer: K rows (n_tokens * k_row), then V rows (n_tokens * v_row, untransposed)
+//! cell extensions, when the geometry has one: per token i32 x, y, tok
 //! trailer: [32] BLAKE3 of everything before, [32] tag (see [`crate::seal`])
 //! ```
 //!
@@ -14,8 +15,9 @@
 
 use crate::backend::Key;
 use crate::error::{StoreError, StoreResult};
-use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::geometry::{ext_at, Geometry, EXT_BYTES, FORMAT_VERSION};
 use crate::seal::{Broken, Sealer, TRAILER};
+use llama_kv_cache::CellExtValue;
 
 /// The magic at the start of every block.
 pub const MAGIC: [u8; 4] = *b"KVPB";
@@ -36,32 +38,26 @@ pub struct BlockId<'a> {
 }
 
 fn header_len(id: &BlockId<'_>) -> usize {
-    4 + 4 + 32 + 32 + 4 + 4 + 4 * id.tokens.len() + 4 + 24 * id.geometry.layers.len()
+    let ext_id = if id.geometry.ext.is_none() { 0 } else { 4 };
+    4 + 4 + 32 + 32 + 4 + 4 + 4 * id.tokens.len() + 4 + 24 * id.geometry.layers.len() + ext_id
 }
 
 /// Total encoded size of a block.
 pub fn encoded_len(id: &BlockId<'_>) -> usize {
-    header_len(id) + id.tokens.len() * id.geometry.bytes_per_token() as usize + TRAILER
+    header_len(id) + id.tokens.len() * id.geometry.stored_bytes_per_token() as usize + TRAILER
 }
 
-/// Encodes a block. `rows(out, layer, is_v)` appends the layer's `n_tokens` K (or V) rows, in
-/// token order; the encoder checks that it appended exactly that many bytes.
-pub fn encode(
-    id: &BlockId<'_>,
-    sealer: &Sealer,
-    rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
-) -> StoreResult<Vec<u8>> {
-    let mut out = Vec::new();
-    encode_into(id, sealer, &mut out, rows)?;
-    Ok(out)
-}
-
-/// [`encode`] into `out`, replacing its contents (so that a caller can reuse one buffer).
+/// Encodes a block into `out`, replacing its contents (so that a caller can reuse one
+/// buffer). `rows(out, layer, is_v)` appends the layer's `n_tokens` K (or V) rows, in token
+/// order; then, when the geometry has a cell extension, `exts(out)` appends each token's
+/// ([`crate::geometry::put_exts`]). The encoder checks that each appended exactly that many
+/// bytes.
 pub fn encode_into(
     id: &BlockId<'_>,
     sealer: &Sealer,
     out: &mut Vec<u8>,
     mut rows: impl FnMut(&mut Vec<u8>, usize, bool) -> StoreResult<()>,
+    exts: impl FnOnce(&mut Vec<u8>) -> StoreResult<()>,
 ) -> StoreResult<()> {
     let total = encoded_len(id);
     out.clear();
@@ -93,6 +89,16 @@ pub fn encode_into(
                     out.len() - start
                 )));
             }
+        }
+    }
+    if !id.geometry.ext.is_none() {
+        let start = out.len();
+        exts(out)?;
+        if out.len() - start != n * EXT_BYTES {
+            return Err(StoreError::InvalidArg(format!(
+                "{} bytes of cell extensions for {n} tokens",
+                out.len() - start
+            )));
         }
     }
     sealer.seal(id.key, out);
@@ -131,6 +137,15 @@ impl<'a> BlockRows<'a> {
     /// V rows of layer `il` (n_tokens rows, untransposed).
     pub fn v(&self, il: usize) -> &'a [u8] {
         self.part(il, true)
+    }
+
+    /// The cell extension of token `k` (the default when the geometry has none).
+    pub fn ext(&self, k: usize) -> CellExtValue {
+        if self.geometry.ext.is_none() {
+            return CellExtValue::default();
+        }
+        let rows = self.n_tokens * self.geometry.bytes_per_token() as usize;
+        ext_at(&self.data[rows..], k)
     }
 
     fn part(&self, il: usize, is_v: bool) -> &'a [u8] {
@@ -244,6 +259,7 @@ mod tests {
                 };
                 2
             ],
+            ext: llama_kv_cache::CellExt::None,
         }
     }
 
@@ -255,13 +271,73 @@ mod tests {
             tokens,
             geometry: g,
         };
-        encode(&id, &Sealer::new(None), |out, il, is_v| {
-            let row = if is_v { 4 } else { 8 };
-            let fill = (il * 2 + is_v as usize) as u8;
-            out.extend(std::iter::repeat_n(fill, row * tokens.len()));
-            Ok(())
-        })
-        .unwrap()
+        let mut out = Vec::new();
+        encode_into(
+            &id,
+            &Sealer::new(None),
+            &mut out,
+            |out, il, is_v| {
+                let row = if is_v { 4 } else { 8 };
+                let fill = (il * 2 + is_v as usize) as u8;
+                out.extend(std::iter::repeat_n(fill, row * tokens.len()));
+                Ok(())
+            },
+            |out| {
+                let exts = tokens.iter().map(|&t| CellExtValue {
+                    x: t,
+                    y: -t,
+                    tok: t,
+                });
+                crate::geometry::put_exts(out, exts);
+                Ok(())
+            },
+        )
+        .unwrap();
+        out
+    }
+
+    /// An M-RoPE block keeps each token's `x, y, tok` after its rows, and a flipped byte there
+    /// is corrupt like any other.
+    #[test]
+    fn a_block_with_cell_extensions_keeps_them_after_its_rows() {
+        let g = Geometry {
+            ext: llama_kv_cache::CellExt::Pos2Tok,
+            ..geometry()
+        };
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let tokens = [5, 6, 7];
+        let v = sample(&key, &fp, &g, &tokens);
+        let id = BlockId {
+            fingerprint: &fp,
+            key: &key,
+            index: 3,
+            tokens: &tokens,
+            geometry: &g,
+        };
+        assert_eq!(v.len(), encoded_len(&id));
+        let rows = decode(&v, &id, &Sealer::new(None)).unwrap();
+        assert_eq!(rows.v(1), &[3; 12]);
+        for (k, &t) in tokens.iter().enumerate() {
+            assert_eq!(
+                rows.ext(k),
+                CellExtValue {
+                    x: t,
+                    y: -t,
+                    tok: t
+                }
+            );
+        }
+        let mut w = v.clone();
+        let last_ext = v.len() - TRAILER - 1;
+        w[last_ext] ^= 1;
+        assert!(decode(&w, &id, &Sealer::new(None)).is_err());
+        // the same block without extensions is another geometry
+        let plain = geometry();
+        let other = BlockId {
+            geometry: &plain,
+            ..id
+        };
+        assert!(decode(&v, &other, &Sealer::new(None)).is_err());
     }
 
     #[test]

@@ -7,10 +7,10 @@ use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
 use llama_kv_cache::state::{StreamBlock, VBlock};
 use llama_kv_cache::tensors::transpose::{transpose, Shape as TransposeShape};
-use llama_kv_cache::{CellExt, KvCache, KvError, Layout, MemoryKind, Tensor};
+use llama_kv_cache::{KvCache, KvError, Layout, MemoryKind, Tensor};
 
 use crate::error::{StoreError, StoreResult};
-use crate::geometry::Geometry;
+use crate::geometry::{put_exts, Geometry};
 use crate::shape::{FileFormat, KvShape, Shape};
 
 /// Where a capture's rows are: a live cache, or one KV part of a file's bytes.
@@ -110,6 +110,25 @@ impl RowSource<'_> {
     }
 }
 
+impl RowSource<'_> {
+    /// Appends the cell extension of each of `cells` as blocks keep them (nothing when the
+    /// rows' cells carry none).
+    pub fn append_exts(&self, cells: &[u32], out: &mut Vec<u8>) {
+        match self {
+            RowSource::Cache(c) => {
+                let table = c.cells();
+                put_exts(out, cells.iter().map(|&i| table.ext(i as usize)));
+            }
+            RowSource::Part { stream, .. } => {
+                let exts = stream.cells.exts();
+                if !exts.is_empty() {
+                    put_exts(out, cells.iter().map(|&i| exts[i as usize]));
+                }
+            }
+        }
+    }
+}
+
 /// The cells of one sequence, in position order.
 pub(crate) struct KvRows<'a> {
     pub source: RowSource<'a>,
@@ -156,6 +175,7 @@ impl<'a> KvRows<'a> {
         };
         let geometry = Geometry {
             layers: stream.layer_shapes()?,
+            ext: stream.cells.ext_kind(),
         };
         let found: Vec<(i32, u32)> = stream
             .cells
@@ -289,22 +309,9 @@ fn recurrent_one_sequence(part: &[u8], seq: Option<i32>) -> StoreResult<(Vec<u8>
     Ok((out, pos))
 }
 
-/// The refusal of cells with an extension: blocks keep rows and tokens, not each cell's
-/// `x, y, tok`, so a restore would lose an image's 2D positions.
-fn no_cell_ext(what: &str, ext: CellExt) -> StoreError {
-    StoreError::Cache(KvError::Unsupported(format!(
-        "{what} the '{}' cell extension of M-RoPE / PLE models, which the prompt store does not keep yet",
-        ext.name()
-    )))
-}
-
 impl<'a> Capture<'a> {
     /// Sequence `seq` of a live cache (a unified or recurrent one), `tokens` being its prompt.
     pub fn of_cache(cache: &'a KvCache, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
-        let ext = cache.params().cell_ext;
-        if !ext.is_none() {
-            return Err(no_cell_ext("the cache's cells keep", ext));
-        }
         if cache.has_shift() {
             return Err(StoreError::NotPrefix(
                 "the cache has a pending K-shift (apply it with update() first): its K rows are not those of positions 0..n"
@@ -354,9 +361,6 @@ impl<'a> Capture<'a> {
                 .recurrent()
                 .or(recurrent)
                 .unwrap_or_else(|| ends_in_one_cell(ins));
-        if let Some(p) = ins.parts.iter().find(|p| !p.payload.ext.is_none()) {
-            return Err(no_cell_ext("the file's cells carry", p.payload.ext));
-        }
         let kv_layout = match ins.parts.iter().find(|p| p.kind == PartKind::Kv) {
             Some(p) if !whole_recurrent => p.payload.layout,
             // a recurrent memory has no layout of its own: the era of the file decides (the

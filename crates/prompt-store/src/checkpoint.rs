@@ -6,7 +6,8 @@
 //! "KVPC"  u32 version  [32] fingerprint  [32] key  u32 P  u32 n_tail  i32 tail[n_tail]
 //! u32 swa_mode (0 none, 1 tail rows, 2 window)  u32 n_win  i32 window positions[n_win]
 //! u64 n_recurrent
-//! main rows: per layer K rows then V rows of the tail (n_tail rows, untransposed)
+//! main rows: per layer K rows then V rows of the tail (n_tail rows, untransposed), then the
+//!   tail's cell extensions when the geometry has one (as in a block)
 //! swa rows: the same for the SWA layers, n_tail rows (mode 1) or n_win rows (mode 2)
 //! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes)
 //! trailer (see [`crate::seal`])
@@ -78,7 +79,7 @@ pub struct CheckpointView<'a> {
 }
 
 fn rows_len(g: Option<&Geometry>, n: usize) -> usize {
-    g.map_or(0, |g| n * g.bytes_per_token() as usize)
+    g.map_or(0, |g| n * g.stored_bytes_per_token() as usize)
 }
 
 /// Encodes a checkpoint. `rows(out, is_swa)` appends the main tail rows (`is_swa` false), then
@@ -268,6 +269,7 @@ mod tests {
                 v_type: GgmlType::F16,
                 v_row: 2,
             }],
+            ext: llama_kv_cache::CellExt::None,
         };
         Shape {
             memory: MemoryKind::Iswa,

@@ -3,7 +3,7 @@
 //! them (sliding-window rows, checkpoints and their index).
 
 use llama_kv_cache::state::params_for_shapes;
-use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor};
+use llama_kv_cache::{CacheParams, CellExt, CellExtValue, GgmlType, KvCache, Tensor};
 
 use sha2::{Digest, Sha256};
 
@@ -23,6 +23,48 @@ pub use llama_kv_cache::state::LayerShape as LayerGeometry;
 pub struct Geometry {
     /// One entry per layer.
     pub layers: Vec<LayerGeometry>,
+    /// The extension every cell carries (M-RoPE / PLE models): a block keeps each token's
+    /// `x, y, tok` after its rows, so that a restore gives an image's tokens their 2D positions.
+    pub ext: CellExt,
+}
+
+/// Bytes a block keeps per token for a cell extension: `x, y, tok` as i32 LE, whatever the kind
+/// (the kind, in the geometry, says which of them a file carries).
+pub const EXT_BYTES: usize = 12;
+
+/// Flag on the encoded layer count: a cell extension id follows the layers. Geometries without
+/// one encode as they always did, so their fingerprints and blocks stay valid.
+const HAS_EXT: u32 = 1 << 31;
+
+/// The id of a cell extension in an encoded geometry.
+fn ext_id(ext: CellExt) -> u32 {
+    match ext {
+        CellExt::None => 0,
+        CellExt::Pos2 => 1,
+        CellExt::Pos2Tok => 2,
+    }
+}
+
+/// Appends `x, y, tok` of each extension (LE), as blocks keep them.
+pub fn put_exts(out: &mut Vec<u8>, exts: impl Iterator<Item = CellExtValue>) {
+    for e in exts {
+        for v in [e.x, e.y, e.tok] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+/// The extension at `bytes[12k..]` of what [`put_exts`] wrote.
+pub fn ext_at(bytes: &[u8], k: usize) -> CellExtValue {
+    let at = |i: usize| {
+        let o = EXT_BYTES * k + 4 * i;
+        i32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"))
+    };
+    CellExtValue {
+        x: at(0),
+        y: at(1),
+        tok: at(2),
+    }
 }
 
 impl Geometry {
@@ -38,12 +80,29 @@ impl Geometry {
                 })
             })
             .collect::<StoreResult<_>>()?;
-        Ok(Geometry { layers })
+        Ok(Geometry {
+            layers,
+            ext: cache.params().cell_ext,
+        })
     }
 
     /// Bytes of K and V of one token over all layers.
     pub fn bytes_per_token(&self) -> u64 {
         self.layers.iter().map(|l| l.k_row + l.v_row).sum()
+    }
+
+    /// Bytes a block or checkpoint keeps per token: the rows, then the cell extension if any.
+    pub fn stored_bytes_per_token(&self) -> u64 {
+        self.bytes_per_token() + self.ext_bytes() as u64
+    }
+
+    /// Bytes kept per token for the cell extension (0 without one).
+    pub fn ext_bytes(&self) -> usize {
+        if self.ext.is_none() {
+            0
+        } else {
+            EXT_BYTES
+        }
     }
 
     /// Parameters of a one-sequence cache of `size` cells with this geometry (to write llama.cpp
@@ -57,26 +116,34 @@ impl Geometry {
         let mut p = params_for_shapes(&self.layers, size)?;
         p.flash_attn = !v_trans;
         (p.n_rot_k, p.n_rot_v) = rot;
+        p.cell_ext = self.ext;
         p.validate()?;
         Ok(p)
     }
 
-    /// Canonical bytes: `u32 n_layer`, then per layer `i32 k_type, u64 k_row, i32 v_type,
-    /// u64 v_row` (little-endian). Used in fingerprints, block headers and model records.
+    /// Canonical bytes: `u32 n_layer` (bit 31 set when a cell extension follows), then per
+    /// layer `i32 k_type, u64 k_row, i32 v_type, u64 v_row`, then `u32` the extension's id
+    /// (1 x, y; 2 x, y, tok) if any (little-endian). Used in fingerprints, block headers and
+    /// model records.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        let flag = if self.ext.is_none() { 0 } else { HAS_EXT };
+        out.extend_from_slice(&(self.layers.len() as u32 | flag).to_le_bytes());
         for l in &self.layers {
             out.extend_from_slice(&l.k_type.id().to_le_bytes());
             out.extend_from_slice(&l.k_row.to_le_bytes());
             out.extend_from_slice(&l.v_type.id().to_le_bytes());
             out.extend_from_slice(&l.v_row.to_le_bytes());
         }
+        if !self.ext.is_none() {
+            out.extend_from_slice(&ext_id(self.ext).to_le_bytes());
+        }
     }
 
     /// Reads what [`Geometry::encode`] wrote at the start of `bytes`; returns it and the bytes
     /// consumed, or `None` when malformed.
     pub fn decode(bytes: &[u8]) -> Option<(Geometry, usize)> {
-        let n = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
+        let word = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
+        let n = (word & !HAS_EXT) as usize;
         if n == 0 || n > 4096 {
             return None;
         }
@@ -93,7 +160,20 @@ impl Geometry {
                 })
             })
             .collect::<Option<Vec<_>>>()?;
-        Some((Geometry { layers }, len))
+        if word & HAS_EXT == 0 {
+            return Some((
+                Geometry {
+                    layers,
+                    ext: CellExt::None,
+                },
+                len,
+            ));
+        }
+        let id = u32::from_le_bytes(bytes.get(len..len + 4)?.try_into().ok()?);
+        let ext = [CellExt::Pos2, CellExt::Pos2Tok]
+            .into_iter()
+            .find(|&e| ext_id(e) == id)?;
+        Some((Geometry { layers, ext }, len + 4))
     }
 
     /// A one-line description for messages.
@@ -187,6 +267,7 @@ mod tests {
                 };
                 2
             ],
+            ext: CellExt::None,
         }
     }
 
@@ -230,6 +311,53 @@ mod tests {
         assert_eq!(Geometry::decode(&bytes), Some((g, bytes.len())));
         assert_eq!(Geometry::decode(&bytes[..bytes.len() - 1]), None);
         assert_eq!(Geometry::decode(&[0, 0, 0, 0]), None);
+    }
+
+    /// A geometry without a cell extension encodes as before extensions existed (the stores'
+    /// fingerprints and blocks stay valid); one with an extension encodes it and differs.
+    #[test]
+    fn a_cell_extension_is_part_of_the_geometry() {
+        let plain = geo(GgmlType::F16, 64);
+        let mut bytes = Vec::new();
+        plain.encode(&mut bytes);
+        assert_eq!(bytes.len(), 4 + 2 * 24);
+        assert_eq!(bytes[..4], 2u32.to_le_bytes());
+        for ext in [CellExt::Pos2, CellExt::Pos2Tok] {
+            let g = Geometry {
+                ext,
+                ..plain.clone()
+            };
+            let mut with = Vec::new();
+            g.encode(&mut with);
+            assert_eq!(with.len(), bytes.len() + 4);
+            assert_ne!(with[..4], bytes[..4]);
+            assert_eq!(Geometry::decode(&with), Some((g.clone(), with.len())));
+            assert_eq!(g.stored_bytes_per_token(), plain.bytes_per_token() + 12);
+        }
+        let mut bad = bytes.clone();
+        bad[3] |= 0x80;
+        bad.extend_from_slice(&9u32.to_le_bytes());
+        assert_eq!(Geometry::decode(&bad), None, "an unknown extension id");
+    }
+
+    #[test]
+    fn extensions_round_trip_as_blocks_keep_them() {
+        let exts = [
+            CellExtValue {
+                x: 3,
+                y: 4,
+                tok: -1,
+            },
+            CellExtValue {
+                x: -7,
+                y: 9,
+                tok: 42,
+            },
+        ];
+        let mut bytes = Vec::new();
+        put_exts(&mut bytes, exts.into_iter());
+        assert_eq!(bytes.len(), 2 * EXT_BYTES);
+        assert_eq!([ext_at(&bytes, 0), ext_at(&bytes, 1)], exts);
     }
 
     #[test]

@@ -2,8 +2,7 @@
 //! recorded), written in place from verified rows: the bytes the core's transactional
 //! `state_read` loads, and the parts of the files `write_file` writes.
 
-use llama_kv_cache::state::cells::put_cell_one_id;
-use llama_kv_cache::state::cells::{cell_len, CellExt};
+use llama_kv_cache::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt};
 use llama_kv_cache::state::{cell_count_header, data_header, k_header, n_stream_header, v_header};
 use llama_kv_cache::tensors::transpose::{transpose, Shape};
 use llama_kv_cache::KvError;
@@ -15,18 +14,24 @@ use crate::geometry::Geometry;
 /// Where the rows of one KV part go inside a payload buffer.
 pub struct KvPartWriter<'g> {
     geometry: &'g Geometry,
+    /// The extension the part's cells carry (none, or the payload's form of the rows' own).
+    ext: CellExt,
     n: usize,
     v_trans: bool,
+    /// Offset of the first cell's metadata (cells of a geometry with an extension get theirs
+    /// from the rows put into them).
+    cells_at: usize,
     /// Per layer: offsets of the K rows and of the V data.
     k_at: Vec<usize>,
     v_at: Vec<usize>,
 }
 
-/// Bytes of a KV part of `n` cells.
-pub fn part_len(geometry: &Geometry, n: usize) -> usize {
-    // n_stream, cell_count; per cell pos, n_seq_id, seq; v_trans, n_layer, n_rot_k, n_rot_v;
-    // per layer the K and V headers (type + row size, or type + element size + channels)
-    8 + cell_len(1, CellExt::None) * n
+/// Bytes of a KV part of `n` cells carrying `ext`.
+pub fn part_len(geometry: &Geometry, ext: CellExt, n: usize) -> usize {
+    // n_stream, cell_count; per cell pos, n_seq_id, its extension if any, seq; v_trans,
+    // n_layer, n_rot_k, n_rot_v; per layer the K and V headers (type + row size, or type +
+    // element size + channels)
+    8 + cell_len(1, ext) * n
         + 16
         + 24 * geometry.layers.len()
         + n * geometry.bytes_per_token() as usize
@@ -45,10 +50,13 @@ pub fn grow(out: &mut Vec<u8>, extra: usize) -> StoreResult<()> {
 
 impl<'g> KvPartWriter<'g> {
     /// Appends a part of `positions.len()` cells of sequence `seq` to `out` (headers written,
-    /// rows zero until [`KvPartWriter::put`] fills them).
+    /// rows zero and cell extensions llama.cpp's default until [`KvPartWriter::put`] fills
+    /// them). The cells carry `ext`: none, or the form the payload's reader expects of the
+    /// extensions the rows keep.
     pub fn begin(
         out: &mut Vec<u8>,
         geometry: &'g Geometry,
+        ext: CellExt,
         positions: &[i32],
         seq: i32,
         v_trans: bool,
@@ -56,19 +64,24 @@ impl<'g> KvPartWriter<'g> {
     ) -> StoreResult<Self> {
         let n = positions.len();
         let mut at = out.len();
-        grow(out, part_len(geometry, n))?;
+        grow(out, part_len(geometry, ext, n))?;
         let put = |out: &mut [u8], at: &mut usize, bytes: &[u8]| {
             out[*at..*at + bytes.len()].copy_from_slice(bytes);
             *at += bytes.len();
         };
         put(out, &mut at, &n_stream_header(1));
         put(out, &mut at, &cell_count_header(n as u32));
-        let cell = cell_len(1, CellExt::None);
+        let cell = cell_len(1, ext);
+        let cells_at = at;
         for (p, dst) in positions
             .iter()
             .zip(out[at..at + cell * n].chunks_exact_mut(cell))
         {
-            put_cell_one_id(dst.try_into().expect("one-id cells are 12 bytes"), *p, seq);
+            if ext.is_none() {
+                put_cell_one_id(dst.try_into().expect("one-id cells are 12 bytes"), *p, seq);
+            } else {
+                put_cell(dst, *p, ext, None, std::iter::once(seq));
+            }
         }
         at += cell * n;
         let (header, len) = data_header(v_trans, geometry.layers.len() as u32, Some(rot));
@@ -88,8 +101,10 @@ impl<'g> KvPartWriter<'g> {
         debug_assert_eq!(at, out.len());
         Ok(KvPartWriter {
             geometry,
+            ext,
             n,
             v_trans,
+            cells_at,
             k_at,
             v_at,
         })
@@ -104,6 +119,18 @@ impl<'g> KvPartWriter<'g> {
     pub fn put_from(&self, out: &mut [u8], first: usize, rows: &BlockRows<'_>, skip: usize) {
         let m = rows.n_tokens() - skip;
         debug_assert!(first + m <= self.n);
+        let kind = self.ext;
+        if !kind.is_none() {
+            // each cell's extension sits after its position and seq id count
+            let cell = cell_len(1, kind);
+            for k in 0..m {
+                let at = self.cells_at + (first + k) * cell + 8;
+                let e = rows.ext(skip + k);
+                for (i, v) in [e.x, e.y, e.tok][..kind.bytes() / 4].iter().enumerate() {
+                    out[at + 4 * i..at + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
         for (il, l) in self.geometry.layers.iter().enumerate() {
             let k_row = l.k_row as usize;
             let at = self.k_at[il] + first * k_row;

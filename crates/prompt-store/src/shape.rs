@@ -13,7 +13,7 @@
 
 use llama_kv_cache::model::MemoryKind;
 use llama_kv_cache::state::files::FileKind;
-use llama_kv_cache::Layout;
+use llama_kv_cache::{CellExt, Layout};
 use sha2::{Digest, Sha256};
 
 use crate::backend::Key;
@@ -210,6 +210,15 @@ impl Shape {
         Key(h.finalize().into())
     }
 
+    /// The cell extension its KV parts keep (M-RoPE / PLE models), if any.
+    pub fn cell_ext(&self) -> Option<CellExt> {
+        [&self.main, &self.swa]
+            .into_iter()
+            .flatten()
+            .map(|kv| kv.layers.ext)
+            .find(|e| !e.is_none())
+    }
+
     /// Whether every block boundary of the chain is a restore point by itself: nothing outside
     /// the blocks is needed (no recurrent state; an SWA part only when kept in blocks too).
     pub fn blocks_restore(&self) -> bool {
@@ -291,6 +300,7 @@ mod tests {
                     };
                     2
                 ],
+                ext: llama_kv_cache::CellExt::None,
             },
             rot,
         }

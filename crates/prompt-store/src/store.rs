@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, write_atomic, FileKind};
 use llama_kv_cache::{
-    convert_bytes, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions, WriteOptions,
+    convert_bytes, CellExt, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions,
+    WriteOptions,
 };
 
 use sha2::{Digest, Sha256};
@@ -169,6 +170,9 @@ struct Target {
     seq: i32,
     v_trans: bool,
     swa_window: Option<u32>,
+    /// The cell extension the payload's cells carry: the live cache's, or the canonical
+    /// file's form (x, y, tok) for a store that keeps extensions.
+    ext: CellExt,
 }
 
 /// A prompt store for one model. The model's shape is fixed by the first cache or file it sees
@@ -523,9 +527,16 @@ impl PromptStore {
                 self.replace_foreign(key, present[i])?;
                 let mut value = spare.pop().unwrap_or_default();
                 let cells = &rows.cells[i * bt..(i + 1) * bt];
-                block::encode_into(&id, &self.sealer, &mut value, |out, il, is_v| {
-                    rows.source.append(il, is_v, cells, out)
-                })?;
+                block::encode_into(
+                    &id,
+                    &self.sealer,
+                    &mut value,
+                    |out, il, is_v| rows.source.append(il, is_v, cells, out),
+                    |out| {
+                        rows.source.append_exts(cells, out);
+                        Ok(())
+                    },
+                )?;
                 pending.push((*key, value));
             }
             if pending.len() == PUT_BATCH || i + 1 == keys.len() {
@@ -606,6 +617,9 @@ impl PromptStore {
                                 rows.source.append(il, is_v, cells, out)?;
                             }
                         }
+                    }
+                    if !geometry.ext.is_none() {
+                        rows.source.append_exts(cells, out);
                     }
                     Ok(())
                 },
@@ -886,6 +900,7 @@ impl PromptStore {
             seq,
             v_trans,
             swa_window,
+            ext,
         } = target;
         let bt = self.block_tokens;
         let shape = &bound.shape;
@@ -920,7 +935,8 @@ impl PromptStore {
         };
         let positions: Vec<i32> = (0..plan.len as i32).collect();
         if let Some(main) = &shape.main {
-            let w = KvPartWriter::begin(out, &main.layers, &positions, seq, v_trans, main.rot)?;
+            let w =
+                KvPartWriter::begin(out, &main.layers, ext, &positions, seq, v_trans, main.rot)?;
             let complete = self.read_blocks(
                 bound,
                 &main.layers,
@@ -942,7 +958,7 @@ impl PromptStore {
             });
             match window {
                 Some(p) => {
-                    let w = KvPartWriter::begin(out, &swa.layers, &p, seq, v_trans, swa.rot)?;
+                    let w = KvPartWriter::begin(out, &swa.layers, ext, &p, seq, v_trans, swa.rot)?;
                     if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
                         w.put(out, 0, rows);
                     }
@@ -955,6 +971,7 @@ impl PromptStore {
                     let w = KvPartWriter::begin(
                         out,
                         &swa.layers,
+                        ext,
                         &positions[from..],
                         seq,
                         v_trans,
@@ -1062,6 +1079,7 @@ impl PromptStore {
                 seq,
                 v_trans: cache.v_trans(),
                 swa_window: None,
+                ext: cache.params().cell_ext,
             },
             &|_| Vec::new(),
         )?
@@ -1123,6 +1141,9 @@ impl PromptStore {
                 seq: 0,
                 v_trans: !flash_attn,
                 swa_window: opts.swa_window,
+                ext: bound.shape.cell_ext().map_or(CellExt::None, |_| {
+                    FileKind::Sequence.cell_exts(canonical_version)[0]
+                }),
             },
             // the store's own form: a sequence file of today's version; anything else is a
             // conversion of it

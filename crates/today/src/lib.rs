@@ -52,6 +52,9 @@ pub struct Spec {
     pub unified: bool,
     /// One prompt per sequence.
     pub prompts: Vec<Vec<i32>>,
+    /// Context size: [`CTX`] for every fixture; tests that run the peer themselves may ask
+    /// for more.
+    pub ctx: u32,
     /// The sequence saved into the sequence file.
     pub seq: i32,
     /// The memory that writes the state: "unified", "iswa" or "hybrid".
@@ -171,6 +174,7 @@ pub fn specs() -> Vec<Spec> {
         types: (F16, F16),
         unified: true,
         prompts: vec![p0.clone()],
+        ctx: CTX,
         seq: 0,
         memory: "unified",
         n_rot: (0, 0),
@@ -272,7 +276,7 @@ impl Spec {
     pub fn context_args(&self) -> Vec<String> {
         vec![
             format!("model={}", models_dir().join(self.model).display()),
-            format!("ctx={CTX}"),
+            format!("ctx={}", self.ctx),
             format!("seqs={}", self.prompts.len()),
             format!("fa={}", self.fa as u8),
             format!("type_k={}", self.types.0),
@@ -310,6 +314,11 @@ impl Spec {
 
     /// Decodes the prompts with the peer and saves both fixture files; returns the sidecar.
     pub fn generate(&self) -> Result<Value, String> {
+        self.generate_into(&self.session_path(), &self.sequence_path())
+    }
+
+    /// [`Spec::generate`] into the given session and sequence file paths.
+    pub fn generate_into(&self, session: &Path, sequence: &Path) -> Result<Value, String> {
         let prompts = self
             .prompts
             .iter()
@@ -323,8 +332,8 @@ impl Spec {
             .join(";");
         let mut args = self.context_args();
         args.push(format!("prompts={prompts}"));
-        args.push(format!("session={}", self.session_path().display()));
-        args.push(format!("seq_file={}", self.sequence_path().display()));
+        args.push(format!("session={}", session.display()));
+        args.push(format!("seq_file={}", sequence.display()));
         args.push(format!("seq={}", self.seq));
         if let Some((p0, p1, d)) = self.shift {
             args.push(format!("shift={p0}:{p1}:{d}"));
@@ -334,7 +343,7 @@ impl Spec {
         Ok(json!({
             "peer": "llama.cpp 0.1.161 (crates.io llama-cpp-sys-2 0.1.161), crates/today/driver",
             "model": self.model,
-            "ctx": CTX,
+            "ctx": self.ctx,
             "flashAttn": self.fa,
             "typeK": self.types.0,
             "typeV": self.types.1,

@@ -7,7 +7,7 @@
 
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{GgmlType, KvCache, ModelInfo, ReadOptions, UBatch, WriteOptions};
-use today_peer::models_dir;
+use today_peer::{models_dir, spec_named, Spec};
 
 const N_SEQ: usize = 256;
 /// Two tokens per sequence, then the peer's next token for each (`next2`), and room to spare.
@@ -21,17 +21,16 @@ fn prompts() -> Vec<Vec<i32>> {
         .collect()
 }
 
-/// The peer's context: f16 K/V, no flash attention, one unified stream.
-fn context_args() -> Vec<String> {
-    vec![
-        format!("model={}", models_dir().join(MODEL).display()),
-        format!("ctx={CTX}"),
-        format!("seqs={N_SEQ}"),
-        "fa=0".into(),
-        "type_k=1".into(),
-        "type_v=1".into(),
-        "unified=1".into(),
-    ]
+/// The peer's run: f16 K/V, no flash attention, one unified stream, sequence 255 saved.
+fn spec() -> Spec {
+    Spec {
+        name: "seqs256",
+        model: MODEL,
+        prompts: prompts(),
+        ctx: CTX,
+        seq: 255,
+        ..spec_named("h16-f16")
+    }
 }
 
 /// Our cache for the model, as llama.cpp sizes it for this context.
@@ -61,20 +60,9 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 fn two_hundred_fifty_six_sequences_round_trip_with_the_peer() {
     let dir = temp_dir("peer");
     let (session, sequence) = (dir.join("peer.ggsn"), dir.join("peer-255.ggsq"));
-    let prompts = prompts();
-    let joined = prompts
-        .iter()
-        .map(|p| format!("{},{}", p[0], p[1]))
-        .collect::<Vec<_>>()
-        .join(";");
-    let mut args = context_args();
-    args.extend([
-        format!("prompts={joined}"),
-        format!("session={}", session.display()),
-        format!("seq_file={}", sequence.display()),
-        "seq=255".into(),
-    ]);
-    let peer = today_peer::run("gen", &args).unwrap();
+    let spec = spec();
+    let prompts = &spec.prompts;
+    let peer = spec.generate_into(&session, &sequence).unwrap();
     let (session_bytes, sequence_bytes) = (
         std::fs::read(&session).unwrap(),
         std::fs::read(&sequence).unwrap(),
@@ -129,7 +117,7 @@ fn two_hundred_fifty_six_sequences_round_trip_with_the_peer() {
         .session_file_bytes(&prompts.concat(), "llama", None, v(11), None)
         .unwrap();
     std::fs::write(&written, bytes).unwrap();
-    let mut args = context_args();
+    let mut args = spec.context_args();
     args.extend([
         format!("session={}", written.display()),
         "dest=255".into(),
