@@ -191,8 +191,8 @@ export declare class KvCache {
   /** Whether CUDA memory can be used here, and why not. */
   static cudaStatus(): CudaStatus
   /**
-   * Whether clear() hands the memory of host tensors back to the OS (the `releaseMemory`
-   * option).
+   * Whether clear(), seqRm, seqKeep and defrag hand the memory of host tensors back to the
+   * OS (the `releaseMemory` option).
    */
   get releaseMemory(): boolean
   /**
@@ -703,9 +703,10 @@ export interface KvCacheOptions {
   device?: string | string[]
   /**
    * Whether clear() hands the memory of host tensors (of 1 MiB or more) back to the OS
-   * instead of zeroing it in place, so a cleared cache stops costing RSS. Turn it off for a
-   * cache cleared and refilled in a tight loop, where faulting the pages back in costs more.
-   * Default true.
+   * instead of zeroing it in place, so a cleared cache stops costing RSS; and whether seqRm,
+   * seqKeep and defrag hand back the pages of the cells they free, when they free 1 MiB or
+   * more. Turn it off for a cache cleared and refilled in a tight loop, where faulting the
+   * pages back in costs more. Default true.
    */
   releaseMemory?: boolean
 }

@@ -346,7 +346,7 @@ test('memory that cannot be allocated is ERR_KV_BACKEND, not an abort', (t) => {
 // commits no page, dispose() returns its pages, and clear() hands them back too. With heap
 // memory (calloc) the second 1 GiB cache came back memset and RSS stayed at 1.1 GiB after
 // every dispose, because glibc raises its mmap threshold after the first large free.
-test('regression: ten 1 GiB caches made, filled and disposed leave RSS within 64 MiB of the start, an idle cache costs none, and clear() returns the pages', async (t) => {
+test('regression: ten 1 GiB caches made, filled and disposed leave RSS within 64 MiB of the start, an idle cache costs none, and clear(), seqRm and defrag return the pages', async (t) => {
   const r = await runScript(MEMORY_ROUNDS, [10], ['--expose-gc'])
   t.log(`RSS after each dispose (MiB over the start): ${r.afterDispose.map((x) => x.toFixed(0)).join(', ')}`)
   t.log(`create (ms): ${r.createMs.map((x) => x.toFixed(2)).join(', ')}; idle cache +${r.idleGrowth.toFixed(1)} MiB RSS`)
@@ -360,6 +360,13 @@ test('regression: ten 1 GiB caches made, filled and disposed leave RSS within 64
   t.is(r.clearedResident, 0)
   t.true(r.clearedRss < 64, `after clear() RSS is ${r.clearedRss.toFixed(0)} MiB over the start`)
   t.true(r.zeroAfterClear)
+  // dropping one of two chats hands its half back, and so does the defrag that moves the other
+  t.log(`seqRm of half: ${r.seqRmRss.toFixed(0)} MiB RSS, residentBytes ${r.seqRmResident} MiB; then defrag: ${r.defragRss.toFixed(0)} MiB, residentBytes ${r.defragResident} MiB`)
+  t.is(r.seqRmResident, r.tensorMiB / 2)
+  t.true(r.seqRmRss < -400, `seqRm of half the cache changed RSS by ${r.seqRmRss.toFixed(0)} MiB`)
+  t.is(r.defragResident, r.tensorMiB / 2)
+  t.true(r.defragRss < -400, `after the defrag RSS is ${r.defragRss.toFixed(0)} MiB from before seqRm`)
+  t.true(r.movedIntact)
 })
 
 test('clear() hands tensor memory back unless releaseMemory is false, and reads zeros either way', (t) => {

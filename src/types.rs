@@ -58,9 +58,10 @@ pub struct KvCacheOptions {
     #[napi(ts_type = "string | string[]")]
     pub device: Option<Either<String, Vec<String>>>,
     /// Whether clear() hands the memory of host tensors (of 1 MiB or more) back to the OS
-    /// instead of zeroing it in place, so a cleared cache stops costing RSS. Turn it off for a
-    /// cache cleared and refilled in a tight loop, where faulting the pages back in costs more.
-    /// Default true.
+    /// instead of zeroing it in place, so a cleared cache stops costing RSS; and whether seqRm,
+    /// seqKeep and defrag hand back the pages of the cells they free, when they free 1 MiB or
+    /// more. Turn it off for a cache cleared and refilled in a tight loop, where faulting the
+    /// pages back in costs more. Default true.
     pub release_memory: Option<bool>,
 }
 

@@ -1,7 +1,8 @@
 // Child process of kv-cache.spec.mjs's memory tests (run with --expose-gc), at an 8B llama's
 // geometry: 32 layers x 1,024-wide f16 K and V x 8,192 cells = 1 GiB of tensors. Ten rounds of
 // create, write every row, dispose, as a long-running app makes and drops caches; then an idle
-// new cache, and clear() of a full one. Prints @@RESULT with RSS and residentBytes in MiB.
+// new cache, clear() of a full one, and seqRm then defrag of one of two chats. Prints @@RESULT
+// with RSS and residentBytes in MiB.
 //
 //   node --expose-gc __test__/helpers/memory-rounds.mjs <rounds>
 import { createRequire } from 'node:module'
@@ -19,8 +20,8 @@ const rss = () => {
 }
 
 const rows = Buffer.alloc(OPTIONS.size * 1024 * 2, 0x3c)
-function filled() {
-  const c = new KvCache(OPTIONS)
+function filled(options = {}) {
+  const c = new KvCache({ ...OPTIONS, ...options })
   for (let l = 0; l < OPTIONS.nLayer; l++) {
     c.writeK(l, 0, rows)
     c.writeV(l, 0, rows)
@@ -57,6 +58,24 @@ const clearedResident = full.residentBytes / MiB
 const zeroAfterClear = full.readK(31, 8191, 1).every((b) => b === 0)
 full.dispose()
 
+// two chats of 4,096 cells each; dropping one hands its half back, and so does the defrag that
+// moves the other to the front (its old cells are free then)
+const chats = filled({ nSeqMax: 2 })
+const half = OPTIONS.size / 2
+const positions = Array.from({ length: half }, (_, p) => p)
+chats.findSlot({ pos: positions, seqIds: Array(half).fill(0) })
+chats.findSlot({ pos: positions, seqIds: Array(half).fill(1) })
+const beforeRm = rss()
+chats.seqRm(0)
+const seqRmRss = rss() - beforeRm
+const seqRmResident = chats.residentBytes / MiB
+chats.defrag()
+await chats.update()
+const defragRss = rss() - beforeRm
+const defragResident = chats.residentBytes / MiB
+const movedIntact = chats.cell(0).seqIds[0] === 1 && chats.readK(31, 0, 1).every((b) => b === 0x3c)
+chats.dispose()
+
 console.log('@@RESULT ' + JSON.stringify({
   tensorMiB: 1024,
   afterDispose,
@@ -68,4 +87,9 @@ console.log('@@RESULT ' + JSON.stringify({
   clearedRss: clearedRss - start,
   clearedResident,
   zeroAfterClear,
+  seqRmRss,
+  seqRmResident,
+  defragRss,
+  defragResident,
+  movedIntact,
 }))

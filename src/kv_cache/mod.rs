@@ -226,8 +226,8 @@ impl KvCache {
         crate::device::status()
     }
 
-    /// Whether clear() hands the memory of host tensors back to the OS (the `releaseMemory`
-    /// option).
+    /// Whether clear(), seqRm, seqKeep and defrag hand the memory of host tensors back to the
+    /// OS (the `releaseMemory` option).
     #[napi(getter)]
     pub fn release_memory(&self) -> Result<bool, Code> {
         self.with(|c| Ok(c.release_memory()))

@@ -151,6 +151,8 @@ impl KvCache {
             layer.apply_moves(lay, &runs)?;
             report.bytes_copied += cells * (layer.k_row + layer.v_row) as u64;
         }
+        // the moved cells' sources are free now, at the end of the cache
+        self.release_freed(0..self.params.size as usize, cells as usize)?;
         Ok(report)
     }
 

@@ -696,7 +696,8 @@ impl KvCache {
         cells: &PayloadCells,
         allow_scattered: bool,
     ) -> Result<Vec<usize>> {
-        self.seq_rm(dest, -1, -1)?;
+        // the rows stay: a load that fails puts the sequence's cells back
+        self.seq_rm_keeping_data(dest, -1, -1)?;
         if cells.is_empty() {
             return Ok(Vec::new());
         }
@@ -775,7 +776,7 @@ impl KvCache {
         self.cells.reset();
         self.head = 0;
         self.cells
-            .fill_free(0, cells.positions(), |k| cells.seq_set(k));
+            .fill_free(0, cells.positions(), |k| cells.seq_ids(k));
         for (i, &ext) in cells.exts().iter().enumerate() {
             self.cells.set_ext(i, ext);
         }

@@ -12,6 +12,7 @@ pub mod defrag;
 pub mod files;
 pub mod io;
 pub mod kshift;
+mod release;
 pub mod restorer;
 pub(crate) mod rollback;
 pub mod seq_ops;
@@ -38,7 +39,8 @@ pub struct KvCache {
     pub(crate) has_shift: bool,
     pub(crate) do_defrag: bool,
     pub(crate) layers: Vec<LayerTensors>,
-    /// Whether `clear` hands the tensors' memory back to the OS ([`KvCache::set_release_memory`]).
+    /// Whether `clear` and the operations that free cells hand the tensors' memory back to the
+    /// OS ([`KvCache::set_release_memory`]).
     pub(crate) release_memory: bool,
 }
 
@@ -202,8 +204,9 @@ impl KvCache {
         self.size_k_bytes() + self.size_v_bytes()
     }
 
-    /// Host tensor bytes in memory now: tensors are zeroed lazily, so a buffer counts once it
-    /// was written (`clear` zeroes it in place and keeps its pages for the next writes).
+    /// Host tensor bytes in memory now: tensors are zeroed lazily, so a page counts once it
+    /// was written, and no longer once it was handed back (`clear`, and the operations of
+    /// `release` that free cells).
     pub fn host_resident_bytes(&self) -> usize {
         self.layers
             .iter()
@@ -247,7 +250,8 @@ impl KvCache {
     }
 
     /// Whether [`KvCache::clear`] hands the memory of host tensors (of 1 MiB or more) back to
-    /// the OS instead of zeroing it in place. On by default: an app that cleared a long chat
+    /// the OS instead of zeroing it in place, and `seq_rm`, `seq_keep` and defrag the pages of
+    /// the cells they free (see `release`). On by default: an app that cleared a long chat
     /// no longer pays for it. Turn it off for a cache that is cleared and refilled in a tight
     /// loop, where faulting the pages back in costs more than keeping them.
     pub fn set_release_memory(&mut self, on: bool) {

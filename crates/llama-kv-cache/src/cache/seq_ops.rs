@@ -5,7 +5,7 @@
 //! Sequence ids are validated up front, so a refused call leaves the cache untouched.
 
 use crate::cache::KvCache;
-use crate::cells::{Cell, SeqSet};
+use crate::cells::{Cell, Freed, SeqSet};
 use crate::error::{KvError, Result};
 
 fn open_range(p0: i32, p1: i32) -> (i32, i32) {
@@ -14,9 +14,28 @@ fn open_range(p0: i32, p1: i32) -> (i32, i32) {
 
 impl KvCache {
     /// Removes `seq` (or every sequence, with -1) from the cells with positions in `[p0, p1)`,
-    /// freeing cells left without a sequence. Returns false, changing nothing, when a recurrent
+    /// freeing cells left without a sequence, and hands the pages of freed cells back to the OS
+    /// when that is worth it (`release`). Returns false, changing nothing, when a recurrent
     /// cache is asked to erase part of a sequence's state.
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        let Some(freed) = self.seq_rm_keeping_data(seq, p0, p1)? else {
+            return Ok(false);
+        };
+        if let (Some(first), Some(last)) = (freed.first, freed.last) {
+            self.release_freed(first..last + 1, freed.with_pos as usize)?;
+        }
+        Ok(true)
+    }
+
+    /// [`KvCache::seq_rm`] that leaves the freed cells' rows in memory, for a caller that may
+    /// put the cells back (a load that fails restores the sequence it replaced). `None` when a
+    /// recurrent cache refuses.
+    pub(crate) fn seq_rm_keeping_data(
+        &mut self,
+        seq: i32,
+        p0: i32,
+        p1: i32,
+    ) -> Result<Option<Freed>> {
         if seq != -1 {
             self.check_seq("seqRm", seq)?;
         }
@@ -28,14 +47,14 @@ impl KvCache {
                     let pos = self.cells.pos(tail as usize);
                     // a partial intersection would leave half a state
                     if (0 < p0 && p0 <= pos) || (0 < p1 && p1 <= pos) {
-                        return Ok(false);
+                        return Ok(None);
                     }
                     if p0 <= pos && pos < p1 {
                         self.cells.set_tail(seq as usize, -1);
                     }
                 }
             } else if p0 != p1 && (p0 != 0 || p1 != i32::MAX) {
-                return Ok(false);
+                return Ok(None);
             }
         }
         let freed = if seq < 0 {
@@ -49,7 +68,7 @@ impl KvCache {
         if let Some(first) = freed.first {
             self.head = self.head.min(first as u32);
         }
-        Ok(true)
+        Ok(Some(freed))
     }
 
     /// Adds `dst` to every cell of `src` with a position in `[p0, p1)`. Recurrent caches share
@@ -118,7 +137,9 @@ impl KvCache {
             // free cells of a transformer cache hold no sequence, so only occupied cells change;
             // the first cell without `keep` is where the seed's loop sets new_head
             new_head = self.cells.first_without(keep).unwrap_or(size);
-            used = used.wrapping_sub(self.cells.keep_only(keep));
+            let freed = self.cells.keep_only(keep);
+            used = used.wrapping_sub(freed);
+            self.release_freed(0..size, freed as usize)?;
         }
         self.cells.used = used;
         self.cells.settle();

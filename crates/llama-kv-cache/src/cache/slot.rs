@@ -109,7 +109,7 @@ impl KvCache {
         // the window is free (the scan above stopped on it)
         let per_group = ubatch.n_seq_tokens as usize;
         self.cells.fill_free(head as usize, &ubatch.pos[..n], |k| {
-            ubatch.seq_set(k / per_group)
+            &ubatch.seq_ids[k / per_group]
         });
         if self.cells.keeps_ext() {
             self.record_ext(head as usize, ubatch);

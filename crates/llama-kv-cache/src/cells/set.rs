@@ -198,7 +198,7 @@ impl CellSet {
 
     /// Replaces word `w` with the members `word`, whose positions lie exactly within
     /// `[lo, hi]` (the caller read them all): the word's bounds become exact again.
-    #[inline]
+    #[inline(always)]
     pub fn set_word(&mut self, w: usize, word: u64, lo: i32, hi: i32) {
         let old = self.bits[w];
         self.count = self.count - old.count_ones() + word.count_ones();
@@ -215,14 +215,14 @@ impl CellSet {
 
     /// Sets the members of word `w` to `word` (now non-empty) with positions widened by
     /// `[lo, hi]`; an empty word before takes `[lo, hi]` as its bounds.
-    #[inline]
+    #[inline(always)]
     fn widen(&mut self, w: usize, word: u64, lo: i32, hi: i32) {
         merge(&mut self.lo[w], &mut self.hi[w], self.bits[w] == 0, lo, hi);
         self.bits[w] = word;
         self.widen_group(w / GROUP, w, lo, hi);
     }
 
-    #[inline]
+    #[inline(always)]
     fn widen_group(&mut self, g: usize, w: usize, lo: i32, hi: i32) {
         merge(
             &mut self.glo[g],
@@ -382,7 +382,7 @@ pub(crate) struct Cursor {
 impl Cursor {
     /// The next word `w` whose bounds meet the range, and whether they lie inside it (every
     /// member of the word is then in the range).
-    #[inline]
+    #[inline(always)]
     pub fn next(&mut self, set: &CellSet) -> Option<(usize, bool)> {
         loop {
             while self.pending != 0 {

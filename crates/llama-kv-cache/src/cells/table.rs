@@ -19,18 +19,32 @@ use crate::error::Result;
 /// Marker for "no position" in the per-sequence maximum.
 const NO_POS: i32 = i32::MIN;
 
+/// No member cells, with the identities of `min` and `max` as bounds.
+const NO_MEMBERS: (u64, i32, i32) = (0, NO_LO, NO_HI);
+
 /// Cells freed by a bulk operation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Freed {
     /// The lowest freed cell.
     pub first: Option<usize>,
+    /// The highest freed cell.
+    pub last: Option<usize>,
     /// Freed cells that had a position (what the seed subtracts from `used`).
     pub with_pos: u32,
 }
 
 impl Freed {
+    /// Notes freed cell `i`. The operations free cells in ascending order (their cursors walk
+    /// the words upward), so the first noted is the lowest and the last the highest.
+    #[inline(always)]
     fn note(&mut self, i: usize, pos: i32) {
-        self.first = Some(self.first.map_or(i, |f| f.min(i)));
+        debug_assert!(
+            self.last.is_none_or(|l| l <= i),
+            "cell {i} after {:?}",
+            self.last
+        );
+        self.first.get_or_insert(i);
+        self.last = Some(i);
         if pos >= 0 {
             self.with_pos += 1;
         }
@@ -87,6 +101,8 @@ pub struct Cells {
     /// Per sequence, the cells that hold it.
     seq: Vec<CellSet>,
     seq_pos_max: Vec<i32>,
+    /// Scratch of [`Cells::fill_cell_by_cell`], per sequence: `NO_MEMBERS` between calls.
+    members: Vec<(u64, i32, i32)>,
     /// Sequences whose maximum must be recomputed (a cell at the maximum lost it).
     dirty: SeqSet,
     /// The seed's `used` counter.
@@ -139,6 +155,7 @@ impl Cells {
             occupied: CellSet::new(words, what)?,
             seq,
             seq_pos_max: vec![NO_POS; n_seq],
+            members: vec![NO_MEMBERS; n_seq],
             dirty: SeqSet::EMPTY,
             used: 0,
         })
@@ -335,6 +352,73 @@ impl Cells {
         next_bit(self.occupied.words(), from, end, !free)
     }
 
+    /// The maximal runs `start..end` of free cells (`pos < 0`) that meet `span` and hold at
+    /// least `min` cells, ascending. One pass over the occupied bitmap: a whole word costs a
+    /// compare, a run a few bit operations (a cache of interleaved sequences has thousands).
+    pub fn free_runs(&self, span: std::ops::Range<usize>, min: usize) -> Vec<(usize, usize)> {
+        let n = self.pos.len();
+        let mut out = Vec::new();
+        let mut keep = |s: usize, e: usize| {
+            if e - s >= min.max(1) && e > span.start && s < span.end {
+                out.push((s, e));
+            }
+        };
+        let mut open: Option<usize> = None;
+        for (w, &word) in self.occupied.words().iter().enumerate() {
+            let base = w * 64;
+            if base >= n {
+                break;
+            }
+            // free cells of the word; cells past the end count as occupied
+            let mut free = !word;
+            if n - base < 64 {
+                free &= (1u64 << (n - base)) - 1;
+            }
+            match (open, free) {
+                (None, 0) | (Some(_), u64::MAX) => continue,
+                _ => {}
+            }
+            if min >= 64 && free != u64::MAX {
+                // a run inside a word that is not all free is too short: only the runs across
+                // its edges can count (one of interleaved sequences' thousands of holes each)
+                if let Some(s) = open.take() {
+                    keep(s, base + (!free).trailing_zeros() as usize);
+                }
+                let top = (!free).leading_zeros() as usize;
+                if top > 0 {
+                    open = Some(base + 64 - top);
+                }
+                continue;
+            }
+            let mut bit = 0u32;
+            while bit < 64 {
+                match open {
+                    None => {
+                        let rest = free >> bit;
+                        if rest == 0 {
+                            break;
+                        }
+                        bit += rest.trailing_zeros();
+                        open = Some(base + bit as usize);
+                    }
+                    Some(s) => {
+                        let rest = !free >> bit;
+                        if rest == 0 {
+                            break;
+                        }
+                        bit += rest.trailing_zeros();
+                        keep(s, base + bit as usize);
+                        open = None;
+                    }
+                }
+            }
+        }
+        if let Some(s) = open {
+            keep(s, n);
+        }
+        out
+    }
+
     /// Sets the position of cell `i`.
     pub fn set_pos(&mut self, i: usize, pos: i32) {
         let old = self.pos[i];
@@ -486,22 +570,19 @@ impl Cells {
     /// Read from the maxima, a few cache lines, rather than from each set's count: between
     /// operations a sequence's maximum is `NO_POS` exactly when it has no cell
     /// (`check_consistency` checks it), and this runs at the start of one.
-    fn others(&self, seq: usize) -> SeqSet {
-        let mut active = SeqSet::EMPTY;
-        for (s, &max) in self.seq_pos_max.iter().enumerate() {
-            if max != NO_POS && s != seq {
-                active.insert(s);
-            }
-        }
-        active
+    /// A list rather than a set: it is walked once per 64-cell word.
+    fn others(&self, seq: usize) -> Vec<usize> {
+        (0..self.seq_pos_max.len())
+            .filter(|&s| self.seq_pos_max[s] != NO_POS && s != seq)
+            .collect()
     }
 
     /// Whether no sequence of `others` holds a cell of word `w` (a whole word inside the
     /// cache), read from their bitmaps: a word per sequence instead of the 512 bytes of the
     /// word's sequence masks.
     #[inline(always)]
-    fn word_alone(&self, w: usize, others: SeqSet) -> bool {
-        w * 64 + 64 <= self.pos.len() && others.iter().all(|s| self.seq[s].word(w) == 0)
+    fn word_alone(&self, w: usize, others: &[usize]) -> bool {
+        w * 64 + 64 <= self.pos.len() && others.iter().all(|&s| self.seq[s].word(w) == 0)
     }
 
     /// Frees the 64 cells of word `w` with column fills (the caller updates the sets).
@@ -523,7 +604,7 @@ impl Cells {
     fn shift_word_alone(
         &mut self,
         w: usize,
-        others: SeqSet,
+        others: &[usize],
         old: (i32, i32),
         new_pos: &impl Fn(i32) -> i32,
     ) -> Option<(i32, i32)> {
@@ -552,7 +633,7 @@ impl Cells {
         while let Some((w, inside)) = cur.next(&self.seq[seq]) {
             let word = self.seq[seq].word(w);
             let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
-            if hits == u64::MAX && self.word_alone(w, others) {
+            if hits == u64::MAX && self.word_alone(w, &others) {
                 // 64 cells of this sequence alone, all in the range: free them with fills
                 let (wlo, whi) = self.seq[seq].bounds(w);
                 if (wlo..=whi).contains(&max) {
@@ -560,7 +641,8 @@ impl Cells {
                 }
                 self.free_word(w);
                 out.note(w * 64, 0);
-                out.with_pos += 63;
+                out.note(w * 64 + 63, 0);
+                out.with_pos += 62;
                 self.seq[seq].set_word(w, 0, NO_LO, NO_HI);
                 self.occupied.remove_bits(w, u64::MAX);
                 continue;
@@ -684,7 +766,7 @@ impl Cells {
                 // bound them, and `new_pos` maps them to bounds of the new positions
                 let (wlo, whi) = self.seq[seq].bounds(w);
                 let old = (wlo.max(p0), whi.min(p1 - 1).min(max));
-                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, others, old, &new_pos) {
+                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, &others, old, &new_pos) {
                     // bounds, not the exact values: `settle` finds the new maximum
                     if old.1 == max || new_hi >= self.seq_pos_max[seq] {
                         self.dirty.insert(seq);
@@ -704,15 +786,21 @@ impl Cells {
                 if old == max {
                     self.dirty.insert(seq);
                 }
-                let mut others = self.seqs.get(i);
-                others.remove(seq);
+                // most cells hold one sequence: only a shared cell reads its set
+                let others = if self.seqs.holds_only(i, seq) {
+                    None
+                } else {
+                    Some(self.seqs.get(i).minus(SeqSet::single(seq)))
+                };
                 if new < 0 {
                     out.note(i, 0);
                     emptied |= 1 << b;
-                    for s in others.iter() {
-                        self.seq[s].remove(i);
-                        if old == self.seq_pos_max[s] {
-                            self.dirty.insert(s);
+                    if let Some(others) = others {
+                        for s in others.iter() {
+                            self.seq[s].remove(i);
+                            if old == self.seq_pos_max[s] {
+                                self.dirty.insert(s);
+                            }
                         }
                     }
                     self.seqs.set(i, SeqSet::EMPTY);
@@ -722,12 +810,14 @@ impl Cells {
                 self.pos[i] = new;
                 moved_lo = moved_lo.min(new);
                 moved_hi = moved_hi.max(new);
-                for s in others.iter() {
-                    self.seq[s].moved(i, new);
-                    if new > self.seq_pos_max[s] {
-                        self.seq_pos_max[s] = new;
-                    } else if old == self.seq_pos_max[s] {
-                        self.dirty.insert(s);
+                if let Some(others) = others {
+                    for s in others.iter() {
+                        self.seq[s].moved(i, new);
+                        if new > self.seq_pos_max[s] {
+                            self.seq_pos_max[s] = new;
+                        } else if old == self.seq_pos_max[s] {
+                            self.dirty.insert(s);
+                        }
                     }
                 }
             }
@@ -755,7 +845,6 @@ impl Cells {
     /// Transformer `seq_keep`: frees every occupied cell without `seq` and leaves `seq` alone
     /// in the others. Returns how many cells were freed.
     pub fn keep_only(&mut self, seq: usize) -> u32 {
-        let single = SeqSet::single(seq);
         let mut freed = 0;
         let n = self.pos.len();
         for w in 0..self.occupied.words().len() {
@@ -772,8 +861,8 @@ impl Cells {
             }
             for b in bits(keep) {
                 let i = w * 64 + b;
-                if self.seqs.get(i) != single {
-                    self.seqs.set(i, single);
+                if !self.seqs.holds_only(i, seq) {
+                    self.seqs.set_single(i, seq);
                 }
             }
             self.occupied.remove_bits(w, drop);
@@ -783,7 +872,11 @@ impl Cells {
             self.seq_pos_max[s] = NO_POS;
         }
         let still_dirty = self.dirty.contains(seq);
-        self.dirty = if still_dirty { single } else { SeqSet::EMPTY };
+        self.dirty = if still_dirty {
+            SeqSet::single(seq)
+        } else {
+            SeqSet::EMPTY
+        };
         freed
     }
 
@@ -809,7 +902,11 @@ impl Cells {
     /// (65,536 cells spent more time in per-cell index updates than in copying their rows). The
     /// cells of a word that share one set of sequences, as a sequence's cells almost always do,
     /// take column copies and a min/max pass instead of a loop over each cell's sequences.
-    pub fn fill_free(&mut self, first: usize, pos: &[i32], seqs: impl Fn(usize) -> SeqSet) {
+    ///
+    /// `seqs(k)` gives the `k`-th cell's sequence ids (each below the table's sequence count),
+    /// as a ubatch or a payload holds them: a cell of one sequence, the common case, never
+    /// builds a set.
+    pub fn fill_free<'s>(&mut self, first: usize, pos: &[i32], seqs: impl Fn(usize) -> &'s [i32]) {
         let end = first + pos.len();
         let mut at = first;
         while at < end {
@@ -822,11 +919,17 @@ impl Cells {
                     .all(|i| self.pos[i] < 0 && self.seqs.is_empty(i)),
                 "cells {cells:?} are not all free"
             );
-            let set = seqs(at - first);
+            let ids = seqs(at - first);
             let (lo, hi) = new_pos
                 .iter()
                 .fold((i32::MAX, i32::MIN), |(lo, hi), &p| (lo.min(p), hi.max(p)));
-            if lo >= 0 && (at + 1..stop).all(|i| seqs(i - first) == set) {
+            // compared element by element: a slice `==` calls memcmp, which costs more than
+            // the one id a cell almost always has
+            let same = |other: &[i32]| {
+                other.len() == ids.len() && other.iter().zip(ids).all(|(a, b)| a == b)
+            };
+            if lo >= 0 && (at + 1..stop).all(|i| same(seqs(i - first))) {
+                let set = SeqSet::of(ids);
                 let bits = (u64::MAX >> (64 - (stop - at))) << (at % 64);
                 self.pos[cells.clone()].copy_from_slice(new_pos);
                 self.seqs.fill(cells, set);
@@ -844,26 +947,38 @@ impl Cells {
 
     /// [`Cells::fill_free`] of the cells `at..at + pos.len()`, all in one word, one cell at a
     /// time: the `k`-th gets `pos[k]` and the sequences `seqs(offset + k)`.
-    fn fill_cell_by_cell(
+    fn fill_cell_by_cell<'s>(
         &mut self,
         at: usize,
         offset: usize,
         pos: &[i32],
-        seqs: &impl Fn(usize) -> SeqSet,
+        seqs: &impl Fn(usize) -> &'s [i32],
     ) {
-        // per sequence: its members among the word's new cells and their position bounds
-        let mut members = [(0u64, i32::MAX, i32::MIN); MAX_SEQ];
+        // per sequence: its members among the word's new cells and their position bounds (a
+        // table kept between calls: initialising one for 256 sequences here cost more than
+        // placing a token)
+        let members = &mut self.members;
         let mut word = (0u64, i32::MAX, i32::MIN);
         let mut present = SeqSet::EMPTY;
         let w = at / 64;
         for (k, &p) in pos.iter().enumerate() {
-            let (i, set) = (at + k, seqs(offset + k));
+            let (i, ids) = (at + k, seqs(offset + k));
             let bit = 1u64 << (i % 64);
             self.pos[i] = p;
-            self.seqs.set(i, set);
             if p >= 0 {
                 word = (word.0 | bit, word.1.min(p), word.2.max(p));
             }
+            let set = match ids {
+                &[one] => {
+                    self.seqs.set_single(i, one as usize);
+                    let m = &mut members[one as usize];
+                    *m = (m.0 | bit, m.1.min(p), m.2.max(p));
+                    present.insert(one as usize);
+                    continue;
+                }
+                _ => SeqSet::of(ids),
+            };
+            self.seqs.set(i, set);
             for seq in set.iter() {
                 let m = &mut members[seq];
                 *m = (m.0 | bit, m.1.min(p), m.2.max(p));
@@ -872,7 +987,7 @@ impl Cells {
         }
         self.occupied.add_bits(w, word.0, word.1, word.2);
         for seq in present.iter() {
-            let (bits, lo, hi) = members[seq];
+            let (bits, lo, hi) = std::mem::replace(&mut members[seq], NO_MEMBERS);
             self.seq[seq].add_bits(w, bits, lo, hi);
             // a sequence without cells has the maximum NO_POS, below any position
             self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
@@ -1120,7 +1235,8 @@ mod tests {
             }
             one_by_one.settle();
             let pos: Vec<i32> = cells.iter().map(|c| c.0).collect();
-            filled.fill_free(first, &pos, |k| cells[k].1);
+            let ids: Vec<Vec<i32>> = cells.iter().map(|c| c.1.iter().map(|s| s as i32).collect()).collect();
+            filled.fill_free(first, &pos, |k| &ids[k]);
             filled.settle();
             same_tables(&filled, &one_by_one)?;
         }
@@ -1189,6 +1305,42 @@ mod tests {
                 .find(|&i| c.pos(i) >= 0 && !c.seqs(i).is_empty())
                 .map_or(0, |i| i + 1);
             proptest::prop_assert_eq!(c.cell_max(), want);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn free_runs_are_the_naive_runs_of_free_cells(
+            occupied in proptest::collection::vec(proptest::bool::ANY, 1..300),
+            dense in proptest::bool::ANY,
+            span in (0usize..300, 0usize..300),
+            min in 1usize..140,
+        ) {
+            // sparse or dense occupancy (long runs cross words, short ones end inside them)
+            let mut c = Cells::new(occupied.len(), 1).unwrap();
+            for (i, &o) in occupied.iter().enumerate() {
+                if o != dense && i % 3 != 0 {
+                    c.set_pos(i, i as i32);
+                }
+            }
+            let n = occupied.len();
+            let span = span.0.min(span.1)..span.0.max(span.1);
+            let mut want = Vec::new();
+            let mut i = 0;
+            while i < n {
+                if c.pos(i) >= 0 {
+                    i += 1;
+                    continue;
+                }
+                let s = i;
+                while i < n && c.pos(i) < 0 {
+                    i += 1;
+                }
+                if i - s >= min && i > span.start && s < span.end {
+                    want.push((s, i));
+                }
+            }
+            proptest::prop_assert_eq!(c.free_runs(span, min), want);
         }
     }
 

@@ -1,7 +1,6 @@
 //! The micro-batch that `find_slot` places: the seed's `llama_ubatch`, without token data.
 
 use crate::cell_ext::CellExtValue;
-use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 
 /// A micro-batch: `n_seqs` groups of `n_seq_tokens` tokens each, every group owned by one or
@@ -97,9 +96,5 @@ impl UBatch {
             }
         }
         Ok(())
-    }
-
-    pub(crate) fn seq_set(&self, group: usize) -> SeqSet {
-        SeqSet::of(&self.seq_ids[group])
     }
 }

@@ -50,8 +50,17 @@ pub trait KvBuffer: Send + Sync {
     fn release(&mut self) -> Result<()> {
         self.fill_zero()
     }
-    /// Bytes this buffer keeps in memory: all of them, except for a host buffer never written
-    /// since it was created (the OS has not committed its zero pages).
+    /// Hands the memory of the whole pages inside `offset..offset + len` back to the OS, where
+    /// the backend can; their bytes read as zeros afterwards. Bytes of partial pages at either
+    /// end are left as they are. A backend that cannot does nothing (the bytes are garbage the
+    /// caller no longer reads, so they need not be zeroed).
+    fn release_range(&mut self, offset: usize, len: usize) -> Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
+    /// Bytes this buffer keeps in memory: all of them, except for the pages of a host buffer
+    /// never written since it was created or since they were handed back (the OS has not
+    /// committed them).
     fn resident_bytes(&self) -> usize {
         self.len()
     }
@@ -112,16 +121,25 @@ pub struct HostBuffer {
     /// Something was written since the buffer was allocated or zeroed: the OS committed its
     /// pages.
     committed: bool,
+    /// For a mapping: the pages written since they were last handed back, so that
+    /// `resident_bytes` stays exact when parts of the buffer are released.
+    pages: Option<PageMap>,
 }
 
 impl HostBuffer {
     /// Allocates `len` zero bytes, reporting a refused allocation or mapping (no memory,
     /// `ulimit -v`) as an error instead of aborting.
     pub fn new(len: usize) -> Result<HostBuffer> {
+        let bytes = zeroed_bytes(len, "a tensor in host memory")?;
+        let pages = match bytes.map() {
+            Some(_) => Some(PageMap::new(len)?),
+            None => None,
+        };
         Ok(HostBuffer {
-            bytes: zeroed_bytes(len, "a tensor in host memory")?,
+            bytes,
             zero: true,
             committed: false,
+            pages,
         })
     }
 
@@ -144,10 +162,18 @@ fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()>
 }
 
 impl HostBuffer {
-    /// Marks the buffer written.
-    fn touch(&mut self) {
+    /// Marks `offset..offset + len` written.
+    fn touch(&mut self, offset: usize, len: usize) {
         self.zero = false;
         self.committed = true;
+        if let Some(p) = &mut self.pages {
+            p.set(offset, offset + len, true);
+        }
+    }
+
+    /// Marks the whole buffer written.
+    fn touch_all(&mut self) {
+        self.touch(0, self.len());
     }
 }
 
@@ -174,7 +200,7 @@ impl KvBuffer for HostBuffer {
                 populate(map, offset, src.len());
             }
         }
-        self.touch();
+        self.touch(offset, src.len());
         self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
@@ -182,13 +208,14 @@ impl KvBuffer for HostBuffer {
     fn copy_within(&mut self, src: usize, dst: usize, len: usize) -> Result<()> {
         check_range("copy source", src, len, self.len())?;
         check_range("copy destination", dst, len, self.len())?;
-        self.touch();
+        self.touch(dst, len);
         self.bytes_mut().copy_within(src..src + len, dst);
         Ok(())
     }
 
     fn fill_zero(&mut self) -> Result<()> {
         if !self.zero {
+            self.touch_all();
             self.bytes_mut().fill(0);
             self.zero = true;
         }
@@ -199,18 +226,41 @@ impl KvBuffer for HostBuffer {
         if !self.committed {
             return self.fill_zero();
         }
-        if self.bytes.map_mut().is_some_and(release_pages) {
+        if self
+            .bytes
+            .map_mut()
+            .is_some_and(|m| release_pages(m, 0, m.len()))
+        {
             (self.zero, self.committed) = (true, false);
+            if let Some(p) = &mut self.pages {
+                p.set(0, p.len, false);
+            }
             return Ok(());
         }
         self.fill_zero()
     }
 
+    fn release_range(&mut self, offset: usize, len: usize) -> Result<()> {
+        check_range("release", offset, len, self.len())?;
+        let page = page_size();
+        let (start, end) = (offset.next_multiple_of(page), (offset + len) / page * page);
+        let (Some(map), Some(pages)) = (self.bytes.map_mut(), &mut self.pages) else {
+            return Ok(());
+        };
+        if start < end && release_pages(map, start, end - start) {
+            pages.set(start, end, false);
+            if pages.count == 0 {
+                (self.zero, self.committed) = (true, false);
+            }
+        }
+        Ok(())
+    }
+
     fn resident_bytes(&self) -> usize {
-        if self.committed {
-            self.len()
-        } else {
-            0
+        match &self.pages {
+            Some(p) => (p.count * page_size()).min(self.len()),
+            None if self.committed => self.len(),
+            None => 0,
         }
     }
 
@@ -219,27 +269,92 @@ impl KvBuffer for HostBuffer {
     }
 
     fn as_host_mut(&mut self) -> Option<&mut [u8]> {
-        self.touch();
+        self.touch_all();
         Some(self.bytes_mut())
     }
+}
+
+/// The pages of a mapping that were written since they were last handed back: a bit per page
+/// and their count, so that `resident_bytes` is O(1) and exact after partial releases.
+struct PageMap {
+    bits: Vec<u64>,
+    count: usize,
+    /// Bytes covered.
+    len: usize,
+}
+
+impl PageMap {
+    fn new(len: usize) -> Result<PageMap> {
+        let pages = len.div_ceil(page_size());
+        Ok(PageMap {
+            bits: crate::alloc::zeroed(pages.div_ceil(64), "the page map of a tensor")?,
+            count: 0,
+            len,
+        })
+    }
+
+    /// Sets the pages that bytes `start..end` touch to `on`: a word at a time.
+    fn set(&mut self, start: usize, end: usize, on: bool) {
+        if start >= end {
+            return;
+        }
+        let page = page_size();
+        let (first, last) = (start / page, (end - 1) / page);
+        for w in first / 64..=last / 64 {
+            let lo = if w == first / 64 { first % 64 } else { 0 };
+            let hi = if w == last / 64 { last % 64 } else { 63 };
+            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            let word = &mut self.bits[w];
+            let before = word.count_ones() as usize;
+            if on {
+                *word |= mask;
+            } else {
+                *word &= !mask;
+            }
+            self.count = self.count + word.count_ones() as usize - before;
+        }
+    }
+}
+
+/// The OS's page size (4 KiB where it cannot tell).
+fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAGE.get_or_init(|| {
+        #[cfg(unix)]
+        {
+            // SAFETY: sysconf has no preconditions
+            let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+            if n > 0 {
+                return n as usize;
+            }
+        }
+        4096
+    })
 }
 
 /// Writes at least this large into pages never written fault them in with one call first.
 const POPULATE_MIN: usize = 1 << 20;
 
-/// Zeroes a private anonymous mapping by handing its pages back to the OS (`MADV_DONTNEED`: the
-/// next access of each page gets a fresh zero page), which costs no write per byte and returns
-/// the memory. `false` where the OS offers no such call (the caller writes zeros).
+/// Zeroes `offset..offset + len` (whole pages) of a private anonymous mapping by handing its
+/// pages back to the OS (`MADV_DONTNEED`: the next access of each page gets a fresh zero
+/// page), which costs no write per byte and returns the memory. `false` where the OS offers no
+/// such call (the caller writes zeros, or keeps the bytes).
 #[cfg(unix)]
-fn release_pages(map: &mut MmapMut) -> bool {
-    // SAFETY: the mapping is private and anonymous (`map_anon`), so MADV_DONTNEED discards its
-    // contents and later reads see zero pages, which is the zeroing asked for; `&mut` proves
-    // nothing borrows the bytes meanwhile.
-    unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) }.is_ok()
+fn release_pages(map: &mut MmapMut, offset: usize, len: usize) -> bool {
+    debug_assert!(
+        offset.is_multiple_of(page_size())
+            && (len.is_multiple_of(page_size()) || offset + len == map.len())
+    );
+    // SAFETY: the mapping is private and anonymous (`map_anon`), so MADV_DONTNEED discards the
+    // contents of the range and later reads see zero pages, which is the zeroing asked for;
+    // the range is whole pages (memmap2 would widen a misaligned start down to its page, and
+    // the kernel a length up to one), so no byte outside it is lost; `&mut` proves nothing
+    // borrows the bytes meanwhile.
+    unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) }.is_ok()
 }
 
 #[cfg(not(unix))]
-fn release_pages(_: &mut MmapMut) -> bool {
+fn release_pages(_: &mut MmapMut, _: usize, _: usize) -> bool {
     false
 }
 
@@ -690,13 +805,24 @@ mod tests {
     }
 
     #[test]
-    fn a_buffer_is_resident_once_written_and_gives_its_pages_back_when_released() {
+    fn a_buffer_is_resident_as_its_pages_are_written_and_gives_them_back_when_released() {
+        let page = page_size();
         let mut b = HostBuffer::new(MAP_MIN).unwrap();
         assert_eq!(b.resident_bytes(), 0, "mapped pages are not committed");
         b.fill_zero().unwrap();
         assert_eq!(b.resident_bytes(), 0);
         b.write(100, &[1, 2]).unwrap();
-        assert_eq!(b.resident_bytes(), MAP_MIN);
+        assert_eq!(b.resident_bytes(), page, "one page written");
+        b.write(page - 1, &[1, 2]).unwrap();
+        assert_eq!(
+            b.resident_bytes(),
+            2 * page,
+            "a write across a page boundary"
+        );
+        b.copy_within(0, 5 * page, 3 * page).unwrap();
+        assert_eq!(b.resident_bytes(), 5 * page);
+        b.as_host_mut().unwrap();
+        assert_eq!(b.resident_bytes(), MAP_MIN, "raw access counts every page");
         b.fill_zero().unwrap();
         assert_eq!(b.resident_bytes(), MAP_MIN, "zeroed in place, pages kept");
         assert!(b.as_host().unwrap().iter().all(|&x| x == 0));
@@ -711,6 +837,37 @@ mod tests {
             9,
             "released pages are usable again"
         );
+    }
+
+    /// A range hands back only its whole pages: the bytes of partial pages at either end stay,
+    /// and the page count follows.
+    #[test]
+    fn releasing_a_range_hands_back_its_whole_pages_only() {
+        let page = page_size();
+        let mut b = HostBuffer::new(MAP_MIN).unwrap();
+        b.write(0, &vec![7; MAP_MIN]).unwrap();
+        assert_eq!(b.resident_bytes(), MAP_MIN);
+        // from the middle of page 1 to the middle of page 5: pages 2, 3, 4 go
+        b.release_range(page + page / 2, 4 * page).unwrap();
+        let bytes = b.as_host().unwrap();
+        if cfg!(unix) {
+            assert_eq!(b.resident_bytes(), MAP_MIN - 3 * page);
+            assert!(bytes[2 * page..5 * page].iter().all(|&x| x == 0));
+        }
+        assert!(
+            bytes[page..2 * page].iter().all(|&x| x == 7),
+            "a partial page stays"
+        );
+        assert!(
+            bytes[5 * page..6 * page].iter().all(|&x| x == 7),
+            "a partial page stays"
+        );
+        assert!(b.release_range(MAP_MIN - 1, 2).is_err(), "out of range");
+        b.release_range(0, MAP_MIN).unwrap();
+        if cfg!(unix) {
+            assert_eq!(b.resident_bytes(), 0);
+            assert!(b.zero, "a buffer handed back whole is zero again");
+        }
     }
 
     #[test]
