@@ -296,69 +296,54 @@ mod tests {
         out
     }
 
-    /// An M-RoPE block keeps each token's `x, y, tok` after its rows, and a flipped byte there
-    /// is corrupt like any other.
+    /// The id of a sample block (index 3).
+    fn sample_id<'a>(fp: &'a Key, key: &'a Key, tokens: &'a [i32], g: &'a Geometry) -> BlockId<'a> {
+        BlockId {
+            fingerprint: fp,
+            key,
+            index: 3,
+            tokens,
+            geometry: g,
+        }
+    }
+
+    /// Rows in place, and in an M-RoPE block each token's `x, y, tok` after them, where a
+    /// flipped byte is corrupt like any other; with and without extensions are two geometries.
     #[test]
-    fn a_block_with_cell_extensions_keeps_them_after_its_rows() {
-        let g = Geometry {
+    fn a_block_round_trips_with_its_rows_in_place_and_its_cell_extensions_after_them() {
+        let plain = geometry();
+        let mrope = Geometry {
             ext: llama_kv_cache::CellExt::Pos2Tok,
             ..geometry()
         };
         let (fp, key) = (Key([1; 32]), Key([2; 32]));
         let tokens = [5, 6, 7];
-        let v = sample(&key, &fp, &g, &tokens);
-        let id = BlockId {
-            fingerprint: &fp,
-            key: &key,
-            index: 3,
-            tokens: &tokens,
-            geometry: &g,
-        };
-        assert_eq!(v.len(), encoded_len(&id));
-        let rows = decode(&v, &id, &Sealer::new(None)).unwrap();
-        assert_eq!(rows.v(1), &[3; 12]);
-        for (k, &t) in tokens.iter().enumerate() {
-            assert_eq!(
-                rows.ext(k),
-                CellExtValue {
-                    x: t,
-                    y: -t,
-                    tok: t
-                }
-            );
+        for (g, other) in [(&plain, &mrope), (&mrope, &plain)] {
+            let v = sample(&key, &fp, g, &tokens);
+            let id = sample_id(&fp, &key, &tokens, g);
+            assert_eq!(v.len(), encoded_len(&id));
+            let rows = decode(&v, &id, &Sealer::new(None)).unwrap();
+            assert_eq!(rows.k(0), &[0; 24]);
+            assert_eq!(rows.v(0), &[1; 12]);
+            assert_eq!(rows.k(1), &[2; 24]);
+            assert_eq!(rows.v(1), &[3; 12]);
+            for (k, &t) in tokens.iter().enumerate() {
+                let want = match g.ext.is_none() {
+                    true => CellExtValue::default(),
+                    false => CellExtValue {
+                        x: t,
+                        y: -t,
+                        tok: t,
+                    },
+                };
+                assert_eq!(rows.ext(k), want);
+            }
+            let mut w = v.clone();
+            w[v.len() - TRAILER - 1] ^= 1;
+            assert!(decode(&w, &id, &Sealer::new(None)).is_err());
+            let other = sample_id(&fp, &key, &tokens, other);
+            assert!(decode(&v, &other, &Sealer::new(None)).is_err());
         }
-        let mut w = v.clone();
-        let last_ext = v.len() - TRAILER - 1;
-        w[last_ext] ^= 1;
-        assert!(decode(&w, &id, &Sealer::new(None)).is_err());
-        // the same block without extensions is another geometry
-        let plain = geometry();
-        let other = BlockId {
-            geometry: &plain,
-            ..id
-        };
-        assert!(decode(&v, &other, &Sealer::new(None)).is_err());
-    }
-
-    #[test]
-    fn a_block_round_trips_with_its_rows_in_place() {
-        let g = geometry();
-        let (fp, key) = (Key([1; 32]), Key([2; 32]));
-        let tokens = [5, 6, 7];
-        let v = sample(&key, &fp, &g, &tokens);
-        let id = BlockId {
-            fingerprint: &fp,
-            key: &key,
-            index: 3,
-            tokens: &tokens,
-            geometry: &g,
-        };
-        assert_eq!(v.len(), encoded_len(&id));
-        let rows = decode(&v, &id, &Sealer::new(None)).unwrap();
-        assert_eq!(rows.k(0), &[0; 24]);
-        assert_eq!(rows.v(0), &[1; 12]);
-        assert_eq!(rows.k(1), &[2; 24]);
-        assert_eq!(rows.v(1), &[3; 12]);
     }
 
     #[test]
@@ -367,13 +352,7 @@ mod tests {
         let (fp, key) = (Key([1; 32]), Key([2; 32]));
         let tokens = [5, 6];
         let v = sample(&key, &fp, &g, &tokens);
-        let id = BlockId {
-            fingerprint: &fp,
-            key: &key,
-            index: 3,
-            tokens: &tokens,
-            geometry: &g,
-        };
+        let id = sample_id(&fp, &key, &tokens, &g);
         for i in 0..v.len() {
             let mut w = v.clone();
             w[i] ^= 0x40;

@@ -5,8 +5,11 @@
 
 use std::sync::Arc;
 
-use llama_kv_cache::{FileKind, Layout};
-use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
+mod common;
+
+use common::today_file;
+use llama_kv_cache::FileKind;
+use prompt_store::{MemoryBackend, PromptStore};
 use today_peer::specs;
 
 /// Ingests both fixture files of `spec` into fresh stores, writes each back as the same kind
@@ -28,12 +31,7 @@ fn round_trip_through_the_store(spec_name: &str, model: &str) -> Vec<prompt_stor
         let put = store.put_file(&input, None).unwrap();
         assert_eq!(put.tokens, prompt.len() as u64, "{}", input.display());
         let out = dir.join(format!("stored-v{version}"));
-        let opts = WriteFileOptions {
-            kind: Some(kind),
-            version: Some(version),
-            layout: Some(Layout::StreamsRot),
-            ..WriteFileOptions::default()
-        };
+        let opts = today_file(kind, version);
         let n = store.write_file(prompt, &out, &opts, None).unwrap();
         assert_eq!(n, prompt.len() as u64);
         let ins =

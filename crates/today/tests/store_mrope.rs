@@ -4,14 +4,18 @@
 //! peer's cells, extension and all, and the peer continues them with its own next token; a live
 //! cache's prompt restores into a fresh cache with every cell's extension.
 
+mod common;
+
 use std::sync::Arc;
+
+use common::today_file;
 
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
-    convert_bytes, CellExt, CellExtValue, ConvertOptions, FileKind, GgmlType, KvCache, Layout,
-    ModelInfo, UBatch, WriteOptions,
+    convert_bytes, CellExt, CellExtValue, ConvertOptions, FileKind, GgmlType, KvCache, ModelInfo,
+    UBatch, WriteOptions,
 };
-use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
+use prompt_store::{MemoryBackend, PromptStore};
 use today_peer::{models_dir, spec_named, Spec};
 
 /// The store's smallest blocks: the 40-token prompt is two full blocks and a tail of 8.
@@ -61,12 +65,7 @@ fn the_store_keeps_the_cell_extensions_of_the_peers_files_and_the_peer_continues
         assert_eq!(put.tokens, prompt.len() as u64, "{}", input.display());
         assert_eq!(put.blocks_written, 2);
         let out = dir.join(format!("stored-v{version}"));
-        let opts = WriteFileOptions {
-            kind: Some(kind),
-            version: Some(version),
-            layout: Some(Layout::StreamsRot),
-            ..WriteFileOptions::default()
-        };
+        let opts = today_file(kind, version);
         assert_eq!(
             store.write_file(prompt, &out, &opts, None).unwrap(),
             prompt.len() as u64
@@ -115,11 +114,7 @@ fn the_store_keeps_the_cell_extensions_of_the_peers_files_and_the_peer_continues
         Some(CellExt::Pos2)
     );
     let out = dir.join("from-v9.ggsn");
-    let opts = WriteFileOptions {
-        kind: Some(FileKind::Session),
-        version: Some(11),
-        ..WriteFileOptions::default()
-    };
+    let opts = today_file(FileKind::Session, 11);
     store.write_file(prompt, &out, &opts, None).unwrap();
     let (ours, theirs) = (
         inspect_bytes(&std::fs::read(&out).unwrap()).unwrap(),
