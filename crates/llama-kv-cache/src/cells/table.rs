@@ -570,19 +570,22 @@ impl Cells {
     /// Read from the maxima, a few cache lines, rather than from each set's count: between
     /// operations a sequence's maximum is `NO_POS` exactly when it has no cell
     /// (`check_consistency` checks it), and this runs at the start of one.
-    /// A list rather than a set: it is walked once per 64-cell word.
-    fn others(&self, seq: usize) -> Vec<usize> {
-        (0..self.seq_pos_max.len())
-            .filter(|&s| self.seq_pos_max[s] != NO_POS && s != seq)
-            .collect()
+    fn others(&self, seq: usize) -> SeqSet {
+        let mut active = SeqSet::EMPTY;
+        for (s, &max) in self.seq_pos_max.iter().enumerate() {
+            if max != NO_POS && s != seq {
+                active.insert(s);
+            }
+        }
+        active
     }
 
     /// Whether no sequence of `others` holds a cell of word `w` (a whole word inside the
     /// cache), read from their bitmaps: a word per sequence instead of the 512 bytes of the
     /// word's sequence masks.
     #[inline(always)]
-    fn word_alone(&self, w: usize, others: &[usize]) -> bool {
-        w * 64 + 64 <= self.pos.len() && others.iter().all(|&s| self.seq[s].word(w) == 0)
+    fn word_alone(&self, w: usize, others: SeqSet) -> bool {
+        w * 64 + 64 <= self.pos.len() && others.iter().all(|s| self.seq[s].word(w) == 0)
     }
 
     /// Frees the 64 cells of word `w` with column fills (the caller updates the sets).
@@ -604,7 +607,7 @@ impl Cells {
     fn shift_word_alone(
         &mut self,
         w: usize,
-        others: &[usize],
+        others: SeqSet,
         old: (i32, i32),
         new_pos: &impl Fn(i32) -> i32,
     ) -> Option<(i32, i32)> {
@@ -633,7 +636,7 @@ impl Cells {
         while let Some((w, inside)) = cur.next(&self.seq[seq]) {
             let word = self.seq[seq].word(w);
             let (hits, lo, hi) = select(&self.pos, word, w, inside, p0, p1);
-            if hits == u64::MAX && self.word_alone(w, &others) {
+            if hits == u64::MAX && self.word_alone(w, others) {
                 // 64 cells of this sequence alone, all in the range: free them with fills
                 let (wlo, whi) = self.seq[seq].bounds(w);
                 if (wlo..=whi).contains(&max) {
@@ -766,7 +769,7 @@ impl Cells {
                 // bound them, and `new_pos` maps them to bounds of the new positions
                 let (wlo, whi) = self.seq[seq].bounds(w);
                 let old = (wlo.max(p0), whi.min(p1 - 1).min(max));
-                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, &others, old, &new_pos) {
+                if let Some((new_lo, new_hi)) = self.shift_word_alone(w, others, old, &new_pos) {
                     // bounds, not the exact values: `settle` finds the new maximum
                     if old.1 == max || new_hi >= self.seq_pos_max[seq] {
                         self.dirty.insert(seq);
