@@ -49,11 +49,12 @@ export declare class KvCache {
    * fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
    * holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
    * ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
-   * (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
-   * holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
-   * or null when the ubatch does not fit.
+   * (default 1, llama.cpp's simple split). `ext` is the cells' extensions of a cache with a
+   * `cellExt`, three numbers (x, y, tok) per token. Returns the slot's first cell (`head`; the
+   * slot holds one cell per token, or per group in a recurrent cache, and `n` is the `n`
+   * getter), or null when the ubatch does not fit.
    */
-  findSlotPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number): number | null
+  findSlotPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, ext?: Int32Array | null): number | null
   /**
    * The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
    * `findSlot`, `n` update, head advance. Returns null when it does not fit.
@@ -65,7 +66,7 @@ export declare class KvCache {
    * null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
    * the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
    */
-  prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions): number | null
+  prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions, ext?: Int32Array | null): number | null
   /**
    * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
    * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`

@@ -92,6 +92,21 @@ test('findSlot records each token\'s extension, or an M-RoPE text position witho
   t.deepEqual(occupied(cache)[0], [0, [0, 1], [5, 6, -1]])
 })
 
+test('the packed forms take the extensions as one Int32Array, as a decode loop refills it', (t) => {
+  const cache = extCache()
+  const pos = Int32Array.of(0, 1)
+  const seqIds = Int32Array.of(0, 0)
+  t.is(cache.findSlotPacked(pos, seqIds, null, 1, Int32Array.of(5, 6, -1, 1, 1, 300)), 0)
+  t.is(cache.prepareBatchPacked(Int32Array.of(2), Int32Array.of(0), null, 1, {}, Int32Array.of(9, 9, 301)), 2)
+  t.deepEqual(occupied(cache), [
+    [0, [0], [5, 6, -1]],
+    [1, [0], [1, 1, 300]],
+    [2, [0], [9, 9, 301]],
+  ])
+  t.throws(() => cache.findSlotPacked(pos, seqIds, null, 1, Int32Array.of(1, 2, 3)), code('ERR_KV_INVALID_ARG', /1 cell extensions for 2 tokens/))
+  t.is(cache.usedCells, 3)
+})
+
 test('bad cell extensions are coded errors that name the value, and change nothing', (t) => {
   t.throws(() => extCache({ cellExt: 'pos3' }), code('ERR_KV_INVALID_ARG', /cellExt must be 'none', 'pos2' or 'pos2-tok', got "pos3"/))
   t.throws(

@@ -119,9 +119,10 @@ impl KvCache {
     /// fast path for decoding a token at a time. `pos` holds each token's position; `seqIds`
     /// holds one seq id per group, or, with `nSeqIds` (llama_batch's `n_seq_id`), `nSeqIds[g]`
     /// ids for group `g`, all groups' ids one after another. `nSeqTokens` is the tokens per group
-    /// (default 1, llama.cpp's simple split). Returns the slot's first cell (`head`; the slot
-    /// holds one cell per token, or per group in a recurrent cache, and `n` is the `n` getter),
-    /// or null when the ubatch does not fit.
+    /// (default 1, llama.cpp's simple split). `ext` is the cells' extensions of a cache with a
+    /// `cellExt`, three numbers (x, y, tok) per token. Returns the slot's first cell (`head`; the
+    /// slot holds one cell per token, or per group in a recurrent cache, and `n` is the `n`
+    /// getter), or null when the ubatch does not fit.
     #[napi]
     pub fn find_slot_packed(
         &self,
@@ -129,8 +130,9 @@ impl KvCache {
         #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s,
         #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s>,
         #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
+        #[napi(ts_arg_type = "Int32Array | null")] ext: Option<I32s>,
     ) -> Result<Option<u32>, Code> {
-        let ub = packed(&pos, &seq_ids, n_seq_ids.as_ref(), n_seq_tokens)?;
+        let ub = packed(&pos, &seq_ids, n_seq_ids, n_seq_tokens, ext)?;
         self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head)))
     }
 
@@ -161,12 +163,13 @@ impl KvCache {
         #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s>,
         #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
         #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+        #[napi(ts_arg_type = "Int32Array | null")] ext: Option<I32s>,
     ) -> Result<Option<u32>, Code> {
         // `options` is converted (its getters have run): only now are the arrays read
         let opts = PrepareOptions {
             advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
         };
-        let ub = packed(&pos, &seq_ids, n_seq_ids.as_ref(), n_seq_tokens)?;
+        let ub = packed(&pos, &seq_ids, n_seq_ids, n_seq_tokens, ext)?;
         self.with(|c| {
             Ok(c.prepare_batch(&ub, opts)
                 .map_err(from_core)?
@@ -189,13 +192,21 @@ impl KvCache {
 fn packed(
     pos: &I32s,
     seq_ids: &I32s,
-    n_seq_ids: Option<&I32s>,
+    n_seq_ids: Option<I32s>,
     n_seq_tokens: Option<Num>,
+    ext: Option<I32s>,
 ) -> JsResult<UBatch> {
     // SAFETY: every argument of the call is converted; the values are copied into the ubatch
     // before any JS can run
     unsafe {
-        let n_seq_ids = n_seq_ids.map(|n| n.borrow("nSeqIds")).transpose()?;
+        let ext = match ext {
+            Some(e) => convert::cell_exts(e.borrow("ext")?)?,
+            None => Vec::new(),
+        };
+        let n_seq_ids = n_seq_ids
+            .as_ref()
+            .map(|n| n.borrow("nSeqIds"))
+            .transpose()?;
         let pos = pos.borrow("pos")?;
         if pos.is_empty() {
             return Err(err(
@@ -204,7 +215,10 @@ fn packed(
                  was detached)",
             ));
         }
-        convert::packed_ubatch(pos, seq_ids.borrow("seqIds")?, n_seq_ids, n_seq_tokens)
+        let mut ub =
+            convert::packed_ubatch(pos, seq_ids.borrow("seqIds")?, n_seq_ids, n_seq_tokens)?;
+        ub.ext = ext;
+        Ok(ub)
     }
 }
 
