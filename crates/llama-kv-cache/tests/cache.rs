@@ -674,3 +674,33 @@ fn regression_reading_zero_rows_of_transposed_v_is_empty_not_a_panic() {
     assert!(c.read_rows(0, Tensor::V, 0, 0).unwrap().is_empty());
     assert!(c.read_rows(0, Tensor::K, 3, 0).unwrap().is_empty());
 }
+
+/// A recurrent cache of 256 sequences (one state cell each, as llama.cpp's `LLAMA_MAX_SEQ`
+/// allows): sequences in every word of a cell's set get their own cell, share one through
+/// `seq_cp`, and free it only when the last owner leaves.
+#[test]
+fn a_recurrent_cache_of_256_sequences_keeps_a_state_cell_per_sequence() {
+    let mut c = recurrent_cache(256, 256);
+    let every: Vec<Vec<i32>> = (0..256).map(|s| vec![s]).collect();
+    let ub = UBatch {
+        pos: vec![0; 256],
+        n_seq_tokens: 1,
+        seq_ids: every,
+        ext: Vec::new(),
+    };
+    c.find_slot(&ub).unwrap().unwrap();
+    assert_eq!(c.used_cells(), 256);
+    // 255 takes the state of 70: its own cell is freed, 70's is shared
+    c.seq_cp(70, 255, -1, -1).unwrap();
+    assert_eq!(c.used_cells(), 255);
+    let shared = (0..256)
+        .map(|i| c.cell(i).unwrap())
+        .find(|cell| cell.seqs.contains(255))
+        .unwrap();
+    assert_eq!(shared.seqs.iter().collect::<Vec<_>>(), vec![70, 255]);
+    assert!(c.seq_rm(70, -1, -1).unwrap());
+    assert_eq!(c.used_cells(), 255, "255 still owns the cell");
+    assert!(c.seq_rm(255, -1, -1).unwrap());
+    assert_eq!(c.used_cells(), 254);
+    assert_eq!(c.cells().check_consistency(), Ok(()));
+}
