@@ -183,6 +183,35 @@ test('tiers memory, dir, redis: puts write through, a hit in Redis is promoted i
   t.is(await b.restore(again, 0, tokens), 96, 'served by the nearer tiers while Redis is down')
 })
 
+test('tiers: Redis killed during a put or a restore costs no local hit: the put lands in the local tiers, the restore is served by them', async (t) => {
+  const redis = await redisForTest(t)
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-killed-'))
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const store = open(redis.url, { tiers: ['memory', 'dir', 'redis'], path: dir, timeoutMs: 10_000 })
+  const other = promptCache(KvCache, 1)
+  await store.put(other.cache, 0, other.tokens) // the model record and the shared blocks exist
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const before = state(cache)
+  redis.cli(['CLIENT', 'PAUSE', '10000', 'WRITE']) // Redis's part of the put waits
+  const put = store.put(cache, 0, tokens)
+  await new Promise((resolve) => setTimeout(resolve, 150))
+  await redis.kill()
+  const report = await put
+  t.deepEqual(report.degraded, ['redis'])
+  t.is(report.tokens, 96)
+  t.deepEqual(state(cache), before)
+  t.is(new PromptStore({ model: MODEL, path: dir, blockTokens: 16 }).lookupSync(tokens), 96, 'landed in the dir tier')
+  // Redis back, but paused: a restore of what the local tiers hold does not wait for it
+  await redis.restart()
+  redis.cli(['CLIENT', 'PAUSE', '10000', 'ALL'])
+  const dst = emptyCache()
+  const restore = store.restore(dst, 0, tokens)
+  await new Promise((resolve) => setTimeout(resolve, 150))
+  await redis.kill()
+  t.is(await restore, 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+})
+
 test('Redis options are checked: bad URL, tiers without their option, options without Redis', (t) => {
   t.throws(() => new PromptStore({ model: 'm', url: 'http://x' }), { code: 'ERR_KV_INVALID_ARG', message: /Redis URL "http:\/\/x"/ })
   t.throws(() => new PromptStore({ model: 'm', url: 'redis://u:pw@' }), { code: 'ERR_KV_INVALID_ARG', message: /^(?!.*pw@)/ })
