@@ -44,20 +44,6 @@ impl SeqSet {
         set
     }
 
-    /// The sequences `0..n`.
-    pub fn first_n(n: usize) -> SeqSet {
-        let mut set = SeqSet::EMPTY;
-        for (w, word) in set.0.iter_mut().enumerate() {
-            let bits_here = n.saturating_sub(w * 64).min(64);
-            *word = if bits_here == 64 {
-                u64::MAX
-            } else {
-                (1u64 << bits_here) - 1
-            };
-        }
-        set
-    }
-
     /// Whether `seq` is in the set.
     #[inline(always)]
     pub fn contains(self, seq: usize) -> bool {
@@ -347,16 +333,6 @@ mod tests {
         assert_eq!(s.pop_first(), Some(0));
         assert_eq!(s.pop_first(), Some(63));
         assert_eq!(format!("{s:?}"), "{64, 200, 255}");
-    }
-
-    #[test]
-    fn first_n_holds_exactly_the_first_ids() {
-        for n in [0, 1, 63, 64, 65, 128, 255, 256] {
-            assert_eq!(
-                SeqSet::first_n(n).iter().collect::<Vec<_>>(),
-                (0..n).collect::<Vec<_>>()
-            );
-        }
     }
 
     #[test]
