@@ -2,8 +2,7 @@
 //! chain keys rooted in a [fingerprint](crate::Shape::fingerprint), and the keys derived from
 //! them (sliding-window rows, checkpoints and their index).
 
-use llama_kv_cache::state::params_for_shapes;
-use llama_kv_cache::{CacheParams, CellExt, CellExtValue, GgmlType, KvCache, Tensor};
+use llama_kv_cache::{CellExt, CellExtValue, GgmlType, KvCache, Tensor};
 
 use sha2::{Digest, Sha256};
 
@@ -103,22 +102,6 @@ impl Geometry {
         } else {
             EXT_BYTES
         }
-    }
-
-    /// Parameters of a one-sequence cache of `size` cells with this geometry (to write llama.cpp
-    /// files). `v_trans` chooses llama.cpp's V layout: transposed without flash attention.
-    pub fn cache_params(
-        &self,
-        size: u32,
-        v_trans: bool,
-        rot: (u32, u32),
-    ) -> StoreResult<CacheParams> {
-        let mut p = params_for_shapes(&self.layers, size)?;
-        p.flash_attn = !v_trans;
-        (p.n_rot_k, p.n_rot_v) = rot;
-        p.cell_ext = self.ext;
-        p.validate()?;
-        Ok(p)
     }
 
     /// Canonical bytes: `u32 n_layer` (bit 31 set when a cell extension follows), then per
