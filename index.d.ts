@@ -329,6 +329,14 @@ export declare class PromptStore {
   /** `stats` on the calling thread. */
   statsSync(): StoreStats
   /**
+   * This object's figures in the Prometheus text exposition format: per tier the values
+   * found and missed, bytes read and written and evictions; corrupt and rejected blocks;
+   * latency histograms of lookup, put and restore.
+   */
+  metrics(): Promise<string>
+  /** `metrics` on the calling thread. */
+  metricsSync(): string
+  /**
    * Housekeeping, then stats: recounts what is stored, enforces the byte budget and removes
    * leftovers of interrupted writes (dir: temporary files older than an hour).
    */

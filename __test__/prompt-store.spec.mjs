@@ -32,6 +32,44 @@ test('put then restore into another cache is byte-exact, async and sync', async 
   t.like(store.putSync(cache, 0, tokens), { blocksWritten: 0, blocksSkipped: 6 })
 })
 
+test('metrics(): Prometheus text per tier and per call, served over HTTP as the README shows', async (t) => {
+  const dir = tmp()
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const store = new PromptStore({ model: 'm', blockTokens: 16, tiers: ['memory', 'dir'], path: dir })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const put = await store.put(cache, 0, tokens)
+  t.is(await store.lookup(tokens), 96)
+  t.is(await store.restore(emptyCache(), 0, tokens), 96)
+  // the README's handler
+  const http = await import('node:http')
+  const server = http.createServer(async (req, res) => {
+    res.setHeader('Content-Type', 'text/plain; version=0.0.4')
+    res.end(await store.metrics())
+  })
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve))
+  t.teardown(() => server.close())
+  const reply = await fetch(`http://127.0.0.1:${server.address().port}/metrics`)
+  t.is(reply.headers.get('content-type'), 'text/plain; version=0.0.4')
+  const text = await reply.text()
+  const value = (line) => {
+    const found = text.split('\n').find((l) => l.startsWith(line + ' '))
+    t.truthy(found, `no ${line} in\n${text}`)
+    return Number(found?.split(' ').pop())
+  }
+  // the blocks, and the store's small model record
+  const written = value('llama_kv_store_written_bytes_total{tier="memory"}')
+  t.true(written >= put.bytesWritten && written < put.bytesWritten + 1024, `${written} for ${put.bytesWritten}`)
+  t.is(value('llama_kv_store_written_bytes_total{tier="dir"}'), written, 'written through')
+  t.true(value('llama_kv_store_hits_total{tier="memory"}') >= 6, 'the restore read the memory tier')
+  t.is(value('llama_kv_store_hits_total{tier="dir"}'), 0, 'and never the dir tier')
+  t.is(value('llama_kv_store_evictions_total{tier="memory"}'), 0)
+  for (const op of ['lookup', 'put', 'restore']) {
+    t.is(value(`llama_kv_store_call_duration_seconds_count{op="${op}"}`), 1, op)
+    t.is(value(`llama_kv_store_call_duration_seconds_bucket{op="${op}",le="+Inf"}`), 1, op)
+  }
+  t.is(store.metricsSync().split('\n').filter((l) => l.startsWith('# TYPE')).length, 8)
+})
+
 test('lookup returns the stored prefix of a diverging prompt in tokens', async (t) => {
   const store = new PromptStore({ model: 'm', blockTokens: 16 })
   const a = promptCache(KvCache, 0)

@@ -321,6 +321,20 @@ impl StoreJob for StatsJob {
     }
 }
 
+/// `metrics`.
+pub struct MetricsJob;
+
+impl StoreJob for MetricsJob {
+    type Output = String;
+    type Js = String;
+    fn run(&mut self, s: &store::PromptStore, _: Progress<'_>) -> store::StoreResult<String> {
+        s.metrics()
+    }
+    fn to_js(o: String) -> String {
+        o
+    }
+}
+
 /// A [`StoreJob`] on the threadpool. Store operations without a cache do not queue: the
 /// backends take concurrent calls. The signal only sets the flag the task checks when it
 /// starts and between batches, so every abort rejects with `ERR_KV_ABORTED`.
@@ -653,6 +667,20 @@ impl PromptStore {
     #[napi]
     pub fn stats_sync(&self) -> Result<StoreStats, Code> {
         self.run_sync(StatsJob { gc: false })
+    }
+
+    /// This object's figures in the Prometheus text exposition format: per tier the values
+    /// found and missed, bytes read and written and evictions; corrupt and rejected blocks;
+    /// latency histograms of lookup, put and restore.
+    #[napi(ts_return_type = "Promise<string>")]
+    pub fn metrics(&self, env: Env) -> Result<AsyncTask<StoreTask<MetricsJob>>, Code> {
+        Ok(self.run_async(&env, MetricsJob, None, None))
+    }
+
+    /// `metrics` on the calling thread.
+    #[napi]
+    pub fn metrics_sync(&self) -> Result<String, Code> {
+        self.run_sync(MetricsJob)
     }
 
     /// Housekeeping, then stats: recounts what is stored, enforces the byte budget and removes

@@ -162,6 +162,12 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
 
+    /// What each tier served, nearest first, for [`crate::PromptStore::metrics`]: a backend
+    /// counts nothing itself; [`crate::metrics::Metered`] wraps one to count.
+    fn tier_metrics(&self) -> Vec<crate::metrics::TierMetrics> {
+        Vec::new()
+    }
+
     /// Housekeeping: recount what is stored, enforce the byte budget, and remove leftovers of
     /// interrupted writes. Returns the usage afterwards. The default only reports usage.
     fn gc(&self) -> StoreResult<Usage> {

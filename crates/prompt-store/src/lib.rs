@@ -28,6 +28,7 @@ mod dir;
 mod error;
 mod geometry;
 mod memory;
+pub mod metrics;
 mod payload;
 pub mod seal;
 mod shape;

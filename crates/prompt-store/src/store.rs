@@ -29,6 +29,7 @@ use crate::error::{StoreError, StoreResult};
 use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
 };
+use crate::metrics::{render, Latencies, Metered, Snapshot};
 use crate::payload::KvPartWriter;
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
@@ -187,6 +188,9 @@ pub struct PromptStore {
     block_tokens: usize,
     bound: Mutex<Option<Bound>>,
     counters: Counters,
+    latency: Latencies,
+    /// The backend is one store, not tiers (its evictions are asked for directly).
+    single_backend: bool,
 }
 
 fn aborted() -> StoreError {
@@ -260,8 +264,16 @@ impl PromptStore {
                     .into(),
             ));
         }
+        // a single backend is counted here; a tiered one counts each of its tiers
+        let single_backend = backend.tier_metrics().is_empty();
+        let backend = match single_backend {
+            true => Arc::new(Metered::new(backend)),
+            false => backend,
+        };
         Ok(PromptStore {
             backend,
+            single_backend,
+            latency: Latencies::default(),
             model: model.into(),
             namespace: String::new(),
             sealer: Sealer::new(None),
@@ -438,6 +450,7 @@ impl PromptStore {
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
+        let _timer = self.latency.put.start();
         let capture = Capture::of_cache(cache, seq, tokens.len())?;
         self.put_capture(&capture, tokens, live_format(cache), progress)
     }
@@ -770,6 +783,7 @@ impl PromptStore {
     /// The length in tokens of the longest prefix of `tokens` the store can restore: full
     /// blocks plus, where the memory needs one, a checkpoint at its end. Reads no rows.
     pub fn lookup(&self, tokens: &[i32]) -> StoreResult<u64> {
+        let _timer = self.latency.lookup.start();
         let Some(bound) = self.known()? else {
             return Ok(0);
         };
@@ -1039,6 +1053,7 @@ impl PromptStore {
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {
+        let _timer = self.latency.restore.start();
         if seq < 0 || seq as u32 >= cache.params().n_seq_max {
             return Err(StoreError::Cache(KvError::OutOfRange(format!(
                 "seq id {seq} is outside [0, {})",
@@ -1116,6 +1131,7 @@ impl PromptStore {
 
     /// [`PromptStore::put_bytes`] of a file.
     pub fn put_file(&self, path: &Path, progress: Option<Progress<'_>>) -> StoreResult<PutReport> {
+        let _timer = self.latency.put.start();
         let bytes = llama_kv_cache::state::files::read_file(path)?;
         self.put_bytes(&bytes, progress)
     }
@@ -1128,6 +1144,7 @@ impl PromptStore {
         opts: &WriteFileOptions,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<Option<(u64, Vec<u8>)>> {
+        let _timer = self.latency.restore.start();
         let Some(bound) = self.known()? else {
             return Ok(None);
         };
@@ -1202,6 +1219,28 @@ impl PromptStore {
             }
             None => Ok(0),
         }
+    }
+
+    /// This store object's figures in the Prometheus text exposition format: per tier the
+    /// values found and missed, bytes read and written and evictions; corrupt and rejected
+    /// blocks; latency histograms of lookup, put and restore. Serve it from an HTTP handler.
+    pub fn metrics(&self) -> StoreResult<String> {
+        let mut tiers = self.backend.tier_metrics();
+        if let (true, [only]) = (self.single_backend, tiers.as_mut_slice()) {
+            // a tiered backend asks its tiers itself, minding their backoff
+            only.evictions = self.backend.usage().ok().map(|u| u.evictions);
+        }
+        let l = &self.latency;
+        Ok(render(&Snapshot {
+            tiers,
+            corrupt: self.counters.corrupt.load(Ordering::Relaxed),
+            rejected: self.counters.rejected.load(Ordering::Relaxed),
+            latencies: [
+                ("lookup", &l.lookup),
+                ("put", &l.put),
+                ("restore", &l.restore),
+            ],
+        }))
     }
 
     /// Counts of the backend and of this store object.

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Key, TierHealth, Usage};
 use crate::error::{StoreError, StoreResult};
+use crate::metrics::{Metered, TierMetrics};
 
 /// First wait before a failed tier is tried again.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
@@ -34,13 +35,17 @@ pub struct TieredBackend {
 }
 
 impl TieredBackend {
-    /// Tiers nearest first; at least one.
+    /// Tiers nearest first; at least one. Each is counted for the store's metrics.
     pub fn new(tiers: Vec<Arc<dyn Backend>>) -> StoreResult<TieredBackend> {
         if tiers.is_empty() {
             return Err(StoreError::InvalidArg(
                 "tiers: at least one backend is needed".into(),
             ));
         }
+        let tiers: Vec<Arc<dyn Backend>> = tiers
+            .into_iter()
+            .map(|t| Arc::new(Metered::new(t)) as Arc<dyn Backend>)
+            .collect();
         let states = tiers.iter().map(|_| Mutex::default()).collect();
         Ok(TieredBackend { tiers, states })
     }
@@ -275,6 +280,21 @@ impl Backend for TieredBackend {
             self.try_tier(i, &mut failure, |t| t.gc());
         }
         self.usage()
+    }
+
+    /// Each tier's counts, with its evictions where the tier is up (a tier backing off is not
+    /// asked).
+    fn tier_metrics(&self) -> Vec<TierMetrics> {
+        let mut failure = None;
+        (0..self.tiers.len())
+            .flat_map(|i| {
+                let evictions = self.try_tier(i, &mut failure, |t| t.usage());
+                self.tiers[i].tier_metrics().into_iter().map(move |mut m| {
+                    m.evictions = evictions.as_ref().map(|u| u.evictions);
+                    m
+                })
+            })
+            .collect()
     }
 
     fn health(&self) -> Vec<TierHealth> {
