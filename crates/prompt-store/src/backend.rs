@@ -80,6 +80,23 @@ pub struct TierHealth {
     pub last_error: Option<String>,
 }
 
+/// One tier's figures at a moment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierMetrics {
+    /// The tier's backend name.
+    pub name: &'static str,
+    /// Values found.
+    pub hits: u64,
+    /// Values asked for and absent.
+    pub misses: u64,
+    /// Bytes of values read.
+    pub bytes_read: u64,
+    /// Bytes of values this process stored.
+    pub bytes_written: u64,
+    /// Values the tier evicted (its own count; `None` when it could not be asked).
+    pub evictions: Option<u64>,
+}
+
 /// A key-value store of immutable values. Every method may be called from several threads at
 /// once (and, for shared backends, from several processes or machines): values are only ever
 /// added whole or removed whole, never modified in place.
@@ -162,9 +179,9 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
 
-    /// What each tier served, nearest first, for [`crate::PromptStore::metrics`]: a backend
-    /// counts nothing itself; [`crate::metrics::Metered`] wraps one to count.
-    fn tier_metrics(&self) -> Vec<crate::metrics::TierMetrics> {
+    /// What each tier served, nearest first, for the store's metrics: a backend counts nothing
+    /// itself; the metrics module's `Metered` wraps one to count.
+    fn tier_metrics(&self) -> Vec<TierMetrics> {
         Vec::new()
     }
 

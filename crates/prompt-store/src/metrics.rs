@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, Key, TierHealth, Usage};
+use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::error::StoreResult;
 
 /// What one tier served, counted by [`Metered`].
@@ -20,23 +20,6 @@ pub struct TierCounts {
     misses: AtomicU64,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
-}
-
-/// One tier's figures at a moment.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TierMetrics {
-    /// The tier's backend name.
-    pub name: &'static str,
-    /// Values found.
-    pub hits: u64,
-    /// Values asked for and absent.
-    pub misses: u64,
-    /// Bytes of values read.
-    pub bytes_read: u64,
-    /// Bytes of values this process stored.
-    pub bytes_written: u64,
-    /// Values the tier evicted (its own count; `None` when it could not be asked).
-    pub evictions: Option<u64>,
 }
 
 /// A backend that counts what passes through it and otherwise is `inner`.

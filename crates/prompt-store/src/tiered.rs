@@ -11,9 +11,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, Key, TierHealth, Usage};
+use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::error::{StoreError, StoreResult};
-use crate::metrics::{Metered, TierMetrics};
+use crate::metrics::Metered;
 
 /// First wait before a failed tier is tried again.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
