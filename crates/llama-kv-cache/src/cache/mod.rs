@@ -204,6 +204,11 @@ impl KvCache {
         self.size_k_bytes() + self.size_v_bytes()
     }
 
+    /// Bytes of one cell's K and V rows over all layers.
+    pub(crate) fn bytes_per_cell(&self) -> usize {
+        self.layers.iter().map(|l| l.k_row + l.v_row).sum()
+    }
+
     /// Host tensor bytes in memory now: tensors are zeroed lazily, so a page counts once it
     /// was written, and no longer once it was handed back (`clear`, and the operations of
     /// `release` that free cells).

@@ -26,11 +26,6 @@ const PAGE_MIN: usize = 4096;
 const V_TRANS_RUN_MIN: usize = 64 << 10;
 
 impl KvCache {
-    /// Tensor bytes of one cell over all layers.
-    fn bytes_per_cell(&self) -> usize {
-        self.layers.iter().map(|l| l.k_row + l.v_row).sum()
-    }
-
     /// After an operation freed `freed` cells within `span`: releases the pages of every run of
     /// free cells that meets `span`, if that is worth it.
     pub(crate) fn release_freed(&mut self, span: Range<usize>, freed: usize) -> Result<()> {

@@ -584,7 +584,7 @@ impl KvCache {
     /// The K and V rows of each placed cell that held data before the load.
     fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<(usize, Vec<u8>)>> {
         let (size, el) = (self.params.size as usize, self.params.type_v.type_size());
-        let per_cell: usize = self.layers.iter().map(|l| l.k_row + l.v_row).sum();
+        let per_cell = self.bytes_per_cell();
         let mut saved = Vec::new();
         for &c in placed.iter().filter(|&&c| undo.held_data(c)) {
             let mut rows = crate::alloc::zeroed::<u8>(per_cell, "the rows a load replaces")?;
