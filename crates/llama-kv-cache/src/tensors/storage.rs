@@ -233,7 +233,7 @@ impl KvBuffer for HostBuffer {
         {
             (self.zero, self.committed) = (true, false);
             if let Some(p) = &mut self.pages {
-                p.set(0, p.len, false);
+                p.clear();
             }
             return Ok(());
         }
@@ -279,8 +279,6 @@ impl KvBuffer for HostBuffer {
 struct PageMap {
     bits: Vec<u64>,
     count: usize,
-    /// Bytes covered.
-    len: usize,
 }
 
 impl PageMap {
@@ -289,8 +287,13 @@ impl PageMap {
         Ok(PageMap {
             bits: crate::alloc::zeroed(pages.div_ceil(64), "the page map of a tensor")?,
             count: 0,
-            len,
         })
+    }
+
+    /// No page written.
+    fn clear(&mut self) {
+        self.bits.fill(0);
+        self.count = 0;
     }
 
     /// Sets the pages that bytes `start..end` touch to `on`: a word at a time.
