@@ -34,6 +34,13 @@ pub struct Freed {
 }
 
 impl Freed {
+    /// Notes the 64 cells of word `w`, every one with a position.
+    fn note_word(&mut self, w: usize) {
+        self.note(w * 64, 0);
+        self.last = Some(w * 64 + 63);
+        self.with_pos += 63;
+    }
+
     /// Notes freed cell `i`. The operations free cells in ascending order (their cursors walk
     /// the words upward), so the first noted is the lowest and the last the highest.
     #[inline(always)]
@@ -643,9 +650,7 @@ impl Cells {
                     self.dirty.insert(seq);
                 }
                 self.free_word(w);
-                out.note(w * 64, 0);
-                out.note(w * 64 + 63, 0);
-                out.with_pos += 62;
+                out.note_word(w);
                 self.seq[seq].set_word(w, 0, NO_LO, NO_HI);
                 self.occupied.remove_bits(w, u64::MAX);
                 continue;
