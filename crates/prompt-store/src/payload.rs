@@ -18,6 +18,8 @@ pub struct KvPartWriter<'g> {
     ext: CellExt,
     n: usize,
     v_trans: bool,
+    /// The sequence every cell holds.
+    seq: i32,
     /// Offset of the first cell's metadata (cells of a geometry with an extension get theirs
     /// from the rows put into them).
     cells_at: usize,
@@ -104,6 +106,7 @@ impl<'g> KvPartWriter<'g> {
             ext,
             n,
             v_trans,
+            seq,
             cells_at,
             k_at,
             v_at,
@@ -119,16 +122,16 @@ impl<'g> KvPartWriter<'g> {
     pub fn put_from(&self, out: &mut [u8], first: usize, rows: &BlockRows<'_>, skip: usize) {
         let m = rows.n_tokens() - skip;
         debug_assert!(first + m <= self.n);
-        let kind = self.ext;
-        if !kind.is_none() {
-            // each cell's extension sits after its position and seq id count
-            let cell = cell_len(1, kind);
+        if !self.ext.is_none() {
+            // each cell again, now with its extension (the core's cell writer knows where it
+            // goes); its position is the one `begin` wrote
+            let cell = cell_len(1, self.ext);
             for k in 0..m {
-                let at = self.cells_at + (first + k) * cell + 8;
-                let e = rows.ext(skip + k);
-                for (i, v) in [e.x, e.y, e.tok][..kind.bytes() / 4].iter().enumerate() {
-                    out[at + 4 * i..at + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
-                }
+                let at = self.cells_at + (first + k) * cell;
+                let dst = &mut out[at..at + cell];
+                let pos = i32::from_le_bytes(dst[..4].try_into().expect("4 bytes"));
+                let ext = Some(rows.ext(skip + k));
+                put_cell(dst, pos, self.ext, ext, std::iter::once(self.seq));
             }
         }
         for (il, l) in self.geometry.layers.iter().enumerate() {
