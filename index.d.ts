@@ -997,10 +997,44 @@ export interface PromptStoreOptions {
   path?: string
   /**
    * A Redis or Valkey server shared by several processes and machines:
-   * `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
-   * with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
+   * `redis://[user[:password]@]host[:port][/db]`, or `rediss://` for TLS (see `tls`).
+   * Created without connecting: calls fail with `ERR_KV_STORE_UNAVAILABLE` while the server
+   * is unreachable and work once it is back.
    */
   url?: string
+  /**
+   * Redis through Sentinel (instead of `url`): the Sentinels to ask for the primary named
+   * `name`. After a failover the next call reaches the new primary, with no new store.
+   */
+  sentinels?: Array<RedisNode>
+  /** With `sentinels`: the name the Sentinels monitor the primary under. */
+  name?: string
+  /** With `sentinels`: the database number. Default 0. (A `url` names its own.) */
+  db?: number
+  /**
+   * A Redis Cluster (instead of `url`): any of its nodes; the rest are discovered. Blocks
+   * spread over the primaries by key; each call sends one batch per primary, all at once.
+   */
+  cluster?: Array<RedisNode>
+  /**
+   * With `sentinels` or `cluster`: the ACL user of the data servers. (A `url` carries its
+   * own.)
+   */
+  username?: string
+  /**
+   * With `sentinels` or `cluster`: the password of the data servers. Never part of an
+   * error message.
+   */
+  password?: string
+  /** With `sentinels`: the password of the Sentinels themselves, when they require one. */
+  sentinelPassword?: string
+  /**
+   * TLS, shaped like Node's `tls.connect` options: with a `rediss://` URL, and for every
+   * connection of `sentinels` or `cluster`. A failed handshake (an untrusted certificate, a
+   * name it does not carry, a client certificate the server refused) is
+   * `ERR_KV_STORE_TLS`.
+   */
+  tls?: RedisTls
   /** Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'. */
   prefix?: string
   /**
@@ -1062,6 +1096,32 @@ export interface ReadStreamOptions {
   chunkSize?: number
   /** Destroys the stream with an `ERR_KV_ABORTED` error (`name` 'AbortError'). */
   signal?: AbortSignal
+}
+
+/** A Redis server's address. */
+export interface RedisNode {
+  host: string
+  port: number
+}
+
+/** TLS options of a Redis store (as Node's `tls.connect`). */
+export interface RedisTls {
+  /**
+   * PEM certificate(s) of the authorities to trust instead of the built-in Mozilla roots
+   * (several may be concatenated).
+   */
+  ca?: string | Uint8Array
+  /** A PEM client certificate chain, for servers that ask for one (`tls-auth-clients`). */
+  cert?: string | Uint8Array
+  /** The PEM private key of `cert`. */
+  key?: string | Uint8Array
+  /**
+   * The name the server's certificate must carry when the URL dials another (an IP
+   * address, a tunnel). With `url` only.
+   */
+  servername?: string
+  /** `false` accepts any certificate: encrypted but not authenticated. Default true. */
+  rejectUnauthorized?: boolean
 }
 
 /** RoPE parameters of the model, for the K-shift. */

@@ -10,7 +10,8 @@
 //            numpy, cmake from PyPI: no system cmake needed for the llama.cpp reference builds)
 //   models   interop/models/*.gguf: tiny random-weight models written by interop/make_models.py
 //   peers    interop/node_modules: @fugood/llama.node and node-llama-cpp with their linux-x64 binaries
-//   redis    redis-server (Debian's package) for the prompt store's Redis tests: installed with
+//   redis    redis-server, redis-cli and openssl (Debian packages) for the Redis tests (servers,
+//            clusters, TLS certificates): installed with
 //            apt-get when running as root and non-interactively (CI, fresh containers); otherwise the
 //            set-up stops and prints the one command to run
 import crypto from 'node:crypto'
@@ -118,10 +119,12 @@ export function plan(root = ROOT, env = process.env) {
       },
     },
     {
+      // redis-cli (redis-tools, which redis-server depends on) forms the test clusters; openssl
+      // makes the TLS tests' certificates
       name: 'redis',
-      missing: which('redis-server') ? null : 'redis-server is not installed',
+      missing: ['redis-server', 'redis-cli', 'openssl'].filter((bin) => !which(bin)).map((bin) => `${bin} is not installed`).join('; ') || null,
       run() {
-        installSystemPackages(['redis-server'], env)
+        installSystemPackages(['redis-server', 'redis-tools', 'openssl'], env)
       },
     },
   ]

@@ -27,6 +27,7 @@ pub enum Code {
     StoreFull,
     StoreUnavailable,
     StoreAuth,
+    StoreTls,
 }
 
 impl AsRef<str> for Code {
@@ -51,6 +52,7 @@ impl AsRef<str> for Code {
             Code::StoreFull => "ERR_KV_STORE_FULL",
             Code::StoreUnavailable => "ERR_KV_STORE_UNAVAILABLE",
             Code::StoreAuth => "ERR_KV_STORE_AUTH",
+            Code::StoreTls => "ERR_KV_STORE_TLS",
         }
     }
 }
@@ -93,6 +95,7 @@ pub fn from_store(e: prompt_store::StoreError) -> JsErr {
         S::NoSpace(_) => Code::StoreFull,
         S::Unavailable(_) => Code::StoreUnavailable,
         S::Auth(_) => Code::StoreAuth,
+        S::Tls(_) => Code::StoreTls,
         S::InvalidArg(_) => Code::InvalidArg,
     };
     err(code, e.to_string())

@@ -6,12 +6,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use napi::bindgen_prelude::Uint8Array;
+use napi::Either;
 use napi_derive::napi;
 use prompt_store::{Backend, DirBackend, MemoryBackend, TieredBackend};
-use prompt_store_redis::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};
+use prompt_store_redis::{
+    ConnectOptions, Credentials, HostPort, RedisBackend, RedisOptions, Servers, TlsOptions,
+    DEFAULT_PREFIX, DEFAULT_TIMEOUT,
+};
 
 use crate::args::int;
-use crate::error::{err, from_store, Code, JsResult};
+use crate::error::{err, from_store, Code, JsErr, JsResult};
 
 /// Options of `new PromptStore(options)`.
 #[napi(object, object_to_js = false)]
@@ -28,9 +33,33 @@ pub struct PromptStoreOptions {
     /// processes. Without `path` (and `url`), blocks live in this process's memory.
     pub path: Option<String>,
     /// A Redis or Valkey server shared by several processes and machines:
-    /// `redis://[user[:password]@]host[:port][/db]`. Created without connecting: calls fail
-    /// with `ERR_KV_STORE_UNAVAILABLE` while the server is unreachable and work once it is back.
+    /// `redis://[user[:password]@]host[:port][/db]`, or `rediss://` for TLS (see `tls`).
+    /// Created without connecting: calls fail with `ERR_KV_STORE_UNAVAILABLE` while the server
+    /// is unreachable and work once it is back.
     pub url: Option<String>,
+    /// Redis through Sentinel (instead of `url`): the Sentinels to ask for the primary named
+    /// `name`. After a failover the next call reaches the new primary, with no new store.
+    pub sentinels: Option<Vec<RedisNode>>,
+    /// With `sentinels`: the name the Sentinels monitor the primary under.
+    pub name: Option<String>,
+    /// With `sentinels`: the database number. Default 0. (A `url` names its own.)
+    pub db: Option<f64>,
+    /// A Redis Cluster (instead of `url`): any of its nodes; the rest are discovered. Blocks
+    /// spread over the primaries by key; each call sends one batch per primary, all at once.
+    pub cluster: Option<Vec<RedisNode>>,
+    /// With `sentinels` or `cluster`: the ACL user of the data servers. (A `url` carries its
+    /// own.)
+    pub username: Option<String>,
+    /// With `sentinels` or `cluster`: the password of the data servers. Never part of an
+    /// error message.
+    pub password: Option<String>,
+    /// With `sentinels`: the password of the Sentinels themselves, when they require one.
+    pub sentinel_password: Option<String>,
+    /// TLS, shaped like Node's `tls.connect` options: with a `rediss://` URL, and for every
+    /// connection of `sentinels` or `cluster`. A failed handshake (an untrusted certificate, a
+    /// name it does not carry, a client certificate the server refused) is
+    /// `ERR_KV_STORE_TLS`.
+    pub tls: Option<RedisTls>,
     /// Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'.
     pub prefix: Option<String>,
     /// Redis: blocks expire this many seconds after their last put or restore. Default: kept
@@ -60,6 +89,33 @@ pub struct PromptStoreOptions {
     pub secret: Option<napi::Either<String, napi::bindgen_prelude::Uint8Array>>,
 }
 
+/// A Redis server's address.
+#[napi(object, object_to_js = false)]
+pub struct RedisNode {
+    pub host: String,
+    pub port: u32,
+}
+
+/// TLS options of a Redis store (as Node's `tls.connect`).
+#[napi(object, object_to_js = false)]
+pub struct RedisTls {
+    /// PEM certificate(s) of the authorities to trust instead of the built-in Mozilla roots
+    /// (several may be concatenated).
+    #[napi(ts_type = "string | Uint8Array")]
+    pub ca: Option<Either<String, Uint8Array>>,
+    /// A PEM client certificate chain, for servers that ask for one (`tls-auth-clients`).
+    #[napi(ts_type = "string | Uint8Array")]
+    pub cert: Option<Either<String, Uint8Array>>,
+    /// The PEM private key of `cert`.
+    #[napi(ts_type = "string | Uint8Array")]
+    pub key: Option<Either<String, Uint8Array>>,
+    /// The name the server's certificate must carry when the URL dials another (an IP
+    /// address, a tunnel). With `url` only.
+    pub servername: Option<String>,
+    /// `false` accepts any certificate: encrypted but not authenticated. Default true.
+    pub reject_unauthorized: Option<bool>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tier {
     Memory,
@@ -81,10 +137,16 @@ impl Tier {
     }
 }
 
+/// Whether the options name Redis servers (`url`, `sentinels` or `cluster`).
+fn redis_given(o: &PromptStoreOptions) -> bool {
+    o.url.is_some() || o.sentinels.is_some() || o.cluster.is_some()
+}
+
 /// The tiers named by `tiers`, or the one implied by `path` / `url`.
 fn tiers(o: &PromptStoreOptions) -> JsResult<Vec<Tier>> {
+    let redis = redis_given(o).then_some(());
     let Some(names) = &o.tiers else {
-        return match (&o.path, &o.url) {
+        return match (&o.path, &redis) {
             (Some(_), Some(_)) => Err(err(
                 Code::InvalidArg,
                 "give either path or url, or both with tiers: ['dir', 'redis']",
@@ -121,7 +183,12 @@ fn tiers(o: &PromptStoreOptions) -> JsResult<Vec<Tier>> {
         _ => Ok(()),
     };
     check(o.path.is_some(), Tier::Dir, "path", "dir")?;
-    check(o.url.is_some(), Tier::Redis, "url", "redis")?;
+    check(
+        redis_given(o),
+        Tier::Redis,
+        "url (or sentinels, or cluster)",
+        "redis",
+    )?;
     Ok(tiers)
 }
 
@@ -137,16 +204,125 @@ fn ttl(seconds: Option<f64>) -> JsResult<Option<Duration>> {
     }
 }
 
-fn redis_options(o: &PromptStoreOptions, url: &str) -> JsResult<RedisOptions> {
+fn invalid(message: String) -> JsErr {
+    err(Code::InvalidArg, message)
+}
+
+/// Which servers: exactly one of `url`, `sentinels` (with `name`) and `cluster`, with only
+/// the options that apply to it.
+fn servers(o: &PromptStoreOptions) -> JsResult<Servers> {
+    let nodes = |option: &str, list: &[RedisNode]| -> JsResult<Vec<HostPort>> {
+        if list.is_empty() {
+            return Err(invalid(format!("{option} must list at least one server")));
+        }
+        list.iter()
+            .map(|node| {
+                let port = int(
+                    format!("{option}: the port of {:?}", node.host),
+                    node.port.into(),
+                    1,
+                    65_535,
+                )?;
+                Ok(HostPort {
+                    host: node.host.clone(),
+                    port: port as u16,
+                })
+            })
+            .collect()
+    };
+    let only_with = |given: bool, option: &str, with: &str| match given {
+        true => Err(invalid(format!("{option} applies with {with} only"))),
+        false => Ok(()),
+    };
+    let servers = match (&o.url, &o.sentinels, &o.cluster) {
+        (Some(url), None, None) => Servers::Url(url.clone()),
+        (None, Some(list), None) => Servers::Sentinel {
+            sentinels: nodes("sentinels", list)?,
+            name: o.name.clone().ok_or_else(|| {
+                invalid(
+                    "sentinels needs name: the name the Sentinels monitor the primary under".into(),
+                )
+            })?,
+            db: o
+                .db
+                .map_or(Ok(0), |db| int("db", db, 0, i64::from(i32::MAX)))?,
+        },
+        (None, None, Some(list)) => Servers::Cluster {
+            nodes: nodes("cluster", list)?,
+        },
+        _ => {
+            return Err(invalid(
+                "give one of url, sentinels and cluster, not several".into(),
+            ))
+        }
+    };
+    let sentinel = matches!(servers, Servers::Sentinel { .. });
+    only_with(o.name.is_some() && !sentinel, "name", "sentinels")?;
+    only_with(
+        o.db.is_some() && !sentinel,
+        "db",
+        "sentinels (a url names its database)",
+    )?;
+    only_with(
+        o.sentinel_password.is_some() && !sentinel,
+        "sentinelPassword",
+        "sentinels",
+    )?;
+    let by_url = matches!(servers, Servers::Url(_));
+    for (given, option) in [
+        (o.username.is_some(), "username"),
+        (o.password.is_some(), "password"),
+    ] {
+        only_with(
+            given && by_url,
+            option,
+            "sentinels or cluster (a url carries its credentials)",
+        )?;
+    }
+    let servername = o.tls.as_ref().is_some_and(|tls| tls.servername.is_some());
+    only_with(servername && !by_url, "tls.servername", "url")?;
+    Ok(servers)
+}
+
+/// PEM text or bytes.
+fn pem(value: &Option<Either<String, Uint8Array>>) -> Option<Vec<u8>> {
+    value.as_ref().map(|value| match value {
+        Either::A(text) => text.clone().into_bytes(),
+        Either::B(bytes) => bytes.to_vec(),
+    })
+}
+
+fn tls_options(tls: &RedisTls) -> JsResult<TlsOptions> {
+    if tls.cert.is_some() != tls.key.is_some() {
+        return Err(invalid("tls: cert and key go together".into()));
+    }
+    Ok(TlsOptions {
+        ca: pem(&tls.ca),
+        cert: pem(&tls.cert),
+        key: pem(&tls.key),
+        servername: tls.servername.clone(),
+        reject_unauthorized: tls.reject_unauthorized.unwrap_or(true),
+    })
+}
+
+fn redis_options(o: &PromptStoreOptions) -> JsResult<RedisOptions> {
     let timeout = match o.timeout_ms {
         None => DEFAULT_TIMEOUT,
         Some(ms) => Duration::from_millis(int("timeoutMs", ms, 1, 86_400_000)? as u64),
     };
     Ok(RedisOptions {
-        url: url.to_string(),
+        connect: ConnectOptions {
+            servers: servers(o)?,
+            credentials: Credentials {
+                username: o.username.clone(),
+                password: o.password.clone(),
+                sentinel_password: o.sentinel_password.clone(),
+            },
+            tls: o.tls.as_ref().map(tls_options).transpose()?,
+            timeout,
+        },
         prefix: o.prefix.clone().unwrap_or_else(|| DEFAULT_PREFIX.into()),
         ttl: ttl(o.ttl_seconds)?,
-        timeout,
     })
 }
 
@@ -167,24 +343,30 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
             (o.prefix.is_some(), "prefix"),
             (o.ttl_seconds.is_some(), "ttlSeconds"),
             (o.timeout_ms.is_some(), "timeoutMs"),
+            (o.tls.is_some(), "tls"),
+            (o.name.is_some(), "name"),
+            (o.db.is_some(), "db"),
+            (o.username.is_some(), "username"),
+            (o.password.is_some(), "password"),
+            (o.sentinel_password.is_some(), "sentinelPassword"),
         ] {
             if given {
                 return Err(err(
                     Code::InvalidArg,
-                    format!("{name} applies to a Redis store: give url"),
+                    format!("{name} applies to a Redis store: give url, sentinels or cluster"),
                 ));
             }
         }
     }
     let mut backends: Vec<Arc<dyn Backend>> = Vec::with_capacity(tiers.len());
     for tier in &tiers {
-        backends.push(match (tier, &o.path, &o.url) {
+        backends.push(match (tier, &o.path, redis_given(o)) {
             (Tier::Memory, _, _) => Arc::new(MemoryBackend::new(max_bytes)),
             (Tier::Dir, Some(path), _) => {
                 Arc::new(DirBackend::open(path, max_bytes).map_err(from_store)?)
             }
-            (Tier::Redis, _, Some(url)) => {
-                Arc::new(RedisBackend::new(redis_options(o, url)?).map_err(from_store)?)
+            (Tier::Redis, _, true) => {
+                Arc::new(RedisBackend::new(redis_options(o)?).map_err(from_store)?)
             }
             (tier, _, _) => {
                 return Err(err(

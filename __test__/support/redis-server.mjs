@@ -75,6 +75,7 @@ export async function startRedis(options = {}) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-redis-test-'))
   let child = null
   let port = 0
+  let tlsPort = 0
 
   const args = () => {
     const list = ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--save', '', '--appendonly', 'no',
@@ -85,6 +86,23 @@ export async function startRedis(options = {}) {
       // sampling every key makes a tiny test server evict in true LRU order
       list.push('--maxmemory', String(options.maxmemory), '--maxmemory-policy', options.maxmemoryPolicy ?? 'allkeys-lru',
         '--maxmemory-samples', '64')
+    }
+    if (options.tls) {
+      // a TLS port beside the plain one, which only the harness uses to see the server is up
+      const { cert, key, ca, authClients } = options.tls
+      list.push('--tls-port', String(tlsPort), '--tls-cert-file', cert, '--tls-key-file', key, '--tls-ca-cert-file', ca,
+        '--tls-auth-clients', authClients ? 'yes' : 'no')
+    }
+    if (options.replicaOf) list.push('--replicaof', '127.0.0.1', String(options.replicaOf))
+    if (options.cluster) list.push('--cluster-enabled', 'yes', '--cluster-config-file', 'nodes.conf', '--cluster-node-timeout', '2000')
+    if (options.sentinelOf) {
+      // a Sentinel reads and rewrites its configuration file: written at each start
+      const { name, port: primary } = options.sentinelOf
+      const conf = path.join(dir, 'sentinel.conf')
+      fs.writeFileSync(conf, [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, 'logfile sentinel.log',
+        `sentinel monitor ${name} 127.0.0.1 ${primary} 1`, `sentinel down-after-milliseconds ${name} 500`,
+        `sentinel failover-timeout ${name} 3000`, ''].join('\n'))
+      return [conf, '--sentinel']
     }
     return list
   }
@@ -104,6 +122,7 @@ export async function startRedis(options = {}) {
   // a port picked this way can be taken by someone else before redis binds it: retry
   for (let attempt = 0; attempt < 5 && !started; attempt++) {
     port = await freePort()
+    tlsPort = await freePort()
     started = await spawnServer()
     if (!started) await kill()
   }
@@ -123,6 +142,7 @@ export async function startRedis(options = {}) {
   }
   return {
     port,
+    tlsPort,
     dir,
     url: `redis://127.0.0.1:${port}`,
     urlWith: (user, password) => `redis://${user}:${encodeURIComponent(password)}@127.0.0.1:${port}`,
@@ -154,4 +174,59 @@ export async function redisForTest(t, options) {
   const server = await startRedis(options)
   t.teardown(() => server.stop())
   return server
+}
+
+/**
+ * `n` cluster-enabled servers joined into one cluster of `n` primaries (`redis-cli --cluster
+ * create`), stopped when the test ends. Resolves once every node reports `cluster_state:ok`.
+ */
+export async function clusterForTest(t, n = 3) {
+  const nodes = []
+  for (let i = 0; i < n; i++) nodes.push(await redisForTest(t, { cluster: true }))
+  const cli = findBinary('redis-cli')
+  if (!cli) throw new Error(`redis-cli is not installed: run \`${SETUP_HINT}\` as root (npm test's pretest), or \`sudo ${INSTALL_HINT}\``)
+  const created = spawnSync(cli, ['--cluster', 'create', ...nodes.map((node) => `127.0.0.1:${node.port}`),
+    '--cluster-replicas', '0', '--cluster-yes'])
+  if (created.status !== 0) throw new Error(`redis-cli --cluster create: ${created.stdout}${created.stderr}`)
+  const deadline = Date.now() + 20_000
+  for (const node of nodes) {
+    while (!node.cli(['CLUSTER', 'INFO']).includes('cluster_state:ok')) {
+      if (Date.now() > deadline) throw new Error('the cluster did not form')
+      await new Promise((resolve) => setTimeout(resolve, 50))
+    }
+  }
+  return nodes
+}
+
+/**
+ * Certificates made with the `openssl` command for the TLS tests, in a temporary directory removed
+ * when the test ends: `ca.pem`, a server certificate for redis.test and 127.0.0.1 signed by it
+ * (`server.pem`, `server.key`), a client certificate signed by it (`client.pem`, `client.key`),
+ * and an unrelated `other-ca.pem`. Returns `{ dir, path(name), read(name) }`.
+ */
+export function certsForTest(t) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-tls-test-'))
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const openssl = (...args) => {
+    const result = spawnSync('openssl', args, { cwd: dir })
+    if (result.error) throw new Error(`openssl is not installed; the TLS tests need it: run \`${SETUP_HINT}\` as root, or \`sudo apt-get install -y openssl\``)
+    if (result.status !== 0) throw new Error(`openssl ${args.join(' ')}: ${result.stderr}`)
+  }
+  // the extensions make version 3 certificates, the only version webpki accepts
+  fs.writeFileSync(path.join(dir, 'server.ext'), 'subjectAltName=DNS:redis.test,IP:127.0.0.1\n')
+  fs.writeFileSync(path.join(dir, 'client.ext'), 'extendedKeyUsage=clientAuth\n')
+  for (const ca of ['ca', 'other-ca']) {
+    openssl('req', '-x509', '-newkey', 'rsa:2048', '-nodes', '-days', '2', '-keyout', `${ca}.key`, '-out', `${ca}.pem`,
+      '-subj', `/CN=kv test ${ca}`)
+  }
+  for (const name of ['server', 'client']) {
+    openssl('req', '-newkey', 'rsa:2048', '-nodes', '-keyout', `${name}.key`, '-out', `${name}.csr`, '-subj', `/CN=kv test ${name}`)
+    openssl('x509', '-req', '-in', `${name}.csr`, '-CA', 'ca.pem', '-CAkey', 'ca.key', '-CAcreateserial', '-days', '2',
+      '-out', `${name}.pem`, '-extfile', `${name}.ext`)
+  }
+  return {
+    dir,
+    path: (name) => path.join(dir, name),
+    read: (name) => fs.readFileSync(path.join(dir, name)),
+  }
 }

@@ -1,8 +1,9 @@
 //! [`RedisBackend`]: the prompt store's [`Backend`] on Redis or Valkey.
 //!
 //! One Redis string per block under `{prefix}{hex chain key}`: a block is never split over two
-//! keys, so an eviction removes a block whole. Every trait call is one round trip: `MGET` (or
-//! pipelined `GETEX` when a TTL is set), pipelined `EXISTS`, pipelined `SET NX`.
+//! keys, so an eviction removes a block whole. Every trait call is one round trip (one per
+//! primary of a cluster, sent together): `MGET` (pipelined `GET` on a cluster, and with
+//! `PEXPIRE` when a TTL is set), pipelined `EXISTS` or `SET NX`.
 
 use std::time::Duration;
 
@@ -10,34 +11,39 @@ use prompt_store::{Backend, Key, StoreError, StoreResult, Usage};
 use redis::Value;
 
 use crate::client::{ClientError, RedisClient};
+use crate::connect::ConnectOptions;
 
 /// The key prefix used when none is given.
 pub const DEFAULT_PREFIX: &str = "llama-kv:";
 /// How long one call may take (connecting included) when no timeout is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How to reach and use a Redis server.
+/// How to reach and use Redis.
 #[derive(Clone, Debug)]
 pub struct RedisOptions {
-    /// `redis://[user[:password]@]host[:port][/db]`.
-    pub url: String,
+    /// The server(s), credentials, TLS and the bound on each call, connecting included.
+    pub connect: ConnectOptions,
     /// Namespace: every key starts with it, so several apps or models share one server.
     pub prefix: String,
     /// Expiry of a block, counted from its last write or read (`None`: kept until evicted).
     pub ttl: Option<Duration>,
-    /// Bound on each call, connecting included.
-    pub timeout: Duration,
 }
 
 impl RedisOptions {
-    /// Options with the default prefix, no TTL and the default timeout.
+    /// One server by URL (`redis://[user[:password]@]host[:port][/db]`, `rediss://`), with the
+    /// default prefix, no TTL and the default timeout.
     pub fn new(url: impl Into<String>) -> RedisOptions {
         RedisOptions {
-            url: url.into(),
+            connect: ConnectOptions::url(url, DEFAULT_TIMEOUT),
             prefix: DEFAULT_PREFIX.into(),
             ttl: None,
-            timeout: DEFAULT_TIMEOUT,
         }
+    }
+
+    /// The same options with another bound on each call.
+    pub fn with_timeout(mut self, timeout: Duration) -> RedisOptions {
+        self.connect.timeout = timeout;
+        self
     }
 }
 
@@ -48,6 +54,7 @@ impl From<ClientError> for StoreError {
             ClientError::InvalidUrl { .. } => StoreError::InvalidArg(message),
             ClientError::Unavailable { .. } => StoreError::Unavailable(message),
             ClientError::Auth { .. } => StoreError::Auth(message),
+            ClientError::Tls { .. } => StoreError::Tls(message),
             ClientError::OutOfMemory { .. } => StoreError::NoSpace(message),
         }
     }
@@ -68,7 +75,7 @@ impl RedisBackend {
     /// Parses the URL and sets up the (lazy) connection. Fails only on a malformed URL or
     /// options.
     pub fn new(options: RedisOptions) -> StoreResult<RedisBackend> {
-        if options.timeout.is_zero() {
+        if options.connect.timeout.is_zero() {
             return Err(StoreError::InvalidArg(
                 "the Redis timeout must be positive".into(),
             ));
@@ -79,7 +86,7 @@ impl RedisBackend {
             ));
         }
         Ok(RedisBackend {
-            client: RedisClient::new(&options.url, options.timeout)?,
+            client: RedisClient::connect(&options.connect)?,
             prefix: options.prefix.into_bytes(),
             ttl: options.ttl,
         })
@@ -120,14 +127,15 @@ impl Backend for RedisBackend {
             // a read keeps a block alive: it sets the expiry again, of keys that have one (the
             // model record has none and keeps none)
             Some(ttl) => {
-                let replies = self.client.pipeline_each(&redis_keys, |pipe, key| {
+                let replies = self.client.per_key(&redis_keys, |pipe, i| {
+                    let key = &redis_keys[i];
                     pipe.cmd("GET").arg(key);
-                    pipe.cmd("PEXPIRE").arg(key).arg(ttl).arg("XX").ignore();
+                    pipe.cmd("PEXPIRE").arg(key).arg(ttl).arg("XX");
                 })?;
                 Ok(replies
                     .into_iter()
-                    .map(|reply| match reply {
-                        Value::BulkString(bytes) => Some(bytes),
+                    .map(|replies| match replies.into_iter().next() {
+                        Some(Value::BulkString(bytes)) => Some(bytes),
                         _ => None,
                     })
                     .collect())
@@ -140,12 +148,15 @@ impl Backend for RedisBackend {
         let redis_keys = self.redis_keys(keys);
         Ok(self
             .client
-            .pipeline_each(&redis_keys, |pipe, key| {
-                pipe.cmd("GETRANGE").arg(key).arg(-(n as i64)).arg(-1);
+            .per_key(&redis_keys, |pipe, i| {
+                pipe.cmd("GETRANGE")
+                    .arg(&redis_keys[i])
+                    .arg(-(n as i64))
+                    .arg(-1);
             })?
             .into_iter()
-            .map(|reply| match reply {
-                Value::BulkString(bytes) if bytes.len() == n => Some(bytes),
+            .map(|replies| match replies.into_iter().next() {
+                Some(Value::BulkString(bytes)) if bytes.len() == n => Some(bytes),
                 _ => None,
             })
             .collect())
@@ -155,11 +166,11 @@ impl Backend for RedisBackend {
         let redis_keys = self.redis_keys(keys);
         Ok(self
             .client
-            .pipeline_each(&redis_keys, |pipe, key| {
-                pipe.cmd("EXISTS").arg(key);
+            .per_key(&redis_keys, |pipe, i| {
+                pipe.cmd("EXISTS").arg(&redis_keys[i]);
             })?
             .into_iter()
-            .map(|reply| matches!(reply, Value::Int(1)))
+            .map(|replies| matches!(replies.first(), Some(Value::Int(1))))
             .collect())
     }
 
@@ -213,17 +224,23 @@ impl Backend for RedisBackend {
         let mut pattern = self.prefix.clone();
         pattern.push(b'*');
         let (blocks, bytes) = self.client.scan_sizes(&pattern)?;
-        let info = self.client.info()?;
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-                .and_then(|value| value.trim().parse::<u64>().ok())
+        // a cluster's figures are the sums over its primaries
+        let infos = self.client.infos()?;
+        let field = |name: &str| -> u64 {
+            infos
+                .iter()
+                .filter_map(|info| {
+                    info.lines()
+                        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                        .and_then(|value| value.trim().parse::<u64>().ok())
+                })
+                .sum()
         };
         Ok(Usage {
             blocks,
             bytes,
-            evictions: field("evicted_keys").unwrap_or(0),
-            max_bytes: field("maxmemory").filter(|&max| max > 0),
+            evictions: field("evicted_keys"),
+            max_bytes: Some(field("maxmemory")).filter(|&max| max > 0),
         })
     }
 }

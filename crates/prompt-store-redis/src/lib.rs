@@ -3,7 +3,10 @@
 
 mod backend;
 mod client;
+mod connect;
+mod link;
 mod runtime;
 
 pub use backend::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};
-pub use client::{redact_url, ClientError, RedisClient};
+pub use client::{ClientError, RedisClient};
+pub use connect::{redact_url, ConnectOptions, Credentials, HostPort, Servers, TlsOptions};

@@ -14,11 +14,7 @@ use prompt_store::{Backend, Key, MemoryBackend, StoreError, TieredBackend};
 use prompt_store_redis::{RedisBackend, RedisOptions};
 
 fn backend(url: &str) -> RedisBackend {
-    RedisBackend::new(RedisOptions {
-        timeout: Duration::from_secs(2),
-        ..RedisOptions::new(url)
-    })
-    .unwrap()
+    RedisBackend::new(RedisOptions::new(url).with_timeout(Duration::from_secs(2))).unwrap()
 }
 
 fn key(i: u32) -> Key {
@@ -287,11 +283,9 @@ fn racing_writers_store_each_block_exactly_once() {
 #[test]
 fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block() {
     let server = RedisServer::start();
-    let store = RedisBackend::new(RedisOptions {
-        timeout: Duration::from_secs(10),
-        ..RedisOptions::new(server.url())
-    })
-    .unwrap();
+    let store =
+        RedisBackend::new(RedisOptions::new(server.url()).with_timeout(Duration::from_secs(10)))
+            .unwrap();
     store.put_if_absent(&key(999), b"warm").unwrap();
     let (keys, values) = blocks(96, 1 << 20);
     let entries = entries(&keys, &values);

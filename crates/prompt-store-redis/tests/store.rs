@@ -3,99 +3,12 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::prompts::*;
 use common::server::{cut_client_connections, pause_clients, RedisServer, ServerOptions};
-use llama_kv_cache::{CacheParams, KvCache, Tensor, UBatch};
-use prompt_store::{PromptStore, StoreError};
-use prompt_store_redis::{RedisBackend, RedisOptions};
-
-const BT: u32 = 16;
-const MODEL: &str = "model-under-test";
-
-fn params() -> CacheParams {
-    let mut p = CacheParams::new(256, 2, 256, 64);
-    p.n_seq_max = 4;
-    p
-}
-
-fn store_at(url: &str) -> PromptStore {
-    let backend = RedisBackend::new(RedisOptions {
-        timeout: Duration::from_secs(2),
-        ..RedisOptions::new(url)
-    })
-    .unwrap();
-    PromptStore::new(Arc::new(backend), MODEL, BT).unwrap()
-}
-
-/// A token's rows depend on every token up to it (as real KV does), so prompts that share a
-/// prefix have equal rows exactly on that prefix.
-fn row_byte(prefix_hash: u32, il: u32, v: bool) -> u8 {
-    (prefix_hash ^ il.wrapping_mul(7) ^ ((v as u32) * 13)) as u8
-}
-
-fn prefix_hashes(tokens: &[i32]) -> Vec<u32> {
-    let mut h = 17u32;
-    tokens
-        .iter()
-        .map(|&t| {
-            h = h.wrapping_mul(31).wrapping_add(t as u32);
-            h
-        })
-        .collect()
-}
-
-/// A cache whose sequence `seq` holds `tokens` evaluated at positions 0..n.
-fn evaluated(tokens: &[i32], seq: i32) -> KvCache {
-    let mut cache = KvCache::new(params()).unwrap();
-    let n = tokens.len() as u32;
-    if n == 0 {
-        return cache;
-    }
-    let slot = cache
-        .find_slot(&UBatch::sequence(seq, 0, n))
-        .unwrap()
-        .expect("room");
-    let hashes = prefix_hashes(tokens);
-    for il in 0..cache.n_layer() {
-        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
-            let row = cache.row_size(il, which).unwrap();
-            let mut rows = Vec::with_capacity(row * tokens.len());
-            for &h in &hashes {
-                rows.extend(std::iter::repeat_n(row_byte(h, il, v), row));
-            }
-            cache.write_rows(il, which, slot.head, &rows).unwrap();
-        }
-    }
-    cache
-}
-
-/// Sequence 0's one-sequence state: cells, positions and every row. Restores here go into an
-/// empty cache, so they are byte-exact exactly when this equals the state of a cache that
-/// evaluated the restored tokens itself.
-fn seq0_state(cache: &KvCache) -> Vec<u8> {
-    cache
-        .state_write(0, llama_kv_cache::Layout::Streams, 1, None)
-        .unwrap()
-}
-
-/// The state a cold evaluation of `tokens` has.
-fn cold_state(tokens: &[i32]) -> Vec<u8> {
-    seq0_state(&evaluated(tokens, 0))
-}
-
-fn prompt(shared: usize, unique: usize, salt: i32) -> Vec<i32> {
-    (0..shared as i32)
-        .chain((0..unique as i32).map(|t| 1000 * (salt + 1) + t))
-        .collect()
-}
-
-fn snapshot(cache: &KvCache) -> Vec<u8> {
-    cache
-        .state_write(-1, llama_kv_cache::Layout::Streams, 1, None)
-        .unwrap()
-}
+use llama_kv_cache::KvCache;
+use prompt_store::StoreError;
 
 #[test]
 fn a_fleet_shares_blocks_a_puts_b_restores_c_looks_up_a_longer_prompt() {

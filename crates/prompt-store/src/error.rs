@@ -15,6 +15,10 @@ pub enum StoreError {
     /// The backend refused the credentials.
     #[error("{0}")]
     Auth(String),
+    /// A TLS handshake failed: the server's certificate is not trusted or not for its name,
+    /// or the server refused the client's.
+    #[error("{0}")]
+    Tls(String),
     /// A file or directory of the store could not be read or written (e.g. a missing directory).
     #[error("{0}")]
     Io(String),

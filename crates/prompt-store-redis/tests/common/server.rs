@@ -32,11 +32,31 @@ pub struct ServerOptions {
     /// `maxmemory` in bytes (with `maxmemory-policy`, default `allkeys-lru` when set).
     pub maxmemory: Option<u64>,
     pub maxmemory_policy: Option<String>,
+    /// A TLS port beside the plain one (which only the harness uses, to see the server is up).
+    pub tls: Option<ServerTls>,
+    /// `replicaof 127.0.0.1 PORT`.
+    pub replica_of: Option<u16>,
+    /// `cluster-enabled yes` (see [`start_cluster`]).
+    pub cluster: bool,
+    /// Run as a Sentinel monitoring the primary `(name, port)` (quorum 1, down after 500 ms).
+    pub sentinel_of: Option<(String, u16)>,
+}
+
+/// The server's side of TLS: PEM files.
+#[derive(Clone, Debug)]
+pub struct ServerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that client certificates must chain to.
+    pub ca: PathBuf,
+    /// `tls-auth-clients`: whether a client must show a certificate.
+    pub auth_clients: bool,
 }
 
 /// One running `redis-server`.
 pub struct RedisServer {
     port: u16,
+    tls_port: u16,
     dir: PathBuf,
     options: ServerOptions,
     child: Option<Child>,
@@ -82,6 +102,7 @@ impl RedisServer {
     pub fn start_with(options: ServerOptions) -> Self {
         let mut server = RedisServer {
             port: 0,
+            tls_port: 0,
             dir: fresh_dir(),
             options,
             child: None,
@@ -89,6 +110,7 @@ impl RedisServer {
         // a port picked this way can be taken by someone else before redis binds it: retry
         for _ in 0..5 {
             server.port = free_port();
+            server.tls_port = free_port();
             if server.spawn().is_ok() {
                 return server;
             }
@@ -114,11 +136,19 @@ impl RedisServer {
         self.port
     }
 
+    /// `rediss://NAME:TLS_PORT` for a server started with `tls` (NAME: the host to dial).
+    pub fn tls_url(&self, host: &str) -> String {
+        format!("rediss://{host}:{}", self.tls_port)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
     fn args(&self) -> Vec<String> {
+        if let Some((name, primary)) = &self.options.sentinel_of {
+            return self.sentinel_args(name, *primary);
+        }
         let mut args: Vec<String> = [
             "--port",
             &self.port.to_string(),
@@ -168,7 +198,59 @@ impl RedisServer {
                 "64".into(),
             ]);
         }
+        if let Some(tls) = &self.options.tls {
+            let path = |p: &PathBuf| p.to_string_lossy().into_owned();
+            args.extend([
+                "--tls-port".into(),
+                self.tls_port.to_string(),
+                "--tls-cert-file".into(),
+                path(&tls.cert),
+                "--tls-key-file".into(),
+                path(&tls.key),
+                "--tls-ca-cert-file".into(),
+                path(&tls.ca),
+                "--tls-auth-clients".into(),
+                if tls.auth_clients { "yes" } else { "no" }.into(),
+            ]);
+        }
+        if let Some(primary) = self.options.replica_of {
+            args.extend([
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                primary.to_string(),
+            ]);
+        }
+        if self.options.cluster {
+            args.extend(
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ]
+                .map(String::from),
+            );
+        }
         args
+    }
+
+    /// A Sentinel reads and rewrites a configuration file: it is written into the server's
+    /// directory at each start.
+    fn sentinel_args(&self, name: &str, primary: u16) -> Vec<String> {
+        let conf = self.dir.join("sentinel.conf");
+        let text = format!(
+            "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile sentinel.log\n\
+             sentinel monitor {name} 127.0.0.1 {primary} 1\n\
+             sentinel down-after-milliseconds {name} 500\n\
+             sentinel failover-timeout {name} 3000\n\
+             sentinel parallel-syncs {name} 1\n",
+            port = self.port,
+            dir = self.dir.display(),
+        );
+        std::fs::write(&conf, text).expect("write sentinel.conf");
+        vec![conf.to_string_lossy().into_owned(), "--sentinel".into()]
     }
 
     fn spawn(&mut self) -> Result<(), String> {
@@ -287,6 +369,165 @@ pub fn unpause(admin: &mut redis::Connection) {
         .arg("UNPAUSE")
         .query(admin)
         .expect("CLIENT UNPAUSE");
+}
+
+/// Starts `n` cluster-enabled servers and joins them into one cluster of `n` primaries with
+/// `redis-cli --cluster create` (from Debian's redis-tools, which redis-server depends on),
+/// returning once every node reports `cluster_state:ok`.
+pub fn start_cluster(n: usize) -> Vec<RedisServer> {
+    let nodes: Vec<RedisServer> = (0..n)
+        .map(|_| {
+            RedisServer::start_with(ServerOptions {
+                cluster: true,
+                ..ServerOptions::default()
+            })
+        })
+        .collect();
+    let cli = redis_server_binary().with_file_name("redis-cli");
+    let mut command = Command::new(&cli);
+    command.args(["--cluster", "create"]);
+    for node in &nodes {
+        command.arg(format!("127.0.0.1:{}", node.port));
+    }
+    let out = command
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap_or_else(|err| {
+            panic!(
+                "run {}: {err} (apt-get install -y redis-tools)",
+                cli.display()
+            )
+        });
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster create failed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for node in &nodes {
+        loop {
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query(&mut node.connection())
+                .expect("CLUSTER INFO");
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not form: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    nodes
+}
+
+/// Test certificates made with the `openssl` command: a CA, a server certificate for
+/// `redis.test` and 127.0.0.1 signed by it, a client certificate signed by it, and a second,
+/// unrelated CA.
+pub struct TestCerts {
+    pub dir: PathBuf,
+}
+
+impl TestCerts {
+    pub fn make() -> TestCerts {
+        let dir = fresh_dir();
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .unwrap_or_else(|err| {
+                    panic!("run openssl: {err}; the TLS tests need it: apt-get install -y openssl")
+                });
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        // the extensions make version 3 certificates, the only version webpki accepts
+        std::fs::write(
+            dir.join("server.ext"),
+            "subjectAltName=DNS:redis.test,IP:127.0.0.1\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+        for ca in ["ca", "other-ca"] {
+            openssl(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-keyout",
+                &format!("{ca}.key"),
+                "-out",
+                &format!("{ca}.pem"),
+                "-subj",
+                &format!("/CN=kv test {ca}"),
+            ]);
+        }
+        for name in ["server", "client"] {
+            openssl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.csr"),
+                "-subj",
+                &format!("/CN=kv test {name}"),
+            ]);
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{name}.csr"),
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                &format!("{name}.pem"),
+                "-extfile",
+                &format!("{name}.ext"),
+            ]);
+        }
+        TestCerts { dir }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    pub fn read(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.path(name)).expect("read a test certificate")
+    }
+
+    /// The server side: `server.pem` / `server.key`, clients checked against `ca.pem`.
+    pub fn server(&self, auth_clients: bool) -> ServerTls {
+        ServerTls {
+            cert: self.path("server.pem"),
+            key: self.path("server.key"),
+            ca: self.path("ca.pem"),
+            auth_clients,
+        }
+    }
+}
+
+impl Drop for TestCerts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 impl Drop for RedisServer {
