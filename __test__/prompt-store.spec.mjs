@@ -6,6 +6,7 @@ import { spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 import { promptCache, promptTokens } from './helpers/store-prompts.mjs'
 import { runScript } from './helpers/run-script.mjs'
+import parsePrometheus from 'parse-prometheus-text-format'
 
 const require = createRequire(import.meta.url)
 const { KvCache, PromptStore, inspectState } = require('../index.js')
@@ -68,6 +69,33 @@ test('metrics(): Prometheus text per tier and per call, served over HTTP as the 
     t.is(value(`llama_kv_store_call_duration_seconds_bucket{op="${op}",le="+Inf"}`), 1, op)
   }
   t.is(store.metricsSync().split('\n').filter((l) => l.startsWith('# TYPE')).length, 8)
+})
+
+test('metrics(): the counters parse with a Prometheus text parser and match stats()', async (t) => {
+  const dir = tmp()
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await new PromptStore({ model: 'm', blockTokens: 16, path: dir, secret: 'a'.repeat(16) }).put(cache, 0, tokens)
+  // another secret on the same directory: the blocks are rejected; a 1-byte budget makes gc evict
+  const other = new PromptStore({ model: 'm', blockTokens: 16, path: dir, secret: 'b'.repeat(16), maxBytes: 1 })
+  t.is(await other.restore(emptyCache(), 0, tokens), 0)
+  t.is(await other.lookup(tokens), 0)
+  await other.gc()
+  const families = parsePrometheus(await other.metrics())
+  const counter = (name) => {
+    const family = families.find((f) => f.name === name)
+    t.is(family?.type, 'COUNTER', name)
+    return family.metrics.reduce((sum, m) => sum + Number(m.value), 0)
+  }
+  const stats = await other.stats()
+  t.true(stats.rejected > 0)
+  t.is(counter('llama_kv_store_rejected_blocks_total'), stats.rejected)
+  t.is(counter('llama_kv_store_corrupt_blocks_total'), stats.corrupt)
+  t.is(counter('llama_kv_store_evictions_total'), stats.evictions)
+  t.true(stats.evictions > 0, 'gc evicted beyond maxBytes')
+  // (that parser folds every labelled histogram series into one, so the histograms are checked
+  // as text in the test above)
+  t.is(families.find((f) => f.name === 'llama_kv_store_call_duration_seconds')?.type, 'HISTOGRAM')
 })
 
 test('lookup returns the stored prefix of a diverging prompt in tokens', async (t) => {
