@@ -448,3 +448,11 @@ fn describe(env: sys::napi_env, value: sys::napi_value) -> String {
     }
     type_of(env, value).into()
 }
+
+/// The bytes of an option given as text (UTF-8) or as bytes: a secret, a PEM certificate.
+pub fn text_or_bytes(value: &Either<String, Uint8Array>) -> &[u8] {
+    match value {
+        Either::A(text) => text.as_bytes(),
+        Either::B(bytes) => bytes,
+    }
+}

@@ -514,11 +514,9 @@ impl PromptStore {
                 .map_err(from_store)?
                 .with_namespace(o.namespace.as_deref().unwrap_or(""));
             if let Some(secret) = &o.secret {
-                let bytes: &[u8] = match secret {
-                    napi::Either::A(s) => s.as_bytes(),
-                    napi::Either::B(b) => b,
-                };
-                inner = inner.with_secret(bytes).map_err(from_store)?;
+                inner = inner
+                    .with_secret(crate::args::text_or_bytes(secret))
+                    .map_err(from_store)?;
             }
             Ok(PromptStore {
                 inner: Arc::new(inner),

@@ -15,7 +15,7 @@ use prompt_store_redis::{
     DEFAULT_PREFIX, DEFAULT_TIMEOUT,
 };
 
-use crate::args::int;
+use crate::args::{int, text_or_bytes};
 use crate::error::{err, from_store, Code, JsErr, JsResult};
 
 /// Options of `new PromptStore(options)`.
@@ -286,10 +286,7 @@ fn servers(o: &PromptStoreOptions) -> JsResult<Servers> {
 
 /// PEM text or bytes.
 fn pem(value: &Option<Either<String, Uint8Array>>) -> Option<Vec<u8>> {
-    value.as_ref().map(|value| match value {
-        Either::A(text) => text.clone().into_bytes(),
-        Either::B(bytes) => bytes.to_vec(),
-    })
+    value.as_ref().map(|value| text_or_bytes(value).to_vec())
 }
 
 fn tls_options(tls: &RedisTls) -> JsResult<TlsOptions> {

@@ -6,12 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::cluster_routing::RoutingInfo;
 use redis::{ErrorKind, Pipeline, RedisError, RedisResult, Value};
 
 use crate::connect::{
-    install_crypto_provider, is_tls_error, redact_url, Conn, ConnectOptions, Connector, HostPort,
-    Servers,
+    is_tls_error, redact_url, Conn, ConnectOptions, Connector, HostPort, Servers,
 };
 use crate::link::Link;
 use crate::runtime::runtime;
@@ -90,11 +89,6 @@ impl RedisClient {
         };
         let (connector, address) =
             Connector::new(options).map_err(|reason| ClientError::InvalidUrl { what, reason })?;
-        if options.tls.is_some()
-            || matches!(&options.servers, Servers::Url(url) if url.starts_with("rediss:"))
-        {
-            install_crypto_provider();
-        }
         Ok(RedisClient {
             link: Arc::new(Link::new(connector)),
             address,
@@ -214,11 +208,7 @@ impl RedisClient {
                 let n = pipeline.len();
                 let replies = match (&mut conn, node) {
                     (Conn::Cluster(cluster), Some(node)) => {
-                        let route = SingleNodeRoutingInfo::ByAddress {
-                            host: node.host.clone(),
-                            port: node.port,
-                        };
-                        cluster.route_pipeline(pipeline, 0, n, route).await?
+                        cluster.route_pipeline(pipeline, 0, n, node.route()).await?
                     }
                     _ => conn.req_packed_commands(&pipeline, 0, n).await?,
                 };
@@ -410,10 +400,7 @@ impl RedisClient {
             async move {
                 match (&mut conn, node) {
                     (Conn::Cluster(cluster), Some(node)) => {
-                        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                            host: node.host.clone(),
-                            port: node.port,
-                        });
+                        let route = RoutingInfo::SingleNode(node.route());
                         cluster.route_command(command.clone(), route).await
                     }
                     _ => command.query_async(&mut conn).await,

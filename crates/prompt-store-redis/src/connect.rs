@@ -11,6 +11,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::SingleNodeRoutingInfo;
 use redis::io::AsyncDNSResolver;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -23,6 +24,16 @@ use redis::{
 pub struct HostPort {
     pub host: String,
     pub port: u16,
+}
+
+impl HostPort {
+    /// The cluster route to this node.
+    pub(crate) fn route(&self) -> SingleNodeRoutingInfo {
+        SingleNodeRoutingInfo::ByAddress {
+            host: self.host.clone(),
+            port: self.port,
+        }
+    }
 }
 
 impl std::fmt::Display for HostPort {
@@ -160,14 +171,15 @@ impl Connector {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(options.timeout))
             .set_response_timeout(Some(options.timeout));
-        let certificates = options.tls.as_ref().map(certificates);
-        let mode = options
-            .tls
-            .as_ref()
-            .map(|tls| match tls.reject_unauthorized {
+        // with TLS: how strictly to check the servers, and the certificates to check them with
+        let secured = options.tls.as_ref().map(|tls| {
+            install_crypto_provider();
+            let mode = match tls.reject_unauthorized {
                 true => TlsMode::Secure,
                 false => TlsMode::Insecure,
-            });
+            };
+            (mode, certificates(tls))
+        });
         let Credentials {
             username,
             password,
@@ -180,12 +192,12 @@ impl Connector {
                 name,
                 db,
             } => {
-                let addresses = sentinels.iter().map(|node| match mode {
+                let addresses = sentinels.iter().map(|node| match &secured {
                     None => ConnectionAddr::Tcp(node.host.clone(), node.port),
-                    Some(mode) => ConnectionAddr::TcpTls {
+                    Some((mode, _)) => ConnectionAddr::TcpTls {
                         host: node.host.clone(),
                         port: node.port,
-                        insecure: mode == TlsMode::Insecure,
+                        insecure: *mode == TlsMode::Insecure,
                         tls_params: None,
                     },
                 });
@@ -202,7 +214,7 @@ impl Connector {
                 if let Some(password) = sentinel_password {
                     builder = builder.set_client_to_sentinel_password(password);
                 }
-                if let (Some(mode), Some(certificates)) = (mode, certificates) {
+                if let Some((mode, certificates)) = secured.clone() {
                     builder = builder
                         .set_client_to_redis_tls_mode(mode)
                         .set_client_to_redis_certificates(certificates.clone())
@@ -232,7 +244,7 @@ impl Connector {
                 if let Some(password) = password {
                     builder = builder.password(password);
                 }
-                if let (Some(mode), Some(certificates)) = (mode, certificates) {
+                if let Some((mode, certificates)) = secured {
                     builder = builder.tls(mode).certs(certificates);
                 }
                 let client = builder.build().map_err(|err| err.to_string())?;
@@ -292,6 +304,9 @@ fn single(
     let client = Client::open(url).map_err(|err| err.to_string())?;
     let info = client.get_connection_info().clone();
     let address = format!("{}/{}", info.addr(), info.redis_settings().db());
+    if matches!(info.addr(), ConnectionAddr::TcpTls { .. }) {
+        install_crypto_provider();
+    }
     let Some(tls) = tls else {
         return Ok((Connector::Single(client, config), address));
     };
@@ -342,8 +357,9 @@ impl AsyncDNSResolver for NameToHost {
     }
 }
 
-/// Installs the process's TLS crypto provider (ring) once, before the first TLS connection.
-pub(crate) fn install_crypto_provider() {
+/// Installs the process's TLS crypto provider (ring) once, when a client that speaks TLS is
+/// built: a process that never uses TLS keeps the choice of provider to itself.
+fn install_crypto_provider() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // an application that installed its own provider first keeps it
