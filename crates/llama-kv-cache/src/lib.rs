@@ -42,6 +42,7 @@ pub use cache::files::LoadedFile;
 pub use cache::io::{Progress, ReadOptions, ReadSummary};
 pub use cache::kshift::UpdateReport;
 pub use cache::restorer::SlotRestorer;
+pub use cache::sequence_load::SequenceLoad;
 pub use cache::slot::{PrepareOptions, Slot};
 pub use cache::stream::{StateIn, StateOut};
 pub use cache::view::{CacheView, CellColumns};

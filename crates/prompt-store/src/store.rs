@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, write_atomic, FileKind};
 use llama_kv_cache::{
-    convert_bytes, CellExt, ConvertOptions, KvCache, KvError, Layout, MemoryKind, ReadOptions,
-    WriteOptions,
+    convert_bytes, CellExt, CellExtValue, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
+    ReadOptions, SequenceLoad, Tensor, WriteOptions,
 };
 
 use sha2::{Digest, Sha256};
@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use crate::backend::{Backend, Key, TierHealth};
 use crate::block::{self, BlockId, BlockRows};
 use crate::capture::{unified_shape, Capture, KvRows};
-use crate::checkpoint::{self, CheckpointId, SwaRows};
+use crate::checkpoint::{self, CheckpointId, CheckpointView, SwaRows};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
@@ -857,19 +857,21 @@ impl PromptStore {
         let _ = self.backend.remove(key);
     }
 
-    /// Reads and verifies the blocks `keys[..n]` of one part, calling `put(i, rows)` for each.
-    /// Returns false (after counting and removing it) when one is absent or corrupt.
+    /// Reads and verifies the blocks `keys[..n]` of one part, calling `put(i, rows)` for each
+    /// (whose first error ends the read and is returned). Returns false (after counting and
+    /// removing it) when one is absent or corrupt.
     fn read_blocks(
         &self,
         bound: &Bound,
         geometry: &Geometry,
         keys: &[Key],
         tokens: &[i32],
-        put: &mut dyn FnMut(usize, &BlockRows<'_>),
+        put: &mut dyn FnMut(usize, &BlockRows<'_>) -> StoreResult<()>,
     ) -> StoreResult<bool> {
         let bt = self.block_tokens;
         let mut ok = 0;
         let mut corrupt = None;
+        let mut failed = None;
         self.backend.visit_many(keys, &mut |i, value| {
             // absent: evicted between the two calls
             let Some(value) = value else { return false };
@@ -881,21 +883,66 @@ impl PromptStore {
                 geometry,
             };
             match block::decode(value, &id, &self.sealer) {
-                Ok(rows) => {
-                    put(i, &rows);
-                    ok += 1;
-                    true
-                }
+                Ok(rows) => match put(i, &rows) {
+                    Ok(()) => {
+                        ok += 1;
+                        true
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        false
+                    }
+                },
                 Err(c) => {
                     corrupt = Some((keys[i], c.1));
                     false
                 }
             }
         })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         if let Some((key, broken)) = corrupt {
             self.corrupt(&key, broken);
         }
         Ok(ok == keys.len())
+    }
+
+    /// Reads and verifies the checkpoint of `plan` (if it has one) and calls `with` on it.
+    /// `None` when the value turned out absent or corrupt (counted and removed: the caller
+    /// plans again).
+    fn with_checkpoint<R>(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        keys: &[Key],
+        plan: &Plan,
+        with: impl FnOnce(Option<&CheckpointView<'_>>) -> StoreResult<R>,
+    ) -> StoreResult<Option<R>> {
+        let Some(key) = &plan.checkpoint else {
+            return with(None).map(Some);
+        };
+        let Some(value) = self.backend.get_many(&[*key])?.pop().flatten() else {
+            return Ok(None);
+        };
+        let tail = &tokens[plan.blocks * self.block_tokens..plan.len];
+        let id = CheckpointId {
+            fingerprint: &bound.fingerprint,
+            key,
+            len: plan.len as u32,
+            tail,
+        };
+        debug_assert_eq!(
+            *key,
+            checkpoint_key(&chain_at(&bound.fingerprint, keys, plan.blocks), tail)
+        );
+        match checkpoint::decode(&value, &id, &self.sealer, &bound.shape) {
+            Ok(c) => with(Some(&c)).map(Some),
+            Err(c) => {
+                self.corrupt(key, c.1);
+                Ok(None)
+            }
+        }
     }
 
     /// The payload of the restore point `plan` for sequence `seq`: its parts in llama.cpp's
@@ -910,6 +957,25 @@ impl PromptStore {
         target: Target,
         out: &mut Vec<u8>,
     ) -> StoreResult<bool> {
+        let keys = &keys[..plan.blocks];
+        let assembled = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
+            self.assemble_parts(bound, tokens, keys, plan, target, ckpt, out)
+        })?;
+        Ok(assembled == Some(true))
+    }
+
+    /// [`PromptStore::assemble`] once the checkpoint is read.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble_parts(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        keys: &[Key],
+        plan: &Plan,
+        target: Target,
+        ckpt: Option<&CheckpointView<'_>>,
+        out: &mut Vec<u8>,
+    ) -> StoreResult<bool> {
         let Target {
             seq,
             v_trans,
@@ -918,35 +984,6 @@ impl PromptStore {
         } = target;
         let bt = self.block_tokens;
         let shape = &bound.shape;
-        let keys = &keys[..plan.blocks];
-        let ckpt_value = match &plan.checkpoint {
-            Some(key) => match self.backend.get_many(&[*key])?.pop().flatten() {
-                Some(v) => Some(v),
-                None => return Ok(false),
-            },
-            None => None,
-        };
-        let tail = &tokens[plan.blocks * bt..plan.len];
-        let at = chain_at(&bound.fingerprint, keys, plan.blocks);
-        let ckpt = match (&plan.checkpoint, &ckpt_value) {
-            (Some(key), Some(v)) => {
-                let id = CheckpointId {
-                    fingerprint: &bound.fingerprint,
-                    key,
-                    len: plan.len as u32,
-                    tail,
-                };
-                debug_assert_eq!(*key, checkpoint_key(&at, tail));
-                match checkpoint::decode(v, &id, &self.sealer, shape) {
-                    Ok(c) => Some(c),
-                    Err(c) => {
-                        self.corrupt(key, c.1);
-                        return Ok(false);
-                    }
-                }
-            }
-            _ => None,
-        };
         let positions: Vec<i32> = (0..plan.len as i32).collect();
         if let Some(main) = &shape.main {
             let w =
@@ -956,7 +993,10 @@ impl PromptStore {
                 &main.layers,
                 keys,
                 tokens,
-                &mut |i: usize, rows: &BlockRows<'_>| w.put(out, i * bt, rows),
+                &mut |i: usize, rows: &BlockRows<'_>| {
+                    w.put(out, i * bt, rows);
+                    Ok(())
+                },
             )?;
             if !complete {
                 return Ok(false);
@@ -998,7 +1038,8 @@ impl PromptStore {
                         &swa_keys,
                         tokens,
                         &mut |i: usize, rows: &BlockRows<'_>| {
-                            put_window(&w, out, i * bt, from, rows)
+                            put_window(&w, out, i * bt, from, rows);
+                            Ok(())
                         },
                     )?;
                     if !complete {
@@ -1087,6 +1128,9 @@ impl PromptStore {
             }
             bound
         };
+        if !cache.recurrent() {
+            return self.load_rows(&bound, tokens, cache, seq, progress);
+        }
         let Some((len, payload)) = self.load(
             &bound,
             tokens,
@@ -1102,16 +1146,65 @@ impl PromptStore {
             return Ok(0);
         };
         let opts = ReadOptions {
-            layout: Some(if cache.recurrent() {
-                Layout::Seed
-            } else {
-                Layout::StreamsRot
-            }),
+            layout: Some(Layout::Seed),
             allow_scattered: true,
             ..ReadOptions::default()
         };
         cache.state_read(&payload, seq, opts, progress)?;
         Ok(len as u64)
+    }
+
+    /// Plans `tokens`, then loads the longest restore point that verifies into sequence `seq`
+    /// of a transformer cache block by block, each as it is read and verified: the rows go
+    /// from the value the backend read straight into the tensors, with no payload assembled
+    /// in between. On any error the cache is as before (the load is dropped).
+    fn load_rows(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        cache: &mut KvCache,
+        seq: i32,
+        mut progress: Option<Progress<'_>>,
+    ) -> StoreResult<u64> {
+        let bt = self.block_tokens;
+        let Some(main) = &bound.shape.main else {
+            return Err(StoreError::Geometry(format!(
+                "this store holds model {:?} as {}, which has no attention rows for this cache",
+                self.model,
+                bound.shape.describe()
+            )));
+        };
+        for _ in 0..MAX_REPLANS {
+            let (keys, plans) = self.plans(bound, tokens)?;
+            let Some(plan) = plans.first() else { break };
+            let keys = &keys[..plan.blocks];
+            let positions: Vec<i32> = (0..plan.len as i32).collect();
+            let loaded = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
+                let mut load = cache.load_sequence_rows(seq, &positions, true)?;
+                let mut put = |first: usize, rows: &BlockRows<'_>| {
+                    tick(&mut progress, first as u64, plan.len as u64)?;
+                    put_rows(&mut load, &main.layers, first, rows)
+                };
+                let complete =
+                    self.read_blocks(bound, &main.layers, keys, tokens, &mut |i, rows| {
+                        put(i * bt, rows)
+                    })?;
+                if !complete {
+                    return Ok(false);
+                }
+                if let Some(rows) = ckpt.and_then(|c| c.main.as_ref()) {
+                    put(plan.blocks * bt, rows)?;
+                }
+                load.commit();
+                Ok(true)
+            })?;
+            if loaded == Some(true) {
+                self.count(plan.len, tokens.len());
+                return Ok(plan.len as u64);
+            }
+        }
+        self.count(0, tokens.len());
+        Ok(0)
     }
 
     /// Ingests a llama.cpp session or sequence file's bytes (any version, layout and memory
@@ -1260,6 +1353,24 @@ impl PromptStore {
             tiers: self.backend.health(),
         })
     }
+}
+
+/// Writes the rows of a block (or a checkpoint's tail) into tokens `first..` of a load.
+fn put_rows(
+    load: &mut SequenceLoad<'_>,
+    geometry: &Geometry,
+    first: usize,
+    rows: &BlockRows<'_>,
+) -> StoreResult<()> {
+    for il in 0..geometry.layers.len() {
+        load.write(il as u32, Tensor::K, first, rows.k(il))?;
+        load.write(il as u32, Tensor::V, first, rows.v(il))?;
+    }
+    if !geometry.ext.is_none() {
+        let exts: Vec<CellExtValue> = (0..rows.n_tokens()).map(|k| rows.ext(k)).collect();
+        load.set_exts(first, &exts)?;
+    }
+    Ok(())
 }
 
 /// Writes the rows of positions `first..` that fall in a window starting at position `from`.

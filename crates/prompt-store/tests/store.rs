@@ -324,6 +324,52 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
     }
 }
 
+/// A restore writes each block into the cache as it verifies it, so a failure can come after
+/// rows were written, over cells the sequence held before: they must come back.
+#[test]
+fn a_restore_that_fails_after_writing_rows_puts_the_sequence_back_as_it_was() {
+    for fa in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, src, toks, files) = dir_with_blocks(dir.path(), fa);
+        let held = |c: &KvCache| {
+            let cells: Vec<_> = (0..c.size()).map(|i| c.cells().get(i as usize)).collect();
+            (cells, rows_by_position(c, 0), rows_by_position(c, 1))
+        };
+        let fresh = || {
+            let mut c = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
+            fill(&mut c, 0, 64, 99);
+            fill(&mut c, 1, 20, 7);
+            c
+        };
+        // aborted after two blocks were written into sequence 0's own cells
+        let mut dst = fresh();
+        let before = held(&dst);
+        let mut calls = 0;
+        let mut stop_at_third = |_: u64, _: u64| {
+            calls += 1;
+            calls < 3
+        };
+        let e = store
+            .restore(&mut dst, 0, &toks, Some(&mut stop_at_third))
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::Cache(llama_kv_cache::KvError::Aborted(_))),
+            "{e}"
+        );
+        assert_eq!(held(&dst), before, "aborted, flash attention {fa}");
+        dst.cells().check_consistency().unwrap();
+        // the last block turns out corrupt after three were written: the shorter prefix
+        let mut b = fs::read(&files[3]).unwrap();
+        b[100] ^= 1;
+        fs::write(&files[3], b).unwrap();
+        assert_eq!(store.restore(&mut dst, 0, &toks, None).unwrap(), 48);
+        assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0)[..48]);
+        assert_eq!(rows_by_position(&dst, 1), before.2);
+        assert_eq!(dst.seq_pos_max(0).unwrap(), 47);
+        dst.cells().check_consistency().unwrap();
+    }
+}
+
 #[test]
 fn a_hundred_conversations_sharing_a_4096_token_prefix_store_it_once() {
     let bt = 256;

@@ -2,8 +2,8 @@
 //! layers below. [`KvCache`] holds cells and tensors; each concern extends it in a module of
 //! its own: sequence operations ([`seq_ops`]), slot search ([`slot`], [`restorer`]), defrag
 //! ([`defrag`]), the K-shift ([`kshift`]), views ([`view`]), state I/O on whole payloads
-//! ([`io`]), on streamed payloads ([`stream`]) and in files ([`files`]), load rollback
-//! (`rollback`) and file conversion ([`convert`]).
+//! ([`io`]), on streamed payloads ([`stream`]), row block by row block ([`sequence_load`]) and
+//! in files ([`files`]), load rollback (`rollback`) and file conversion ([`convert`]).
 //!
 //! May import every layer below (`cells`, `tensors`, `model`, `state` and the base modules).
 
@@ -16,6 +16,7 @@ mod release;
 pub mod restorer;
 pub(crate) mod rollback;
 pub mod seq_ops;
+pub mod sequence_load;
 pub mod slot;
 pub mod stream;
 pub mod view;

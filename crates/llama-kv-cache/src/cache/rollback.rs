@@ -11,9 +11,16 @@
 //! spare table of the same shape, the one a previous load left behind (reset, with the live
 //! deltas, which llama.cpp's clear-then-read keeps). A successful load leaves the record as the
 //! next spare; a failed one swaps the tables back.
+//!
+//! Loads that write rows as their bytes arrive (a streamed payload, a prompt-store restore)
+//! place the cells first and write later, so a failure may come after rows were written: they
+//! keep a [`PlacedLoad`], which also holds the rows of the placed cells that held data before
+//! (nothing for a load into free cells), to put back with the cells.
 
 use crate::cache::KvCache;
 use crate::cells::{Cell, Cells};
+use crate::error::Result;
+use crate::state::PayloadCells;
 
 /// The undo record of one load.
 pub(crate) enum CellsUndo {
@@ -39,7 +46,100 @@ impl CellsUndo {
     }
 }
 
+/// A load whose cells are placed and whose rows are being written.
+pub(crate) struct PlacedLoad {
+    /// The cells the load fills, in payload order.
+    pub(crate) placed: Vec<usize>,
+    /// Whether they are one run of cells.
+    pub(crate) contiguous: bool,
+    undo: CellsUndo,
+    /// Rows of the placed cells that held data before the load: (cell, K and V of each layer).
+    saved: Vec<(usize, Vec<u8>)>,
+}
+
 impl KvCache {
+    /// Places `cells` into `dest` (`None`: the whole cache) for a load that writes rows
+    /// afterwards, keeping the rows it will overwrite. On failure the cache is as before.
+    pub(crate) fn place_load(
+        &mut self,
+        cells: &PayloadCells,
+        dest: Option<i32>,
+        allow_scattered: bool,
+    ) -> Result<PlacedLoad> {
+        let (undo, placed) = self.place_cells(cells, dest, allow_scattered)?;
+        match self.save_rows(&undo, &placed) {
+            Ok(saved) => Ok(PlacedLoad {
+                contiguous: placed.windows(2).all(|w| w[1] == w[0] + 1),
+                placed,
+                undo,
+                saved,
+            }),
+            Err(e) => {
+                self.roll_back(undo, &placed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends a placed load that succeeded; returns the cells it filled.
+    pub(crate) fn commit_load(&mut self, load: PlacedLoad) -> Vec<usize> {
+        self.commit(load.undo);
+        load.placed
+    }
+
+    /// Puts back the cells and the saved rows of a placed load that did not finish.
+    pub(crate) fn undo_load(&mut self, load: PlacedLoad) -> Result<()> {
+        self.roll_back(load.undo, &load.placed);
+        let (size, el, v_trans) = (
+            self.params.size as usize,
+            self.params.type_v.type_size(),
+            self.v_trans(),
+        );
+        for (c, rows) in &load.saved {
+            let mut at = 0;
+            for l in &mut self.layers {
+                l.k.write(c * l.k_row, &rows[at..at + l.k_row])?;
+                at += l.k_row;
+                if v_trans {
+                    for j in 0..l.n_embd_v {
+                        l.v.write((c + j * size) * el, &rows[at..at + el])?;
+                        at += el;
+                    }
+                } else {
+                    l.v.write(c * l.v_row, &rows[at..at + l.v_row])?;
+                    at += l.v_row;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The K and V rows of each placed cell that held data before the load.
+    fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<(usize, Vec<u8>)>> {
+        let (size, el) = (self.params.size as usize, self.params.type_v.type_size());
+        let per_cell = self.bytes_per_cell();
+        let mut saved = Vec::new();
+        for &c in placed.iter().filter(|&&c| undo.held_data(c)) {
+            let mut rows = crate::alloc::zeroed::<u8>(per_cell, "the rows a load replaces")?;
+            let mut at = 0;
+            for l in &self.layers {
+                l.k.read(c * l.k_row, &mut rows[at..at + l.k_row])?;
+                at += l.k_row;
+                if self.v_trans() {
+                    for j in 0..l.n_embd_v {
+                        l.v.read((c + j * size) * el, &mut rows[at..at + el])?;
+                        at += el;
+                    }
+                } else {
+                    l.v.read(c * l.v_row, &mut rows[at..at + l.v_row])?;
+                    at += l.v_row;
+                }
+            }
+            saved.push((c, rows));
+        }
+        Ok(saved)
+    }
+
     /// The undo record for a load into `dest` (`None`: the whole cache), taken before it starts.
     /// For a whole-cache load the live cells move into the record, and the cache gets the
     /// spare table (or a copy, the first time), which the load resets.

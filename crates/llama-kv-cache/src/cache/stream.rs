@@ -14,7 +14,7 @@
 //! their calls (the Node binding holds the cache busy while a stream is open).
 
 use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
-use crate::cache::rollback::CellsUndo;
+use crate::cache::rollback::PlacedLoad;
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::state::cells::{PayloadCells, MAX_PAYLOAD_SEQS};
@@ -150,11 +150,7 @@ enum Segment {
 
 struct DataPhase {
     layout: Layout,
-    placed: Vec<usize>,
-    contiguous: bool,
-    undo: Option<CellsUndo>,
-    /// Rows of the placed cells that held data before the load: (cell, K and V of each layer).
-    saved: Vec<(usize, Vec<u8>)>,
+    load: PlacedLoad,
     segments: Vec<Segment>,
     seg: usize,
     off: usize,
@@ -256,25 +252,23 @@ impl KvCache {
                     "truncated: the payload ended after {} of its {} data bytes",
                     data.received, data.expected
                 ));
-                self.undo_data(*data)?;
+                self.undo_load(data.load)?;
                 Err(e)
             }
-            Phase::Data(mut data) => {
+            Phase::Data(data) => {
                 if load.dest.is_none() {
                     // rows past the loaded cells end up zeroed, as after llama.cpp's
                     // clear-then-read (deferred to here so an abandoned load keeps them)
-                    if let Err(e) = self.zero_rows_from(data.placed.len()) {
-                        self.undo_data(*data)?;
+                    if let Err(e) = self.zero_rows_from(data.load.placed.len()) {
+                        self.undo_load(data.load)?;
                         return Err(e);
                     }
                 }
-                if let Some(undo) = data.undo.take() {
-                    self.commit(undo);
-                }
+                let placed = self.commit_load(data.load);
                 Ok(ReadSummary {
                     layout: data.layout,
-                    cells: data.placed.len() as u32,
-                    placed: data.placed.iter().map(|&c| c as u32).collect(),
+                    cells: placed.len() as u32,
+                    placed: placed.iter().map(|&c| c as u32).collect(),
                 })
             }
         }
@@ -283,7 +277,7 @@ impl KvCache {
     /// Abandons the load (an aborted or destroyed stream): the cache is put back as it was.
     pub fn state_in_abort(&mut self, load: &mut StateIn) -> Result<()> {
         match std::mem::replace(&mut load.phase, Phase::Closed) {
-            Phase::Data(data) => self.undo_data(*data),
+            Phase::Data(data) => self.undo_load(data.load),
             _ => Ok(()),
         }
     }
@@ -449,25 +443,15 @@ impl KvCache {
         dest: Option<i32>,
         opts: ReadOptions,
     ) -> Result<Box<DataPhase>> {
-        let (undo, placed) = self.place_cells(&head.cells, dest, opts.allow_scattered)?;
-        let saved = match self.save_rows(&undo, &placed) {
-            Ok(s) => s,
-            Err(e) => {
-                self.roll_back(undo, &placed);
-                return Err(e);
-            }
-        };
+        let load = self.place_load(&head.cells, dest, opts.allow_scattered)?;
         let segments = self.data_segments(head);
         let expected = segments
             .iter()
-            .map(|s| self.segment_len(s, placed.len()) as u64)
+            .map(|s| self.segment_len(s, load.placed.len()) as u64)
             .sum();
         Ok(Box::new(DataPhase {
             layout: head.layout,
-            contiguous: placed.windows(2).all(|w| w[1] == w[0] + 1),
-            placed,
-            undo: Some(undo),
-            saved,
+            load,
             segments,
             seg: 0,
             off: 0,
@@ -526,7 +510,8 @@ impl KvCache {
         }
         d.received += bytes.len() as u64;
         let (size, el) = (self.params.size as usize, self.params.type_v.type_size());
-        let n = d.placed.len();
+        let (placed, contiguous) = (&d.load.placed, d.load.contiguous);
+        let n = placed.len();
         while !bytes.is_empty() {
             let seg = &d.segments[d.seg];
             let len = self.segment_len(seg, n);
@@ -540,15 +525,15 @@ impl KvCache {
                 }
                 Segment::K(il) => {
                     let l = &mut self.layers[*il];
-                    write_rows(l.k.as_mut(), l.k_row, &d.placed, d.contiguous, d.off, part)?;
+                    write_rows(l.k.as_mut(), l.k_row, placed, contiguous, d.off, part)?;
                 }
                 Segment::V(il) => {
                     let l = &mut self.layers[*il];
-                    write_rows(l.v.as_mut(), l.v_row, &d.placed, d.contiguous, d.off, part)?;
+                    write_rows(l.v.as_mut(), l.v_row, placed, contiguous, d.off, part)?;
                 }
                 Segment::VColumns(il) => {
                     let v = self.layers[*il].v.as_mut();
-                    write_columns(v, (el, size), &d.placed, d.contiguous, d.off, part)?;
+                    write_columns(v, (el, size), placed, contiguous, d.off, part)?;
                 }
             }
             d.off += take;
@@ -579,61 +564,6 @@ impl KvCache {
                  with stateRead)"
             )),
         }
-    }
-
-    /// The K and V rows of each placed cell that held data before the load.
-    fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<(usize, Vec<u8>)>> {
-        let (size, el) = (self.params.size as usize, self.params.type_v.type_size());
-        let per_cell = self.bytes_per_cell();
-        let mut saved = Vec::new();
-        for &c in placed.iter().filter(|&&c| undo.held_data(c)) {
-            let mut rows = crate::alloc::zeroed::<u8>(per_cell, "the rows a load replaces")?;
-            let mut at = 0;
-            for l in &self.layers {
-                l.k.read(c * l.k_row, &mut rows[at..at + l.k_row])?;
-                at += l.k_row;
-                if self.v_trans() {
-                    for j in 0..l.n_embd_v {
-                        l.v.read((c + j * size) * el, &mut rows[at..at + el])?;
-                        at += el;
-                    }
-                } else {
-                    l.v.read(c * l.v_row, &mut rows[at..at + l.v_row])?;
-                    at += l.v_row;
-                }
-            }
-            saved.push((c, rows));
-        }
-        Ok(saved)
-    }
-
-    /// Puts back the cells and the saved rows of an unfinished load.
-    fn undo_data(&mut self, mut d: DataPhase) -> Result<()> {
-        if let Some(undo) = d.undo.take() {
-            self.roll_back(undo, &d.placed);
-        }
-        let (size, el, v_trans) = (
-            self.params.size as usize,
-            self.params.type_v.type_size(),
-            self.v_trans(),
-        );
-        for (c, rows) in &d.saved {
-            let mut at = 0;
-            for l in &mut self.layers {
-                l.k.write(c * l.k_row, &rows[at..at + l.k_row])?;
-                at += l.k_row;
-                if v_trans {
-                    for j in 0..l.n_embd_v {
-                        l.v.write((c + j * size) * el, &rows[at..at + el])?;
-                        at += el;
-                    }
-                } else {
-                    l.v.write(c * l.v_row, &rows[at..at + l.v_row])?;
-                    at += l.v_row;
-                }
-            }
-        }
-        Ok(())
     }
 }
 
