@@ -738,16 +738,21 @@ impl KvCache {
                     .count()
             )));
         }
-        for (k, &cell) in free.iter().enumerate() {
+        self.assign_cells(dest, cells, &free);
+        Ok(free)
+    }
+
+    /// Gives the free cells `at` the payload's cells of sequence `dest`, in order.
+    pub(crate) fn assign_cells(&mut self, dest: i32, cells: &PayloadCells, at: &[usize]) {
+        for (k, &cell) in at.iter().enumerate() {
             self.cells.set_pos(cell, cells.positions()[k]);
             self.cells.insert_seq(cell, dest as usize);
             if let Some(&ext) = cells.exts().get(k) {
                 self.cells.set_ext(cell, ext);
             }
         }
-        self.cells.used += n as u32;
+        self.cells.used += at.len() as u32;
         self.cells.settle();
-        Ok(free)
     }
 
     pub(crate) fn place_whole(&mut self, cells: &PayloadCells) -> Result<Vec<usize>> {

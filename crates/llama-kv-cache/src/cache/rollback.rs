@@ -53,9 +53,13 @@ pub(crate) struct PlacedLoad {
     /// Whether they are one run of cells.
     pub(crate) contiguous: bool,
     undo: CellsUndo,
-    /// Rows of the placed cells that held data before the load: (cell, K and V of each layer).
-    saved: Vec<(usize, Vec<u8>)>,
+    /// Rows of the placed cells that held data before the load.
+    saved: Vec<SavedRun>,
 }
+
+/// The rows of a run of cells a load overwrites: first cell, cells, and per layer the K rows
+/// then the V rows (or, transposed, each channel's elements of the run).
+type SavedRun = (usize, usize, Vec<u8>);
 
 impl KvCache {
     /// Places `cells` into `dest` (`None`: the whole cache) for a load that writes rows
@@ -81,6 +85,30 @@ impl KvCache {
         }
     }
 
+    /// Places the one-sequence `cells` of `dest` in the cells `first..`, which must be free now
+    /// (the sequence's old cells are removed, not reused: the load overwrites no live row, so
+    /// it keeps none aside).
+    pub(crate) fn place_load_at(
+        &mut self,
+        cells: &PayloadCells,
+        dest: i32,
+        first: usize,
+    ) -> Result<PlacedLoad> {
+        let undo = self.undo_record(Some(dest));
+        if let Err(e) = self.seq_rm_keeping_data(dest, -1, -1) {
+            self.roll_back(undo, &[]);
+            return Err(e);
+        }
+        let placed: Vec<usize> = (first..first + cells.len()).collect();
+        self.assign_cells(dest, cells, &placed);
+        Ok(PlacedLoad {
+            placed,
+            contiguous: true,
+            undo,
+            saved: Vec::new(),
+        })
+    }
+
     /// Ends a placed load that succeeded; returns the cells it filled.
     pub(crate) fn commit_load(&mut self, load: PlacedLoad) -> Vec<usize> {
         self.commit(load.undo);
@@ -90,52 +118,55 @@ impl KvCache {
     /// Puts back the cells and the saved rows of a placed load that did not finish.
     pub(crate) fn undo_load(&mut self, load: PlacedLoad) -> Result<()> {
         self.roll_back(load.undo, &load.placed);
-        let (size, el, v_trans) = (
-            self.params.size as usize,
-            self.params.type_v.type_size(),
-            self.v_trans(),
-        );
-        for (c, rows) in &load.saved {
+        let lay = self.layout();
+        for (first, n, rows) in &load.saved {
             let mut at = 0;
             for l in &mut self.layers {
-                l.k.write(c * l.k_row, &rows[at..at + l.k_row])?;
-                at += l.k_row;
-                if v_trans {
-                    for j in 0..l.n_embd_v {
-                        l.v.write((c + j * size) * el, &rows[at..at + el])?;
-                        at += el;
-                    }
+                let (k, v) = (n * l.k_row, n * l.v_row);
+                l.k.write(first * l.k_row, &rows[at..at + k])?;
+                at += k;
+                if lay.v_trans {
+                    // the run's elements of each channel, as `read_2d` packed them
+                    let el = lay.v_el;
+                    l.v.write_2d(first * el, n * el, lay.size * el, &rows[at..at + v])?;
                 } else {
-                    l.v.write(c * l.v_row, &rows[at..at + l.v_row])?;
-                    at += l.v_row;
+                    l.v.write(first * l.v_row, &rows[at..at + v])?;
                 }
+                at += v;
             }
         }
         Ok(())
     }
 
-    /// The K and V rows of each placed cell that held data before the load.
-    fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<(usize, Vec<u8>)>> {
-        let (size, el) = (self.params.size as usize, self.params.type_v.type_size());
-        let per_cell = self.bytes_per_cell();
+    /// The K and V data of the placed cells that held data before the load, per run of
+    /// consecutive cells: (first cell, cells, each layer's K rows then V rows or columns).
+    fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<SavedRun>> {
+        let lay = self.layout();
+        let mut held: Vec<usize> = placed
+            .iter()
+            .copied()
+            .filter(|&c| undo.held_data(c))
+            .collect();
+        held.sort_unstable();
         let mut saved = Vec::new();
-        for &c in placed.iter().filter(|&&c| undo.held_data(c)) {
-            let mut rows = crate::alloc::zeroed::<u8>(per_cell, "the rows a load replaces")?;
+        for run in held.chunk_by(|a, b| b == &(a + 1)) {
+            let (first, n) = (run[0], run.len());
+            let bytes = n * self.bytes_per_cell();
+            let mut rows = crate::alloc::zeroed::<u8>(bytes, "the rows a load replaces")?;
             let mut at = 0;
             for l in &self.layers {
-                l.k.read(c * l.k_row, &mut rows[at..at + l.k_row])?;
-                at += l.k_row;
-                if self.v_trans() {
-                    for j in 0..l.n_embd_v {
-                        l.v.read((c + j * size) * el, &mut rows[at..at + el])?;
-                        at += el;
-                    }
+                let (k, v) = (n * l.k_row, n * l.v_row);
+                l.k.read(first * l.k_row, &mut rows[at..at + k])?;
+                at += k;
+                if lay.v_trans {
+                    let el = lay.v_el;
+                    l.v.read_2d(first * el, n * el, lay.size * el, &mut rows[at..at + v])?;
                 } else {
-                    l.v.read(c * l.v_row, &mut rows[at..at + l.v_row])?;
-                    at += l.v_row;
+                    l.v.read(first * l.v_row, &mut rows[at..at + v])?;
                 }
+                at += v;
             }
-            saved.push((c, rows));
+            saved.push((first, n, rows));
         }
         Ok(saved)
     }

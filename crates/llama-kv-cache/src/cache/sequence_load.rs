@@ -2,14 +2,16 @@
 //! prompt-store restore writes, block by block, straight from the values it reads (a file's
 //! bytes, a Redis reply) into the tensors, without assembling a state payload first.
 //!
-//! The cells are placed when the load starts, where `state_read` would place a payload of the
-//! same positions; each piece is then written as it is verified. Until [`SequenceLoad::commit`]
+//! The cells are placed when the load starts: in the first run of cells free at that moment,
+//! or where `state_read` would place a payload of the same positions when there is none; each
+//! piece is then written as it is verified. Until [`SequenceLoad::commit`]
 //! the load can be abandoned (dropped, or failed): the cells are put back as they were, and
 //! the rows of the placed cells that held data before it.
 
 use crate::cache::rollback::PlacedLoad;
 use crate::cache::KvCache;
 use crate::cell_ext::CellExtValue;
+use crate::cells::Cells;
 use crate::error::{KvError, Result};
 use crate::state::PayloadCells;
 use crate::tensors::storage::Tensor;
@@ -18,6 +20,8 @@ use crate::tensors::storage::Tensor;
 pub struct SequenceLoad<'c> {
     cache: &'c mut KvCache,
     load: Option<PlacedLoad>,
+    /// Where transposed V rows become columns, kept between pieces.
+    columns: Vec<u8>,
 }
 
 impl KvCache {
@@ -40,12 +44,33 @@ impl KvCache {
         for &p in positions {
             cells.push(p, &[dest]);
         }
-        let load = self.place_load(&cells, Some(dest), allow_scattered)?;
+        // cells free now first: a load into them overwrites no live row, so nothing is kept
+        // aside for a rollback (a chat restored over the one its sequence holds would copy
+        // every old row first); the sequence's own cells are reused only when nothing else fits
+        let load = match free_run(&self.cells, positions.len()) {
+            Some(first) => self.place_load_at(&cells, dest, first)?,
+            None => self.place_load(&cells, Some(dest), allow_scattered)?,
+        };
         Ok(SequenceLoad {
             cache: self,
             load: Some(load),
+            columns: Vec::new(),
         })
     }
+}
+
+/// The first run of `n` (> 0) cells free now, from the start of the cache.
+fn free_run(cells: &Cells, n: usize) -> Option<usize> {
+    let size = cells.len();
+    let mut at = 0;
+    while n > 0 && at + n <= size {
+        let occupied = cells.next_occupied_before(at, at + n);
+        if occupied >= at + n {
+            return Some(at);
+        }
+        at = cells.next_free_before(occupied + 1, size);
+    }
+    None
 }
 
 impl SequenceLoad<'_> {
@@ -99,7 +124,9 @@ impl SequenceLoad<'_> {
         let layer = &mut self.cache.layers[il as usize];
         match cells.first() {
             None => Ok(()),
-            Some(&c0) if contiguous => layer.write_rows(which, lay, c0, rows),
+            Some(&c0) if contiguous => {
+                layer.write_rows_via(which, lay, c0, rows, &mut self.columns)
+            }
             Some(_) => cells
                 .iter()
                 .zip(rows.chunks_exact(row))
@@ -188,12 +215,20 @@ mod tests {
         load.commit();
     }
 
+    /// Each sequence's state: what a load must give the loaded sequence and leave to the
+    /// others, wherever their cells are.
+    fn by_sequence(c: &KvCache) -> Vec<Vec<u8>> {
+        (0..4)
+            .map(|s| c.state_write(s, Layout::StreamsRot, 1, None).unwrap())
+            .collect()
+    }
+
     #[test]
     fn rows_loaded_piece_by_piece_equal_a_state_read_of_the_same_sequence() {
         for flash_attn in [false, true] {
             let src = cache(64, flash_attn, &[(0, 0, 10)], 1);
             let payload = src.state_write(0, Layout::StreamsRot, 1, None).unwrap();
-            // into sequence 2 (whose own cells the load reuses) and into a fresh sequence 1
+            // into sequence 2 (holding cells 0..6) and into a fresh sequence 1
             for seq in [2, 1] {
                 let held = [(2, 0, 6), (3, 0, 4)];
                 let mut want = cache(64, flash_attn, &held, 2);
@@ -202,13 +237,40 @@ mod tests {
                 for piece in [1, 3, 10] {
                     let mut c = cache(64, flash_attn, &held, 2);
                     load_rows(&mut c, &src, seq, 10, piece, false);
+                    let what =
+                        format!("flash attention {flash_attn}, seq {seq}, pieces of {piece}");
+                    assert_eq!(by_sequence(&c), by_sequence(&want), "{what}");
+                    // the first cells free before the load, not the sequence's own
                     assert_eq!(
-                        observable(&c),
-                        observable(&want),
-                        "flash attention {flash_attn}, seq {seq}, pieces of {piece}"
+                        c.cells().cells_of(seq as usize).collect::<Vec<_>>(),
+                        (10..20).collect::<Vec<_>>(),
+                        "{what}"
                     );
+                    assert_eq!(c.used_cells(), want.used_cells(), "{what}");
+                    c.cells().check_consistency().unwrap();
                 }
             }
+        }
+    }
+
+    #[test]
+    fn with_no_free_run_the_sequence_reuses_its_own_cells_as_state_read_does() {
+        for flash_attn in [false, true] {
+            // 16 cells: sequence 3 holds 0..4, sequence 2 4..10, so 10 cells fit only over
+            // where sequence 2 was
+            let held = [(3, 0, 4), (2, 0, 6)];
+            let src = cache(16, flash_attn, &[(0, 0, 10)], 1);
+            let payload = src.state_write(0, Layout::StreamsRot, 1, None).unwrap();
+            let mut want = cache(16, flash_attn, &held, 2);
+            want.state_read(&payload, 2, ReadOptions::default(), None)
+                .unwrap();
+            let mut c = cache(16, flash_attn, &held, 2);
+            load_rows(&mut c, &src, 2, 10, 4, false);
+            assert_eq!(
+                observable(&c),
+                observable(&want),
+                "flash attention {flash_attn}"
+            );
         }
     }
 
@@ -251,26 +313,32 @@ mod tests {
 
     #[test]
     fn a_dropped_load_leaves_cells_and_live_rows_as_they_were() {
-        for flash_attn in [false, true] {
-            let src = cache(64, flash_attn, &[(0, 0, 10)], 1);
-            let mut c = cache(64, flash_attn, &[(2, 0, 6), (3, 0, 4)], 2);
-            let before = observable(&c);
-            {
-                // sequence 2's own cells are reused: their rows are put back
-                let mut load = c
-                    .load_sequence_rows(2, &(0..10).collect::<Vec<_>>(), false)
-                    .unwrap();
-                let rows = src.read_rows(0, Tensor::V, 0, 10).unwrap();
-                load.write(0, Tensor::V, 0, &rows).unwrap();
-                load.set_exts(0, &[CellExtValue::default(); 10]).unwrap();
-                let e = load.write(1, Tensor::K, 8, &rows).unwrap_err();
-                assert!(
-                    matches!(e, KvError::OutOfRange(_) | KvError::InvalidArg(_)),
-                    "{e}"
-                );
+        // 64 cells: the load goes to free cells; 16: over sequence 2's own, whose rows were
+        // kept aside and come back
+        for (size, held) in [(64, [(2, 0, 6), (3, 0, 4)]), (16, [(3, 0, 4), (2, 0, 6)])] {
+            for flash_attn in [false, true] {
+                let src = cache(64, flash_attn, &[(0, 0, 10)], 1);
+                let mut c = cache(size, flash_attn, &held, 2);
+                let before = observable(&c);
+                {
+                    let mut load = c
+                        .load_sequence_rows(2, &(0..10).collect::<Vec<_>>(), false)
+                        .unwrap();
+                    for il in 0..2 {
+                        for which in [Tensor::K, Tensor::V] {
+                            let rows = src.read_rows(il, which, 0, 10).unwrap();
+                            load.write(il, which, 0, &rows).unwrap();
+                        }
+                    }
+                    load.set_exts(0, &[CellExtValue::default(); 10]).unwrap();
+                    let rows = src.read_rows(1, Tensor::K, 0, 3).unwrap();
+                    let e = load.write(1, Tensor::K, 8, &rows).unwrap_err();
+                    assert!(matches!(e, KvError::OutOfRange(_)), "{e}");
+                }
+                let what = format!("{size} cells, flash attention {flash_attn}");
+                assert_eq!(observable(&c), before, "{what}");
+                c.cells().check_consistency().unwrap();
             }
-            assert_eq!(observable(&c), before, "flash attention {flash_attn}");
-            c.cells().check_consistency().unwrap();
         }
     }
 

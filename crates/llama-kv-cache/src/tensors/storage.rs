@@ -171,6 +171,17 @@ impl HostBuffer {
         }
     }
 
+    /// Faults in the pages of `offset..offset + len` with one call when some were never
+    /// written since they were mapped or handed back (the page map knows which): one call
+    /// instead of one fault per page.
+    fn populate_unwritten(&self, offset: usize, len: usize) {
+        if let (Some(map), Some(pages)) = (self.bytes.map(), &self.pages) {
+            if !pages.all_set(offset, offset + len) {
+                populate(map, offset, len);
+            }
+        }
+    }
+
     /// Marks the whole buffer written.
     fn touch_all(&mut self) {
         self.touch(0, self.len());
@@ -195,10 +206,8 @@ impl KvBuffer for HostBuffer {
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         check_range("write", offset, src.len(), self.len())?;
-        if !self.committed && src.len() >= POPULATE_MIN {
-            if let Some(map) = self.bytes.map() {
-                populate(map, offset, src.len());
-            }
+        if src.len() >= POPULATE_MIN {
+            self.populate_unwritten(offset, src.len());
         }
         self.touch(offset, src.len());
         self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
@@ -264,6 +273,33 @@ impl KvBuffer for HostBuffer {
         }
     }
 
+    fn write_2d(&mut self, offset: usize, width: usize, pitch: usize, src: &[u8]) -> Result<()> {
+        let rows = src.len() / width.max(1);
+        if rows == 0 {
+            return Ok(());
+        }
+        let span = (rows - 1)
+            .checked_mul(pitch)
+            .and_then(|s| s.checked_add(width))
+            .unwrap_or(usize::MAX);
+        check_range("write", offset, span, self.len())?;
+        // pieces at most a page apart touch every page of the span: one update of the page
+        // map instead of one per piece (a transposed V row has thousands)
+        if pitch <= page_size() {
+            self.touch(offset, span);
+        } else {
+            for r in 0..rows {
+                self.touch(offset + r * pitch, width);
+            }
+        }
+        let bytes = self.bytes_mut();
+        for (r, piece) in src.chunks_exact(width).enumerate() {
+            let at = offset + r * pitch;
+            bytes[at..at + width].copy_from_slice(piece);
+        }
+        Ok(())
+    }
+
     fn as_host(&self) -> Option<&[u8]> {
         Some(self.bytes())
     }
@@ -296,17 +332,31 @@ impl PageMap {
         self.count = 0;
     }
 
-    /// Sets the pages that bytes `start..end` touch to `on`: a word at a time.
-    fn set(&mut self, start: usize, end: usize, on: bool) {
-        if start >= end {
-            return;
-        }
+    /// The words of the bit map that bytes `start..end` touch, each with the mask of its bits
+    /// for those pages.
+    fn masks(start: usize, end: usize) -> impl Iterator<Item = (usize, u64)> {
         let page = page_size();
-        let (first, last) = (start / page, (end - 1) / page);
-        for w in first / 64..=last / 64 {
+        let (first, last) = (start / page, end.saturating_sub(1) / page);
+        let words = if start < end {
+            first / 64..last / 64 + 1
+        } else {
+            0..0
+        };
+        words.map(move |w| {
             let lo = if w == first / 64 { first % 64 } else { 0 };
             let hi = if w == last / 64 { last % 64 } else { 63 };
-            let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+            (w, (u64::MAX >> (63 - hi)) & (u64::MAX << lo))
+        })
+    }
+
+    /// Whether every page that bytes `start..end` touch is written.
+    fn all_set(&self, start: usize, end: usize) -> bool {
+        Self::masks(start, end).all(|(w, mask)| self.bits[w] & mask == mask)
+    }
+
+    /// Sets the pages that bytes `start..end` touch to `on`: a word at a time.
+    fn set(&mut self, start: usize, end: usize, on: bool) {
+        for (w, mask) in Self::masks(start, end) {
             let word = &mut self.bits[w];
             let before = word.count_ones() as usize;
             if on {
@@ -483,12 +533,31 @@ impl LayerTensors {
         first: usize,
         rows: &[u8],
     ) -> Result<()> {
+        self.write_rows_via(which, lay, first, rows, &mut Vec::new())
+    }
+
+    /// [`LayerTensors::write_rows`], transposing V through `columns` (a buffer the caller
+    /// keeps between calls, so that a load of many pieces allocates it once).
+    pub fn write_rows_via(
+        &mut self,
+        which: Tensor,
+        lay: Layout,
+        first: usize,
+        rows: &[u8],
+        columns: &mut Vec<u8>,
+    ) -> Result<()> {
         let row = self.row_size(which);
         let n = rows.len() / row;
         if which == Tensor::V && lay.v_trans {
             let el = lay.v_el;
-            let mut columns =
-                crate::alloc::zeroed(self.n_embd_v * n * el, "the V columns written")?;
+            let len = self.n_embd_v * n * el;
+            columns.clear();
+            columns.try_reserve_exact(len).map_err(|_| {
+                KvError::Backend(format!(
+                    "cannot allocate {len} bytes for the V columns written"
+                ))
+            })?;
+            columns.resize(len, 0);
             let shape = Shape {
                 rows: n,
                 cols: self.n_embd_v,
@@ -496,9 +565,9 @@ impl LayerTensors {
                 src_stride: row,
                 dst_stride: n * el,
             };
-            transpose(rows, &mut columns, shape);
+            transpose(rows, columns, shape);
             self.v
-                .write_2d(first * el, n * el, lay.size * el, &columns)?;
+                .write_2d(first * el, n * el, lay.size * el, columns)?;
             Ok(())
         } else {
             self.buffer_mut(which).write(first * row, rows)
@@ -840,6 +909,55 @@ mod tests {
             9,
             "released pages are usable again"
         );
+    }
+
+    /// A strided write lands its pieces, counts exactly the pages they touch, and refuses a
+    /// span past the end before writing anything.
+    #[test]
+    fn a_strided_write_lands_its_pieces_and_counts_the_pages_they_touch() {
+        let page = page_size();
+        for pitch in [page / 2, 3 * page] {
+            let mut b = HostBuffer::new(MAP_MIN).unwrap();
+            let src: Vec<u8> = (1..=40).collect();
+            b.write_2d(8, 4, pitch, &src).unwrap();
+            let bytes = b.as_host().unwrap();
+            for (r, piece) in src.chunks(4).enumerate() {
+                assert_eq!(
+                    &bytes[8 + r * pitch..8 + r * pitch + 4],
+                    piece,
+                    "pitch {pitch}"
+                );
+            }
+            let pages = if pitch < page { 10 * pitch / page } else { 10 };
+            assert_eq!(b.resident_bytes(), pages * page, "pitch {pitch}");
+            let e = b.write_2d(MAP_MIN - pitch, 4, pitch, &src).unwrap_err();
+            assert!(matches!(e, KvError::OutOfRange(_)), "{e}");
+        }
+    }
+
+    /// Whether a write is populated first is decided by the pages it touches, not by whether
+    /// anything was written before: a cache whose first block went in already still has
+    /// fresh pages for every later one.
+    #[test]
+    fn the_page_map_tells_which_ranges_hold_only_written_pages() {
+        let page = page_size();
+        let mut m = PageMap::new(200 * page).unwrap();
+        assert!(m.all_set(0, 0), "an empty range");
+        assert!(!m.all_set(0, 1));
+        m.set(page, 70 * page, true);
+        assert!(m.all_set(page, 70 * page));
+        assert!(m.all_set(page + 5, 70 * page - 1));
+        assert!(
+            !m.all_set(page - 1, 2 * page),
+            "one byte on an unwritten page"
+        );
+        assert!(
+            !m.all_set(69 * page, 70 * page + 1),
+            "across a word into an unwritten page"
+        );
+        m.set(3 * page, 4 * page, false);
+        assert!(!m.all_set(page, 70 * page));
+        assert_eq!(m.count, 68);
     }
 
     /// A range hands back only its whole pages: the bytes of partial pages at either end stay,
