@@ -125,7 +125,7 @@ fn main() {
 
     // each repetition times the baseline and the store operation back to back, so a load swing
     // on the machine hits both: the ratios are medians of per-repetition ratios
-    let mut target = KvCache::new(params()).unwrap();
+    let mut restored = None;
     let (mut raw_set, mut put, mut raw_get, mut restore) = (vec![], vec![], vec![], vec![]);
     // `get_many` is one MGET on a server, as a restore reads; `raw_get` is the pipeline of
     // GETs a cluster sends each primary, on the same server
@@ -151,9 +151,11 @@ fn main() {
         let t = Instant::now();
         assert_eq!(client.get_many(&raw_keys).unwrap().len(), BLOCKS);
         let mget_time = t.elapsed().as_secs_f64();
+        // into a fresh cache (made untimed), as an app restoring a chat does
+        let target = restored.insert(KvCache::new(params()).unwrap());
         let t = Instant::now();
         assert_eq!(
-            store.restore(&mut target, 0, &tokens, None).unwrap(),
+            store.restore(target, 0, &tokens, None).unwrap(),
             TOKENS as u64
         );
         let restore_time = t.elapsed().as_secs_f64();
@@ -175,6 +177,7 @@ fn main() {
         median(restore),
     );
     let (put_ratio, restore_ratio) = (median(put_ratio), median(restore_ratio));
+    let mut target = restored.expect("restored at least once");
     assert_eq!(
         target.state_write(0, Layout::Streams, 1, None).unwrap(),
         source.state_write(0, Layout::Streams, 1, None).unwrap()

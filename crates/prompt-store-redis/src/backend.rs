@@ -120,6 +120,25 @@ impl Backend for RedisBackend {
         "redis"
     }
 
+    /// Without a TTL, the values are visited as their replies arrive
+    /// ([`RedisClient::visit_values`]); with one, each read also sets the expiry again, in
+    /// [`Backend::get_many`]'s pipeline.
+    fn visit_many(
+        &self,
+        keys: &[Key],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> StoreResult<()> {
+        if self.ttl.is_none() {
+            return Ok(self.client.visit_values(&self.redis_keys(keys), visit)?);
+        }
+        for (i, value) in self.get_many(keys)?.iter().enumerate() {
+            if !visit(i, value.as_deref()) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>> {
         let redis_keys = self.redis_keys(keys);
         match self.ttl_ms() {

@@ -2,6 +2,7 @@
 //! command or one pipeline), bounded by the configured timeout, and classified into the few
 //! failures a store cares about.
 
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +15,10 @@ use crate::connect::{
 };
 use crate::link::Link;
 use crate::runtime::runtime;
+
+/// How many `MGET`s [`RedisClient::visit_values`] splits its keys into: enough that the caller
+/// works on one while the others arrive, few enough that each is a large read.
+pub const MGET_PIECES: usize = 8;
 
 /// Why a Redis call failed, in the terms a store acts on.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -268,6 +273,76 @@ impl RedisClient {
                 _ => None,
             })
             .collect())
+    }
+
+    /// The values of `keys` as [`RedisClient::get_many`] reads them, handed to
+    /// `visit(i, value)` in order as they arrive until it returns false. On a server the keys
+    /// go in up to [`MGET_PIECES`] `MGET`s sent at once, each received on the runtime while
+    /// the caller works on the values of the one before (a restore verifies and loads blocks
+    /// meanwhile), so the reply buffers go to the caller without being gathered first; a
+    /// cluster's pipelines of `GET` are visited as they complete. A retry after a stale
+    /// connection asks only for the values not visited yet.
+    pub fn visit_values<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> Result<(), ClientError> {
+        let next = Cell::new(0);
+        let stopped = Cell::new(false);
+        let visit = RefCell::new(visit);
+        // hands one reply to the visitor; false once it asked to stop
+        let take = |value: &Value| {
+            let i = next.get();
+            next.set(i + 1);
+            let bytes = match value {
+                Value::BulkString(bytes) => Some(bytes.as_slice()),
+                _ => None,
+            };
+            let go_on = (visit.borrow_mut())(i, bytes);
+            stopped.set(!go_on);
+            go_on
+        };
+        self.call(|conn| {
+            let take = &take;
+            let rest = &keys[next.get()..];
+            let stop = stopped.get();
+            async move {
+                if stop || rest.is_empty() {
+                    return Ok(());
+                }
+                let single = match conn {
+                    Conn::Single(single) => single,
+                    Conn::Cluster(_) => {
+                        let get = |pipe: &mut Pipeline, i: usize| {
+                            pipe.cmd("GET").arg(rest[i].as_ref());
+                        };
+                        let replies = self.per_key_on(conn, rest, &get).await?;
+                        replies.iter().flatten().all(take);
+                        return Ok(());
+                    }
+                };
+                let pieces: Vec<_> = rest
+                    .chunks(rest.len().div_ceil(MGET_PIECES))
+                    .map(|piece| {
+                        let mut mget = redis::cmd("MGET");
+                        for key in piece {
+                            mget.arg(key.as_ref());
+                        }
+                        let mut conn = single.clone();
+                        tokio::spawn(async move { mget.query_async::<Vec<Value>>(&mut conn).await })
+                    })
+                    .collect();
+                for piece in pieces {
+                    let values = piece.await.map_err(|e| {
+                        RedisError::from(std::io::Error::other(format!("a read was lost: {e}")))
+                    })??;
+                    if !values.iter().all(take) {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+        })
     }
 
     /// The length of each key's value and its first `head_len` bytes, pipelined in one round

@@ -43,6 +43,48 @@ fn entries<'a>(keys: &[Key], values: &'a [Vec<u8>]) -> Vec<(Key, &'a [u8])> {
         .collect()
 }
 
+/// `visit_many` reads in several `MGET`s sent at once and visits each value as its reply
+/// arrives: in order, absent keys as `None`, stopping when asked; with a TTL through the
+/// pipeline that refreshes expiries.
+#[test]
+fn visit_many_hands_each_value_over_in_order_and_stops_when_asked() {
+    let server = RedisServer::start();
+    for ttl in [None, Some(Duration::from_secs(60))] {
+        let mut options = RedisOptions::new(server.url());
+        options.ttl = ttl;
+        options.prefix = format!("visit-{}:", ttl.is_some());
+        let store = RedisBackend::new(options).unwrap();
+        let (keys, values) = blocks(21, 3000);
+        // every third key absent
+        let stored: Vec<(Key, &[u8])> = entries(&keys, &values)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % 3 != 1)
+            .map(|(_, e)| e)
+            .collect();
+        store.put_many(&stored).unwrap();
+        let mut seen = Vec::new();
+        store
+            .visit_many(&keys, &mut |i, v| {
+                seen.push((i, v.map(<[u8]>::to_vec)));
+                true
+            })
+            .unwrap();
+        let want: Vec<_> = (0..21)
+            .map(|i| (i, (i % 3 != 1).then(|| values[i].clone())))
+            .collect();
+        assert_eq!(seen, want, "ttl {ttl:?}");
+        let mut calls = 0;
+        store
+            .visit_many(&keys, &mut |_, _| {
+                calls += 1;
+                calls < 5
+            })
+            .unwrap();
+        assert_eq!(calls, 5, "ttl {ttl:?}");
+    }
+}
+
 #[test]
 fn values_round_trip_under_prefixed_hex_keys_and_set_nx_keeps_the_first() {
     let server = RedisServer::start();

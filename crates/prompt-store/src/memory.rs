@@ -51,6 +51,25 @@ impl Backend for MemoryBackend {
             .collect())
     }
 
+    /// Visits the stored values themselves: the lock is held only to take a reference to
+    /// each, and nothing is copied (a restore reads its blocks straight into the cache).
+    fn visit_many(
+        &self,
+        keys: &[Key],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> StoreResult<()> {
+        let values: Vec<Option<Arc<[u8]>>> = {
+            let mut inner = self.lock();
+            keys.iter().map(|k| inner.values.get(k).cloned()).collect()
+        };
+        for (i, value) in values.iter().enumerate() {
+            if !visit(i, value.as_deref()) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
         let inner = self.lock();
         Ok(keys
@@ -125,6 +144,35 @@ mod tests {
             [Some(b"a".to_vec()), None]
         );
         assert_eq!(m.usage().unwrap().bytes, 1);
+    }
+
+    #[test]
+    fn visit_many_lends_the_stored_values_in_order_and_counts_them_as_used() {
+        let m = MemoryBackend::new(Some(30));
+        let keys: Vec<Key> = (0..3).map(|i| Key([i; 32])).collect();
+        for (i, k) in keys.iter().enumerate() {
+            m.put_if_absent(k, &[i as u8; 10]).unwrap();
+        }
+        let mut seen = Vec::new();
+        m.visit_many(&[keys[0], Key([7; 32]), keys[2]], &mut |i, v| {
+            seen.push((i, v.map(|v| v.to_vec())));
+            true
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            [(0, Some(vec![0; 10])), (1, None), (2, Some(vec![2; 10]))]
+        );
+        // keys 0 and 2 were read after 1 was written: 1 is the least recently used
+        m.put_if_absent(&Key([9; 32]), &[0; 10]).unwrap();
+        assert_eq!(m.contains_many(&keys).unwrap(), [true, false, true]);
+        let mut calls = 0;
+        m.visit_many(&keys, &mut |_, _| {
+            calls += 1;
+            false
+        })
+        .unwrap();
+        assert_eq!(calls, 1, "stops when the visitor says so");
     }
 
     #[test]
