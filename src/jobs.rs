@@ -306,10 +306,11 @@ impl Job for LoadFileJob {
         c: &mut core::KvCache,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        let bytes = read_file(&self.path).map_err(from_core)?;
         match self.dest {
-            Some(dest) => c.load_sequence_bytes(&bytes, dest, self.opts, Some(p)),
-            None => c.load_session_bytes(&bytes, self.opts, Some(p)),
+            // streamed from the file where it holds one memory
+            Some(dest) => c.load_sequence_file(&self.path, dest, self.opts, Some(p)),
+            None => read_file(&self.path)
+                .and_then(|bytes| c.load_session_bytes(&bytes, self.opts, Some(p))),
         }
         .map_err(from_core)
     }

@@ -10,8 +10,8 @@ use std::io::{Seek, SeekFrom, Write};
 use llama_kv_cache::state::files::{inspect_bytes, inspect_file, inspect_source, Inspection};
 use llama_kv_cache::state::source::ReadSource;
 use llama_kv_cache::{
-    convert_bytes, convert_file, CacheParams, ConvertOptions, KvCache, Layout, MemoryKind, Outputs,
-    Tensor, UBatch, WriteOptions,
+    convert_bytes, convert_file, CacheParams, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
+    Outputs, ReadOptions, Tensor, UBatch, WriteOptions,
 };
 
 /// An inspection with the outputs block's values dropped (a file inspection does not read them).
@@ -216,5 +216,145 @@ fn a_pipe_is_inspected_and_converted_as_a_file_is() {
     writer.join().unwrap();
     let want = convert_bytes(&bytes, &ConvertOptions::default()).unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), want);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Everything a load can change: the cells, head, n and the live rows.
+fn observable(c: &KvCache) -> (llama_kv_cache::cells::Cells, u32, u32, Vec<u8>) {
+    // the layout that records everything, rotation included
+    let rows = c.state_write(-1, Layout::StreamsRot, 1, None).unwrap();
+    (c.cells().clone(), c.head(), c.n(), rows)
+}
+
+/// A cache for `path`'s payload (a few more cells than it holds, two sequences), or `None`
+/// when no single cache shape fits it.
+fn cache_for(path: &std::path::Path) -> Option<KvCache> {
+    let ins = inspect_file(path).ok()?;
+    let mut p =
+        llama_kv_cache::state::files::params_for(&ins, ins.recurrent() == Some(true)).ok()?;
+    p.size += 8;
+    p.n_seq_max = p.n_seq_max.max(2);
+    KvCache::new(p).ok()
+}
+
+/// `load_sequence_file` streams a file of one memory from disk and reads any other whole: for
+/// every peer fixture, into sequence 1, the same outcome as `load_sequence_bytes` of its bytes
+/// (the same summary, cells and rows; or the same error and an unchanged cache).
+#[test]
+fn loading_a_sequence_file_from_its_path_equals_loading_its_bytes_for_every_fixture() {
+    let mut compared = 0;
+    for path in fixtures::all_fixtures() {
+        let bytes = std::fs::read(&path).unwrap();
+        if !bytes.starts_with(b"qsgg") {
+            continue;
+        }
+        let (Some(mut from_file), Some(mut from_bytes)) = (cache_for(&path), cache_for(&path))
+        else {
+            continue;
+        };
+        let before = observable(&from_file);
+        let opts = ReadOptions::default();
+        let a = from_file.load_sequence_file(&path, 1, opts, None);
+        let b = from_bytes.load_sequence_bytes(&bytes, 1, opts, None);
+        match (&a, &b) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "{}", path.display()),
+            (Err(a), Err(b)) => {
+                assert_eq!(a.to_string(), b.to_string(), "{}", path.display());
+                assert_eq!(observable(&from_file), before, "{}", path.display());
+            }
+            _ => panic!("{}: {a:?} against {b:?}", path.display()),
+        }
+        assert_eq!(
+            observable(&from_file),
+            observable(&from_bytes),
+            "{}",
+            path.display()
+        );
+        compared += 1;
+    }
+    assert!(compared >= 10, "only {compared} sequence fixtures compared");
+}
+
+/// A 24 MiB payload streams in several pieces, for both V layouts; a load aborted after the
+/// first piece, and a truncated file, leave the cache as it was.
+#[test]
+fn a_large_file_streams_in_pieces_and_an_abort_or_a_truncation_changes_nothing() {
+    let dir = std::env::temp_dir().join(format!("kv-load-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for flash_attn in [false, true] {
+        let params = || {
+            let mut p = CacheParams::new(2048, 3, 1024, 1024);
+            p.flash_attn = flash_attn;
+            p.n_seq_max = 2;
+            p
+        };
+        let mut src = KvCache::new(params()).unwrap();
+        src.find_slot(&UBatch::sequence(0, 0, 1500))
+            .unwrap()
+            .unwrap();
+        for il in 0..3 {
+            for which in [Tensor::K, Tensor::V] {
+                let rows: Vec<u8> = (0..1500 * 2048).map(|i| (i * 7 + il) as u8).collect();
+                src.write_rows(il as u32, which, 0, &rows).unwrap();
+            }
+        }
+        let path = dir.join(format!("big-{flash_attn}.ggsq"));
+        let tokens: Vec<i32> = (0..1500).collect();
+        for version in [2, 4] {
+            let opts = WriteOptions {
+                version: Some(version),
+                ..WriteOptions::default()
+            };
+            src.save_sequence_file(&path, 0, &tokens, opts, None)
+                .unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            assert!(bytes.len() > 16 << 20);
+            let (mut a, mut b) = (
+                KvCache::new(params()).unwrap(),
+                KvCache::new(params()).unwrap(),
+            );
+            let mut calls = Vec::new();
+            let mut record = |done: u64, total: u64| {
+                calls.push((done, total));
+                true
+            };
+            let loaded = a
+                .load_sequence_file(&path, 1, ReadOptions::default(), Some(&mut record))
+                .unwrap();
+            // progress by pieces of 8 MiB of the payload: the file was streamed
+            let payload = (bytes.len() - 12 - 4 * tokens.len()) as u64;
+            let pieces: Vec<(u64, u64)> = (0..payload.div_ceil(8 << 20))
+                .map(|i| (i * (8 << 20), payload))
+                .collect();
+            assert_eq!(calls, pieces, "version {version}");
+            let want = b
+                .load_sequence_bytes(&bytes, 1, ReadOptions::default(), None)
+                .unwrap();
+            assert_eq!(loaded, want);
+            assert_eq!(observable(&a), observable(&b), "version {version}");
+
+            let before = observable(&a);
+            let mut pieces = 0;
+            let mut stop_after_one = |_: u64, _: u64| {
+                pieces += 1;
+                pieces < 2
+            };
+            let e = a
+                .load_sequence_file(&path, 0, ReadOptions::default(), Some(&mut stop_after_one))
+                .unwrap_err();
+            assert!(matches!(e, KvError::Aborted(_)), "{e}");
+            assert_eq!(observable(&a), before, "aborted, version {version}");
+
+            std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+            let e = a
+                .load_sequence_file(&path, 0, ReadOptions::default(), None)
+                .unwrap_err();
+            let from_bytes = a
+                .load_sequence_bytes(&bytes[..bytes.len() - 100], 0, ReadOptions::default(), None)
+                .unwrap_err();
+            assert_eq!(e.to_string(), from_bytes.to_string());
+            assert_eq!(observable(&a), before, "truncated, version {version}");
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

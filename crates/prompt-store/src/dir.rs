@@ -19,10 +19,11 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
 
 use fs4::fs_std::FileExt;
+
+use llama_kv_cache::state::source::read_ahead;
 
 use crate::backend::{Backend, Key, Usage};
 use crate::error::{io_error, StoreError, StoreResult};
@@ -289,53 +290,16 @@ impl Backend for DirBackend {
             .collect()
     }
 
-    /// Reads value `i + 1` on a second thread while `visit` uses value `i`: the copy out of
-    /// the page cache overlaps with the caller's work on the previous value (a restore's
-    /// checksum and its copy into the cache), so on two cores a restore costs about what the
-    /// reads alone cost. Two buffers go back and forth, so the values are never all in memory.
+    /// Reads value `i + 1` on a second thread while `visit` uses value `i` (the core's
+    /// `read_ahead`): the copy out of the page cache overlaps with the caller's work on the
+    /// previous value (a restore's checksum and its copy into the cache), so on two cores a
+    /// restore costs about what the reads alone cost, with two values in memory at most.
     fn visit_many(
         &self,
         keys: &[Key],
         visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
     ) -> StoreResult<()> {
-        if keys.len() < 2 {
-            let mut buf = Vec::new();
-            for (i, k) in keys.iter().enumerate() {
-                let found = self.read_into(k, &mut buf)?;
-                if !visit(i, found.then_some(buf.as_slice())) {
-                    break;
-                }
-            }
-            return Ok(());
-        }
-        std::thread::scope(|scope| {
-            let (give, empty) = mpsc::sync_channel::<Vec<u8>>(2);
-            let (send, read) = mpsc::sync_channel::<(StoreResult<bool>, Vec<u8>)>(1);
-            scope.spawn(move || {
-                for k in keys {
-                    let Ok(mut buf) = empty.recv() else { return };
-                    let found = self.read_into(k, &mut buf);
-                    let failed = found.is_err();
-                    if send.send((found, buf)).is_err() || failed {
-                        return;
-                    }
-                }
-            });
-            for _ in 0..2 {
-                // the reader holds the receiver until it is done: a send cannot fail here
-                let _ = give.send(Vec::new());
-            }
-            for i in 0..keys.len() {
-                let Ok((found, buf)) = read.recv() else { break };
-                if !visit(i, found?.then_some(buf.as_slice())) {
-                    break;
-                }
-                // the reader may be done (the last values are in flight): nothing to give back
-                let _ = give.send(buf);
-            }
-            // returning drops both channels: a reader still waiting for a buffer stops
-            Ok(())
-        })
+        read_ahead(keys.len(), &|i, buf| self.read_into(&keys[i], buf), visit)
     }
 
     fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {

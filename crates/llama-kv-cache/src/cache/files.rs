@@ -1,18 +1,26 @@
 //! The unified cache's state files: saving a sequence or session file (atomically) and loading
 //! one, or one memory (part) of it, into the cache.
 
+use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
+use std::sync::Mutex;
 
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::state::cells::CellExt;
 use crate::state::files::{
-    body_splits, concat, ext_readings, file_layouts, header_bytes, parse_header, resolve_version,
-    session_prefix, write_atomic_with, FileHeader, FileKind, Outputs, SessionBody, WriteOptions,
+    body_splits, concat, ext_readings, file_layouts, header_bytes, parse_header, parse_header_in,
+    read_file, resolve_version, session_prefix, write_atomic_with, FileHeader, FileKind, Outputs,
+    SessionBody, WriteOptions,
 };
 use crate::state::parts::{parse_parts_with, Part, PartKind, PartRole};
+use crate::state::source::{read_ahead, ByteSource, ReadSource, Sub};
 use crate::state::Layout;
+
+/// The pieces a streamed file load reads and writes at a time: large reads, two of them in
+/// memory at once.
+const FILE_PIECE: usize = 8 << 20;
 
 /// What a file load restored.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,6 +136,110 @@ impl KvCache {
             )));
         }
         self.load_file_part(bytes, header, Some(dest), opts, progress)
+    }
+
+    /// Loads the sequence file at `path` into `dest` (transactional, as
+    /// [`KvCache::load_sequence_bytes`]). A file of one memory is streamed: its payload goes
+    /// from the file into the tensors in pieces, read ahead on a second thread, so no buffer of
+    /// the file's size is allocated and the reads overlap the copies. Any other file (several
+    /// memories, a recurrent cache, a payload the stream refuses) is read whole and loaded as
+    /// bytes, which gives the same result and the same errors.
+    pub fn load_sequence_file(
+        &mut self,
+        path: &Path,
+        dest: i32,
+        opts: ReadOptions,
+        mut progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        self.check_seq("loadSequenceFile", dest)?;
+        if let Some(loaded) = self.stream_sequence_file(path, dest, opts, &mut progress)? {
+            return Ok(loaded);
+        }
+        self.load_sequence_bytes(&read_file(path)?, dest, opts, progress)
+    }
+
+    /// The streamed load of [`KvCache::load_sequence_file`]: `None` (the cache unchanged) when
+    /// the file is not one it streams or the stream refused it; an error only when `progress`
+    /// aborted it.
+    fn stream_sequence_file(
+        &mut self,
+        path: &Path,
+        dest: i32,
+        opts: ReadOptions,
+        progress: &mut Option<Progress<'_>>,
+    ) -> Result<Option<LoadedFile>> {
+        let Ok(src) = ReadSource::open(path) else {
+            return Ok(None);
+        };
+        let Ok(header) = parse_header_in(&src) else {
+            return Ok(None);
+        };
+        let Ok(layouts) = file_layouts(&header, opts.layout) else {
+            return Ok(None);
+        };
+        if header.kind != FileKind::Sequence || opts.part.is_some() || self.params.recurrent {
+            return Ok(None);
+        }
+        let body = Sub::new(&src, header.body..src.len());
+        let (shapes, _) = parse_parts_with(&body, &layouts, self.params.cell_ext);
+        let [shape] = shapes.as_slice() else {
+            return Ok(None);
+        };
+        let [part] = shape.parts.as_slice() else {
+            return Ok(None);
+        };
+        if part.role != PartRole::Whole || part.kind == PartKind::Recurrent {
+            return Ok(None);
+        }
+        let (start, len) = ((header.body + part.range.start) as u64, part.range.len());
+        let stream_opts = ReadOptions {
+            layout: Some(part.payload.layout),
+            ..opts
+        };
+        let Ok(mut load) = self.state_in(dest, stream_opts) else {
+            return Ok(None);
+        };
+        let file = Mutex::new(src.into_inner());
+        let read = |i: usize, buf: &mut Vec<u8>| -> std::io::Result<bool> {
+            let at = i * FILE_PIECE;
+            let n = FILE_PIECE.min(len - at);
+            buf.clear();
+            buf.try_reserve_exact(n).map_err(std::io::Error::other)?;
+            buf.resize(n, 0);
+            let mut f = file.lock().unwrap_or_else(|p| p.into_inner());
+            f.seek(SeekFrom::Start(start + at as u64))?;
+            f.read_exact(buf)?;
+            Ok(true)
+        };
+        let (mut aborted, mut failed) = (false, false);
+        let read_result = read_ahead(len.div_ceil(FILE_PIECE), &read, &mut |i, piece| {
+            if let Some(p) = progress.as_mut() {
+                if !p((i * FILE_PIECE) as u64, len as u64) {
+                    aborted = true;
+                    return false;
+                }
+            }
+            failed = self
+                .state_in_write(&mut load, piece.unwrap_or_default())
+                .is_err();
+            !failed
+        });
+        if aborted || failed || read_result.is_err() {
+            self.state_in_abort(&mut load)?;
+            if aborted {
+                return Err(KvError::Aborted("loadSequenceFile aborted".into()));
+            }
+            return Ok(None);
+        }
+        Ok(self
+            .state_in_finish(&mut load)
+            .ok()
+            .map(|summary| LoadedFile {
+                header,
+                arch: None,
+                outputs: None,
+                summary,
+            }))
     }
 
     /// Loads a session file's bytes into the whole cache (transactional). The body is tried

@@ -114,7 +114,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<FileHeader> {
 }
 
 /// [`parse_header`] of any source.
-fn parse_header_in<S: ByteSource + ?Sized>(bytes: &S) -> Result<FileHeader> {
+pub(crate) fn parse_header_in<S: ByteSource + ?Sized>(bytes: &S) -> Result<FileHeader> {
     let mut c = Cursor::new(bytes);
     let magic = c.u32("magic")?;
     let kind = match magic {

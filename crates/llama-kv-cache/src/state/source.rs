@@ -7,6 +7,7 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::io::{Read, Seek, SeekFrom};
 use std::ops::Range;
+use std::sync::mpsc;
 
 use crate::error::{KvError, Result};
 
@@ -153,6 +154,64 @@ impl<R: Read + Seek> ReadSource<R> {
         self.bytes_read.set(self.bytes_read.get() + n as u64);
         Ok(())
     }
+}
+
+/// What [`read_ahead`] calls on its reading thread: puts piece `i` into the buffer, or says
+/// there is none.
+pub type PieceReader<'a, E> =
+    dyn Fn(usize, &mut Vec<u8>) -> std::result::Result<bool, E> + Sync + 'a;
+
+/// Reads ahead on a second thread: `read(i, buf)` puts piece `i` into `buf` (false: there is
+/// no such piece) for `i` in `0..n`, in order, while `visit(i, piece)` works on the piece
+/// before it on the calling thread, until it returns false. Two buffers go back and forth, so
+/// at most two pieces are in memory, and on two cores the copy out of the page cache overlaps
+/// the caller's work on the previous piece. A read error ends the call (the pieces before it
+/// were visited). Fewer than two pieces are read on the calling thread.
+pub fn read_ahead<E: Send>(
+    n: usize,
+    read: &PieceReader<'_, E>,
+    visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+) -> std::result::Result<(), E> {
+    if n < 2 {
+        let mut buf = Vec::new();
+        for i in 0..n {
+            let found = read(i, &mut buf)?;
+            if !visit(i, found.then_some(buf.as_slice())) {
+                break;
+            }
+        }
+        return Ok(());
+    }
+    std::thread::scope(|scope| {
+        let (give, empty) = mpsc::sync_channel::<Vec<u8>>(2);
+        let (send, filled) = mpsc::sync_channel::<(std::result::Result<bool, E>, Vec<u8>)>(1);
+        scope.spawn(move || {
+            for i in 0..n {
+                let Ok(mut buf) = empty.recv() else { return };
+                let found = read(i, &mut buf);
+                let failed = found.is_err();
+                if send.send((found, buf)).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        for _ in 0..2 {
+            // the reader holds the receiver until it is done: a send cannot fail here
+            let _ = give.send(Vec::new());
+        }
+        for i in 0..n {
+            let Ok((found, buf)) = filled.recv() else {
+                break;
+            };
+            if !visit(i, found?.then_some(buf.as_slice())) {
+                break;
+            }
+            // the reader may be done (the last pieces are in flight): nothing to give back
+            let _ = give.send(buf);
+        }
+        // returning drops both channels: a reader still waiting for a buffer stops
+        Ok(())
+    })
 }
 
 impl ReadSource<std::fs::File> {
