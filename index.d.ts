@@ -1220,11 +1220,11 @@ export interface SlotInput {
 
 /** Options of the async store operations. */
 export interface StoreCallOptions {
-  /** Called with `(doneBlocks, totalBlocks)` (`restore`: bytes loaded). */
+  /** Called with `(doneBlocks, totalBlocks)` (`restore`: tokens loaded of the restore point). */
   onProgress?: (done: number, total: number) => void
   /**
-   * Aborts the operation while queued or between batches (a restore that has started
-   * writing tensor data completes).
+   * Aborts the operation while queued or between batches (a restore between blocks: what
+   * it loaded is rolled back).
    */
   signal?: AbortSignal
 }

@@ -25,11 +25,11 @@ use crate::tasks::{aborted, Control, Job, ProgressFn};
 /// Options of the async store operations.
 #[napi(object, object_to_js = false)]
 pub struct StoreCallOptions {
-    /// Called with `(doneBlocks, totalBlocks)` (`restore`: bytes loaded).
+    /// Called with `(doneBlocks, totalBlocks)` (`restore`: tokens loaded of the restore point).
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
-    /// Aborts the operation while queued or between batches (a restore that has started
-    /// writing tensor data completes).
+    /// Aborts the operation while queued or between batches (a restore between blocks: what
+    /// it loaded is rolled back).
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<Signal>,
 }

@@ -1084,6 +1084,8 @@ impl PromptStore {
 
     /// Loads the longest stored prefix of `tokens` into sequence `seq` of `cache`
     /// (transactionally: on any error the cache is unchanged) and returns its length in tokens.
+    /// `progress` gets `(tokens loaded, tokens of the restore point)` before each block and at
+    /// the end; stopping it rolls the load back.
     /// The sequence's previous cells are replaced. When nothing is stored, returns 0 and leaves
     /// the cache unchanged. The cache must be of the store's shape: a unified or recurrent
     /// cache (iSWA and hybrid states are restored through `write_file`).
@@ -1150,7 +1152,14 @@ impl PromptStore {
             allow_scattered: true,
             ..ReadOptions::default()
         };
-        cache.state_read(&payload, seq, opts, progress)?;
+        // progress in tokens, as for a KV cache: the one state is loaded whole
+        let mut progress = progress;
+        tick(&mut progress, 0, len as u64)?;
+        cache.state_read(&payload, seq, opts, None)?;
+        if let Some(p) = progress.as_mut() {
+            // loaded: too late to stop, only reported
+            p(len as u64, len as u64);
+        }
         Ok(len as u64)
     }
 
@@ -1195,6 +1204,7 @@ impl PromptStore {
                 if let Some(rows) = ckpt.and_then(|c| c.main.as_ref()) {
                     put(plan.blocks * bt, rows)?;
                 }
+                tick(&mut progress, plan.len as u64, plan.len as u64)?;
                 load.commit();
                 Ok(true)
             })?;
