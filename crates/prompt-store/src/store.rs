@@ -959,102 +959,95 @@ impl PromptStore {
     ) -> StoreResult<bool> {
         let keys = &keys[..plan.blocks];
         let assembled = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
-            self.assemble_parts(bound, tokens, keys, plan, target, ckpt, out)
+            let Target {
+                seq,
+                v_trans,
+                swa_window,
+                ext,
+            } = target;
+            let bt = self.block_tokens;
+            let shape = &bound.shape;
+            let positions: Vec<i32> = (0..plan.len as i32).collect();
+            if let Some(main) = &shape.main {
+                let w = KvPartWriter::begin(
+                    out,
+                    &main.layers,
+                    ext,
+                    &positions,
+                    seq,
+                    v_trans,
+                    main.rot,
+                )?;
+                let complete = self.read_blocks(
+                    bound,
+                    &main.layers,
+                    keys,
+                    tokens,
+                    &mut |i: usize, rows: &BlockRows<'_>| {
+                        w.put(out, i * bt, rows);
+                        Ok(())
+                    },
+                )?;
+                if !complete {
+                    return Ok(false);
+                }
+                if let Some(rows) = ckpt.as_ref().and_then(|c| c.main.as_ref()) {
+                    w.put(out, plan.blocks * bt, rows);
+                }
+            }
+            if let Some(swa) = &shape.swa {
+                let window = ckpt.as_ref().and_then(|c| match &c.swa_mode {
+                    SwaRows::Window(p) => Some(p.clone()),
+                    _ => None,
+                });
+                match window {
+                    Some(p) => {
+                        let w =
+                            KvPartWriter::begin(out, &swa.layers, ext, &p, seq, v_trans, swa.rot)?;
+                        if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
+                            w.put(out, 0, rows);
+                        }
+                    }
+                    None => {
+                        // the whole range is in SWA blocks (and the tail in the checkpoint);
+                        // a reader that keeps only the window gets its last positions
+                        let keep = swa_window.map_or(plan.len, |n| (n as usize).min(plan.len));
+                        let from = plan.len - keep;
+                        let w = KvPartWriter::begin(
+                            out,
+                            &swa.layers,
+                            ext,
+                            &positions[from..],
+                            seq,
+                            v_trans,
+                            swa.rot,
+                        )?;
+                        let swa_keys: Vec<Key> = keys.iter().map(swa_key).collect();
+                        let complete = self.read_blocks(
+                            bound,
+                            &swa.layers,
+                            &swa_keys,
+                            tokens,
+                            &mut |i: usize, rows: &BlockRows<'_>| {
+                                put_window(&w, out, i * bt, from, rows);
+                                Ok(())
+                            },
+                        )?;
+                        if !complete {
+                            return Ok(false);
+                        }
+                        if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
+                            put_window(&w, out, plan.blocks * bt, from, rows);
+                        }
+                    }
+                }
+            }
+            if let Some(c) = &ckpt {
+                out.extend_from_slice(c.recurrent);
+            }
+            Ok(true)
         })?;
         Ok(assembled == Some(true))
-    }
-
-    /// [`PromptStore::assemble`] once the checkpoint is read.
-    #[allow(clippy::too_many_arguments)]
-    fn assemble_parts(
-        &self,
-        bound: &Bound,
-        tokens: &[i32],
-        keys: &[Key],
-        plan: &Plan,
-        target: Target,
-        ckpt: Option<&CheckpointView<'_>>,
-        out: &mut Vec<u8>,
-    ) -> StoreResult<bool> {
-        let Target {
-            seq,
-            v_trans,
-            swa_window,
-            ext,
-        } = target;
-        let bt = self.block_tokens;
-        let shape = &bound.shape;
-        let positions: Vec<i32> = (0..plan.len as i32).collect();
-        if let Some(main) = &shape.main {
-            let w =
-                KvPartWriter::begin(out, &main.layers, ext, &positions, seq, v_trans, main.rot)?;
-            let complete = self.read_blocks(
-                bound,
-                &main.layers,
-                keys,
-                tokens,
-                &mut |i: usize, rows: &BlockRows<'_>| {
-                    w.put(out, i * bt, rows);
-                    Ok(())
-                },
-            )?;
-            if !complete {
-                return Ok(false);
-            }
-            if let Some(rows) = ckpt.as_ref().and_then(|c| c.main.as_ref()) {
-                w.put(out, plan.blocks * bt, rows);
-            }
-        }
-        if let Some(swa) = &shape.swa {
-            let window = ckpt.as_ref().and_then(|c| match &c.swa_mode {
-                SwaRows::Window(p) => Some(p.clone()),
-                _ => None,
-            });
-            match window {
-                Some(p) => {
-                    let w = KvPartWriter::begin(out, &swa.layers, ext, &p, seq, v_trans, swa.rot)?;
-                    if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
-                        w.put(out, 0, rows);
-                    }
-                }
-                None => {
-                    // the whole range is in SWA blocks (and the tail in the checkpoint);
-                    // a reader that keeps only the window gets its last positions
-                    let keep = swa_window.map_or(plan.len, |n| (n as usize).min(plan.len));
-                    let from = plan.len - keep;
-                    let w = KvPartWriter::begin(
-                        out,
-                        &swa.layers,
-                        ext,
-                        &positions[from..],
-                        seq,
-                        v_trans,
-                        swa.rot,
-                    )?;
-                    let swa_keys: Vec<Key> = keys.iter().map(swa_key).collect();
-                    let complete = self.read_blocks(
-                        bound,
-                        &swa.layers,
-                        &swa_keys,
-                        tokens,
-                        &mut |i: usize, rows: &BlockRows<'_>| {
-                            put_window(&w, out, i * bt, from, rows);
-                            Ok(())
-                        },
-                    )?;
-                    if !complete {
-                        return Ok(false);
-                    }
-                    if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
-                        put_window(&w, out, plan.blocks * bt, from, rows);
-                    }
-                }
-            }
-        }
-        if let Some(c) = &ckpt {
-            out.extend_from_slice(c.recurrent);
-        }
-        Ok(true)
     }
 
     /// Plans `tokens`, then assembles the longest restore point that verifies.
