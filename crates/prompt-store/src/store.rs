@@ -11,6 +11,7 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::thread::ScopedJoinHandle;
 
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, write_atomic, FileKind};
@@ -509,7 +510,10 @@ impl PromptStore {
         Ok(report)
     }
 
-    /// Stores the full blocks of `rows` under `keys` that the store lacks.
+    /// Stores the full blocks of `rows` under `keys` that the store lacks. Blocks go to the
+    /// backend in batches of [`PUT_BATCH`], each written on a second thread while the next
+    /// is encoded (checksums and copies overlap the writes: on two cores a put costs about
+    /// what its writes cost); progress counts the blocks of each batch once it is written.
     fn put_blocks(
         &self,
         bound: &Bound,
@@ -523,60 +527,69 @@ impl PromptStore {
         let geometry = rows.source.geometry()?;
         let present = self.presence(keys)?;
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
-        // encode buffers return here after each batch: one set of allocations per put
+        // encode buffers return here after each batch: two batches of allocations per put
         let mut spare: Vec<Vec<u8>> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let id = BlockId {
-                fingerprint: &bound.fingerprint,
-                key,
-                index: i as u32,
-                tokens: &tokens[i * bt..(i + 1) * bt],
-                geometry: &geometry,
+        let backend = &self.backend;
+        std::thread::scope(|scope| {
+            let mut in_flight: Option<ScopedJoinHandle<'_, Written>> = None;
+            // waits for the batch being written, counts it and keeps its buffers
+            let mut settle = |in_flight: &mut Option<ScopedJoinHandle<'_, Written>>,
+                              spare: &mut Vec<Vec<u8>>,
+                              report: &mut PutReport|
+             -> StoreResult<()> {
+                let Some(handle) = in_flight.take() else {
+                    return Ok(());
+                };
+                let (stored, batch, done) = handle
+                    .join()
+                    .map_err(|_| StoreError::Io("a block writer thread panicked".into()))?;
+                count_written(&batch, &stored?, report);
+                spare.extend(batch.into_iter().map(|(_, v)| v));
+                tick(progress, done as u64, keys.len() as u64)
             };
-            if present[i] == Presence::Ours {
-                report.blocks_skipped += 1;
-                report.bytes_skipped += block::encoded_len(&id) as u64;
-            } else {
-                self.replace_foreign(key, present[i])?;
-                let mut value = spare.pop().unwrap_or_default();
-                let cells = &rows.cells[i * bt..(i + 1) * bt];
-                block::encode_into(
-                    &id,
-                    &self.sealer,
-                    &mut value,
-                    |out, il, is_v| rows.source.append(il, is_v, cells, out),
-                    |out| {
-                        rows.source.append_exts(cells, out);
-                        Ok(())
-                    },
-                )?;
-                pending.push((*key, value));
+            for (i, key) in keys.iter().enumerate() {
+                let id = BlockId {
+                    fingerprint: &bound.fingerprint,
+                    key,
+                    index: i as u32,
+                    tokens: &tokens[i * bt..(i + 1) * bt],
+                    geometry: &geometry,
+                };
+                if present[i] == Presence::Ours {
+                    report.blocks_skipped += 1;
+                    report.bytes_skipped += block::encoded_len(&id) as u64;
+                } else {
+                    self.replace_foreign(key, present[i])?;
+                    let mut value = spare.pop().unwrap_or_default();
+                    let cells = &rows.cells[i * bt..(i + 1) * bt];
+                    block::encode_into(
+                        &id,
+                        &self.sealer,
+                        &mut value,
+                        |out, il, is_v| rows.source.append(il, is_v, cells, out),
+                        |out| {
+                            rows.source.append_exts(cells, out);
+                            Ok(())
+                        },
+                    )?;
+                    pending.push((*key, value));
+                }
+                if pending.len() == PUT_BATCH || i + 1 == keys.len() {
+                    settle(&mut in_flight, &mut spare, report)?;
+                    let batch = std::mem::take(&mut pending);
+                    in_flight = Some(scope.spawn(move || {
+                        let entries: Vec<(Key, &[u8])> =
+                            batch.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+                        let stored = match entries.is_empty() {
+                            true => Ok(Vec::new()),
+                            false => backend.put_many(&entries),
+                        };
+                        (stored, batch, i + 1)
+                    }));
+                }
             }
-            if pending.len() == PUT_BATCH || i + 1 == keys.len() {
-                self.flush(&pending, report)?;
-                spare.extend(pending.drain(..).map(|(_, v)| v));
-                tick(progress, i as u64 + 1, keys.len() as u64)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn flush(&self, pending: &[(Key, Vec<u8>)], report: &mut PutReport) -> StoreResult<()> {
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let entries: Vec<(Key, &[u8])> = pending.iter().map(|(k, v)| (*k, v.as_slice())).collect();
-        let stored = self.backend.put_many(&entries)?;
-        for ((_, v), s) in pending.iter().zip(stored) {
-            if s {
-                report.blocks_written += 1;
-                report.bytes_written += v.len() as u64;
-            } else {
-                report.blocks_skipped += 1;
-                report.bytes_skipped += v.len() as u64;
-            }
-        }
-        Ok(())
+            settle(&mut in_flight, &mut spare, report)
+        })
     }
 
     /// Stores the checkpoint at `tokens.len()` and lists it in its chain position's index.
@@ -1355,6 +1368,23 @@ impl PromptStore {
             rejected: self.counters.rejected.load(Ordering::Relaxed),
             tiers: self.backend.health(),
         })
+    }
+}
+
+/// What a block writer thread hands back: whether each entry was stored, the batch (its
+/// buffers are reused), and the blocks of the put written with it.
+type Written = (StoreResult<Vec<bool>>, Vec<(Key, Vec<u8>)>, usize);
+
+/// Counts a written batch into `report`.
+fn count_written(batch: &[(Key, Vec<u8>)], stored: &[bool], report: &mut PutReport) {
+    for ((_, v), &s) in batch.iter().zip(stored) {
+        if s {
+            report.blocks_written += 1;
+            report.bytes_written += v.len() as u64;
+        } else {
+            report.blocks_skipped += 1;
+            report.bytes_skipped += v.len() as u64;
+        }
     }
 }
 
