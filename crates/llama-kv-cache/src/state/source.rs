@@ -166,13 +166,15 @@ pub type PieceReader<'a, E> =
 /// before it on the calling thread, until it returns false. Two buffers go back and forth, so
 /// at most two pieces are in memory, and on two cores the copy out of the page cache overlaps
 /// the caller's work on the previous piece. A read error ends the call (the pieces before it
-/// were visited). Fewer than two pieces are read on the calling thread.
+/// were visited). Fewer than two pieces, or no thread to be had from the OS, are read on the
+/// calling thread.
 pub fn read_ahead<E: Send>(
     n: usize,
     read: &PieceReader<'_, E>,
     visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
 ) -> std::result::Result<(), E> {
-    if n < 2 {
+    // one piece after the other on this thread: few pieces, or no thread to be had
+    let in_turn = |visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool| {
         let mut buf = Vec::new();
         for i in 0..n {
             let found = read(i, &mut buf)?;
@@ -180,21 +182,29 @@ pub fn read_ahead<E: Send>(
                 break;
             }
         }
-        return Ok(());
+        Ok(())
+    };
+    if n < 2 {
+        return in_turn(visit);
     }
     std::thread::scope(|scope| {
         let (give, empty) = mpsc::sync_channel::<Vec<u8>>(2);
         let (send, filled) = mpsc::sync_channel::<(std::result::Result<bool, E>, Vec<u8>)>(1);
-        scope.spawn(move || {
-            for i in 0..n {
-                let Ok(mut buf) = empty.recv() else { return };
-                let found = read(i, &mut buf);
-                let failed = found.is_err();
-                if send.send((found, buf)).is_err() || failed {
-                    return;
+        let reader = std::thread::Builder::new()
+            .name("kv-read-ahead".into())
+            .spawn_scoped(scope, move || {
+                for i in 0..n {
+                    let Ok(mut buf) = empty.recv() else { return };
+                    let found = read(i, &mut buf);
+                    let failed = found.is_err();
+                    if send.send((found, buf)).is_err() || failed {
+                        return;
+                    }
                 }
-            }
-        });
+            });
+        if reader.is_err() {
+            return in_turn(visit);
+        }
         for _ in 0..2 {
             // the reader holds the receiver until it is done: a send cannot fail here
             let _ = give.send(Vec::new());
@@ -343,6 +353,47 @@ impl<'a, S: ByteSource + ?Sized> Cursor<'a, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pieces arrive in order, absent ones as `None`; a visitor that stops ends the reads; a
+    /// read error ends the call after the pieces before it were visited.
+    #[test]
+    fn read_ahead_visits_in_order_stops_when_asked_and_returns_a_read_error() {
+        let read = |i: usize, buf: &mut Vec<u8>| -> std::result::Result<bool, String> {
+            if i == 7 {
+                return Err(format!("piece {i} is unreadable"));
+            }
+            buf.clear();
+            buf.extend(std::iter::repeat_n(i as u8, 1000 + i));
+            Ok(i % 3 != 1)
+        };
+        for n in [0, 1, 2, 7] {
+            let mut seen = Vec::new();
+            read_ahead(n, &read, &mut |i, v| {
+                seen.push((i, v.map(|v| (v.len(), v[0]))));
+                true
+            })
+            .unwrap();
+            let want: Vec<_> = (0..n)
+                .map(|i| (i, (i % 3 != 1).then_some((1000 + i, i as u8))))
+                .collect();
+            assert_eq!(seen, want, "{n} pieces");
+        }
+        let mut calls = 0;
+        read_ahead(7, &read, &mut |_, _| {
+            calls += 1;
+            calls < 3
+        })
+        .unwrap();
+        assert_eq!(calls, 3);
+        let mut visited = Vec::new();
+        let e = read_ahead(10, &read, &mut |i, _| {
+            visited.push(i);
+            true
+        })
+        .unwrap_err();
+        assert_eq!(e, "piece 7 is unreadable");
+        assert_eq!(visited, (0..7).collect::<Vec<_>>());
+    }
 
     #[test]
     fn a_read_source_reads_only_what_the_cursor_asks_for() {
