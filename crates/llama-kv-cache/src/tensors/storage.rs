@@ -94,6 +94,19 @@ pub trait KvBuffer: Send + Sync {
         }
         Ok(())
     }
+    /// The host bytes of `rows` strided pieces of `width` bytes at `offset + r * pitch`, as one
+    /// span from `offset` to write in place (the pieces count as written), when the buffer is
+    /// in host memory; the caller writes only inside the pieces.
+    fn host_strided_mut(
+        &mut self,
+        offset: usize,
+        width: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<Option<&mut [u8]>> {
+        let _ = (offset, width, pitch, rows);
+        Ok(None)
+    }
     /// The bytes, when they are in host memory (fast paths skip the copy through `read`).
     fn as_host(&self) -> Option<&[u8]> {
         None
@@ -275,8 +288,23 @@ impl KvBuffer for HostBuffer {
 
     fn write_2d(&mut self, offset: usize, width: usize, pitch: usize, src: &[u8]) -> Result<()> {
         let rows = src.len() / width.max(1);
-        if rows == 0 {
-            return Ok(());
+        if let Some(span) = self.host_strided_mut(offset, width, pitch, rows)? {
+            for (r, piece) in src.chunks_exact(width).enumerate() {
+                span[r * pitch..r * pitch + width].copy_from_slice(piece);
+            }
+        }
+        Ok(())
+    }
+
+    fn host_strided_mut(
+        &mut self,
+        offset: usize,
+        width: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<Option<&mut [u8]>> {
+        if rows == 0 || width == 0 {
+            return Ok(Some(&mut []));
         }
         let span = (rows - 1)
             .checked_mul(pitch)
@@ -292,12 +320,7 @@ impl KvBuffer for HostBuffer {
                 self.touch(offset + r * pitch, width);
             }
         }
-        let bytes = self.bytes_mut();
-        for (r, piece) in src.chunks_exact(width).enumerate() {
-            let at = offset + r * pitch;
-            bytes[at..at + width].copy_from_slice(piece);
-        }
-        Ok(())
+        Ok(Some(&mut self.bytes_mut()[offset..offset + span]))
     }
 
     fn as_host(&self) -> Option<&[u8]> {
@@ -549,8 +572,22 @@ impl LayerTensors {
         let row = self.row_size(which);
         let n = rows.len() / row;
         if which == Tensor::V && lay.v_trans {
-            let el = lay.v_el;
-            let len = self.n_embd_v * n * el;
+            let (el, cols) = (lay.v_el, self.n_embd_v);
+            let pitch = lay.size * el;
+            let shape = |dst_stride| Shape {
+                rows: n,
+                cols,
+                el,
+                src_stride: row,
+                dst_stride,
+            };
+            // in host memory the rows become columns in place, in one pass
+            if let Some(dst) = self.v.host_strided_mut(first * el, n * el, pitch, cols)? {
+                transpose(rows, dst, shape(pitch));
+                return Ok(());
+            }
+            // elsewhere (a device) through packed columns, one 2D copy
+            let len = cols * n * el;
             columns.clear();
             columns.try_reserve_exact(len).map_err(|_| {
                 KvError::Backend(format!(
@@ -558,16 +595,8 @@ impl LayerTensors {
                 ))
             })?;
             columns.resize(len, 0);
-            let shape = Shape {
-                rows: n,
-                cols: self.n_embd_v,
-                el,
-                src_stride: row,
-                dst_stride: n * el,
-            };
-            transpose(rows, columns, shape);
-            self.v
-                .write_2d(first * el, n * el, lay.size * el, columns)?;
+            transpose(rows, columns, shape(n * el));
+            self.v.write_2d(first * el, n * el, pitch, columns)?;
             Ok(())
         } else {
             self.buffer_mut(which).write(first * row, rows)
