@@ -49,6 +49,12 @@ fn time_with<S>(mut setup: impl FnMut() -> S, mut op: impl FnMut(S)) -> f64 {
     v[REPS / 2]
 }
 
+/// The median of per-round figures.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn ms(s: f64) -> String {
     format!("{:.3} ms", s * 1e3)
 }
@@ -247,10 +253,6 @@ fn memory_kinds(tmp: &std::path::Path, tokens: &[i32]) {
                 bytes_ratio.push(t_raw_read / t_bytes);
             }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         println!(
             "{name}: {:.1} MiB stored; put_file {} (raw read + write {}; ratio {:.2}); write_file {} (raw read + synced write {}; ratio {:.2}; goal >= 0.8); its bytes in memory: ratio {:.2} to raw reads of the blocks",
             stored as f64 / (1 << 20) as f64,
@@ -467,10 +469,6 @@ fn restore_at_8b(tmp: &std::path::Path, toks: &[i32]) {
             ratio.push(t_raw / t_restore);
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     println!(
         "8B geometry, {n} tokens ({:.0} MiB in {} blocks) from dir into a fresh cache: restore {} ({:.2} GB/s); raw read {}; ratio {:.2} (goal >= 0.9)",
         bytes as f64 / (1 << 20) as f64,
