@@ -1,6 +1,11 @@
 //! One KV part of a one-sequence state payload in today's layout (`n_stream` 1, the rotation
 //! recorded), written in place from verified rows: the bytes the core's transactional
-//! `state_read` loads, and the parts of the files `write_file` writes.
+//! `state_read` loads, and the parts of the files `write_file` writes. A payload is built in a
+//! [`PayloadSink`]: a buffer in memory, or the file being written, at offsets ([`FileSink`]), so
+//! that a file needs no buffer of its size.
+
+use std::fs::File;
+use std::io::{Seek, SeekFrom, Write};
 
 use llama_kv_cache::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt};
 use llama_kv_cache::state::{cell_count_header, data_header, k_header, n_stream_header, v_header};
@@ -16,27 +21,17 @@ pub struct KvPartWriter<'g> {
     geometry: &'g Geometry,
     /// The extension the part's cells carry (none, or the payload's form of the rows' own).
     ext: CellExt,
-    n: usize,
+    /// Each cell's position.
+    positions: Vec<i32>,
     v_trans: bool,
     /// The sequence every cell holds.
     seq: i32,
-    /// Offset of the first cell's metadata (cells of a geometry with an extension get theirs
-    /// from the rows put into them).
+    /// Offset of the first cell's metadata in the payload (cells of a geometry with an
+    /// extension get theirs from the rows put into them).
     cells_at: usize,
     /// Per layer: offsets of the K rows and of the V data.
     k_at: Vec<usize>,
     v_at: Vec<usize>,
-}
-
-/// Bytes of a KV part of `n` cells carrying `ext`.
-pub fn part_len(geometry: &Geometry, ext: CellExt, n: usize) -> usize {
-    // n_stream, cell_count; per cell pos, n_seq_id, its extension if any, seq; v_trans,
-    // n_layer, n_rot_k, n_rot_v; per layer the K and V headers (type + row size, or type +
-    // element size + channels)
-    8 + cell_len(1, ext) * n
-        + 16
-        + 24 * geometry.layers.len()
-        + n * geometry.bytes_per_token() as usize
 }
 
 /// Grows `out` by `extra` zero bytes, failing cleanly when the memory is not there.
@@ -50,13 +45,116 @@ pub fn grow(out: &mut Vec<u8>, extra: usize) -> StoreResult<()> {
     Ok(())
 }
 
+/// Where a payload is assembled: appended piece by piece, with gaps for rows that are written
+/// later at their offsets.
+pub trait PayloadSink {
+    /// Bytes appended or reserved so far.
+    fn len(&self) -> usize;
+    /// Appends `bytes`.
+    fn append(&mut self, bytes: &[u8]) -> StoreResult<()>;
+    /// Appends `n` bytes to be written later with [`PayloadSink::write_at`].
+    fn reserve(&mut self, n: usize) -> StoreResult<()>;
+    /// Writes `bytes` at `at`, inside what was appended or reserved.
+    fn write_at(&mut self, at: usize, bytes: &[u8]) -> StoreResult<()>;
+    /// The bytes in memory, for writes that are not one run (a transposed V); `None` for a
+    /// file.
+    fn bytes_mut(&mut self) -> Option<&mut [u8]>;
+    /// Drops everything (a restore point that turned out broken is assembled again).
+    fn restart(&mut self) -> StoreResult<()>;
+}
+
+impl PayloadSink for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn append(&mut self, bytes: &[u8]) -> StoreResult<()> {
+        grow(self, bytes.len())?;
+        let at = Vec::len(self) - bytes.len();
+        self[at..].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn reserve(&mut self, n: usize) -> StoreResult<()> {
+        grow(self, n)
+    }
+
+    fn write_at(&mut self, at: usize, bytes: &[u8]) -> StoreResult<()> {
+        self[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self)
+    }
+
+    fn restart(&mut self) -> StoreResult<()> {
+        self.clear();
+        Ok(())
+    }
+}
+
+/// A payload written straight into a file at its offsets: reserved bytes are a hole until
+/// their rows arrive.
+pub struct FileSink<'f> {
+    file: &'f mut File,
+    len: usize,
+}
+
+impl<'f> FileSink<'f> {
+    /// A sink writing `file` from its start.
+    pub fn new(file: &'f mut File) -> Self {
+        FileSink { file, len: 0 }
+    }
+
+    /// Sets the file's length to what was appended and reserved.
+    pub fn finish(self) -> StoreResult<()> {
+        self.file.set_len(self.len as u64).map_err(io)
+    }
+}
+
+fn io(e: std::io::Error) -> StoreError {
+    StoreError::Io(format!("cannot write the file: {e}"))
+}
+
+impl PayloadSink for FileSink<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn append(&mut self, bytes: &[u8]) -> StoreResult<()> {
+        self.write_at(self.len, bytes)?;
+        self.len += bytes.len();
+        Ok(())
+    }
+
+    fn reserve(&mut self, n: usize) -> StoreResult<()> {
+        self.len += n;
+        Ok(())
+    }
+
+    fn write_at(&mut self, at: usize, bytes: &[u8]) -> StoreResult<()> {
+        self.file.seek(SeekFrom::Start(at as u64)).map_err(io)?;
+        self.file.write_all(bytes).map_err(io)
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+
+    fn restart(&mut self) -> StoreResult<()> {
+        self.len = 0;
+        self.file.set_len(0).map_err(io)
+    }
+}
+
 impl<'g> KvPartWriter<'g> {
     /// Appends a part of `positions.len()` cells of sequence `seq` to `out` (headers written,
-    /// rows zero and cell extensions llama.cpp's default until [`KvPartWriter::put`] fills
+    /// rows to come and cell extensions llama.cpp's default until [`KvPartWriter::put`] fills
     /// them). The cells carry `ext`: none, or the form the payload's reader expects of the
     /// extensions the rows keep.
     pub fn begin(
-        out: &mut Vec<u8>,
+        out: &mut dyn PayloadSink,
         geometry: &'g Geometry,
         ext: CellExt,
         positions: &[i32],
@@ -65,46 +163,38 @@ impl<'g> KvPartWriter<'g> {
         rot: (u32, u32),
     ) -> StoreResult<Self> {
         let n = positions.len();
-        let mut at = out.len();
-        grow(out, part_len(geometry, ext, n))?;
-        let put = |out: &mut [u8], at: &mut usize, bytes: &[u8]| {
-            out[*at..*at + bytes.len()].copy_from_slice(bytes);
-            *at += bytes.len();
-        };
-        put(out, &mut at, &n_stream_header(1));
-        put(out, &mut at, &cell_count_header(n as u32));
         let cell = cell_len(1, ext);
-        let cells_at = at;
-        for (p, dst) in positions
-            .iter()
-            .zip(out[at..at + cell * n].chunks_exact_mut(cell))
-        {
+        let mut head = Vec::new();
+        grow(&mut head, 8 + cell * n)?;
+        head[..4].copy_from_slice(&n_stream_header(1));
+        head[4..8].copy_from_slice(&cell_count_header(n as u32));
+        for (p, dst) in positions.iter().zip(head[8..].chunks_exact_mut(cell)) {
             if ext.is_none() {
                 put_cell_one_id(dst.try_into().expect("one-id cells are 12 bytes"), *p, seq);
             } else {
                 put_cell(dst, *p, ext, None, std::iter::once(seq));
             }
         }
-        at += cell * n;
+        let cells_at = out.len() + 8;
+        out.append(&head)?;
         let (header, len) = data_header(v_trans, geometry.layers.len() as u32, Some(rot));
-        put(out, &mut at, &header[..len]);
+        out.append(&header[..len])?;
         let mut k_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {
-            put(out, &mut at, &k_header(l.k_type, l.k_row as usize));
-            k_at.push(at);
-            at += n * l.k_row as usize;
+            out.append(&k_header(l.k_type, l.k_row as usize))?;
+            k_at.push(out.len());
+            out.reserve(n * l.k_row as usize)?;
         }
         let mut v_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {
-            put(out, &mut at, &v_header(l.v_type, l.v_row as usize, v_trans));
-            v_at.push(at);
-            at += n * l.v_row as usize;
+            out.append(&v_header(l.v_type, l.v_row as usize, v_trans))?;
+            v_at.push(out.len());
+            out.reserve(n * l.v_row as usize)?;
         }
-        debug_assert_eq!(at, out.len());
         Ok(KvPartWriter {
             geometry,
             ext,
-            n,
+            positions: positions.to_vec(),
             v_trans,
             seq,
             cells_at,
@@ -114,30 +204,40 @@ impl<'g> KvPartWriter<'g> {
     }
 
     /// Writes `rows` (of as many tokens as they hold) into cells `first..` of the part.
-    pub fn put(&self, out: &mut [u8], first: usize, rows: &BlockRows<'_>) {
+    pub fn put(
+        &self,
+        out: &mut dyn PayloadSink,
+        first: usize,
+        rows: &BlockRows<'_>,
+    ) -> StoreResult<()> {
         self.put_from(out, first, rows, 0)
     }
 
     /// Writes the rows of `rows` from its row `skip` on into cells `first..` of the part.
-    pub fn put_from(&self, out: &mut [u8], first: usize, rows: &BlockRows<'_>, skip: usize) {
+    pub fn put_from(
+        &self,
+        out: &mut dyn PayloadSink,
+        first: usize,
+        rows: &BlockRows<'_>,
+        skip: usize,
+    ) -> StoreResult<()> {
         let m = rows.n_tokens() - skip;
-        debug_assert!(first + m <= self.n);
+        let n = self.positions.len();
+        debug_assert!(first + m <= n);
         if !self.ext.is_none() {
-            // each cell again, now with its extension (the core's cell writer knows where it
-            // goes); its position is the one `begin` wrote
+            // the cells again, now with their extensions
             let cell = cell_len(1, self.ext);
-            for k in 0..m {
-                let at = self.cells_at + (first + k) * cell;
-                let dst = &mut out[at..at + cell];
-                let pos = i32::from_le_bytes(dst[..4].try_into().expect("4 bytes"));
-                let ext = Some(rows.ext(skip + k));
+            let mut cells = Vec::new();
+            grow(&mut cells, m * cell)?;
+            for (k, dst) in cells.chunks_exact_mut(cell).enumerate() {
+                let (pos, ext) = (self.positions[first + k], Some(rows.ext(skip + k)));
                 put_cell(dst, pos, self.ext, ext, std::iter::once(self.seq));
             }
+            out.write_at(self.cells_at + first * cell, &cells)?;
         }
         for (il, l) in self.geometry.layers.iter().enumerate() {
             let k_row = l.k_row as usize;
-            let at = self.k_at[il] + first * k_row;
-            out[at..at + m * k_row].copy_from_slice(&rows.k(il)[skip * k_row..]);
+            out.write_at(self.k_at[il] + first * k_row, &rows.k(il)[skip * k_row..])?;
             let v_row = l.v_row as usize;
             if self.v_trans {
                 // the m rows of n_embd channels become columns first.. of the n_embd runs of
@@ -149,13 +249,16 @@ impl<'g> KvPartWriter<'g> {
                     cols: v_row / el,
                     el,
                     src_stride: v_row,
-                    dst_stride: self.n * el,
+                    dst_stride: n * el,
                 };
-                transpose(&rows.v(il)[skip * v_row..], &mut out[at..], shape);
+                let bytes = out.bytes_mut().ok_or_else(|| {
+                    StoreError::InvalidArg("a transposed V is assembled in memory".into())
+                })?;
+                transpose(&rows.v(il)[skip * v_row..], &mut bytes[at..], shape);
             } else {
-                let at = self.v_at[il] + first * v_row;
-                out[at..at + m * v_row].copy_from_slice(&rows.v(il)[skip * v_row..]);
+                out.write_at(self.v_at[il] + first * v_row, &rows.v(il)[skip * v_row..])?;
             }
         }
+        Ok(())
     }
 }

@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::ScopedJoinHandle;
 
 use llama_kv_cache::cache::io::Progress;
-use llama_kv_cache::state::files::{header_bytes, inspect_bytes, write_atomic, FileKind};
+use llama_kv_cache::state::files::{
+    header_bytes, inspect_bytes, write_atomic, write_atomic_file, FileKind,
+};
 use llama_kv_cache::{
     convert_bytes, CellExt, CellExtValue, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
     ReadOptions, SequenceLoad, Tensor, WriteOptions,
@@ -31,7 +33,7 @@ use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
 };
 use crate::metrics::{render, Latencies, Metered, Snapshot};
-use crate::payload::KvPartWriter;
+use crate::payload::{FileSink, KvPartWriter, PayloadSink};
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
 
@@ -968,7 +970,7 @@ impl PromptStore {
         keys: &[Key],
         plan: &Plan,
         target: Target,
-        out: &mut Vec<u8>,
+        out: &mut dyn PayloadSink,
     ) -> StoreResult<bool> {
         let keys = &keys[..plan.blocks];
         let assembled = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
@@ -996,16 +998,13 @@ impl PromptStore {
                     &main.layers,
                     keys,
                     tokens,
-                    &mut |i: usize, rows: &BlockRows<'_>| {
-                        w.put(out, i * bt, rows);
-                        Ok(())
-                    },
+                    &mut |i: usize, rows: &BlockRows<'_>| w.put(out, i * bt, rows),
                 )?;
                 if !complete {
                     return Ok(false);
                 }
                 if let Some(rows) = ckpt.as_ref().and_then(|c| c.main.as_ref()) {
-                    w.put(out, plan.blocks * bt, rows);
+                    w.put(out, plan.blocks * bt, rows)?;
                 }
             }
             if let Some(swa) = &shape.swa {
@@ -1018,7 +1017,7 @@ impl PromptStore {
                         let w =
                             KvPartWriter::begin(out, &swa.layers, ext, &p, seq, v_trans, swa.rot)?;
                         if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
-                            w.put(out, 0, rows);
+                            w.put(out, 0, rows)?;
                         }
                     }
                     None => {
@@ -1042,46 +1041,48 @@ impl PromptStore {
                             &swa_keys,
                             tokens,
                             &mut |i: usize, rows: &BlockRows<'_>| {
-                                put_window(&w, out, i * bt, from, rows);
-                                Ok(())
+                                put_window(&w, out, i * bt, from, rows)
                             },
                         )?;
                         if !complete {
                             return Ok(false);
                         }
                         if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
-                            put_window(&w, out, plan.blocks * bt, from, rows);
+                            put_window(&w, out, plan.blocks * bt, from, rows)?;
                         }
                     }
                 }
             }
             if let Some(c) = &ckpt {
-                out.extend_from_slice(c.recurrent);
+                out.append(c.recurrent)?;
             }
             Ok(true)
         })?;
         Ok(assembled == Some(true))
     }
 
-    /// Plans `tokens`, then assembles the longest restore point that verifies.
-    /// The payload goes after `head(len)` (a file's header, or nothing) in the one buffer.
+    /// Plans `tokens`, then assembles the longest restore point that verifies into `out`
+    /// (started again for each attempt), after `head(len)` (a file's header, or nothing).
+    /// Returns its length in tokens.
     fn load(
         &self,
         bound: &Bound,
         tokens: &[i32],
         target: Target,
         head: &dyn Fn(usize) -> Vec<u8>,
-    ) -> StoreResult<Option<(usize, Vec<u8>)>> {
+        out: &mut dyn PayloadSink,
+    ) -> StoreResult<Option<usize>> {
         for _ in 0..MAX_REPLANS {
             let (keys, plans) = self.plans(bound, tokens)?;
             let Some(plan) = plans.first() else {
                 self.count(0, tokens.len());
                 return Ok(None);
             };
-            let mut out = head(plan.len);
-            if self.assemble(bound, tokens, &keys, plan, target, &mut out)? {
+            out.restart()?;
+            out.append(&head(plan.len))?;
+            if self.assemble(bound, tokens, &keys, plan, target, out)? {
                 self.count(plan.len, tokens.len());
-                return Ok(Some((plan.len, out)));
+                return Ok(Some(plan.len));
             }
         }
         self.count(0, tokens.len());
@@ -1139,7 +1140,8 @@ impl PromptStore {
         if !cache.recurrent() {
             return self.load_rows(&bound, tokens, cache, seq, progress);
         }
-        let Some((len, payload)) = self.load(
+        let mut payload = Vec::new();
+        let Some(len) = self.load(
             &bound,
             tokens,
             Target {
@@ -1149,6 +1151,7 @@ impl PromptStore {
                 ext: cache.params().cell_ext,
             },
             &|_| Vec::new(),
+            &mut payload,
         )?
         else {
             return Ok(0);
@@ -1245,38 +1248,24 @@ impl PromptStore {
         self.put_bytes(&bytes, progress)
     }
 
-    /// The longest stored prefix of `tokens` as a llama.cpp file's bytes, with that prefix as
-    /// the file's tokens, or `None` when nothing is stored.
-    pub fn file_bytes(
+    /// How `file_bytes` and `write_file` write a file for `opts`: the store's own form (a
+    /// sequence file of today's version) for the `target` reader, and the conversion of it
+    /// that gives the asked kind, version and layout (`None`: that form as it is).
+    fn file_form(
         &self,
-        tokens: &[i32],
+        bound: &Bound,
         opts: &WriteFileOptions,
-        mut progress: Option<Progress<'_>>,
-    ) -> StoreResult<Option<(u64, Vec<u8>)>> {
-        let _timer = self.latency.restore.start();
-        let Some(bound) = self.known()? else {
-            return Ok(None);
-        };
+    ) -> (Target, Option<ConvertOptions>) {
         let d = &bound.format;
         let flash_attn = opts.flash_attn.unwrap_or(d.flash_attn);
         let canonical_version = FileKind::Sequence.rotation_version();
-        let Some((len, file)) = self.load(
-            &bound,
-            tokens,
-            Target {
-                seq: 0,
-                v_trans: !flash_attn,
-                swa_window: opts.swa_window,
-                ext: bound.shape.cell_ext().map_or(CellExt::None, |_| {
-                    FileKind::Sequence.cell_exts(canonical_version)[0]
-                }),
-            },
-            // the store's own form: a sequence file of today's version; anything else is a
-            // conversion of it
-            &|len| header_bytes(FileKind::Sequence, canonical_version, &tokens[..len]),
-        )?
-        else {
-            return Ok(None);
+        let target = Target {
+            seq: 0,
+            v_trans: !flash_attn,
+            swa_window: opts.swa_window,
+            ext: bound.shape.cell_ext().map_or(CellExt::None, |_| {
+                FileKind::Sequence.cell_exts(canonical_version)[0]
+            }),
         };
         let kind = opts.kind.unwrap_or(d.kind);
         let version = opts
@@ -1291,21 +1280,50 @@ impl PromptStore {
         let unchanged = kind == FileKind::Sequence
             && version.unwrap_or(canonical_version) == canonical_version
             && layout != Layout::Seed;
-        let bytes = if unchanged {
-            file
-        } else {
-            let convert = ConvertOptions {
-                write: WriteOptions {
-                    version,
-                    layout,
-                    n_stream: 1,
-                },
-                to: Some(kind),
-                arch: opts.arch.clone().or_else(|| d.arch.clone()),
-                recurrent: Some(bound.shape.memory == MemoryKind::Recurrent),
-                ..ConvertOptions::default()
-            };
-            convert_bytes(&file, &convert)?
+        let convert = (!unchanged).then(|| ConvertOptions {
+            write: WriteOptions {
+                version,
+                layout,
+                n_stream: 1,
+            },
+            to: Some(kind),
+            arch: opts.arch.clone().or_else(|| d.arch.clone()),
+            recurrent: Some(bound.shape.memory == MemoryKind::Recurrent),
+            ..ConvertOptions::default()
+        });
+        (target, convert)
+    }
+
+    /// The header of the store's own form of a file of `tokens`.
+    fn file_head(tokens: &[i32]) -> Vec<u8> {
+        header_bytes(
+            FileKind::Sequence,
+            FileKind::Sequence.rotation_version(),
+            tokens,
+        )
+    }
+
+    /// The longest stored prefix of `tokens` as a llama.cpp file's bytes, with that prefix as
+    /// the file's tokens, or `None` when nothing is stored.
+    pub fn file_bytes(
+        &self,
+        tokens: &[i32],
+        opts: &WriteFileOptions,
+        mut progress: Option<Progress<'_>>,
+    ) -> StoreResult<Option<(u64, Vec<u8>)>> {
+        let _timer = self.latency.restore.start();
+        let Some(bound) = self.known()? else {
+            return Ok(None);
+        };
+        let (target, convert) = self.file_form(&bound, opts);
+        let mut file = Vec::new();
+        let head = |len: usize| Self::file_head(&tokens[..len]);
+        let Some(len) = self.load(&bound, tokens, target, &head, &mut file)? else {
+            return Ok(None);
+        };
+        let bytes = match convert {
+            None => file,
+            Some(convert) => convert_bytes(&file, &convert)?,
         };
         let n = bytes.len() as u64;
         tick(&mut progress, n, n)?;
@@ -1314,20 +1332,71 @@ impl PromptStore {
 
     /// Writes the longest stored prefix of `tokens` to `path` as a llama.cpp file (atomically)
     /// and returns its length in tokens. When nothing is stored, writes nothing and returns 0.
+    /// A file in the store's own form with V rows (the form of files from flash-attention
+    /// contexts) is written straight from the blocks at their offsets, with no copy of it in
+    /// memory; any other is assembled in memory and converted.
     pub fn write_file(
         &self,
         tokens: &[i32],
         path: &Path,
         opts: &WriteFileOptions,
-        progress: Option<Progress<'_>>,
+        mut progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {
-        match self.file_bytes(tokens, opts, progress)? {
-            Some((n, bytes)) => {
-                write_atomic(path, &bytes)?;
-                Ok(n)
+        let streamed = match self.known()? {
+            Some(bound) => match self.file_form(&bound, opts) {
+                (target, None) if !target.v_trans => Some((bound, target)),
+                _ => None,
+            },
+            None => return Ok(0),
+        };
+        let Some((bound, target)) = streamed else {
+            return match self.file_bytes(tokens, opts, progress)? {
+                Some((n, bytes)) => {
+                    write_atomic(path, &bytes)?;
+                    Ok(n)
+                }
+                None => Ok(0),
+            };
+        };
+        let _timer = self.latency.restore.start();
+        // nothing stored: no file; a store error: the temporary file goes, the old file stays
+        let (mut written, mut nothing, mut failed) = (0, false, None);
+        let head = |len: usize| Self::file_head(&tokens[..len]);
+        let result = write_atomic_file(path, &mut |file| {
+            let mut sink = FileSink::new(file);
+            let loaded = self
+                .load(&bound, tokens, target, &head, &mut sink)
+                .and_then(|len| {
+                    let n = sink.len() as u64;
+                    sink.finish()?;
+                    if len.is_some() {
+                        tick(&mut progress, n, n)?;
+                    }
+                    Ok(len)
+                });
+            match loaded {
+                Ok(Some(len)) => {
+                    written = len as u64;
+                    Ok(())
+                }
+                Ok(None) => {
+                    nothing = true;
+                    Err(KvError::Aborted("nothing stored for these tokens".into()))
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    Err(KvError::Aborted("the store failed while writing".into()))
+                }
             }
-            None => Ok(0),
+        });
+        if let Some(e) = failed {
+            return Err(e);
         }
+        if nothing {
+            return Ok(0);
+        }
+        result?;
+        Ok(written)
     }
 
     /// This store object's figures in the Prometheus text exposition format: per tier the
@@ -1409,15 +1478,15 @@ fn put_rows(
 /// Writes the rows of positions `first..` that fall in a window starting at position `from`.
 fn put_window(
     w: &KvPartWriter<'_>,
-    out: &mut [u8],
+    out: &mut dyn PayloadSink,
     first: usize,
     from: usize,
     rows: &BlockRows<'_>,
-) {
+) -> StoreResult<()> {
     let n = rows.n_tokens();
     if first + n <= from {
-        return;
+        return Ok(());
     }
     let skip = from.saturating_sub(first);
-    w.put_from(out, first + skip - from, rows, skip);
+    w.put_from(out, first + skip - from, rows, skip)
 }

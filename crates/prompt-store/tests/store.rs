@@ -774,3 +774,131 @@ fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced(
         Err(StoreError::InvalidArg(_))
     ));
 }
+
+/// A flash-attention cache whose sequence 0 holds positions `p0..p0 + n` (rows by position).
+fn window_cache(size: u32, p0: u32, n: u32) -> KvCache {
+    let mut c = KvCache::new(params(true, GgmlType::F16, size)).unwrap();
+    let slot = c
+        .find_slot(&UBatch::sequence(0, p0 as i32, n))
+        .unwrap()
+        .expect("room");
+    for il in 0..c.n_layer() {
+        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
+            let row = c.row_size(il, which).unwrap();
+            let rows: Vec<u8> = (p0..p0 + n)
+                .flat_map(|p| std::iter::repeat_n(row_byte(p, il, v, 3), row))
+                .collect();
+            c.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+    c
+}
+
+/// A sequence file (version 4) of `tokens` whose payload is the parts' one-sequence states.
+fn parts_file(tokens: &[i32], parts: &[&KvCache]) -> Vec<u8> {
+    let mut out = llama_kv_cache::state::files::header_bytes(FileKind::Sequence, 4, tokens);
+    for c in parts {
+        let layout = if c.recurrent() {
+            Layout::Seed
+        } else {
+            Layout::StreamsRot
+        };
+        out.extend(c.state_write(0, layout, 1, None).unwrap());
+    }
+    out
+}
+
+/// `write_file` writes the store's own form with V rows straight from the blocks at their
+/// offsets in the file: byte for byte what `file_bytes` assembles in memory, for every memory
+/// kind; it writes no file when nothing is stored, falls back to a shorter prefix when a block
+/// turns out corrupt, and a failure or an abort keeps the old file and leaves no temporary one.
+#[test]
+fn write_file_from_the_blocks_equals_the_bytes_assembled_in_memory_for_every_memory_kind() {
+    let n = 100u32;
+    let toks = tokens(n, 0);
+    let full = || window_cache(128, 0, n);
+    let kinds: [(&str, Vec<u8>); 5] = [
+        ("unified", parts_file(&toks, &[&full()])),
+        (
+            "iswa window",
+            parts_file(&toks, &[&full(), &window_cache(32, n - 24, 24)]),
+        ),
+        ("iswa whole", parts_file(&toks, &[&full(), &full()])),
+        (
+            "hybrid",
+            parts_file(&toks, &[&full(), &recurrent_state(n, 1)]),
+        ),
+        ("recurrent", parts_file(&toks, &[&recurrent_state(n, 2)])),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.ggsq");
+    let temps = || {
+        fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+            .count()
+    };
+    for (name, file) in kinds {
+        let blocks = tempfile::tempdir().unwrap();
+        let backend = Arc::new(DirBackend::open(blocks.path(), None).unwrap());
+        let store = PromptStore::new(backend.clone(), "m", BT).unwrap();
+        store.put_bytes(&file, None).unwrap();
+        let opts = WriteFileOptions::default();
+        let (len, want) = store.file_bytes(&toks, &opts, None).unwrap().unwrap();
+        // V rows in today's sequence version: the form written from the blocks
+        let ins = inspect_bytes(&want).unwrap();
+        assert_eq!(ins.header.version, 4, "{name}");
+        if !ins.payload.streams.is_empty() && name != "recurrent" {
+            assert_eq!(ins.payload.streams[0].v_trans, Some(false), "{name}");
+        }
+        // an abort at the end keeps the file there before and leaves no temporary file
+        fs::write(&out, b"the old file").unwrap();
+        let mut stop = |_: u64, _: u64| false;
+        let e = store
+            .write_file(&toks, &out, &opts, Some(&mut stop))
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::Cache(llama_kv_cache::KvError::Aborted(_))),
+            "{name}: {e}"
+        );
+        assert_eq!(fs::read(&out).unwrap(), b"the old file", "{name}: aborted");
+        assert_eq!(temps(), 0, "{name}");
+        assert_eq!(
+            store.write_file(&toks, &out, &opts, None).unwrap(),
+            len,
+            "{name}"
+        );
+        assert_eq!(fs::read(&out).unwrap(), want, "{name}");
+        // nothing stored for other tokens: no file
+        let none = dir.path().join("none.ggsq");
+        assert_eq!(
+            store
+                .write_file(&tokens(40, 9), &none, &opts, None)
+                .unwrap(),
+            0
+        );
+        assert!(!none.exists(), "{name}");
+        // a directory that does not exist is an error, not "nothing stored"
+        let e = store
+            .write_file(&toks, &dir.path().join("missing/out.ggsq"), &opts, None)
+            .unwrap_err();
+        assert!(
+            matches!(e, StoreError::Cache(llama_kv_cache::KvError::Io(_))),
+            "{name}: {e}"
+        );
+        if name == "unified" {
+            // the fourth block corrupt: the file holds the three before it, as in memory
+            let keys = store.keys(&toks).unwrap().unwrap();
+            let path = backend.path_of(&keys[3]);
+            let mut b = fs::read(&path).unwrap();
+            b[200] ^= 1;
+            fs::write(&path, b).unwrap();
+            let written = store.write_file(&toks, &out, &opts, None).unwrap();
+            assert_eq!(written, 48);
+            let (_, shorter) = store.file_bytes(&toks, &opts, None).unwrap().unwrap();
+            assert_eq!(fs::read(&out).unwrap(), shorter);
+        }
+        assert_eq!(temps(), 0, "{name}");
+    }
+}

@@ -107,6 +107,21 @@ pub fn write_atomic_with(
     path: &Path,
     fill: &mut dyn FnMut(&mut dyn Write) -> Result<()>,
 ) -> Result<()> {
+    write_atomic_file(path, &mut |f| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        fill(&mut w)?;
+        w.flush()
+            .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))
+    })
+}
+
+/// [`write_atomic_with`] for a writer that needs the file itself (to write at offsets): `fill`
+/// gets the temporary file, positioned at its start, and the file replaces `path` only once
+/// `fill` succeeded and the bytes are synced.
+pub fn write_atomic_file(
+    path: &Path,
+    fill: &mut dyn FnMut(&mut fs::File) -> Result<()>,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -117,13 +132,11 @@ pub fn write_atomic_with(
         .to_string_lossy()
         .into_owned();
     remove_stale_temps(dir, &name);
-    let (tmp, f) = create_locked(dir, &name, path)?;
+    let (tmp, mut f) = create_locked(dir, &name, path)?;
     let io = |what: &str, e: std::io::Error| KvError::Io(format!("{what} {}: {e}", path.display()));
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
     let result = (|| -> Result<()> {
-        fill(&mut w)?;
-        w.flush().map_err(|e| io("cannot write", e))?;
-        w.get_ref().sync_all().map_err(|e| io("cannot sync", e))?;
+        fill(&mut f)?;
+        f.sync_all().map_err(|e| io("cannot sync", e))?;
         fs::rename(&tmp, path).map_err(|e| io("cannot replace", e))?;
         if let Ok(d) = fs::File::open(dir) {
             let _ = d.sync_all();
@@ -134,7 +147,7 @@ pub fn write_atomic_with(
         let _ = fs::remove_file(&tmp);
     }
     // the lock goes with the file handle
-    drop(w);
+    drop(f);
     result
 }
 
