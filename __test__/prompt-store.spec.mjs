@@ -198,35 +198,19 @@ test.serial('an abort signal rejects with ERR_KV_ABORTED: already aborted, or ru
   cache.dispose()
 })
 
-test('a restore aborted between blocks rolls back what it loaded; onProgress counts tokens', async (t) => {
-  // 64 MB in 256 blocks: the restore is still running when the first report's abort lands
-  const geometry = { size: 4200, nLayer: 8, nEmbdKGqa: 256, typeK: 'f32', typeV: 'f32', flashAttn: true, nSeqMax: 2 }
-  const cache = new KvCache(geometry)
-  const tokens = Array.from({ length: 4096 }, (_, i) => i)
-  cache.findSlot({ pos: tokens, seqIds: tokens.map(() => 0) })
+test("restore's onProgress counts the tokens of the restore point, block by block", async (t) => {
+  // (an abort between blocks rolls the load back: pinned without timing in the store's Rust
+  // tests, since a report reaches JS only after the restore may have finished)
   const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
   await store.put(cache, 0, tokens)
-  cache.dispose()
-  const dst = new KvCache(geometry)
-  dst.findSlot({ pos: [0, 1, 2], seqIds: [1, 1, 1] })
-  dst.writeK(0, 0, Buffer.alloc(3 * 1024, 7))
-  const before = Buffer.from(await dst.stateWrite(-1))
-  const running = new AbortController()
-  const reports = []
-  const onProgress = (d, n) => {
-    reports.push([d, n])
-    running.abort()
-  }
-  const e = await t.throwsAsync(store.restore(dst, 1, tokens, { signal: running.signal, onProgress }))
-  t.is(e.code, 'ERR_KV_ABORTED', e.message)
-  t.deepEqual(reports[0], [0, 4096])
-  t.deepEqual(Buffer.from(await dst.stateWrite(-1)), before, 'the cache is as it was')
+  const dst = emptyCache()
   const all = []
-  t.is(store.restoreSync(dst, 1, tokens.slice(0, 48)), 48)
   t.is(await store.restore(dst, 1, tokens.slice(0, 40), { onProgress: (d, n) => all.push([d, n]) }), 32)
-  await new Promise((resolve) => setImmediate(resolve))
+  // reports are queued to the JS thread: wait for the last one
+  for (let i = 0; i < 1000 && all.length < 3; i++) await new Promise((resolve) => setImmediate(resolve))
   t.deepEqual(all, [0, 16, 32].map((d) => [d, 32]))
-  dst.dispose()
+  t.deepEqual(rows(dst, 32), rows(cache, 32))
 })
 
 test('an abort signal rejects a store task queued behind another with ERR_KV_ABORTED', async (t) => {
