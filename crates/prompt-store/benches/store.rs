@@ -18,13 +18,17 @@
 //!
 //! Run: `cargo bench -p prompt-store --bench store` (set `TMPDIR` to choose the disk).
 
+#[path = "../tests/common/files.rs"]
+mod files;
+
 use std::fs;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use llama_kv_cache::state::files::{header_bytes, FileKind};
-use llama_kv_cache::{CacheParams, GgmlType, KvCache, Layout, Tensor, UBatch};
+use files::sequence_file;
+
+use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor, UBatch};
 use prompt_store::{chain_keys, Backend, DirBackend, Geometry, PromptStore, WriteFileOptions};
 
 const REPS: usize = 7;
@@ -109,21 +113,6 @@ fn filled(params: CacheParams, p0: i32, n: u32) -> KvCache {
         }
     }
     c
-}
-
-/// A sequence file (today's version 4) of `tokens` whose payload is the parts' states of
-/// sequence 0, in llama.cpp's order.
-fn sequence_file(tokens: &[i32], parts: &[&KvCache]) -> Vec<u8> {
-    let mut out = header_bytes(FileKind::Sequence, 4, tokens);
-    for c in parts {
-        let layout = if c.recurrent() {
-            Layout::Seed
-        } else {
-            Layout::StreamsRot
-        };
-        out.extend(c.state_write(0, layout, 1, None).unwrap());
-    }
-    out
 }
 
 /// Writes back every dirty page (untimed) before an operation that syncs its file: on ext4 an

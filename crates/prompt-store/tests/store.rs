@@ -1,10 +1,14 @@
 //! The prompt store against real caches: round trips, prefixes, refusals, corruption,
 //! deduplication, budgets and concurrent writers.
 
+#[path = "common/files.rs"]
+mod files;
+
 use std::fs;
 use std::path::Path;
 use std::sync::Arc;
 
+use files::sequence_file;
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{CacheParams, FileKind, GgmlType, KvCache, Layout, Tensor, UBatch};
 use prompt_store::{
@@ -794,20 +798,6 @@ fn window_cache(size: u32, p0: u32, n: u32) -> KvCache {
     c
 }
 
-/// A sequence file (version 4) of `tokens` whose payload is the parts' one-sequence states.
-fn parts_file(tokens: &[i32], parts: &[&KvCache]) -> Vec<u8> {
-    let mut out = llama_kv_cache::state::files::header_bytes(FileKind::Sequence, 4, tokens);
-    for c in parts {
-        let layout = if c.recurrent() {
-            Layout::Seed
-        } else {
-            Layout::StreamsRot
-        };
-        out.extend(c.state_write(0, layout, 1, None).unwrap());
-    }
-    out
-}
-
 /// `write_file` writes the store's own form with V rows straight from the blocks at their
 /// offsets in the file: byte for byte what `file_bytes` assembles in memory, for every memory
 /// kind; it writes no file when nothing is stored, falls back to a shorter prefix when a block
@@ -818,17 +808,17 @@ fn write_file_from_the_blocks_equals_the_bytes_assembled_in_memory_for_every_mem
     let toks = tokens(n, 0);
     let full = || window_cache(128, 0, n);
     let kinds: [(&str, Vec<u8>); 5] = [
-        ("unified", parts_file(&toks, &[&full()])),
+        ("unified", sequence_file(&toks, &[&full()])),
         (
             "iswa window",
-            parts_file(&toks, &[&full(), &window_cache(32, n - 24, 24)]),
+            sequence_file(&toks, &[&full(), &window_cache(32, n - 24, 24)]),
         ),
-        ("iswa whole", parts_file(&toks, &[&full(), &full()])),
+        ("iswa whole", sequence_file(&toks, &[&full(), &full()])),
         (
             "hybrid",
-            parts_file(&toks, &[&full(), &recurrent_state(n, 1)]),
+            sequence_file(&toks, &[&full(), &recurrent_state(n, 1)]),
         ),
-        ("recurrent", parts_file(&toks, &[&recurrent_state(n, 2)])),
+        ("recurrent", sequence_file(&toks, &[&recurrent_state(n, 2)])),
     ];
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.ggsq");
