@@ -20,8 +20,6 @@ use crate::tensors::storage::Tensor;
 pub struct SequenceLoad<'c> {
     cache: &'c mut KvCache,
     load: Option<PlacedLoad>,
-    /// Where transposed V rows become columns, kept between pieces.
-    columns: Vec<u8>,
 }
 
 impl KvCache {
@@ -54,7 +52,6 @@ impl KvCache {
         Ok(SequenceLoad {
             cache: self,
             load: Some(load),
-            columns: Vec::new(),
         })
     }
 }
@@ -73,38 +70,35 @@ fn free_run(cells: &Cells, n: usize) -> Option<usize> {
     None
 }
 
+/// The cells `first..first + n` of a load that placed `placed`, checked.
+fn cells_of(placed: &[usize], first: usize, n: usize) -> Result<&[usize]> {
+    first
+        .checked_add(n)
+        .and_then(|end| placed.get(first..end))
+        .ok_or_else(|| {
+            KvError::OutOfRange(format!(
+                "tokens {first}..{} of a load of {} cells",
+                first.saturating_add(n),
+                placed.len()
+            ))
+        })
+}
+
 impl SequenceLoad<'_> {
-    fn placed(&self) -> &[usize] {
-        &self
-            .load
+    fn open(&self) -> &PlacedLoad {
+        self.load
             .as_ref()
             .expect("a load is open until it is consumed")
-            .placed
     }
 
     /// Cells the load fills.
     pub fn len(&self) -> usize {
-        self.placed().len()
+        self.open().placed.len()
     }
 
     /// Whether the load fills no cell.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    /// The cells `first..first + n` of the load, checked.
-    fn cells(&self, first: usize, n: usize) -> Result<&[usize]> {
-        let placed = self.placed();
-        first
-            .checked_add(n)
-            .and_then(|end| placed.get(first..end))
-            .ok_or_else(|| {
-                KvError::OutOfRange(format!(
-                    "tokens {first}..{} of a load of {} cells",
-                    first.saturating_add(n),
-                    placed.len()
-                ))
-            })
     }
 
     /// Writes `rows` (whole rows of `which` in layer `il`, one per token, V untransposed as
@@ -117,16 +111,16 @@ impl SequenceLoad<'_> {
                 rows.len()
             )));
         }
-        let n = rows.len() / row;
-        let contiguous = self.load.as_ref().is_some_and(|l| l.contiguous);
-        let cells = self.cells(first, n)?.to_vec();
+        let load = self
+            .load
+            .as_ref()
+            .expect("a load is open until it is consumed");
+        let cells = cells_of(&load.placed, first, rows.len() / row)?;
         let lay = self.cache.layout();
         let layer = &mut self.cache.layers[il as usize];
         match cells.first() {
             None => Ok(()),
-            Some(&c0) if contiguous => {
-                layer.write_rows_via(which, lay, c0, rows, &mut self.columns)
-            }
+            Some(&c0) if load.contiguous => layer.write_rows(which, lay, c0, rows),
             Some(_) => cells
                 .iter()
                 .zip(rows.chunks_exact(row))
@@ -137,8 +131,11 @@ impl SequenceLoad<'_> {
     /// Sets the extensions of the cells of tokens `first..` (nothing in a cache that keeps
     /// none).
     pub fn set_exts(&mut self, first: usize, exts: &[CellExtValue]) -> Result<()> {
-        let cells = self.cells(first, exts.len())?.to_vec();
-        for (c, &e) in cells.into_iter().zip(exts) {
+        let load = self
+            .load
+            .as_ref()
+            .expect("a load is open until it is consumed");
+        for (&c, &e) in cells_of(&load.placed, first, exts.len())?.iter().zip(exts) {
             self.cache.cells.set_ext(c, e);
         }
         Ok(())

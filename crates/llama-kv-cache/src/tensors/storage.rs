@@ -556,19 +556,6 @@ impl LayerTensors {
         first: usize,
         rows: &[u8],
     ) -> Result<()> {
-        self.write_rows_via(which, lay, first, rows, &mut Vec::new())
-    }
-
-    /// [`LayerTensors::write_rows`], transposing V through `columns` (a buffer the caller
-    /// keeps between calls, so that a load of many pieces allocates it once).
-    pub fn write_rows_via(
-        &mut self,
-        which: Tensor,
-        lay: Layout,
-        first: usize,
-        rows: &[u8],
-        columns: &mut Vec<u8>,
-    ) -> Result<()> {
         let row = self.row_size(which);
         let n = rows.len() / row;
         if which == Tensor::V && lay.v_trans {
@@ -587,16 +574,9 @@ impl LayerTensors {
                 return Ok(());
             }
             // elsewhere (a device) through packed columns, one 2D copy
-            let len = cols * n * el;
-            columns.clear();
-            columns.try_reserve_exact(len).map_err(|_| {
-                KvError::Backend(format!(
-                    "cannot allocate {len} bytes for the V columns written"
-                ))
-            })?;
-            columns.resize(len, 0);
-            transpose(rows, columns, shape(n * el));
-            self.v.write_2d(first * el, n * el, pitch, columns)?;
+            let mut columns = crate::alloc::zeroed(cols * n * el, "the V columns written")?;
+            transpose(rows, &mut columns, shape(n * el));
+            self.v.write_2d(first * el, n * el, pitch, &columns)?;
             Ok(())
         } else {
             self.buffer_mut(which).write(first * row, rows)
