@@ -1061,9 +1061,29 @@ impl PromptStore {
         Ok(assembled == Some(true))
     }
 
-    /// Plans `tokens`, then assembles the longest restore point that verifies into `out`
-    /// (started again for each attempt), after `head(len)` (a file's header, or nothing).
-    /// Returns its length in tokens.
+    /// Plans `tokens` and tries the longest restore point with `attempt(keys, plan)`, planning
+    /// again when it found a value absent or corrupt (counted and removed: the next plan is
+    /// shorter); counts the hit or the miss. Returns the length of the point that loaded.
+    fn with_best_plan(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        attempt: &mut dyn FnMut(&[Key], &Plan) -> StoreResult<bool>,
+    ) -> StoreResult<Option<usize>> {
+        for _ in 0..MAX_REPLANS {
+            let (keys, plans) = self.plans(bound, tokens)?;
+            let Some(plan) = plans.first() else { break };
+            if attempt(&keys, plan)? {
+                self.count(plan.len, tokens.len());
+                return Ok(Some(plan.len));
+            }
+        }
+        self.count(0, tokens.len());
+        Ok(None)
+    }
+
+    /// Assembles the longest restore point that verifies into `out` (started again for each
+    /// attempt), after `head(len)` (a file's header, or nothing). Returns its length in tokens.
     fn load(
         &self,
         bound: &Bound,
@@ -1072,21 +1092,11 @@ impl PromptStore {
         head: &dyn Fn(usize) -> Vec<u8>,
         out: &mut dyn PayloadSink,
     ) -> StoreResult<Option<usize>> {
-        for _ in 0..MAX_REPLANS {
-            let (keys, plans) = self.plans(bound, tokens)?;
-            let Some(plan) = plans.first() else {
-                self.count(0, tokens.len());
-                return Ok(None);
-            };
+        self.with_best_plan(bound, tokens, &mut |keys, plan| {
             out.restart()?;
             out.append(&head(plan.len))?;
-            if self.assemble(bound, tokens, &keys, plan, target, out)? {
-                self.count(plan.len, tokens.len());
-                return Ok(Some(plan.len));
-            }
-        }
-        self.count(0, tokens.len());
-        Ok(None)
+            self.assemble(bound, tokens, keys, plan, target, out)
+        })
     }
 
     /// Loads the longest stored prefix of `tokens` into sequence `seq` of `cache`
@@ -1192,9 +1202,7 @@ impl PromptStore {
                 bound.shape.describe()
             )));
         };
-        for _ in 0..MAX_REPLANS {
-            let (keys, plans) = self.plans(bound, tokens)?;
-            let Some(plan) = plans.first() else { break };
+        let len = self.with_best_plan(bound, tokens, &mut |keys, plan| {
             let keys = &keys[..plan.blocks];
             let positions: Vec<i32> = (0..plan.len as i32).collect();
             let loaded = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
@@ -1217,13 +1225,9 @@ impl PromptStore {
                 load.commit();
                 Ok(true)
             })?;
-            if loaded == Some(true) {
-                self.count(plan.len, tokens.len());
-                return Ok(plan.len as u64);
-            }
-        }
-        self.count(0, tokens.len());
-        Ok(0)
+            Ok(loaded == Some(true))
+        })?;
+        Ok(len.map_or(0, |len| len as u64))
     }
 
     /// Ingests a llama.cpp session or sequence file's bytes (any version, layout and memory
@@ -1309,16 +1313,29 @@ impl PromptStore {
         &self,
         tokens: &[i32],
         opts: &WriteFileOptions,
-        mut progress: Option<Progress<'_>>,
+        progress: Option<Progress<'_>>,
     ) -> StoreResult<Option<(u64, Vec<u8>)>> {
         let _timer = self.latency.restore.start();
         let Some(bound) = self.known()? else {
             return Ok(None);
         };
         let (target, convert) = self.file_form(&bound, opts);
+        self.assembled_file(&bound, tokens, target, convert, progress)
+    }
+
+    /// [`PromptStore::file_bytes`] once the form is decided: the store's own form assembled
+    /// in memory, then converted if asked.
+    fn assembled_file(
+        &self,
+        bound: &Bound,
+        tokens: &[i32],
+        target: Target,
+        convert: Option<ConvertOptions>,
+        mut progress: Option<Progress<'_>>,
+    ) -> StoreResult<Option<(u64, Vec<u8>)>> {
         let mut file = Vec::new();
         let head = |len: usize| Self::file_head(&tokens[..len]);
-        let Some(len) = self.load(&bound, tokens, target, &head, &mut file)? else {
+        let Some(len) = self.load(bound, tokens, target, &head, &mut file)? else {
             return Ok(None);
         };
         let bytes = match convert {
@@ -1342,23 +1359,20 @@ impl PromptStore {
         opts: &WriteFileOptions,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {
-        let streamed = match self.known()? {
-            Some(bound) => match self.file_form(&bound, opts) {
-                (target, None) if !target.v_trans => Some((bound, target)),
-                _ => None,
-            },
-            None => return Ok(0),
+        let _timer = self.latency.restore.start();
+        let Some(bound) = self.known()? else {
+            return Ok(0);
         };
-        let Some((bound, target)) = streamed else {
-            return match self.file_bytes(tokens, opts, progress)? {
+        let (target, convert) = self.file_form(&bound, opts);
+        if convert.is_some() || target.v_trans {
+            return match self.assembled_file(&bound, tokens, target, convert, progress)? {
                 Some((n, bytes)) => {
                     write_atomic(path, &bytes)?;
                     Ok(n)
                 }
                 None => Ok(0),
             };
-        };
-        let _timer = self.latency.restore.start();
+        }
         // nothing stored: no file; a store error: the temporary file goes, the old file stays
         let (mut written, mut nothing, mut failed) = (0, false, None);
         let head = |len: usize| Self::file_head(&tokens[..len]);
