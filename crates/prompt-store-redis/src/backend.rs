@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use prompt_store::{Backend, Key, StoreError, StoreResult, Usage};
+use prompt_store::{visit_each, Backend, Key, StoreError, StoreResult, Usage};
 use redis::Value;
 
 use crate::client::{ClientError, RedisClient};
@@ -131,11 +131,7 @@ impl Backend for RedisBackend {
         if self.ttl.is_none() {
             return Ok(self.client.visit_values(&self.redis_keys(keys), visit)?);
         }
-        for (i, value) in self.get_many(keys)?.iter().enumerate() {
-            if !visit(i, value.as_deref()) {
-                break;
-            }
-        }
+        visit_each(&self.get_many(keys)?, visit);
         Ok(())
     }
 

@@ -97,6 +97,19 @@ pub struct TierMetrics {
     pub evictions: Option<u64>,
 }
 
+/// Hands values a backend holds whole to `visit(i, value)`, in order, until it returns false:
+/// the end of a [`Backend::visit_many`] that read them first.
+pub fn visit_each<V: AsRef<[u8]>>(
+    values: &[Option<V>],
+    visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+) {
+    for (i, value) in values.iter().enumerate() {
+        if !visit(i, value.as_ref().map(AsRef::as_ref)) {
+            break;
+        }
+    }
+}
+
 /// A key-value store of immutable values. Every method may be called from several threads at
 /// once (and, for shared backends, from several processes or machines): values are only ever
 /// added whole or removed whole, never modified in place.
@@ -121,11 +134,7 @@ pub trait Backend: Send + Sync {
         keys: &[Key],
         visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
     ) -> StoreResult<()> {
-        for (i, value) in self.get_many(keys)?.iter().enumerate() {
-            if !visit(i, value.as_deref()) {
-                break;
-            }
-        }
+        visit_each(&self.get_many(keys)?, visit);
         Ok(())
     }
 

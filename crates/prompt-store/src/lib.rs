@@ -35,7 +35,7 @@ mod shape;
 mod store;
 mod tiered;
 
-pub use backend::{Backend, Key, TierHealth, TierMetrics, Usage};
+pub use backend::{visit_each, Backend, Key, TierHealth, TierMetrics, Usage};
 pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
 pub use geometry::{

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use lru::LruCache;
 
-use crate::backend::{Backend, Key, Usage};
+use crate::backend::{visit_each, Backend, Key, Usage};
 use crate::error::StoreResult;
 
 struct Inner {
@@ -62,11 +62,7 @@ impl Backend for MemoryBackend {
             let mut inner = self.lock();
             keys.iter().map(|k| inner.values.get(k).cloned()).collect()
         };
-        for (i, value) in values.iter().enumerate() {
-            if !visit(i, value.as_deref()) {
-                break;
-            }
-        }
+        visit_each(&values, visit);
         Ok(())
     }
 
