@@ -21,6 +21,7 @@
 //   layer 2: model
 //   layer 3: state (the codec and the file containers, without a cache)
 //   layer 4: cache (the unified KV cache and its state I/O)
+//   layer 5: memory (today's memories as live caches: attention streams, iSWA)
 pub mod alloc;
 mod cell_ext;
 mod error;
@@ -35,6 +36,8 @@ pub mod model;
 pub mod state;
 
 pub mod cache;
+
+pub mod memory;
 
 pub use cache::convert::{convert_bytes, convert_file, ConvertOptions};
 pub use cache::defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
@@ -52,6 +55,9 @@ pub use cells::ubatch::UBatch;
 pub use cells::{Cell, SeqSet};
 pub use error::{KvError, Result};
 pub use ggml_type::GgmlType;
+pub use memory::attention::{AttentionCache, StreamSlot, Window};
+pub use memory::iswa::{ContextParams, IswaCache, IswaParams, IswaPart};
+pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};
 pub use params::{CacheParams, MAX_SEQ};
 pub use state::files::{FileKind, Outputs, WriteOptions};

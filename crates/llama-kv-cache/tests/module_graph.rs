@@ -25,6 +25,7 @@ const CORE_LAYERS: &[(&str, &[&str])] = &[
     ("models", &["model"]),
     ("state format", &["state"]),
     ("the unified cache", &["cache"]),
+    ("today's memories", &["memory"]),
     ("crate root", &[""]),
 ];
 

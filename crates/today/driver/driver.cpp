@@ -27,6 +27,16 @@
 //       tokens begin `tokens`, evaluates only the rest and reports how many tokens it loaded
 //       and evaluated, and the logits after the last one. Without a file: a cold run of all.
 //
+//   today-driver trace model=M [context options]
+//       the differential oracle of the live caches: reads one operation per line on stdin and
+//       answers each with one JSON line of the memory's cells (every non-empty cell of every
+//       stream of every part, read through the internal headers) and seq_pos_min/max:
+//         decode S:P:N[,S:P:N...]   a batch of N tokens of sequence S at positions P.. per group
+//         rm S P0 P1 | cp S D P0 P1 | keep S | add S P0 P1 D | div S P0 P1 D   sequence ops
+//         save S | load S           state of sequence S into a buffer / the buffer into S
+//         clear                     llama_memory_clear(data)
+//       `ret` is llama_decode's result (decode), or 1/0 for the others.
+//
 //   today-driver hparams model=M
 //       the hyper-parameters llama.cpp derives from the GGUF (`llama_model::hparams`, read
 //       through the internal headers), per layer where they can differ; no context is made.
@@ -37,6 +47,12 @@
 #include "llama.h"
 // internal: `hparams` reads llama_model::hparams, which the public API does not show per layer
 #include "llama-model.h"
+// internal: `trace` reads the cells of the memory's caches
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-kv-cells.h"
+
+#include <iostream>
 
 #include <algorithm>
 #include <cstdio>
@@ -370,6 +386,123 @@ static void resume(llama_context * ctx, int n_vocab) {
     printf("%s\n", js.str().c_str());
 }
 
+// the non-empty cells of every stream of one cache: "i:pos:shift:s.s.s" joined by spaces
+static std::string cells_json(const llama_kv_cache * kv, int n_seq_max) {
+    std::ostringstream js;
+    js << "{\"size\":" << kv->get_size() << ",\"streams\":[";
+    const int n_stream = (int) kv->get_n_stream();
+    for (int s = 0; s < n_stream; s++) {
+        // a unified cache has one stream; otherwise sequence s has stream s
+        const llama_kv_cells & cells = kv->get_cells(n_stream == 1 ? 0 : s);
+        js << (s ? "," : "") << "\"";
+        bool first = true;
+        for (uint32_t i = 0; i < cells.size(); i++) {
+            if (cells.is_empty(i)) {
+                continue;
+            }
+            js << (first ? "" : " ") << i << ":" << cells.pos_get(i) << ":" << cells.get_shift(i) << ":";
+            first = false;
+            bool first_seq = true;
+            for (int q = 0; q < n_seq_max; q++) {
+                if (cells.seq_has(i, q)) {
+                    js << (first_seq ? "" : ".") << q;
+                    first_seq = false;
+                }
+            }
+        }
+        js << "\"";
+    }
+    js << "]}";
+    return js.str();
+}
+
+static void trace(llama_context * ctx, int n_vocab) {
+    llama_memory_t mem = llama_get_memory(ctx);
+    const int n_seq_max = (int) llama_n_seq_max(ctx);
+    std::vector<const llama_kv_cache *> parts;
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        parts = {iswa->get_base(), iswa->get_swa()};
+    } else if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        parts = {kv};
+    } else {
+        die("trace: the memory is neither an attention cache nor an iSWA memory");
+    }
+    std::vector<uint8_t> saved;
+    std::string line;
+    while (std::getline(std::cin, line)) {
+        std::istringstream in(line);
+        std::string op;
+        in >> op;
+        int ret = 1;
+        int a = 0, b = 0, c = 0, d = 0;
+        if (op == "decode") {
+            std::string groups;
+            in >> groups;
+            std::vector<int> tok, pos, seq;
+            std::stringstream gs(groups);
+            std::string g;
+            while (std::getline(gs, g, ',')) {
+                std::vector<int> v = ints(g, ':');
+                for (int k = 0; k < v.at(2); k++) {
+                    pos.push_back(v[1] + k);
+                    seq.push_back(v[0]);
+                    tok.push_back((v[1] + k) * 7 % n_vocab);
+                }
+            }
+            llama_batch bt = llama_batch_init((int32_t) tok.size(), 0, 1);
+            for (size_t i = 0; i < tok.size(); i++) {
+                bt.token[i]     = tok[i];
+                bt.pos[i]       = pos[i];
+                bt.n_seq_id[i]  = 1;
+                bt.seq_id[i][0] = seq[i];
+                bt.logits[i]    = i + 1 == tok.size();
+            }
+            bt.n_tokens = (int32_t) tok.size();
+            ret = llama_decode(ctx, bt);
+            llama_batch_free(bt);
+        } else if (op == "rm") {
+            in >> a >> b >> c;
+            ret = llama_memory_seq_rm(mem, a, b, c) ? 1 : 0;
+        } else if (op == "cp") {
+            in >> a >> b >> c >> d;
+            llama_memory_seq_cp(mem, a, b, c, d);
+        } else if (op == "keep") {
+            in >> a;
+            llama_memory_seq_keep(mem, a);
+        } else if (op == "add") {
+            in >> a >> b >> c >> d;
+            llama_memory_seq_add(mem, a, b, c, d);
+        } else if (op == "div") {
+            in >> a >> b >> c >> d;
+            llama_memory_seq_div(mem, a, b, c, d);
+        } else if (op == "save") {
+            in >> a;
+            saved.resize(llama_state_seq_get_size(ctx, a));
+            ret = llama_state_seq_get_data(ctx, saved.data(), saved.size(), a) == saved.size() ? 1 : 0;
+        } else if (op == "load") {
+            in >> a;
+            ret = llama_state_seq_set_data(ctx, saved.data(), saved.size(), a) == saved.size() ? 1 : 0;
+        } else if (op == "clear") {
+            llama_memory_clear(mem, true);
+        } else {
+            die("trace: unknown op " + op);
+        }
+        std::ostringstream js;
+        js << "{\"ret\":" << ret << ",\"parts\":[";
+        for (size_t k = 0; k < parts.size(); k++) {
+            js << (k ? "," : "") << cells_json(parts[k], n_seq_max);
+        }
+        js << "],\"pos\":[";
+        for (int q = 0; q < n_seq_max; q++) {
+            js << (q ? "," : "") << "[" << llama_memory_seq_pos_min(mem, q) << "," << llama_memory_seq_pos_max(mem, q)
+               << "]";
+        }
+        js << "]}";
+        printf("%s\n", js.str().c_str());
+        fflush(stdout);
+    }
+}
+
 int main(int argc, char ** argv) {
     if (argc < 2) {
         die("usage: today-driver gen|cont key=value...");
@@ -408,6 +541,8 @@ int main(int argc, char ** argv) {
         branches(ctx, n_vocab);
     } else if (action == "resume") {
         resume(ctx, n_vocab);
+    } else if (action == "trace") {
+        trace(ctx, n_vocab);
     } else {
         die("unknown action " + action);
     }

@@ -7,6 +7,8 @@ use std::process::Command;
 
 use serde_json::{json, Value};
 
+pub mod trace;
+
 /// Path of the driver built by build.rs, or why there is none.
 pub fn driver_path() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("TODAY_DRIVER") {

@@ -2,6 +2,7 @@
 //! sequence or of the whole cache, and reading one back transactionally (parse and check
 //! everything, place the cells, then write the rows; a failure puts everything back).
 
+use crate::cache::rollback::CellsUndo;
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::SeqSet;
@@ -218,8 +219,19 @@ impl KvCache {
 
     /// The plan of `state_write(seq, layout, n_stream)`.
     pub(crate) fn write_plan(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<WritePlan> {
+        let streams = self.stream_plan(seq, self.write_layout(layout)?, n_stream)?;
+        self.plan_of_ranges(seq, layout, streams)
+    }
+
+    /// The plan of a payload of `streams` (each a list of cell runs) holding `seq` (-1: every
+    /// sequence of each cell), for a caller that chose the cells itself.
+    pub(crate) fn plan_of_ranges(
+        &self,
+        seq: i32,
+        layout: Layout,
+        streams: Vec<Vec<(usize, usize)>>,
+    ) -> Result<WritePlan> {
         let layout = self.write_layout(layout)?;
-        let streams = self.stream_plan(seq, layout, n_stream)?;
         let meta_len: Vec<usize> = streams
             .iter()
             .map(|r| self.meta_size(r, seq, layout))
@@ -633,13 +645,29 @@ impl KvCache {
         opts: ReadOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<ReadSummary> {
+        self.apply_payload_with(data, parsed, dest, progress, |cache, cells| {
+            cache.place_cells(cells, dest, opts.allow_scattered)
+        })
+    }
+
+    /// [`KvCache::apply_payload`] with the cells placed by `place`, which returns the undo
+    /// record that takes them back out and the cells it filled, in payload order (today's
+    /// caches place by llama.cpp 0.1.161's rules, the seed's by its own).
+    pub(crate) fn apply_payload_with(
+        &mut self,
+        data: &[u8],
+        parsed: &ParsedPayload,
+        dest: Option<i32>,
+        progress: Option<Progress<'_>>,
+        place: impl FnOnce(&mut KvCache, &PayloadCells) -> Result<(CellsUndo, Vec<usize>)>,
+    ) -> Result<ReadSummary> {
         if let Some(p) = progress {
             if !p(0, data.len() as u64) {
                 return Err(KvError::Aborted("state read aborted".into()));
             }
         }
         let cells = parsed.cells()?;
-        let (undo, placed) = self.place_cells(&cells, dest, opts.allow_scattered)?;
+        let (undo, placed) = place(self, &cells)?;
         let backup = match self.backup_if_device() {
             Ok(b) => b,
             Err(e) => {
@@ -675,7 +703,7 @@ impl KvCache {
         cells: &PayloadCells,
         dest: Option<i32>,
         allow_scattered: bool,
-    ) -> Result<(crate::cache::rollback::CellsUndo, Vec<usize>)> {
+    ) -> Result<(CellsUndo, Vec<usize>)> {
         let undo = self.undo_record(dest);
         let placed = match dest {
             Some(d) => self.place_sequence(d, cells, allow_scattered),

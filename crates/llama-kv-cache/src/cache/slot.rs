@@ -35,7 +35,7 @@ impl Default for PrepareOptions {
 /// The refusal of a ubatch with cell extensions by a cache that keeps none (out of line: the
 /// placement path stays small).
 #[cold]
-fn no_cell_ext() -> KvError {
+pub(crate) fn no_cell_ext() -> KvError {
     KvError::InvalidArg(
         "the ubatch carries cell extensions, but this cache keeps none (cellExt 'none'): \
          only M-RoPE and PLE caches record them"
@@ -124,20 +124,25 @@ impl KvCache {
     }
 
     /// Gives the cells `first..` that a ubatch was placed in their extensions, as
-    /// llama.cpp's `apply_ubatch` does: the ubatch's own, or an M-RoPE text token's (its
-    /// position as `x` and `y`; PLE caches: 0) with no token id.
+    /// llama.cpp's `apply_ubatch` does.
     fn record_ext(&mut self, first: usize, ubatch: &UBatch) {
-        for (k, &pos) in ubatch.pos.iter().enumerate() {
-            let ext = match ubatch.ext.get(k) {
-                Some(&e) => e,
-                None if self.params.mrope => CellExtValue {
-                    x: pos,
-                    y: pos,
-                    tok: -1,
-                },
-                None => CellExtValue::default(),
-            };
+        for k in 0..ubatch.pos.len() {
+            let ext = self.ubatch_ext(ubatch, k);
             self.cells.set_ext(first + k, ext);
+        }
+    }
+
+    /// The extension token `k` of `ubatch` gives its cell: the ubatch's own, or an M-RoPE
+    /// text token's (its position as `x` and `y`; PLE caches: 0) with no token id.
+    pub(crate) fn ubatch_ext(&self, ubatch: &UBatch, k: usize) -> CellExtValue {
+        match ubatch.ext.get(k) {
+            Some(&e) => e,
+            None if self.params.mrope => CellExtValue {
+                x: ubatch.pos[k],
+                y: ubatch.pos[k],
+                tok: -1,
+            },
+            None => CellExtValue::default(),
         }
     }
 

@@ -304,6 +304,17 @@ impl Cells {
         Some(self.seq_pos_max[seq])
     }
 
+    /// Smallest position among the cells holding `seq`, `None` when it has none.
+    pub fn seq_pos_min(&self, seq: usize) -> Option<i32> {
+        self.cells_of(seq).map(|i| self.pos[i]).min()
+    }
+
+    /// Cells with a position: what llama.cpp 0.1.161 counts as used (the seed's own counter,
+    /// [`Cells::used`], follows the seed's operations instead).
+    pub fn occupied_count(&self) -> u32 {
+        self.occupied.count()
+    }
+
     /// Sum over cells of the number of sequences (the seed's `get_n_tokens`).
     pub fn n_tokens(&self) -> u64 {
         self.seq.iter().map(|s| s.count() as u64).sum()

@@ -683,7 +683,45 @@ impl ModelInfo {
     ) -> Result<CacheParams> {
         self.check_supported()?;
         let recurrent = self.memory == MemoryKind::Recurrent;
-        let mut p = CacheParams::new(1, self.n_layer, 0, 0);
+        let mut p = self.params_of_layers(1, n_seq_max, type_k, type_v, flash_attn);
+        let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
+        p.size = if recurrent {
+            n_seq_max.max(1)
+        } else {
+            n_ctx
+                .checked_next_multiple_of(p.padding())
+                .ok_or_else(|| KvError::OutOfRange(format!("nCtx {n_ctx} is too large")))?
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Parameters of a cache of `size` cells holding every layer of this model, whatever
+    /// memory llama.cpp builds for it (a memory of several parts takes its layers from it).
+    pub fn layer_params(
+        &self,
+        size: u32,
+        n_seq_max: u32,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        flash_attn: bool,
+    ) -> Result<CacheParams> {
+        let p = self.params_of_layers(size, n_seq_max, type_k, type_v, flash_attn);
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// [`ModelInfo::layer_params`], not yet validated.
+    fn params_of_layers(
+        &self,
+        size: u32,
+        n_seq_max: u32,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        flash_attn: bool,
+    ) -> CacheParams {
+        let recurrent = self.memory == MemoryKind::Recurrent;
+        let mut p = CacheParams::new(size, self.n_layer, 0, 0);
         p.n_embd_k_gqa = self.layers.iter().map(|l| l.n_embd_k_gqa).collect();
         p.n_embd_v_gqa = self.layers.iter().map(|l| l.n_embd_v_gqa).collect();
         if let Some(r) = &self.recurrent {
@@ -699,16 +737,7 @@ impl ModelInfo {
         p.can_shift = !recurrent && !p.mrope;
         p.cell_ext = self.cell_ext;
         p.n_seq_max = n_seq_max;
-        let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
-        p.size = if recurrent {
-            n_seq_max.max(1)
-        } else {
-            n_ctx
-                .checked_next_multiple_of(p.padding())
-                .ok_or_else(|| KvError::OutOfRange(format!("nCtx {n_ctx} is too large")))?
-        };
-        p.validate()?;
-        Ok(p)
+        p
     }
 
     /// The K-shift parameters llama.cpp's `build_kv_self_shift` uses for this model with the

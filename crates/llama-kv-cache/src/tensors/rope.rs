@@ -415,6 +415,22 @@ impl ShiftParams {
             .find(|(l, _)| *l == il)
             .map_or(&self.rope, |(_, p)| p)
     }
+
+    /// The parameters of a cache that holds the model layers `layers` (its layer `k` is
+    /// model layer `layers[k]`), as a part of an iSWA or hybrid memory does.
+    pub fn for_layers(&self, layers: &[u32]) -> ShiftParams {
+        let rope = layers
+            .first()
+            .map_or(&self.rope, |&il| self.for_layer(il))
+            .clone();
+        let per_layer = layers
+            .iter()
+            .enumerate()
+            .map(|(k, &il)| (k as u32, self.for_layer(il).clone()))
+            .filter(|(_, p)| *p != rope)
+            .collect();
+        ShiftParams { rope, per_layer }
+    }
 }
 
 #[cfg(test)]

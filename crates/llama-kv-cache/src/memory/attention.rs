@@ -1,0 +1,782 @@
+//! llama.cpp 0.1.161's attention cache (`llama_kv_cache`): the seed's cells and tensors, one
+//! [`KvCache`] per stream, placed and managed by today's rules.
+//!
+//! What differs from the seed:
+//! - **Placement** takes cells one by one from the stream's head (`find_slot` with
+//!   `cont = false`), not a contiguous run; a cell of a sliding-window cache is also free for
+//!   the taking when the window of its sequence's next token no longer sees it.
+//! - **Purge**: a placement that overwrites such a cell removes every older position of that
+//!   sequence too, so that each sequence's positions stay one unbroken range.
+//! - **Streams**: a context that is not unified gives every sequence a stream of its own
+//!   (cells, head and tensors); a `seqCp` across streams copies the whole stream.
+//! - **Heads and flags**: a `seqCp` within a stream leaves the head where it is, `clear`
+//!   forgets pending shifts, positions of a sequence without cells read -1, and there is no
+//!   defrag (0.1.161 removed it: placement does not need contiguous runs).
+
+use crate::cache::io::{ReadOptions, ReadSummary};
+use crate::cache::kshift::UpdateReport;
+use crate::cache::rollback::CellsUndo;
+use crate::cache::slot::no_cell_ext;
+use crate::cache::KvCache;
+use crate::cells::ubatch::UBatch;
+use crate::cells::Cells;
+use crate::error::{KvError, Result};
+use crate::memory::SwaType;
+use crate::params::CacheParams;
+use crate::state::{n_stream_header, parse_payload_with, Layout, ParsedPayload};
+use crate::tensors::rope::ShiftParams;
+use crate::tensors::storage::Tensor;
+
+/// The window of a sliding-window cache: `n_swa` tokens under `swa_type` (0 and
+/// [`SwaType::None`] for a cache of full-attention layers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    /// Window size in tokens.
+    pub n_swa: u32,
+    /// The masking rule.
+    pub swa_type: SwaType,
+}
+
+impl Window {
+    /// No window.
+    pub const FULL: Window = Window {
+        n_swa: 0,
+        swa_type: SwaType::None,
+    };
+
+    /// Whether a token at `query` cannot see a cell at `cell`.
+    pub fn masks(self, cell: i32, query: i32) -> bool {
+        self.swa_type.is_masked(self.n_swa, cell, query)
+    }
+}
+
+/// Where a ubatch went in one stream: the cells of its tokens, in ubatch order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamSlot {
+    /// The stream.
+    pub stream: u32,
+    /// One cell per token.
+    pub cells: Vec<u32>,
+    /// The ubatch tokens the cells are for (all of them in a unified cache; a sequence's in a
+    /// cache of one stream per sequence).
+    pub(crate) tokens: Vec<usize>,
+}
+
+/// The cells of some streams as they were, to put back when a placement fails.
+pub(crate) struct Snapshot(Vec<(usize, Cells, u32)>);
+
+/// llama.cpp 0.1.161's `llama_kv_cache`.
+pub struct AttentionCache {
+    streams: Vec<KvCache>,
+    window: Window,
+}
+
+impl AttentionCache {
+    /// A cache of `params.size` cells per stream: one stream when `unified`, else one per
+    /// sequence (`params.n_seq_max`).
+    pub fn new(params: CacheParams, unified: bool, window: Window) -> Result<AttentionCache> {
+        if params.recurrent {
+            return Err(KvError::InvalidArg(
+                "an attention cache cannot be recurrent (a recurrent memory is its own kind)"
+                    .into(),
+            ));
+        }
+        let n_stream = if unified { 1 } else { params.n_seq_max };
+        let mut streams = crate::alloc::with_capacity(n_stream as usize, "the streams")?;
+        for _ in 0..n_stream {
+            streams.push(KvCache::new(params.clone())?);
+        }
+        Ok(AttentionCache { streams, window })
+    }
+
+    /// The parameters of every stream.
+    pub fn params(&self) -> &CacheParams {
+        self.streams[0].params()
+    }
+
+    /// Cells per stream.
+    pub fn size(&self) -> u32 {
+        self.params().size
+    }
+
+    /// Number of streams (1 when unified).
+    pub fn n_stream(&self) -> u32 {
+        self.streams.len() as u32
+    }
+
+    /// The window.
+    pub fn window(&self) -> Window {
+        self.window
+    }
+
+    /// Stream `s`.
+    pub fn stream(&self, s: u32) -> Result<&KvCache> {
+        self.streams.get(s as usize).ok_or_else(|| {
+            KvError::OutOfRange(format!(
+                "stream {s} is out of range [0, {})",
+                self.streams.len()
+            ))
+        })
+    }
+
+    /// Stream `s`, to write its rows.
+    pub fn stream_mut(&mut self, s: u32) -> Result<&mut KvCache> {
+        let n = self.streams.len();
+        self.streams
+            .get_mut(s as usize)
+            .ok_or_else(|| KvError::OutOfRange(format!("stream {s} is out of range [0, {n})")))
+    }
+
+    /// The stream of sequence `seq`, checked.
+    pub fn stream_of(&self, what: &str, seq: i32) -> Result<usize> {
+        let s = self.streams[0].check_seq(what, seq)?;
+        Ok(if self.streams.len() == 1 { 0 } else { s })
+    }
+
+    /// Cells with a position, over all streams.
+    pub fn used_cells(&self) -> u32 {
+        self.streams.iter().map(|s| s.cells.occupied_count()).sum()
+    }
+
+    /// Whether a K-shift is pending in some stream.
+    pub fn has_shift(&self) -> bool {
+        self.streams.iter().any(|s| s.has_shift)
+    }
+
+    /// Whether the positions can be shifted (not for M-RoPE caches).
+    pub fn can_shift(&self) -> bool {
+        self.streams[0].can_shift()
+    }
+
+    /// The tokens of `ub` per stream, in 0.1.161's ubatch order: all of them in one stream,
+    /// or (one stream per sequence) the same number of tokens for each sequence, each token
+    /// of exactly one sequence, as `split_equal` makes them.
+    fn groups(&self, ub: &UBatch) -> Result<Vec<(usize, Vec<usize>)>> {
+        ub.validate(self.params().n_seq_max)?;
+        if !ub.ext.is_empty() && self.params().cell_ext.is_none() {
+            return Err(no_cell_ext());
+        }
+        let n = ub.pos.len();
+        if self.streams.len() == 1 {
+            return Ok(vec![(0, (0..n).collect())]);
+        }
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for k in 0..n {
+            let ids = &ub.seq_ids[k / ub.n_seq_tokens as usize];
+            let &[seq] = ids.as_slice() else {
+                return Err(KvError::InvalidArg(format!(
+                    "token {k} of the ubatch belongs to {} sequences; a cache of one stream per \
+                     sequence takes tokens of one sequence each",
+                    ids.len()
+                )));
+            };
+            match groups.iter_mut().find(|(s, _)| *s == seq as usize) {
+                Some((_, tokens)) => tokens.push(k),
+                None => groups.push((seq as usize, vec![k])),
+            }
+        }
+        if groups.iter().any(|(_, t)| t.len() != groups[0].1.len()) {
+            return Err(KvError::InvalidArg(
+                "a cache of one stream per sequence takes ubatches with the same number of \
+                 tokens for each sequence (split_equal)"
+                    .into(),
+            ));
+        }
+        Ok(groups)
+    }
+
+    /// 0.1.161's `find_slot(ubatch, cont = false)`: the cells the tokens of `ub` would take,
+    /// or `None` when some stream has too few; the cache is not changed.
+    pub fn find_slot(&self, ub: &UBatch) -> Result<Option<Vec<StreamSlot>>> {
+        let mut out = Vec::new();
+        for (stream, tokens) in self.groups(ub)? {
+            let Some(cells) = find_cells(&self.streams[stream], tokens.len(), self.window) else {
+                return Ok(None);
+            };
+            out.push(StreamSlot {
+                stream: stream as u32,
+                cells,
+                tokens,
+            });
+        }
+        Ok(Some(out))
+    }
+
+    /// Places the ubatches of one decode, one after the other, as 0.1.161's `prepare` and
+    /// the context's `apply` do: all of them, or (`None`, an ordinary outcome) none, with the
+    /// cells as before.
+    pub fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Vec<Vec<StreamSlot>>>> {
+        let snapshot = self.snapshot(ubatches)?;
+        let placed = self.place_each(ubatches);
+        if !matches!(placed, Ok(Some(_))) {
+            self.restore(snapshot);
+        }
+        placed
+    }
+
+    /// The cells of every stream `ubatches` touch, taken before placing them.
+    pub(crate) fn snapshot(&self, ubatches: &[UBatch]) -> Result<Snapshot> {
+        let mut touched = vec![false; self.streams.len()];
+        for ub in ubatches {
+            for (s, _) in self.groups(ub)? {
+                touched[s] = true;
+            }
+        }
+        let mut kept = Vec::new();
+        for (s, cache) in self.streams.iter().enumerate() {
+            if touched[s] {
+                kept.push((s, cache.cells.clone(), cache.head));
+            }
+        }
+        Ok(Snapshot(kept))
+    }
+
+    /// Puts back the cells of a [`Snapshot`].
+    pub(crate) fn restore(&mut self, snapshot: Snapshot) {
+        for (s, cells, head) in snapshot.0 {
+            self.streams[s].cells = cells;
+            self.streams[s].head = head;
+        }
+    }
+
+    /// Finds and applies each ubatch in turn; stops at the first that does not fit (`None`),
+    /// leaving the ones before it placed.
+    pub(crate) fn place_each(
+        &mut self,
+        ubatches: &[UBatch],
+    ) -> Result<Option<Vec<Vec<StreamSlot>>>> {
+        let mut out = Vec::with_capacity(ubatches.len());
+        for ub in ubatches {
+            let Some(slots) = self.find_slot(ub)? else {
+                return Ok(None);
+            };
+            self.apply(&slots, ub)?;
+            out.push(slots);
+        }
+        Ok(Some(out))
+    }
+
+    /// 0.1.161's `apply_ubatch`: writes the tokens into their cells, purges the older
+    /// positions of every sequence whose cells it overwrote, and moves each stream's head
+    /// past its last cell.
+    fn apply(&mut self, slots: &[StreamSlot], ub: &UBatch) -> Result<()> {
+        for slot in slots {
+            let cache = &mut self.streams[slot.stream as usize];
+            let overwritten = put_tokens(cache, slot, ub);
+            for (seq, max) in overwritten {
+                if let Some(min) = cache.cells.seq_pos_min(seq) {
+                    if min <= max {
+                        // keeping the rows: a failed decode puts these cells back
+                        cache.seq_rm_keeping_data(seq as i32, min, max + 1)?;
+                    }
+                }
+            }
+        }
+        for slot in slots {
+            if let Some(&last) = slot.cells.last() {
+                self.streams[slot.stream as usize].head = last + 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes `seq` (-1: every sequence) from positions `[p0, p1)`.
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        if seq == -1 {
+            for s in &mut self.streams {
+                s.seq_rm(-1, p0, p1)?;
+            }
+        } else {
+            let s = self.stream_of("seqRm", seq)?;
+            self.streams[s].seq_rm(seq, p0, p1)?;
+        }
+        Ok(true)
+    }
+
+    /// Adds `dst` to the cells of `src` in `[p0, p1)`. Across streams only whole sequences
+    /// copy, as in 0.1.161: the destination stream becomes a copy of the source's cells of
+    /// `src` (renamed `dst`) and of its rows (0.1.161 copies the rows at its next update;
+    /// this copies them at once).
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        let s0 = self.stream_of("seqCp source", src)?;
+        let s1 = self.stream_of("seqCp destination", dst)?;
+        if s0 == s1 {
+            let cache = &mut self.streams[s0];
+            let head = cache.head;
+            cache.seq_cp(src, dst, p0, p1)?;
+            cache.head = head;
+            return Ok(());
+        }
+        let size = self.size() as i32;
+        let partial = |p: i32| p > 0 && p + 1 < size;
+        if partial(p0) || partial(p1) {
+            return Err(KvError::Unsupported(format!(
+                "seqCp [{p0}, {p1}) between sequences of different streams: only whole \
+                 sequences copy across streams (llama.cpp 0.1.161 too)"
+            )));
+        }
+        self.copy_stream(s0, s1, src as usize, dst as usize)
+    }
+
+    fn copy_stream(&mut self, s0: usize, s1: usize, src: usize, dst: usize) -> Result<()> {
+        let from = &self.streams[s0];
+        let cells: Vec<usize> = from.cells.cells_of(src).collect();
+        let meta: Vec<_> = cells
+            .iter()
+            .map(|&i| (i, from.cells.pos(i), from.cells.delta(i), from.cells.ext(i)))
+            .collect();
+        let head = from.head;
+        let size = from.size();
+        let mut rows = Vec::new();
+        for il in 0..from.n_layer() {
+            for which in [Tensor::K, Tensor::V] {
+                rows.push((il, which, from.read_rows(il, which, 0, size)?));
+            }
+        }
+        let keeps_ext = from.cells.keeps_ext();
+        let to = &mut self.streams[s1];
+        for (il, which, bytes) in rows {
+            to.write_rows(il, which, 0, &bytes)?;
+        }
+        to.cells.reset();
+        to.cells.clear_deltas();
+        to.has_shift = false;
+        for (i, pos, delta, ext) in meta {
+            to.cells.set_pos(i, pos);
+            to.cells.insert_seq(i, dst);
+            if delta != 0 {
+                to.cells.set_delta(i, delta);
+                to.has_shift = true;
+            }
+            if keeps_ext {
+                to.cells.set_ext(i, ext);
+            }
+        }
+        to.cells.used = cells.len() as u32;
+        to.cells.settle();
+        to.head = head;
+        Ok(())
+    }
+
+    /// Frees every cell of `seq`'s stream that does not hold `seq`, and removes the other
+    /// sequences from the rest (other streams are left alone, as in 0.1.161).
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        let s = self.stream_of("seqKeep", seq)?;
+        let cache = &mut self.streams[s];
+        // the head goes back only to the first cell this frees (the seed's: to the first
+        // cell without `seq`, free ones included)
+        let first_freed = (0..cache.cells.len()).find(|&i| {
+            let seqs = cache.cells.seqs(i);
+            !seqs.is_empty() && !seqs.contains(seq as usize)
+        });
+        let head = cache.head;
+        cache.seq_keep(seq)?;
+        cache.head = first_freed.map_or(head, |f| head.min(f as u32));
+        Ok(())
+    }
+
+    /// Adds `delta` to the positions of `seq` in `[p0, p1)`, for the next K-shift.
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        let s = self.stream_of("seqAdd", seq)?;
+        self.streams[s].seq_add(seq, p0, p1, delta)
+    }
+
+    /// Divides the positions of `seq` in `[p0, p1)` by `d`, for the next K-shift. 0.1.161
+    /// records the change with the opposite sign of the seed's and of `seq_add` (old minus
+    /// new position); the K-shift rotates by what is recorded, so this records it the same.
+    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        let s = self.stream_of("seqDiv", seq)?;
+        let cache = &mut self.streams[s];
+        let before: Vec<(usize, i32, i32)> = cache
+            .cells
+            .cells_of(seq as usize)
+            .map(|i| (i, cache.cells.pos(i), cache.cells.delta(i)))
+            .collect();
+        cache.seq_div(seq, p0, p1, d)?;
+        for (i, pos, delta) in before {
+            let now = cache.cells.pos(i);
+            if now != pos {
+                cache.cells.set_delta(i, delta + (pos - now));
+            }
+        }
+        Ok(())
+    }
+
+    /// Smallest position of `seq`, -1 when it has no cell.
+    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        let s = self.stream_of("seqPosMin", seq)?;
+        Ok(self.streams[s]
+            .cells
+            .seq_pos_min(seq as usize)
+            .unwrap_or(-1))
+    }
+
+    /// Largest position of `seq`, -1 when it has no cell.
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        let s = self.stream_of("seqPosMax", seq)?;
+        Ok(self.streams[s]
+            .cells
+            .seq_pos_max(seq as usize)
+            .unwrap_or(-1))
+    }
+
+    /// Frees every cell of every stream, zeroes the tensors and forgets pending shifts.
+    pub fn clear(&mut self) -> Result<()> {
+        for s in &mut self.streams {
+            s.clear()?;
+            s.cells.clear_deltas();
+            s.has_shift = false;
+        }
+        Ok(())
+    }
+
+    /// Applies a pending K-shift of every stream (`shift` `None`: reports it pending).
+    pub fn update(&mut self, shift: Option<&ShiftParams>) -> Result<UpdateReport> {
+        let mut report = UpdateReport::default();
+        for s in &mut self.streams {
+            let r = s.update(shift, None)?;
+            report.shifted_cells = report.shifted_cells.max(r.shifted_cells);
+            report.shift_pending |= r.shift_pending;
+        }
+        Ok(report)
+    }
+
+    /// The state of `seq` (-1: every sequence) as 0.1.161 writes it in `layout`: the stream
+    /// count, then each stream's cells and rows (a stream without cells of `seq`: its count,
+    /// 0). A sequence's cells that its window no longer sees stay out.
+    pub fn state_write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        let own = match seq {
+            -1 => None,
+            seq => Some(self.stream_of("stateWrite", seq)?),
+        };
+        let mut out = n_stream_header(self.streams.len() as u32).to_vec();
+        for (s, cache) in self.streams.iter().enumerate() {
+            let runs = match own {
+                None => cache.cells.nonempty_runs(),
+                Some(o) if o == s => self.visible_runs(cache, seq as usize),
+                Some(_) => Vec::new(),
+            };
+            let plan = cache.plan_of_ranges(seq, layout, vec![runs])?;
+            let mut body = Vec::new();
+            cache.write_planned(&mut body, &plan, None)?;
+            // each stream's own payload starts with its stream count, 1
+            out.extend_from_slice(&body[n_stream_header(1).len()..]);
+        }
+        Ok(out)
+    }
+
+    /// The runs of cells (`begin..end`) of `seq` that its window still sees from its last
+    /// position.
+    fn visible_runs(&self, cache: &KvCache, seq: usize) -> Vec<(usize, usize)> {
+        let runs = cache.cells.runs_of(seq);
+        if self.window.swa_type == SwaType::None {
+            return runs;
+        }
+        let last = cache.cells.seq_pos_max(seq).unwrap_or(0);
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for (begin, end) in runs {
+            for i in begin..end {
+                if self.window.masks(cache.cells.pos(i), last) {
+                    continue;
+                }
+                match out.last_mut() {
+                    Some((_, e)) if *e == i => *e += 1,
+                    _ => out.push((i, i + 1)),
+                }
+            }
+        }
+        out
+    }
+
+    /// Reads a payload written by [`AttentionCache::state_write`] (or by 0.1.161) into `seq`
+    /// (-1: every stream), checking all of it before the cache changes. A sequence payload
+    /// goes to the sequence's stream, whichever of its streams holds the cells.
+    pub fn state_read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        let parsed = self.parse(data, seq, layout)?;
+        if seq == -1 {
+            return self.read_whole(data, &parsed);
+        }
+        let s = self.stream_of("stateRead", seq)?;
+        let mut summary = ReadSummary {
+            layout: parsed.layout,
+            cells: 0,
+            placed: Vec::new(),
+        };
+        for stream in &parsed.streams {
+            let one = ParsedPayload {
+                streams: vec![stream.clone()],
+                ..parsed.clone()
+            };
+            let r = read_sequence(&mut self.streams[s], data, &one, seq, self.window)?;
+            summary.cells += r.cells;
+            summary.placed.extend(r.placed);
+        }
+        Ok(summary)
+    }
+
+    /// Checks that `data` reads into `seq` (-1: every stream) without changing the cache.
+    pub(crate) fn check_read(&self, data: &[u8], seq: i32, layout: Layout) -> Result<()> {
+        self.parse(data, seq, layout).map(|_| ())
+    }
+
+    /// Parses and checks `data` against every stream it goes to.
+    fn parse(&self, data: &[u8], seq: i32, layout: Layout) -> Result<ParsedPayload> {
+        let ext = self.params().cell_ext;
+        let parsed = parse_payload_with(data, layout, ext, true)?;
+        let want = self.streams.len();
+        if parsed.streams.len() != want {
+            return Err(KvError::InvalidState(format!(
+                "the payload has {} streams, this cache reads {want} (n_stream mismatch)",
+                parsed.streams.len()
+            )));
+        }
+        for (k, stream) in parsed.streams.iter().enumerate() {
+            if seq != -1 && stream.cells.is_empty() {
+                continue;
+            }
+            let s = if seq == -1 {
+                k
+            } else {
+                self.stream_of("stateRead", seq)?
+            };
+            let one = ParsedPayload {
+                streams: vec![stream.clone()],
+                ..parsed.clone()
+            };
+            let dest = (seq != -1).then_some(seq);
+            self.streams[s].check_payload(&one, dest)?;
+            if stream.cells.len() > self.size() as usize {
+                return Err(KvError::NoSpace(format!(
+                    "stream {k} of the payload has {} cells, the cache {}",
+                    stream.cells.len(),
+                    self.size()
+                )));
+            }
+        }
+        Ok(parsed)
+    }
+
+    /// A whole-cache read: every stream cleared, then given its cells from cell 0.
+    fn read_whole(&mut self, data: &[u8], parsed: &ParsedPayload) -> Result<ReadSummary> {
+        let mut placed = Vec::new();
+        for (s, stream) in parsed.streams.iter().enumerate() {
+            let one = ParsedPayload {
+                streams: vec![stream.clone()],
+                ..parsed.clone()
+            };
+            let cache = &mut self.streams[s];
+            let r = cache.apply_payload(data, &one, None, ReadOptions::default(), None)?;
+            cache.cells.clear_deltas();
+            cache.has_shift = false;
+            placed.extend(r.placed);
+        }
+        Ok(ReadSummary {
+            layout: parsed.layout,
+            cells: placed.len() as u32,
+            placed,
+        })
+    }
+}
+
+/// A sequence read into one stream, placed as 0.1.161's `state_read_meta` does: the
+/// sequence removed, then its cells found and applied as a ubatch (window and purge
+/// included). A payload without cells changes nothing, as in 0.1.161.
+fn read_sequence(
+    cache: &mut KvCache,
+    data: &[u8],
+    parsed: &ParsedPayload,
+    seq: i32,
+    window: Window,
+) -> Result<ReadSummary> {
+    if parsed.streams[0].cells.is_empty() {
+        return Ok(ReadSummary {
+            layout: parsed.layout,
+            cells: 0,
+            placed: Vec::new(),
+        });
+    }
+    cache.apply_payload_with(data, parsed, Some(seq), None, |cache, cells| {
+        let undo = CellsUndo::All(Box::new(cache.cells.clone()), cache.head, cache.n);
+        let ub = UBatch {
+            pos: cells.positions().to_vec(),
+            n_seq_tokens: cells.len() as u32,
+            seq_ids: vec![vec![seq]],
+            ext: cells.exts().to_vec(),
+        };
+        let slot = cache
+            .seq_rm_keeping_data(seq, -1, -1)
+            .and_then(|_| {
+                find_cells(cache, cells.len(), window).ok_or_else(|| {
+                    KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
+                })
+            })
+            .map(|found| StreamSlot {
+                stream: 0,
+                cells: found,
+                tokens: (0..cells.len()).collect(),
+            });
+        let slot = match slot {
+            Ok(slot) => slot,
+            Err(e) => {
+                cache.roll_back(undo, &[]);
+                return Err(e);
+            }
+        };
+        for (s, max) in put_tokens(cache, &slot, &ub) {
+            if let Some(min) = cache.cells.seq_pos_min(s) {
+                if min <= max {
+                    cache.seq_rm_keeping_data(s as i32, min, max + 1)?;
+                }
+            }
+        }
+        cache.head = slot.cells.last().map_or(cache.head, |&c| c + 1);
+        Ok((undo, slot.cells.iter().map(|&c| c as usize).collect()))
+    })
+}
+
+/// Whether cell `i` can take a token: free, or held by one sequence whose next token's
+/// window no longer sees it.
+fn usable(cells: &Cells, i: usize, window: Window) -> bool {
+    let pos = cells.pos(i);
+    if pos < 0 {
+        return true;
+    }
+    if window.swa_type == SwaType::None {
+        return false;
+    }
+    match cells.seqs(i).only() {
+        Some(seq) => {
+            let next = cells.seq_pos_max(seq).map_or(0, |m| m + 1);
+            window.masks(pos, next)
+        }
+        None => false,
+    }
+}
+
+/// 0.1.161's search for `n` cells of one stream, one cell at a time from its head (which
+/// starts over at 0 when enough cells before it are free).
+fn find_cells(cache: &KvCache, n: usize, window: Window) -> Option<Vec<u32>> {
+    let cells = &cache.cells;
+    let size = cells.len();
+    if n > size {
+        return None;
+    }
+    let mut head = cache.head as usize;
+    if head > cells.occupied_count() as usize + 2 * n {
+        head = 0;
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut tested = 0usize;
+    loop {
+        if head >= size {
+            head = 0;
+        }
+        if usable(cells, head, window) {
+            out.push(head as u32);
+        }
+        head += 1;
+        tested += 1;
+        if out.len() == n {
+            return Some(out);
+        }
+        if tested >= size {
+            return None;
+        }
+    }
+}
+
+/// Writes the tokens of `slot` into its cells (freeing what they held) and returns, per
+/// sequence whose cell was overwritten, the largest position overwritten.
+fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize, i32)> {
+    let per_group = ub.n_seq_tokens as usize;
+    let keeps_ext = cache.cells.keeps_ext();
+    let mut overwritten: Vec<(usize, i32)> = Vec::new();
+    for (&cell, &k) in slot.cells.iter().zip(&slot.tokens) {
+        let i = cell as usize;
+        let old = cache.cells.pos(i);
+        if old >= 0 {
+            if let Some(seq) = cache.cells.seqs(i).only() {
+                match overwritten.iter_mut().find(|(s, _)| *s == seq) {
+                    Some((_, max)) => *max = (*max).max(old),
+                    None => overwritten.push((seq, old)),
+                }
+            }
+            cache.cells.clear_seqs(i);
+            cache.cells.set_pos(i, -1);
+            cache.cells.used = cache.cells.used.wrapping_sub(1);
+        }
+        cache.cells.set_pos(i, ub.pos[k]);
+        cache.cells.set_delta(i, 0);
+        if keeps_ext {
+            let ext = cache.ubatch_ext(ub, k);
+            cache.cells.set_ext(i, ext);
+        }
+        for &s in &ub.seq_ids[k / per_group] {
+            cache.cells.insert_seq(i, s as usize);
+        }
+        cache.cells.used += 1;
+    }
+    cache.cells.settle();
+    // sequences in ascending order, as 0.1.161's purge loop visits them
+    overwritten.sort_unstable();
+    overwritten
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(size: u32, n_seq: u32, unified: bool, window: Window) -> AttentionCache {
+        let mut p = CacheParams::new(size, 1, 8, 8);
+        p.n_seq_max = n_seq;
+        AttentionCache::new(p, unified, window).unwrap()
+    }
+
+    fn standard(n: u32) -> Window {
+        Window {
+            n_swa: n,
+            swa_type: SwaType::Standard,
+        }
+    }
+
+    #[test]
+    fn a_window_cache_reuses_the_cells_its_sequence_can_no_longer_see() {
+        let mut c = cache(8, 1, true, standard(4));
+        c.place(&[UBatch::sequence(0, 0, 8)]).unwrap().unwrap();
+        // the cache is full; token 8 sees positions 5..8, so cells of 0..4 are reusable
+        let slots = c.place(&[UBatch::sequence(0, 8, 2)]).unwrap().unwrap();
+        assert_eq!(slots[0][0].cells, vec![0, 1]);
+        // the purge removed every position below the overwritten ones
+        assert_eq!(c.seq_pos_min(0).unwrap(), 2);
+        assert_eq!(c.seq_pos_max(0).unwrap(), 9);
+        assert_eq!(c.used_cells(), 8);
+    }
+
+    #[test]
+    fn a_full_attention_cache_refuses_what_does_not_fit_and_changes_nothing() {
+        let mut c = cache(8, 2, true, Window::FULL);
+        c.place(&[UBatch::sequence(0, 0, 6)]).unwrap().unwrap();
+        let before = c.stream(0).unwrap().cells.clone();
+        let none = c
+            .place(&[UBatch::sequence(1, 0, 1), UBatch::sequence(1, 1, 4)])
+            .unwrap();
+        assert!(none.is_none());
+        assert_eq!(c.stream(0).unwrap().cells, before);
+        assert_eq!(c.stream(0).unwrap().head, 6);
+    }
+
+    #[test]
+    fn sequences_of_separate_streams_do_not_share_cells() {
+        let mut c = cache(4, 2, false, Window::FULL);
+        c.place(&[UBatch::sequence(0, 0, 4)]).unwrap().unwrap();
+        c.place(&[UBatch::sequence(1, 0, 4)]).unwrap().unwrap();
+        assert_eq!(c.used_cells(), 8);
+        c.seq_cp(0, 1, -1, -1).unwrap();
+        assert_eq!(c.stream(1).unwrap().cells.seqs(0).only(), Some(1));
+        assert!(c.seq_cp(0, 1, 1, 2).is_err());
+        let bytes = c.state_write(-1, Layout::StreamsRot).unwrap();
+        let mut d = cache(4, 2, false, Window::FULL);
+        d.state_read(&bytes, -1, Layout::StreamsRot).unwrap();
+        assert_eq!(d.state_write(-1, Layout::StreamsRot).unwrap(), bytes);
+    }
+}

@@ -1,0 +1,404 @@
+//! llama.cpp 0.1.161's sliding-window memory (`llama_kv_cache_iswa`): a base cache for the
+//! full-attention layers and a window cache for the sliding-window layers, each an
+//! [`AttentionCache`], fed the same ubatches and the same sequence operations.
+
+use crate::cache::io::ReadSummary;
+use crate::cache::kshift::UpdateReport;
+use crate::cells::ubatch::UBatch;
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::memory::attention::{AttentionCache, StreamSlot, Window};
+use crate::memory::SwaType;
+use crate::model::{MemoryKind, ModelInfo};
+use crate::params::CacheParams;
+use crate::state::{parse_payload_with, Layout};
+use crate::tensors::rope::ShiftParams;
+
+/// What an iSWA memory is built from: the model's layers and window, and the context.
+#[derive(Clone, Debug)]
+pub struct IswaParams {
+    /// Parameters of a cache of every model layer, `size` the context's cells (the base
+    /// cache's size); each part takes its own layers from it.
+    pub params: CacheParams,
+    /// Which model layers use the window (`is_swa(il)`).
+    pub swa_layers: Vec<bool>,
+    /// The window.
+    pub window: Window,
+    /// One stream for all sequences.
+    pub unified: bool,
+    /// The window cache as large as the base cache (`swa_full`).
+    pub swa_full: bool,
+    /// Tokens per ubatch (`n_ubatch`), which the window cache has room for beyond the window.
+    pub n_ubatch: u32,
+}
+
+/// A context as llama.cpp 0.1.161's `llama_context_params` describes it, for the memories of
+/// today's models.
+#[derive(Clone, Debug)]
+pub struct ContextParams {
+    /// Context size in tokens (0: the model's trained context), padded to 256.
+    pub n_ctx: u32,
+    /// Sequences.
+    pub n_seq_max: u32,
+    /// Tokens per ubatch.
+    pub n_ubatch: u32,
+    /// One stream for all sequences (`kv_unified`); otherwise each sequence gets a stream
+    /// of `n_ctx / n_seq_max` cells (padded to 256).
+    pub unified: bool,
+    /// The window cache as large as the base cache.
+    pub swa_full: bool,
+    /// K type.
+    pub type_k: GgmlType,
+    /// V type.
+    pub type_v: GgmlType,
+    /// Flash attention (V rows instead of transposed V).
+    pub flash_attn: bool,
+}
+
+impl ContextParams {
+    /// Cells per stream (`n_ctx_seq`), as 0.1.161's context computes them.
+    pub fn cells_per_stream(&self, n_ctx_train: u32) -> Result<u32> {
+        let pad = |x: u32| {
+            x.checked_next_multiple_of(256)
+                .ok_or_else(|| KvError::OutOfRange(format!("nCtx {x} is too large")))
+        };
+        if self.n_seq_max == 0 {
+            return Err(KvError::InvalidArg("nSeqMax must be at least 1".into()));
+        }
+        let n_ctx = pad(if self.n_ctx == 0 {
+            n_ctx_train
+        } else {
+            self.n_ctx
+        })?;
+        if self.unified {
+            Ok(n_ctx)
+        } else {
+            pad(n_ctx / self.n_seq_max)
+        }
+    }
+}
+
+impl IswaParams {
+    /// The iSWA memory 0.1.161 builds for `model` in `ctx`; refused for a model that has no
+    /// sliding-window layers.
+    pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<IswaParams> {
+        let Some(swa) = model
+            .swa
+            .as_ref()
+            .filter(|_| model.memory == MemoryKind::Iswa)
+        else {
+            return Err(KvError::Unsupported(format!(
+                "the model ({}) has no sliding-window layers: its memory is {}",
+                model.arch,
+                model.memory.name()
+            )));
+        };
+        let size = ctx.cells_per_stream(model.n_ctx_train)?;
+        let params =
+            model.layer_params(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn)?;
+        Ok(IswaParams {
+            params,
+            swa_layers: model.layers.iter().map(|l| l.swa).collect(),
+            window: Window {
+                n_swa: swa.window,
+                swa_type: if swa.chunked {
+                    SwaType::Chunked
+                } else {
+                    SwaType::Standard
+                },
+            },
+            unified: ctx.unified,
+            swa_full: ctx.swa_full,
+            n_ubatch: ctx.n_ubatch,
+        })
+    }
+
+    /// Cells of the window cache, as 0.1.161 sizes it: the window (per sequence when
+    /// unified) plus a ubatch, padded to 256, never more than the base cache; the base
+    /// cache's size with `swa_full`.
+    pub fn swa_size(&self) -> u32 {
+        let base = self.params.size;
+        if self.swa_full {
+            return base;
+        }
+        let per = if self.unified {
+            u64::from(self.params.n_seq_max)
+        } else {
+            1
+        };
+        let want = u64::from(self.window.n_swa) * per + u64::from(self.n_ubatch);
+        let min = want.min(u64::from(base));
+        (min.div_ceil(256) * 256) as u32
+    }
+}
+
+/// One part of an iSWA memory.
+pub struct IswaPart {
+    /// The model layers it holds, ascending; its layer `k` is model layer `layers[k]`.
+    pub layers: Vec<u32>,
+    /// The cache.
+    pub cache: AttentionCache,
+}
+
+/// llama.cpp 0.1.161's `llama_kv_cache_iswa`.
+pub struct IswaCache {
+    base: IswaPart,
+    swa: IswaPart,
+}
+
+fn part_params(all: &CacheParams, layers: &[u32], size: u32) -> CacheParams {
+    let mut p = all.clone();
+    p.size = size;
+    p.n_layer = layers.len() as u32;
+    p.n_embd_k_gqa = layers
+        .iter()
+        .map(|&il| all.n_embd_k(il as usize) as u32)
+        .collect();
+    p.n_embd_v_gqa = layers
+        .iter()
+        .map(|&il| all.n_embd_v(il as usize) as u32)
+        .collect();
+    p
+}
+
+impl IswaCache {
+    /// Builds both caches.
+    pub fn new(p: IswaParams) -> Result<IswaCache> {
+        if p.swa_layers.len() != p.params.n_layer as usize {
+            return Err(KvError::InvalidArg(format!(
+                "swa layers: {} flags for {} layers",
+                p.swa_layers.len(),
+                p.params.n_layer
+            )));
+        }
+        let pick = |swa: bool| -> Vec<u32> {
+            (0..p.params.n_layer)
+                .filter(|&il| p.swa_layers[il as usize] == swa)
+                .collect()
+        };
+        let (base_layers, swa_layers) = (pick(false), pick(true));
+        let base = AttentionCache::new(
+            part_params(&p.params, &base_layers, p.params.size),
+            p.unified,
+            Window::FULL,
+        )?;
+        let swa = AttentionCache::new(
+            part_params(&p.params, &swa_layers, p.swa_size()),
+            p.unified,
+            p.window,
+        )?;
+        Ok(IswaCache {
+            base: IswaPart {
+                layers: base_layers,
+                cache: base,
+            },
+            swa: IswaPart {
+                layers: swa_layers,
+                cache: swa,
+            },
+        })
+    }
+
+    /// The full-attention part.
+    pub fn base(&self) -> &IswaPart {
+        &self.base
+    }
+
+    /// The sliding-window part.
+    pub fn swa(&self) -> &IswaPart {
+        &self.swa
+    }
+
+    /// The part holding model layer `il` and its index there.
+    pub fn route(&self, il: u32) -> Result<(&AttentionCache, u32)> {
+        for part in [&self.base, &self.swa] {
+            if let Ok(k) = part.layers.binary_search(&il) {
+                return Ok((&part.cache, k as u32));
+            }
+        }
+        Err(self.no_layer(il))
+    }
+
+    /// [`IswaCache::route`], to write rows.
+    pub fn route_mut(&mut self, il: u32) -> Result<(&mut AttentionCache, u32)> {
+        let err = self.no_layer(il);
+        for part in [&mut self.base, &mut self.swa] {
+            if let Ok(k) = part.layers.binary_search(&il) {
+                return Ok((&mut part.cache, k as u32));
+            }
+        }
+        Err(err)
+    }
+
+    fn no_layer(&self, il: u32) -> KvError {
+        KvError::OutOfRange(format!(
+            "layer {il} is out of range [0, {})",
+            self.base.layers.len() + self.swa.layers.len()
+        ))
+    }
+
+    fn both(&mut self) -> [&mut AttentionCache; 2] {
+        [&mut self.base.cache, &mut self.swa.cache]
+    }
+
+    /// Places the ubatches of one decode in both caches, or (`None`) in neither.
+    #[allow(clippy::type_complexity)]
+    pub fn place(
+        &mut self,
+        ubatches: &[UBatch],
+    ) -> Result<Option<(Vec<Vec<StreamSlot>>, Vec<Vec<StreamSlot>>)>> {
+        let kept = [
+            self.base.cache.snapshot(ubatches)?,
+            self.swa.cache.snapshot(ubatches)?,
+        ];
+        let base = self.base.cache.place_each(ubatches);
+        let swa = match base {
+            Ok(Some(_)) => self.swa.cache.place_each(ubatches),
+            _ => Ok(None),
+        };
+        match (base, swa) {
+            (Ok(Some(b)), Ok(Some(s))) => Ok(Some((b, s))),
+            (b, s) => {
+                let [kb, ks] = kept;
+                self.base.cache.restore(kb);
+                self.swa.cache.restore(ks);
+                b.and(s).map(|_| None)
+            }
+        }
+    }
+
+    /// `seq_rm` in both caches.
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        self.check_seq("seqRm", seq, true)?;
+        for c in self.both() {
+            c.seq_rm(seq, p0, p1)?;
+        }
+        Ok(true)
+    }
+
+    /// `seq_cp` in both caches.
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        // checked in the window cache first so that a refusal changes neither
+        self.check_seq("seqCp source", src, false)?;
+        self.check_seq("seqCp destination", dst, false)?;
+        for c in self.both() {
+            c.seq_cp(src, dst, p0, p1)?;
+        }
+        Ok(())
+    }
+
+    /// `seq_keep` in both caches.
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        self.check_seq("seqKeep", seq, false)?;
+        for c in self.both() {
+            c.seq_keep(seq)?;
+        }
+        Ok(())
+    }
+
+    /// `seq_add` in both caches.
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        self.check_seq("seqAdd", seq, false)?;
+        self.check_shift("seqAdd")?;
+        for c in self.both() {
+            c.seq_add(seq, p0, p1, delta)?;
+        }
+        Ok(())
+    }
+
+    /// `seq_div` in both caches.
+    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        self.check_seq("seqDiv", seq, false)?;
+        self.check_shift("seqDiv")?;
+        for c in self.both() {
+            c.seq_div(seq, p0, p1, d)?;
+        }
+        Ok(())
+    }
+
+    fn check_seq(&self, what: &str, seq: i32, any: bool) -> Result<()> {
+        if any && seq == -1 {
+            return Ok(());
+        }
+        self.swa.cache.stream_of(what, seq).map(|_| ())
+    }
+
+    /// Smallest position of `seq`, from the window cache (the base cache holds a superset).
+    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        self.swa.cache.seq_pos_min(seq)
+    }
+
+    /// Largest position of `seq`.
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        self.swa.cache.seq_pos_max(seq)
+    }
+
+    /// Frees every cell of both caches.
+    pub fn clear(&mut self) -> Result<()> {
+        for c in self.both() {
+            c.clear()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the positions can be shifted: only with a window cache as large as the base
+    /// cache (`swa_full`), as in 0.1.161, whose window cache may already have dropped what a
+    /// shift would move.
+    pub fn can_shift(&self) -> bool {
+        self.base.cache.can_shift()
+            && self.swa.cache.can_shift()
+            && self.base.cache.size() == self.swa.cache.size()
+    }
+
+    /// Refuses to move positions when [`IswaCache::can_shift`] does not hold, before anything
+    /// changes.
+    fn check_shift(&self, what: &str) -> Result<()> {
+        if self.can_shift() {
+            return Ok(());
+        }
+        Err(KvError::Unsupported(format!(
+            "{what}: the positions of an iSWA cache can move only when its window cache is as \
+             large as its base cache ({} < {} cells; llama.cpp 0.1.161's can_shift says no as \
+             well): create it with swaFull",
+            self.swa.cache.size(),
+            self.base.cache.size()
+        )))
+    }
+
+    /// Applies a pending K-shift to both caches; `shift` gives the rotation per model layer.
+    pub fn update(&mut self, shift: Option<&ShiftParams>) -> Result<UpdateReport> {
+        let mut report = UpdateReport::default();
+        for part in [&mut self.base, &mut self.swa] {
+            let params = shift.map(|s| s.for_layers(&part.layers));
+            let r = part.cache.update(params.as_ref())?;
+            report.shifted_cells = report.shifted_cells.max(r.shifted_cells);
+            report.shift_pending |= r.shift_pending;
+        }
+        Ok(report)
+    }
+
+    /// The state of `seq` (-1: everything) as 0.1.161 writes it: the base cache, then the
+    /// window cache.
+    pub fn state_write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        let mut out = self.base.cache.state_write(seq, layout)?;
+        out.extend(self.swa.cache.state_write(seq, layout)?);
+        Ok(out)
+    }
+
+    /// Reads a payload of both caches into `seq` (-1: everything). Both parts are parsed
+    /// and checked before either changes.
+    pub fn state_read(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+    ) -> Result<[ReadSummary; 2]> {
+        let ext = self.base.cache.params().cell_ext;
+        let base_len = parse_payload_with(data, layout, ext, false)?.len;
+        let (first, second) = data.split_at(base_len);
+        self.swa.cache.check_read(second, seq, layout)?;
+        let base = self.base.cache.state_read(first, seq, layout)?;
+        let swa = self.swa.cache.state_read(second, seq, layout)?;
+        Ok([base, swa])
+    }
+}

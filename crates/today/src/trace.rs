@@ -1,0 +1,595 @@
+//! The differential of today's live caches against llama.cpp 0.1.161: random traces of
+//! decodes, sequence operations and sequence state round trips, applied op by op to the
+//! peer's memory (`today-driver trace`, which prints every cell of every stream of every part)
+//! and to ours ([`IswaCache`] or [`AttentionCache`]), compared after every op.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use llama_kv_cache::{
+    AttentionCache, ContextParams, GgmlType, IswaCache, IswaParams, KvCache, Layout, ModelInfo,
+    ShiftParams, UBatch,
+};
+use serde_json::Value;
+
+use crate::driver_path;
+
+/// A context to run traces in.
+#[derive(Clone, Debug)]
+pub struct TraceConfig {
+    /// Model file.
+    pub model: String,
+    /// Context size.
+    pub ctx: u32,
+    /// Sequences.
+    pub n_seq: u32,
+    /// Tokens per ubatch (and per batch).
+    pub n_ubatch: u32,
+    /// One stream for all sequences.
+    pub unified: bool,
+    /// The window cache as large as the base cache.
+    pub swa_full: bool,
+}
+
+impl TraceConfig {
+    fn context(&self) -> ContextParams {
+        ContextParams {
+            n_ctx: self.ctx,
+            n_seq_max: self.n_seq,
+            n_ubatch: self.n_ubatch,
+            unified: self.unified,
+            swa_full: self.swa_full,
+            type_k: GgmlType::F16,
+            type_v: GgmlType::F16,
+            flash_attn: false,
+        }
+    }
+}
+
+/// One operation of a trace, as the driver reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A batch: `(seq, first position, tokens)` per group.
+    Decode(Vec<(i32, i32, u32)>),
+    /// `seq_rm`.
+    Rm(i32, i32, i32),
+    /// `seq_cp`.
+    Cp(i32, i32, i32, i32),
+    /// `seq_keep`.
+    Keep(i32),
+    /// `seq_add`.
+    Add(i32, i32, i32, i32),
+    /// `seq_div`.
+    Div(i32, i32, i32, i32),
+    /// The state of one sequence into the buffer.
+    Save(i32),
+    /// The buffer into one sequence.
+    Load(i32),
+    /// Clear the memory.
+    Clear,
+}
+
+impl Op {
+    /// The driver's line.
+    pub fn line(&self) -> String {
+        match self {
+            Op::Decode(groups) => {
+                let g: Vec<String> = groups
+                    .iter()
+                    .map(|(s, p, n)| format!("{s}:{p}:{n}"))
+                    .collect();
+                format!("decode {}", g.join(","))
+            }
+            Op::Rm(s, a, b) => format!("rm {s} {a} {b}"),
+            Op::Cp(s, d, a, b) => format!("cp {s} {d} {a} {b}"),
+            Op::Keep(s) => format!("keep {s}"),
+            Op::Add(s, a, b, d) => format!("add {s} {a} {b} {d}"),
+            Op::Div(s, a, b, d) => format!("div {s} {a} {b} {d}"),
+            Op::Save(s) => format!("save {s}"),
+            Op::Load(s) => format!("load {s}"),
+            Op::Clear => "clear".into(),
+        }
+    }
+}
+
+/// What both sides show after an op: the result and every part's cells.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shown {
+    /// The op's result (decode: 0 placed, 1 no room; others 1).
+    pub ret: i64,
+    /// Per part: size and, per stream, its non-empty cells as `i:pos:shift:seqs`.
+    pub parts: Vec<(u64, Vec<String>)>,
+    /// `(seq_pos_min, seq_pos_max)` per sequence.
+    pub pos: Vec<(i64, i64)>,
+}
+
+fn shown_from_json(v: &Value) -> Result<Shown, String> {
+    let err = || format!("unexpected driver output {v}");
+    let parts = v["parts"]
+        .as_array()
+        .ok_or_else(err)?
+        .iter()
+        .map(|p| {
+            let streams = p["streams"]
+                .as_array()
+                .map(|a| a.iter().map(|s| s.as_str().unwrap_or("?").to_string()))
+                .ok_or_else(err)?
+                .collect();
+            Ok((p["size"].as_u64().ok_or_else(err)?, streams))
+        })
+        .collect::<Result<_, String>>()?;
+    let pos = v["pos"]
+        .as_array()
+        .ok_or_else(err)?
+        .iter()
+        .map(|p| (p[0].as_i64().unwrap_or(-9), p[1].as_i64().unwrap_or(-9)))
+        .collect();
+    Ok(Shown {
+        ret: v["ret"].as_i64().ok_or_else(err)?,
+        parts,
+        pos,
+    })
+}
+
+/// The peer: one `today-driver trace` process.
+pub struct Oracle {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+}
+
+impl Oracle {
+    /// Starts the driver for `cfg`.
+    pub fn start(cfg: &TraceConfig, models: &Path) -> Result<Oracle, String> {
+        let mut child = Command::new(driver_path()?)
+            .arg("trace")
+            .arg(format!("model={}", models.join(&cfg.model).display()))
+            .arg(format!("ctx={}", cfg.ctx))
+            .arg(format!("seqs={}", cfg.n_seq))
+            .arg(format!("ubatch={}", cfg.n_ubatch))
+            .arg(format!("unified={}", u8::from(cfg.unified)))
+            .arg(format!("swa_full={}", u8::from(cfg.swa_full)))
+            // an assertion of the peer ends it with its message, without attaching a debugger
+            .env("GGML_NO_BACKTRACE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the 0.1.161 driver: {e}"))?;
+        let input = child.stdin.take().expect("piped");
+        let output = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Oracle {
+            child,
+            input,
+            output,
+        })
+    }
+
+    /// Applies `op` and reads what the memory shows.
+    pub fn apply(&mut self, op: &Op) -> Result<Shown, String> {
+        writeln!(self.input, "{}", op.line()).map_err(|e| format!("driver stdin: {e}"))?;
+        let mut line = String::new();
+        self.output
+            .read_line(&mut line)
+            .map_err(|e| format!("driver stdout: {e}"))?;
+        if line.is_empty() {
+            return Err(format!("the driver ended at `{}`", op.line()));
+        }
+        let v: Value =
+            serde_json::from_str(&line).map_err(|e| format!("driver said {line:?}: {e}"))?;
+        if let Some(e) = v.get("error") {
+            return Err(format!("driver error at `{}`: {e}", op.line()));
+        }
+        shown_from_json(&v)
+    }
+}
+
+impl Drop for Oracle {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Our memory of the same kind.
+pub enum Ours {
+    /// The model has sliding-window layers.
+    Iswa(IswaCache),
+    /// Full attention only.
+    Attention(AttentionCache),
+}
+
+/// Our side of a trace.
+pub struct OurSide {
+    memory: Ours,
+    n_seq: u32,
+    n_ubatch: u32,
+    shift: Option<ShiftParams>,
+    saved: Vec<u8>,
+}
+
+impl OurSide {
+    /// The memory 0.1.161 builds for `cfg`'s model and context.
+    pub fn new(cfg: &TraceConfig, models: &Path) -> Result<OurSide, String> {
+        let info =
+            ModelInfo::from_file(&models.join(&cfg.model), false).map_err(|e| e.to_string())?;
+        let ctx = cfg.context();
+        let memory = match IswaParams::for_model(&info, &ctx) {
+            Ok(p) => Ours::Iswa(IswaCache::new(p).map_err(|e| e.to_string())?),
+            Err(_) => {
+                let size = ctx
+                    .cells_per_stream(info.n_ctx_train)
+                    .map_err(|e| e.to_string())?;
+                let p = info
+                    .layer_params(size, cfg.n_seq, ctx.type_k, ctx.type_v, ctx.flash_attn)
+                    .map_err(|e| e.to_string())?;
+                Ours::Attention(
+                    AttentionCache::new(p, cfg.unified, Default::default())
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+        };
+        Ok(OurSide {
+            memory,
+            n_seq: cfg.n_seq,
+            n_ubatch: cfg.n_ubatch,
+            shift: info.shift_params(None),
+            saved: Vec::new(),
+        })
+    }
+
+    fn parts(&self) -> Vec<&AttentionCache> {
+        match &self.memory {
+            Ours::Iswa(c) => vec![&c.base().cache, &c.swa().cache],
+            Ours::Attention(c) => vec![c],
+        }
+    }
+
+    /// The ubatches 0.1.161 splits a batch into: `split_simple` (unified) or, one sequence
+    /// per batch, `split_equal`; both cut it into pieces of `n_ubatch` tokens in order.
+    fn ubatches(&self, groups: &[(i32, i32, u32)]) -> Vec<UBatch> {
+        let tokens: Vec<(i32, i32)> = groups
+            .iter()
+            .flat_map(|&(s, p, n)| (0..n as i32).map(move |k| (s, p + k)))
+            .collect();
+        tokens
+            .chunks(self.n_ubatch as usize)
+            .map(|c| {
+                UBatch::per_token(
+                    c.iter().map(|t| t.1).collect(),
+                    c.iter().map(|t| vec![t.0]).collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// Applies `op` and shows the memory; an error is a refusal 0.1.161 would not make.
+    pub fn apply(&mut self, op: &Op) -> Result<Shown, String> {
+        let e = |e: llama_kv_cache::KvError| format!("{op:?}: {e}");
+        let mut ret = 1;
+        match *op {
+            Op::Decode(ref groups) => {
+                let ubatches = self.ubatches(groups);
+                let shift = self.shift.as_ref();
+                let placed = match &mut self.memory {
+                    Ours::Iswa(c) => {
+                        c.update(shift).map_err(e)?;
+                        c.place(&ubatches).map_err(e)?.is_some()
+                    }
+                    Ours::Attention(c) => {
+                        c.update(shift).map_err(e)?;
+                        c.place(&ubatches).map_err(e)?.is_some()
+                    }
+                };
+                ret = if placed { 0 } else { 1 };
+            }
+            Op::Rm(s, a, b) => {
+                let ok = match &mut self.memory {
+                    Ours::Iswa(c) => c.seq_rm(s, a, b),
+                    Ours::Attention(c) => c.seq_rm(s, a, b),
+                }
+                .map_err(e)?;
+                ret = i64::from(ok);
+            }
+            Op::Cp(s, d, a, b) => match &mut self.memory {
+                Ours::Iswa(c) => c.seq_cp(s, d, a, b),
+                Ours::Attention(c) => c.seq_cp(s, d, a, b),
+            }
+            .map_err(e)?,
+            Op::Keep(s) => match &mut self.memory {
+                Ours::Iswa(c) => c.seq_keep(s),
+                Ours::Attention(c) => c.seq_keep(s),
+            }
+            .map_err(e)?,
+            Op::Add(s, a, b, d) => match &mut self.memory {
+                Ours::Iswa(c) => c.seq_add(s, a, b, d),
+                Ours::Attention(c) => c.seq_add(s, a, b, d),
+            }
+            .map_err(e)?,
+            Op::Div(s, a, b, d) => match &mut self.memory {
+                Ours::Iswa(c) => c.seq_div(s, a, b, d),
+                Ours::Attention(c) => c.seq_div(s, a, b, d),
+            }
+            .map_err(e)?,
+            Op::Save(s) => {
+                self.saved = match &self.memory {
+                    Ours::Iswa(c) => c.state_write(s, Layout::StreamsRot),
+                    Ours::Attention(c) => c.state_write(s, Layout::StreamsRot),
+                }
+                .map_err(e)?;
+            }
+            Op::Load(s) => {
+                let read = match &mut self.memory {
+                    Ours::Iswa(c) => c.state_read(&self.saved, s, Layout::StreamsRot).map(|_| ()),
+                    Ours::Attention(c) => {
+                        c.state_read(&self.saved, s, Layout::StreamsRot).map(|_| ())
+                    }
+                };
+                // 0.1.161 reports a load that finds no room as a failure, and so does this
+                ret = i64::from(read.is_ok());
+            }
+            Op::Clear => match &mut self.memory {
+                Ours::Iswa(c) => c.clear(),
+                Ours::Attention(c) => c.clear(),
+            }
+            .map_err(e)?,
+        }
+        Ok(self.show(ret))
+    }
+
+    /// The state bytes of `seq` (-1: everything).
+    pub fn state(&self, seq: i32) -> Result<Vec<u8>, String> {
+        match &self.memory {
+            Ours::Iswa(c) => c.state_write(seq, Layout::StreamsRot),
+            Ours::Attention(c) => c.state_write(seq, Layout::StreamsRot),
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    fn show(&self, ret: i64) -> Shown {
+        let parts = self
+            .parts()
+            .into_iter()
+            .map(|p| {
+                let streams = (0..p.n_stream())
+                    .map(|s| stream_cells(p.stream(s).expect("in range"), self.n_seq))
+                    .collect();
+                (u64::from(p.size()), streams)
+            })
+            .collect();
+        let pos = (0..self.n_seq as i32)
+            .map(|s| {
+                let (lo, hi) = match &self.memory {
+                    Ours::Iswa(c) => (c.seq_pos_min(s), c.seq_pos_max(s)),
+                    Ours::Attention(c) => (c.seq_pos_min(s), c.seq_pos_max(s)),
+                };
+                (i64::from(lo.unwrap_or(-9)), i64::from(hi.unwrap_or(-9)))
+            })
+            .collect();
+        Shown { ret, parts, pos }
+    }
+}
+
+/// A stream's non-empty cells as the driver prints them.
+fn stream_cells(cache: &KvCache, n_seq: u32) -> String {
+    let cells = cache.cells();
+    let mut out = Vec::new();
+    for i in 0..cells.len() {
+        let pos = cells.pos(i);
+        if pos < 0 {
+            continue;
+        }
+        let seqs: Vec<String> = cells
+            .seqs(i)
+            .iter()
+            .filter(|&q| q < n_seq as usize)
+            .map(|q| q.to_string())
+            .collect();
+        out.push(format!("{i}:{pos}:{}:{}", cells.delta(i), seqs.join(".")));
+    }
+    out.join(" ")
+}
+
+/// A small deterministic generator (xorshift).
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// A value in `0..n` (n > 0).
+    pub fn below(&mut self, n: u32) -> u32 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        ((x >> 32) % u64::from(n.max(1))) as u32
+    }
+}
+
+/// The next op of a trace, given what the memory shows now (positions per sequence), for a
+/// context of `cfg`. Decodes continue every sequence at its next position, as 0.1.161
+/// requires; shifts only where the memory can shift; copies across streams only whole.
+pub fn next_op(
+    rng: &mut Rng,
+    cfg: &TraceConfig,
+    shown: &Shown,
+    can_shift: bool,
+    saved: bool,
+) -> Op {
+    let n_seq = cfg.n_seq;
+    let seq = |rng: &mut Rng| rng.below(n_seq) as i32;
+    let next_pos = |s: i32| (shown.pos[s as usize].1 + 1) as i32;
+    let max_pos = |s: i32| shown.pos[s as usize].1.max(0) as i32;
+    let range = |rng: &mut Rng, s: i32| {
+        let top = max_pos(s) + 2;
+        let a = rng.below(top as u32) as i32 - 1;
+        let b = if rng.below(3) == 0 {
+            -1
+        } else {
+            a.max(0) + rng.below(8) as i32
+        };
+        (a, b)
+    };
+    match rng.below(20) {
+        0..=9 => {
+            let groups = if cfg.unified && n_seq > 1 {
+                1 + rng.below(3)
+            } else {
+                1
+            };
+            let per = (cfg.n_ubatch / groups).max(1);
+            let mut seqs: Vec<i32> = Vec::new();
+            for _ in 0..groups {
+                let s = seq(rng);
+                if !seqs.contains(&s) {
+                    seqs.push(s);
+                }
+            }
+            Op::Decode(
+                seqs.into_iter()
+                    .map(|s| (s, next_pos(s), 1 + rng.below(per)))
+                    .collect(),
+            )
+        }
+        10 | 11 => {
+            let s = if rng.below(8) == 0 { -1 } else { seq(rng) };
+            let (a, b) = range(rng, s.max(0));
+            Op::Rm(s, a, b)
+        }
+        12 => {
+            let (s, d) = (seq(rng), seq(rng));
+            let (a, b) = if cfg.unified { range(rng, s) } else { (-1, -1) };
+            Op::Cp(s, d, a, b)
+        }
+        13 => Op::Keep(seq(rng)),
+        14 | 15 if can_shift => {
+            let s = seq(rng);
+            let (a, b) = range(rng, s);
+            if rng.below(2) == 0 {
+                Op::Add(s, a, b, rng.below(9) as i32 - 6)
+            } else {
+                Op::Div(s, a, b, 2 + rng.below(2) as i32)
+            }
+        }
+        16 | 17 => Op::Save(seq(rng)),
+        18 if saved => Op::Load(seq(rng)),
+        19 if rng.below(4) == 0 => Op::Clear,
+        _ => {
+            let s = seq(rng);
+            Op::Decode(vec![(s, next_pos(s), 1 + rng.below(cfg.n_ubatch))])
+        }
+    }
+}
+
+/// Runs `n_traces` traces of `n_ops` ops each (a `clear` between them) through one driver,
+/// comparing after every op; the first difference is the error, with the trace so far.
+pub fn run_traces(
+    cfg: &TraceConfig,
+    models: &Path,
+    seed: u64,
+    n_traces: u32,
+    n_ops: u32,
+) -> Result<TraceStats, String> {
+    let mut oracle = Oracle::start(cfg, models)?;
+    let mut ours = OurSide::new(cfg, models)?;
+    let can_shift = match &ours.memory {
+        Ours::Iswa(c) => c.can_shift(),
+        Ours::Attention(c) => c.can_shift(),
+    };
+    let mut stats = TraceStats::default();
+    for t in 0..n_traces {
+        let mut rng = Rng::new(seed + u64::from(t));
+        let mut ops: Vec<Op> = vec![Op::Clear];
+        let mut shown = compare(&mut oracle, &mut ours, &Op::Clear, &ops)?;
+        let mut saved = false;
+        for _ in 0..n_ops {
+            let op = next_op(&mut rng, cfg, &shown, can_shift, saved);
+            saved |= matches!(op, Op::Save(_));
+            ops.push(op.clone());
+            let Op::Load(s) = op else {
+                shown = compare(&mut oracle, &mut ours, &op, &ops)?;
+                stats.count(&op, &shown);
+                continue;
+            };
+            let (theirs, mine) = (oracle.apply(&op)?, ours.apply(&op)?);
+            if theirs.ret != 0 || mine.ret != 0 {
+                check_same(&theirs, &mine, &op, &ops)?;
+                shown = theirs;
+                stats.loads += 1;
+            } else {
+                // 0.1.161 drops the sequence when a load finds no room; ours keeps it as it
+                // was (a failed load changes nothing): drop it on both sides to go on
+                if (&mine.parts, &mine.pos) != (&shown.parts, &shown.pos) {
+                    return Err(format!(
+                        "a failed load changed our cache\n{}",
+                        listing(&ops)
+                    ));
+                }
+                let rm = Op::Rm(s, -1, -1);
+                ops.push(rm.clone());
+                shown = compare(&mut oracle, &mut ours, &rm, &ops)?;
+                stats.failed_loads += 1;
+            }
+        }
+        stats.traces += 1;
+    }
+    Ok(stats)
+}
+
+fn compare(oracle: &mut Oracle, ours: &mut OurSide, op: &Op, ops: &[Op]) -> Result<Shown, String> {
+    let theirs = oracle.apply(op)?;
+    let mine = ours
+        .apply(op)
+        .map_err(|e| format!("{e}\n{}", listing(ops)))?;
+    check_same(&theirs, &mine, op, ops)?;
+    Ok(theirs)
+}
+
+fn check_same(theirs: &Shown, mine: &Shown, op: &Op, ops: &[Op]) -> Result<(), String> {
+    if theirs != mine {
+        return Err(format!(
+            "after op {} `{}`:\n0.1.161: {theirs:?}\nours:    {mine:?}\n{}",
+            ops.len() - 1,
+            op.line(),
+            listing(ops)
+        ));
+    }
+    Ok(())
+}
+
+fn listing(ops: &[Op]) -> String {
+    let lines: Vec<String> = ops.iter().map(Op::line).collect();
+    format!("trace:\n{}", lines.join("\n"))
+}
+
+/// What the traces exercised.
+#[derive(Clone, Debug, Default)]
+pub struct TraceStats {
+    /// Traces run.
+    pub traces: u32,
+    /// Ops compared.
+    pub ops: u32,
+    /// Decodes that found no room (on both sides).
+    pub full: u32,
+    /// Decodes placed.
+    pub decodes: u32,
+    /// Sequence loads.
+    pub loads: u32,
+    /// Loads that found no room (on both sides).
+    pub failed_loads: u32,
+}
+
+impl TraceStats {
+    fn count(&mut self, op: &Op, shown: &Shown) {
+        self.ops += 1;
+        match op {
+            Op::Decode(_) if shown.ret == 0 => self.decodes += 1,
+            Op::Decode(_) => self.full += 1,
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Today's live caches against llama.cpp 0.1.161, op by op: random traces of decodes,
+//! sequence operations and sequence state round trips on a gemma3-like iSWA model (window 4,
+//! every second layer full) and a full-attention llama, with 1, 3 and 256 sequences, unified
+//! and one stream per sequence. After every op both sides show every cell of every stream of
+//! every part (position, pending shift, sequences) and each sequence's position range.
+
+use today_peer::models_dir;
+use today_peer::trace::{run_traces, TraceConfig};
+
+fn config(model: &str, ctx: u32, n_seq: u32, unified: bool, swa_full: bool) -> TraceConfig {
+    TraceConfig {
+        model: model.into(),
+        ctx,
+        n_seq,
+        // small ubatches keep the window caches small (window + ubatch, padded to 256); a
+        // context needs a batch of at least one token per sequence
+        n_ubatch: n_seq.max(16),
+        unified,
+        swa_full,
+    }
+}
+
+fn run(cfg: TraceConfig, seed: u64, traces: u32, ops: u32) {
+    match run_traces(&cfg, &models_dir(), seed, traces, ops) {
+        Ok(stats) => {
+            eprintln!("{cfg:?}: {stats:?}");
+            assert!(stats.decodes > 0, "no decode was placed: {stats:?}");
+        }
+        Err(e) => panic!("{cfg:?} seed {seed}:\n{e}\n(set-up: node scripts/setup.mjs)"),
+    }
+}
+
+#[test]
+fn iswa_one_sequence_matches_0_1_161() {
+    run(
+        config("gemma3-swa.gguf", 512, 1, true, false),
+        1_000,
+        60,
+        120,
+    );
+}
+
+#[test]
+fn iswa_three_sequences_unified_matches_0_1_161() {
+    run(
+        config("gemma3-swa.gguf", 512, 3, true, false),
+        2_000,
+        60,
+        120,
+    );
+}
+
+#[test]
+fn iswa_three_streams_matches_0_1_161() {
+    run(
+        config("gemma3-swa.gguf", 768, 3, false, false),
+        3_000,
+        40,
+        60,
+    );
+}
+
+#[test]
+fn iswa_swa_full_shifts_as_0_1_161() {
+    run(config("gemma3-swa.gguf", 256, 3, true, true), 4_000, 40, 60);
+}
+
+#[test]
+fn attention_cache_matches_0_1_161() {
+    run(config("llama-h16.gguf", 256, 3, true, false), 5_000, 30, 60);
+    run(
+        config("llama-h16.gguf", 768, 3, false, false),
+        6_000,
+        20,
+        60,
+    );
+}
+
+#[test]
+fn iswa_256_sequences_match_0_1_161() {
+    run(
+        config("gemma3-swa.gguf", 1024, 256, true, false),
+        7_000,
+        10,
+        60,
+    );
+    // one stream of 256 cells per sequence
+    run(
+        config("gemma3-swa.gguf", 65_536, 256, false, false),
+        8_000,
+        4,
+        40,
+    );
+}
