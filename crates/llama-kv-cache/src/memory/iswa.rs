@@ -94,8 +94,9 @@ impl IswaParams {
             )));
         };
         let size = ctx.cells_per_stream(model.n_ctx_train)?;
-        let params =
+        let mut params =
             model.layer_params(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn)?;
+        (params.n_rot_k, params.n_rot_v) = model.rotation(ctx.type_k, ctx.type_v);
         Ok(IswaParams {
             params,
             swa_layers: model.layers.iter().map(|l| l.swa).collect(),

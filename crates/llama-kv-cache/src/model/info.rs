@@ -711,6 +711,26 @@ impl ModelInfo {
         Ok(p)
     }
 
+    /// The Hadamard rotation llama.cpp 0.1.161 gives quantized K and V of this model
+    /// (`n_rot_k`, `n_rot_v`; 0: none): 64 for a head size that 64 divides, and for K doubled
+    /// while the head size allows.
+    pub fn rotation(&self, type_k: GgmlType, type_v: GgmlType) -> (u32, u32) {
+        let (hk, hv) = (self.n_embd_head_k, self.n_embd_head_v);
+        let mut n_rot_k = 0;
+        if type_k.is_quantized() && hk > 0 && hk % 64 == 0 {
+            n_rot_k = 64;
+            while hk % (2 * n_rot_k) == 0 {
+                n_rot_k *= 2;
+            }
+        }
+        let n_rot_v = if type_v.is_quantized() && hv > 0 && hv % 64 == 0 {
+            64
+        } else {
+            0
+        };
+        (n_rot_k, n_rot_v)
+    }
+
     /// [`ModelInfo::layer_params`], not yet validated.
     fn params_of_layers(
         &self,
