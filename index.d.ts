@@ -36,8 +36,13 @@ export declare class KvCache {
    * changes nothing, as in llama.cpp.
    */
   seqDiv(seqId: number, p0: number, p1: number, d: number): void
-  /** Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era. */
+  /**
+   * Largest position of `seqId`. For an empty sequence: 0 in a `kv` cache, as llama.cpp of
+   * the seed's era; -1 in today's memories (`iswa`), as llama.cpp 0.1.161.
+   */
   seqPosMax(seqId: number): number
+  /** Smallest position of `seqId`, -1 for an empty sequence. */
+  seqPosMin(seqId: number): number
   /** Number of cells owned by `seqId`. */
   seqCellCount(seqId: number): number
   /** Frees every cell and zeroes the tensors. */
@@ -67,6 +72,14 @@ export declare class KvCache {
    * the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
    */
   prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions, ext?: Int32Array | null): number | null
+  /**
+   * Places the ubatches of one decode in a memory of today's llama.cpp (kind 'iswa'), as
+   * llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell from the head,
+   * reusing the cells a sequence's window no longer sees (and purging its older positions).
+   * Returns, per ubatch, where its tokens went in each part and stream; or null, with the
+   * memory unchanged, when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+   */
+  place(ubatches: UBatchInput[]): Array<Array<PlacedCells>> | null
   /**
    * Takes llama.cpp's slot restorer (`llama_kv_slot_restorer`) at the start of a decode: it
    * keeps `head` and `n`; `save` every slot `prepareBatch` / `findSlot` returns, and `restore`
@@ -147,6 +160,18 @@ export declare class KvCache {
    * `createStateReadStream` does. Needs Node.js 20.16 or later.
    */
   createStateWriteStream(seqId?: number, options?: WriteStreamOptions): import('node:stream').Writable & { readonly result: ReadResult | null }
+  /**
+   * Raw rows of `tensor` ('k' or 'v', V untransposed) of model layer `layer` for `cells`
+   * of stream `stream` (default 0), packed: the layer is routed to the part that holds
+   * it (see `parts`), so the cells are that part's, as `place` returns them. Every kind.
+   */
+  readRows(layer: number, tensor: 'k' | 'v', cells: Array<number> | Uint32Array, stream?: number): Buffer
+  /**
+   * Writes one raw row per cell of `cells` (of stream `stream`, default 0) into `tensor` of
+   * model layer `layer`, routed as `readRows`; all cells and the length are checked before
+   * any row is written. Every kind.
+   */
+  writeRows(layer: number, tensor: 'k' | 'v', cells: Array<number> | Uint32Array, data: Uint8Array, stream?: number): void
   /** Bytes of one row (one cell) of K or V in `layer`. */
   rowSize(layer: number, tensor: 'k' | 'v'): number
   /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */
@@ -202,6 +227,17 @@ export declare class KvCache {
    * back (see `releaseMemory`). This is also what V8 is told the cache costs.
    */
   get residentBytes(): number
+  /**
+   * What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
+   * for Mamba-style models) or `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a
+   * base cache for full-attention layers and a window cache for the others).
+   */
+  get kind(): 'kv' | 'recurrent' | 'iswa'
+  /**
+   * Each part of the memory, in state order: its role, model layers, cells, streams, window,
+   * K/V types and rotation.
+   */
+  get parts(): Array<MemoryPart>
   /** Tensor bytes per device. */
   get bytesPerDevice(): Array<DeviceBytes>
   /** Whether `dispose()` was called. */
@@ -262,8 +298,10 @@ export declare class KvCache {
   /**
    * Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
    * that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
-   * option. Models with a memory this library does not model (a sliding-window cache,
-   * hybrid attention + recurrent) are refused with ERR_KV_UNSUPPORTED naming what is missing.
+   * option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
+   * llama.cpp 0.1.161's iSWA memory (kind 'iswa', sized as llama.cpp sizes it, see
+   * `kvUnified`, `swaFull`, `nUbatch`). Hybrid models (attention + recurrent) are refused
+   * with ERR_KV_UNSUPPORTED naming what is missing.
    */
   static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
 }
@@ -582,6 +620,21 @@ export interface FromModelOptions {
   typeV?: string
   /** Flash attention. Default false. */
   flashAttn?: boolean
+  /**
+   * Sliding-window models: one stream for all sequences (llama.cpp's `kv_unified`).
+   * Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
+   */
+  kvUnified?: boolean
+  /**
+   * Sliding-window models: a window cache as large as the base cache (llama.cpp's
+   * `swa_full`), which keeps every position and allows `seqAdd` / `seqDiv`. Default false.
+   */
+  swaFull?: boolean
+  /**
+   * Sliding-window models: tokens per ubatch (`n_ubatch`), which the window cache has room
+   * for beyond the window. Default 512.
+   */
+  nUbatch?: number
   /** Where the tensors live, as in `new KvCache`. */
   device?: string | string[]
 }
@@ -783,6 +836,35 @@ export interface LoadOptions {
   signal?: AbortSignal
 }
 
+/** One part of a memory (`KvCache.parts`). */
+export interface MemoryPart {
+  /**
+   * 'whole' (a memory of one part), 'base' (iSWA: the full-attention layers) or 'swa'
+   * (iSWA: the sliding-window layers).
+   */
+  role: string
+  /** The model layers it holds, ascending: the layer indices `readRows` and `writeRows` take. */
+  layers: Array<number>
+  /** Cells per stream. */
+  size: number
+  /** Streams: 1 when unified, else one per sequence. */
+  nStream: number
+  /** Cells with a position, over all streams. */
+  usedCells: number
+  /** Window size in tokens (0: full attention). */
+  nSwa: number
+  /** The window rule: 'none', 'standard', 'chunked' or 'symmetric'. */
+  swaType: string
+  /** K type. */
+  typeK: string
+  /** V type. */
+  typeV: string
+  /** Hadamard rotation of quantized K (0: none). */
+  nRotK: number
+  /** Hadamard rotation of quantized V (0: none). */
+  nRotV: number
+}
+
 /**
  * Describes a GGUF model from its header and tensor-info table alone (tensor data is never
  * read, unless `hashFile` asks for a fingerprint of the whole file).
@@ -970,6 +1052,21 @@ export interface PartInfo {
   nRotV?: number
   /** Payload bytes of this part. */
   bytes: number
+}
+
+/** Where the tokens of a ubatch went in one stream of one part of a memory (`place`). */
+export interface PlacedCells {
+  /** The part: 'base' or 'swa' (iSWA). */
+  part: string
+  /** The stream (the sequence's own when the memory is not unified, else 0). */
+  stream: number
+  /**
+   * One cell per token, in ubatch order (per stream, that stream's tokens): write each
+   * token's K/V rows there with `writeRows`.
+   */
+  cells: Uint32Array
+  /** The ubatch tokens these cells are for. */
+  tokens: Uint32Array
 }
 
 /** Options of `prepareBatch`. */

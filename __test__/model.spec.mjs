@@ -94,7 +94,7 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.like(gemma, { arch: 'gemma3', memory: 'iswa' })
   t.like(gemma.swa, { window: 4, pattern: 2, chunked: false, layers: [0] }) // its sliding_window_pattern key (as today's llama.cpp reads it)
   t.is(gemma.rope.type, 'neox')
-  t.regex(gemma.unsupported, /sliding-window.*iSWA/)
+  t.is(gemma.unsupported, undefined)
 
   const jamba = modelInfo(model('jamba.gguf'))
   t.like(jamba, { arch: 'jamba', memory: 'hybrid' })
@@ -304,8 +304,9 @@ mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad mo
   t.throws(() => checkState(path.join(FIXTURES, 'ln-h16-f16.ggsn'), tmp('bad.gguf')), code('ERR_KV_INVALID_MODEL'))
 })
 
-mtest('fromModel refuses iSWA and hybrid models naming what is missing, and bad options with coded errors', (t) => {
-  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf')), code('ERR_KV_UNSUPPORTED', /sliding-window attention on 1 of 2 layers.*second cache \(iSWA\)/))
+mtest('fromModel refuses hybrid models naming what is missing, and bad options with coded errors', (t) => {
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /iSWA memory lives in host memory/))
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { nUbatch: -1 }), code('ERR_KV_OUT_OF_RANGE', /nUbatch/))
   t.throws(() => KvCache.fromModel(model('jamba.gguf')), code('ERR_KV_UNSUPPORTED', /hybrid model/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))
@@ -420,4 +421,125 @@ mtest('CLI inspect --model adds the fit verdict and exits 3 when the state does 
   const notGguf = cli('model', file)
   t.is(notGguf.status, 1)
   t.regex(notGguf.stderr, /ERR_KV_INVALID_MODEL/)
+})
+
+// ---- live iSWA memories (llama.cpp 0.1.161's llama_kv_cache_iswa) ----------------------------------------
+// The cell-by-cell differential against 0.1.161 itself runs in crates/today (tests/live_iswa.rs); these
+// check the JS face: kind, parts, placement, layer routing, state I/O, shifts and refusals.
+
+const gemma = (o = {}) => KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 512, nSeqMax: 2, nUbatch: 16, ...o })
+const ubatch = (seq, p0, n) => ({ pos: Array.from({ length: n }, (_, k) => p0 + k), seqIds: Array(n).fill(seq) })
+
+mtest('fromModel gives a sliding-window model an iSWA memory sized as llama.cpp 0.1.161 sizes it', (t) => {
+  const c = gemma()
+  t.is(c.kind, 'iswa')
+  t.is(c.nLayer, 2)
+  const [base, swa] = c.parts
+  // layer 1 is full attention, layer 0 uses the window of 4; the window cache holds 4 per sequence plus a
+  // ubatch, padded to 256
+  t.like(base, { role: 'base', layers: [1], size: 512, nStream: 1, nSwa: 0, swaType: 'none', typeK: 'f16' })
+  t.like(swa, { role: 'swa', layers: [0], size: 256, nStream: 1, nSwa: 4, swaType: 'standard' })
+  t.false(c.canShift)
+  t.is(gemma({ swaFull: true }).parts[1].size, 512)
+  t.true(gemma({ swaFull: true }).canShift)
+  // one stream per sequence: nCtx / nSeqMax cells each, padded to 256
+  t.deepEqual(gemma({ kvUnified: false }).parts.map((p) => [p.size, p.nStream]), [[256, 2], [256, 2]])
+  t.like(KvCache.fromModel(model('gemma3-swa.gguf'), { typeK: 'q8_0', typeV: 'q8_0', flashAttn: true }).parts[0], { nRotK: 64, nRotV: 64 })
+  t.is(KvCache.fromModel(model('llama-h16.gguf')).kind, 'kv')
+  t.is(KvCache.fromModel(model('mamba.gguf')).kind, 'recurrent')
+})
+
+mtest('an iSWA memory places ubatches cell by cell, routes rows by model layer and drops what the window no longer sees', (t) => {
+  const c = gemma()
+  const placed = c.place([ubatch(0, 0, 8), ubatch(1, 0, 3)])
+  t.is(placed.length, 2)
+  t.deepEqual(placed[0].map((p) => [p.part, p.stream, [...p.cells]]), [['base', 0, [0, 1, 2, 3, 4, 5, 6, 7]], ['swa', 0, [0, 1, 2, 3, 4, 5, 6, 7]]])
+  t.deepEqual([...placed[1][0].cells], [8, 9, 10])
+  t.deepEqual([...placed[1][0].tokens], [0, 1, 2])
+  // rows of layer 0 live in the window cache, of layer 1 in the base cache
+  const row = c.parts[0].typeK === 'f16' ? 2 * 64 : 0
+  const rows = Buffer.alloc(3 * row)
+  for (let i = 0; i < rows.length; i++) rows[i] = (i * 7) & 0xff
+  c.writeRows(0, 'k', placed[1][1].cells, rows)
+  t.deepEqual(c.readRows(0, 'k', placed[1][1].cells), rows)
+  t.is(c.readRows(1, 'k', placed[1][0].cells).every((b) => b === 0), true)
+  t.deepEqual(c.readRows(0, 'k', [9]), rows.subarray(row, 2 * row))
+  // 300 more tokens of sequence 0: the window cache (256 cells) reuses cells of positions the window of 4
+  // no longer sees, and purges the older ones; the base cache keeps them all
+  for (let p = 8; p < 308; p += 15) t.truthy(c.place([ubatch(0, p, Math.min(15, 308 - p))]))
+  t.is(c.seqPosMax(0), 307)
+  t.true(c.seqPosMin(0) > 0)
+  t.is(c.parts[0].usedCells, 308 + 3)
+  t.true(c.parts[1].usedCells <= 256)
+  c.seqRm(0, 300, -1)
+  t.is(c.seqPosMax(0), 299)
+  c.seqCp(1, 0, -1, -1)
+  c.seqKeep(1)
+  t.is(c.seqPosMax(0), -1) // today's memories read -1 for a sequence without cells
+  t.is(c.seqPosMin(1), 0)
+  c.clear()
+  t.deepEqual(c.parts.map((p) => p.usedCells), [0, 0])
+})
+
+mtest('an iSWA memory writes and reads its state transactionally, in llama.cpp 0.1.161\'s bytes', async (t) => {
+  const c = gemma()
+  c.place([ubatch(0, 0, 6), ubatch(1, 0, 4)])
+  c.writeRows(1, 'v', [0, 1], Buffer.alloc(2 * 128, 9))
+  const whole = c.stateWriteSync()
+  const d = gemma()
+  t.like(d.stateReadSync(whole), { layout: 'streams', cells: 20 })
+  t.deepEqual(d.stateWriteSync(), whole)
+  t.deepEqual(await d.stateWrite(), whole)
+  t.deepEqual(d.readRows(1, 'v', [0, 1]), Buffer.alloc(2 * 128, 9))
+  const seq0 = c.stateWriteSync(0, { layout: 'streams-rot' })
+  const e = gemma()
+  t.like(await e.stateRead(seq0, 1), { layout: 'streams-rot' })
+  // a sequence's state leaves out the window cache's cells its window no longer sees (positions 0 and 1
+  // from position 5 through a window of 4), as 0.1.161 writes it; positions come from the window cache
+  t.deepEqual([e.seqPosMin(1), e.seqPosMax(1), e.seqPosMax(0)], [2, 5, -1])
+  t.deepEqual(e.parts.map((p) => p.usedCells), [6, 4])
+  // refusals leave the memory as it was
+  const before = e.stateWriteSync()
+  t.throws(() => e.stateReadSync(new Uint8Array([1, 2, 3])), code('ERR_KV_INVALID_STATE'))
+  t.throws(() => e.stateReadSync(whole, 0, { part: 'base' }), code('ERR_KV_INVALID_ARG', /both parts/))
+  const small = KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 256, nSeqMax: 2, nUbatch: 16 })
+  small.place([ubatch(0, 0, 250)].map((u) => u))
+  const big = gemma()
+  big.place([ubatch(0, 0, 16), ubatch(0, 16, 16)])
+  t.throws(() => small.stateReadSync(big.stateWriteSync(0), 1), code('ERR_KV_NO_SPACE'))
+  t.is(small.seqPosMax(0), 249)
+  t.deepEqual(e.stateWriteSync(), before)
+})
+
+mtest('the 0.1.161 peer\'s iSWA session reads into a live iSWA memory and writes back byte for byte', (t) => {
+  const file = path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')
+  const bytes = fs.readFileSync(file)
+  const ins = inspectState(file)
+  const payload = bytes.subarray(bytes.length - ins.parts.reduce((n, p) => n + p.bytes, 0))
+  const c = KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 32, nUbatch: 32 })
+  t.like(c.stateReadSync(payload), { layout: 'streams-rot' })
+  t.deepEqual(c.stateWriteSync(-1, { layout: 'streams-rot' }), Buffer.from(payload))
+  t.is(c.seqPosMax(0), 9)
+})
+
+mtest('an iSWA memory shifts positions only with swaFull, as llama.cpp 0.1.161 allows, and refuses the seed\'s own calls by kind', async (t) => {
+  const c = gemma()
+  c.place([ubatch(0, 0, 8)])
+  t.throws(() => c.seqAdd(0, 4, -1, -2), code('ERR_KV_UNSUPPORTED', /swaFull/))
+  t.throws(() => c.findSlot(ubatch(0, 8, 1)), code('ERR_KV_UNSUPPORTED', /kind 'iswa'/))
+  t.throws(() => c.defrag(), code('ERR_KV_UNSUPPORTED', /kind 'iswa'/))
+  t.throws(() => c.readRows(2, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 2/))
+  t.throws(() => c.readRows(0, 'q', [0]), code('ERR_KV_INVALID_ARG', /'k' or 'v'/))
+  t.throws(() => c.writeRows(0, 'k', [0, 1], Buffer.alloc(5)), code('ERR_KV_INVALID_ARG', /5 bytes for 2 cells/))
+  t.throws(() => c.readRows(0, 'k', [0], 1), code('ERR_KV_OUT_OF_RANGE', /stream 1/))
+  t.throws(() => KvCache.fromModel(model('llama-h16.gguf')).place([ubatch(0, 0, 1)]), code('ERR_KV_UNSUPPORTED', /findSlot/))
+
+  const f = gemma({ swaFull: true })
+  f.place([ubatch(0, 0, 8)])
+  f.seqRm(0, 2, 4)
+  f.seqAdd(0, 4, -1, -2)
+  t.true(f.hasShift)
+  await f.update()
+  t.false(f.hasShift)
+  t.deepEqual([f.seqPosMin(0), f.seqPosMax(0)], [0, 5])
 })

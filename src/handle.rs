@@ -1,4 +1,5 @@
-//! The core cache behind a `KvCache`: its lock, its disposal, and what V8 is told it costs.
+//! The core memory behind a `KvCache` (any kind): its lock, its disposal, and what V8 is told
+//! it costs.
 //! Which call may take the lock when (the FIFO of async work, the `ERR_KV_BUSY` refusal of
 //! synchronous calls meanwhile) is [`crate::queue`]'s.
 
@@ -12,7 +13,7 @@ use crate::error::{err, guard, Code, JsErr, JsResult};
 
 /// The core cache, locked by each call that uses it, and the host bytes V8 was told about.
 pub struct Handle {
-    cache: Mutex<Option<core::KvCache>>,
+    cache: Mutex<Option<core::Memory>>,
     /// The env of the JS thread that made the cache.
     env: JsEnv,
     /// Host tensor bytes V8 was told about.
@@ -31,7 +32,7 @@ unsafe impl Sync for JsEnv {}
 impl Handle {
     /// The handle of `cache`, made on the JS thread of `env` (V8 is told about the host
     /// memory it holds now, and later as it gets written).
-    pub fn new(env: &Env, cache: core::KvCache) -> Self {
+    pub fn new(env: &Env, cache: core::Memory) -> Self {
         let handle = Handle {
             cache: Mutex::new(None),
             env: JsEnv(env.raw()),
@@ -47,7 +48,12 @@ impl Handle {
     /// count: reporting a new cache's whole size made V8 run a full collection inside every
     /// `new KvCache` of a few GiB ("external memory pressure"), 3-70 ms of a creation that
     /// otherwise takes microseconds. Call on the JS thread.
-    pub fn account(&self, cache: &core::KvCache) {
+    pub fn account(&self, cache: &core::Memory) {
+        self.report(cache.host_resident_bytes() as i64);
+    }
+
+    /// [`Handle::account`] from a call that holds the unified cache inside the memory.
+    pub fn account_kv(&self, cache: &core::KvCache) {
         self.report(cache.host_resident_bytes() as i64);
     }
 
@@ -75,7 +81,7 @@ impl Handle {
 
     /// Runs `f` on the cache if no one holds it (`ERR_KV_BUSY` otherwise) and it was not
     /// disposed. The caller has checked that no async work is queued.
-    pub fn try_with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+    pub fn try_with<T>(&self, f: impl FnOnce(&mut core::Memory) -> JsResult<T>) -> JsResult<T> {
         guard(|| {
             let mut lock = match self.cache.try_lock() {
                 Ok(lock) => lock,
@@ -93,12 +99,12 @@ impl Handle {
 
     /// Locks the cache for a task on the threadpool or a stream (tasks queue behind each
     /// other, so this waits only for a synchronous call that got in first).
-    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<core::KvCache>>> {
+    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<core::Memory>>> {
         self.cache.lock().map_err(|_| poisoned())
     }
 
     /// Takes the cache out for `dispose()`, also after an internal error poisoned it.
-    pub fn take_for_dispose(&self) -> JsResult<Option<core::KvCache>> {
+    pub fn take_for_dispose(&self) -> JsResult<Option<core::Memory>> {
         match self.cache.try_lock() {
             Ok(mut lock) => Ok(lock.take()),
             Err(TryLockError::WouldBlock) => Err(err(

@@ -23,11 +23,14 @@ impl Job for UpdateJob {
     type Js = UpdateReport;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         _: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        c.update(self.shift.as_ref(), self.max_nodes)
-            .map_err(from_core)
+        match m {
+            core::Memory::Iswa(c) => c.update(self.shift.as_ref()),
+            core::Memory::Kv(c) => c.update(self.shift.as_ref(), self.max_nodes),
+        }
+        .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<Self::Js> {
         Ok(o.into())
@@ -50,12 +53,19 @@ impl Job for StateWriteJob {
     type Js = Buffer;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Buffer> {
         if let Some(e) = self.failure.take() {
             return Err(e);
         }
+        let c = match m {
+            core::Memory::Iswa(c) => {
+                let payload = c.state_write(self.seq, self.opts.layout);
+                return Ok(payload.map_err(from_core)?.into());
+            }
+            core::Memory::Kv(c) => c,
+        };
         match self.planned.take() {
             Some((plan, mut buf)) => {
                 c.state_out_all(&plan, buf.as_mut(), Some(p))
@@ -116,9 +126,10 @@ impl Job for StateWriteIntoJob<'_> {
     type Js = f64;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
+        let c = m.kv("stateWriteInto").map_err(from_core)?;
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
         c.state_write_into(self.out, seq, layout, n_stream, Some(p))
             .map_err(from_core)
@@ -151,9 +162,10 @@ impl Job for StateWriteIntoCopyJob {
     type Js = f64;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
+        let c = m.kv("stateWriteInto").map_err(from_core)?;
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
         let size = c.state_size(seq, layout, n_stream).map_err(from_core)?;
         if size > self.len {
@@ -247,11 +259,38 @@ impl<D: AsRef<[u8]> + Send> Job for StateReadJob<D> {
     type Js = ReadResult;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        c.state_read(self.data.as_ref(), self.seq, self.opts, Some(p))
-            .map_err(from_core)
+        let data = self.data.as_ref();
+        match m {
+            core::Memory::Iswa(c) => {
+                if self.opts.part.is_some() {
+                    return Err(err(
+                        Code::InvalidArg,
+                        "part: an iSWA memory reads both parts of its payload",
+                    ));
+                }
+                if !p(0, data.len() as u64) {
+                    return Err(crate::tasks::aborted());
+                }
+                let layout = match self.opts.layout {
+                    Some(l) => l,
+                    None => c.detect_layout(data).map_err(from_core)?,
+                };
+                let [base, swa] = c.state_read(data, self.seq, layout).map_err(from_core)?;
+                let mut placed = base.placed;
+                placed.extend(swa.placed);
+                Ok(core::ReadSummary {
+                    layout,
+                    cells: base.cells + swa.cells,
+                    placed,
+                })
+            }
+            core::Memory::Kv(c) => c
+                .state_read(data, self.seq, self.opts, Some(p))
+                .map_err(from_core),
+        }
     }
     fn to_js(o: Self::Output) -> JsResult<ReadResult> {
         Ok(read_result(o))
@@ -271,7 +310,8 @@ pub struct SaveFileJob {
 impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
-    fn run(&mut self, c: &mut core::KvCache, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
+    fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
+        let c = m.kv("saving a state file").map_err(from_core)?;
         match self.seq {
             Some(seq) => c.save_sequence_file(&self.path, seq, &self.tokens, self.opts, Some(p)),
             None => c.save_session_file(
@@ -303,9 +343,10 @@ impl Job for LoadFileJob {
     type Js = LoadedFile;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
+        let c = m.kv("loading a state file").map_err(from_core)?;
         match self.dest {
             // streamed from the file where it holds one memory
             Some(dest) => c.load_sequence_file(&self.path, dest, self.opts, Some(p)),

@@ -13,7 +13,7 @@ use napi_derive::napi;
 
 use crate::args::{self, u32v, Obj};
 use crate::convert;
-use crate::error::{from_core, guard, Code, JsResult};
+use crate::error::{err, from_core, guard, Code, JsResult};
 use crate::kv_cache::tensors::{rope_layers_to_js, rope_to_js};
 use crate::kv_cache::KvCache;
 use crate::types::{LayerRope, RopeOptions};
@@ -410,6 +410,15 @@ pub struct FromModelOptions {
     pub type_v: Option<String>,
     /// Flash attention. Default false.
     pub flash_attn: Option<bool>,
+    /// Sliding-window models: one stream for all sequences (llama.cpp's `kv_unified`).
+    /// Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
+    pub kv_unified: Option<bool>,
+    /// Sliding-window models: a window cache as large as the base cache (llama.cpp's
+    /// `swa_full`), which keeps every position and allows `seqAdd` / `seqDiv`. Default false.
+    pub swa_full: Option<bool>,
+    /// Sliding-window models: tokens per ubatch (`n_ubatch`), which the window cache has room
+    /// for beyond the window. Default 512.
+    pub n_ubatch: Option<f64>,
     /// Where the tensors live, as in `new KvCache`.
     #[napi(ts_type = "string | string[]")]
     pub device: Option<Either<String, Vec<String>>>,
@@ -419,8 +428,10 @@ pub struct FromModelOptions {
 impl KvCache {
     /// Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
     /// that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
-    /// option. Models with a memory this library does not model (a sliding-window cache,
-    /// hybrid attention + recurrent) are refused with ERR_KV_UNSUPPORTED naming what is missing.
+    /// option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
+    /// llama.cpp 0.1.161's iSWA memory (kind 'iswa', sized as llama.cpp sizes it, see
+    /// `kvUnified`, `swaFull`, `nUbatch`). Hybrid models (attention + recurrent) are refused
+    /// with ERR_KV_UNSUPPORTED naming what is missing.
     #[napi(factory)]
     pub fn from_model(
         env: Env,
@@ -437,21 +448,49 @@ impl KvCache {
             let type_k = ty("typeK", o.as_ref().and_then(|o| o.type_k.clone()))?;
             let type_v = ty("typeV", o.as_ref().and_then(|o| o.type_v.clone()))?;
             let flash_attn = o.as_ref().and_then(|o| o.flash_attn).unwrap_or(false);
+            let n_ubatch = get(|o| o.n_ubatch).map_or(Ok(512), |n| u32v("nUbatch", n))?;
+            let unified = o.as_ref().and_then(|o| o.kv_unified).unwrap_or(true);
+            let swa_full = o.as_ref().and_then(|o| o.swa_full).unwrap_or(false);
             let device = o.and_then(|o| o.device);
 
             let read = gguf::read_file(&path, false).map_err(from_core)?;
             let model = core::ModelInfo::from_header(&read.header).map_err(from_core)?;
+            let factors = |per_seq: u32| match model.factor_tensor(per_seq) {
+                Some(name) => gguf::read_f32_tensor(&path, &read.header, name)
+                    .map(Some)
+                    .map_err(from_core),
+                None => Ok(None),
+            };
+            if model.memory == core::MemoryKind::Iswa {
+                if device.is_some() {
+                    return Err(err(
+                        Code::Unsupported,
+                        "device: an iSWA memory lives in host memory for now",
+                    ));
+                }
+                let ctx = core::ContextParams {
+                    n_ctx,
+                    n_seq_max,
+                    n_ubatch,
+                    unified,
+                    swa_full,
+                    type_k,
+                    type_v,
+                    flash_attn,
+                };
+                let p = core::IswaParams::for_model(&model, &ctx).map_err(from_core)?;
+                let shift = model.shift_params(factors(p.params.size)?);
+                let memory = core::IswaCache::new(p).map_err(from_core)?;
+                return Ok(KvCache::from_memory(
+                    &env,
+                    core::Memory::Iswa(memory),
+                    shift,
+                ));
+            }
             let params = model
                 .cache_params(n_ctx, n_seq_max, type_k, type_v, flash_attn)
                 .map_err(from_core)?;
-            let per_seq = params.size / n_seq_max.max(1);
-            let factors = match model.factor_tensor(per_seq) {
-                Some(name) => {
-                    Some(gguf::read_f32_tensor(&path, &read.header, name).map_err(from_core)?)
-                }
-                None => None,
-            };
-            let shift = model.shift_params(factors);
+            let shift = model.shift_params(factors(params.size / n_seq_max.max(1))?);
             KvCache::from_params(&env, params, &device, shift)
         })
     }

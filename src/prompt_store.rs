@@ -206,9 +206,10 @@ impl Job for PutJob {
     type Js = StorePutResult;
     fn run(
         &mut self,
-        c: &mut core::KvCache,
+        m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
+        let c = m.kv("PromptStore.put").map_err(crate::error::from_core)?;
         let store = &self.store;
         store
             .put(c, self.seq, &self.tokens, Some(p))
@@ -235,7 +236,10 @@ pub struct RestoreJob {
 impl Job for RestoreJob {
     type Output = u64;
     type Js = f64;
-    fn run(&mut self, c: &mut core::KvCache, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<u64> {
+    fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<u64> {
+        let c = m
+            .kv("PromptStore.restore")
+            .map_err(crate::error::from_core)?;
         let store = &self.store;
         store
             .restore(c, self.seq, &self.tokens, Some(p))

@@ -109,7 +109,9 @@ impl Session {
             let mut lock = self.shared.handle.lock_for_task()?;
             let cache = lock
                 .as_mut()
-                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
+                .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?
+                .kv("a state stream")
+                .map_err(from_core)?;
             f(cache, &mut state.work)
         })
     }

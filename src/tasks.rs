@@ -33,7 +33,7 @@ pub trait Job: Send {
     /// are already coded, so that jobs of other modules (the prompt store) keep their codes.
     fn run(
         &mut self,
-        cache: &mut core::KvCache,
+        cache: &mut core::Memory,
         progress: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output>;
     /// Converts the output for JS.

@@ -85,6 +85,34 @@ pub struct CudaStatus {
     pub reason: Option<String>,
 }
 
+/// One part of a memory (`KvCache.parts`).
+#[napi(object)]
+pub struct MemoryPart {
+    /// 'whole' (a memory of one part), 'base' (iSWA: the full-attention layers) or 'swa'
+    /// (iSWA: the sliding-window layers).
+    pub role: String,
+    /// The model layers it holds, ascending: the layer indices `readRows` and `writeRows` take.
+    pub layers: Vec<u32>,
+    /// Cells per stream.
+    pub size: u32,
+    /// Streams: 1 when unified, else one per sequence.
+    pub n_stream: u32,
+    /// Cells with a position, over all streams.
+    pub used_cells: u32,
+    /// Window size in tokens (0: full attention).
+    pub n_swa: u32,
+    /// The window rule: 'none', 'standard', 'chunked' or 'symmetric'.
+    pub swa_type: String,
+    /// K type.
+    pub type_k: String,
+    /// V type.
+    pub type_v: String,
+    /// Hadamard rotation of quantized K (0: none).
+    pub n_rot_k: u32,
+    /// Hadamard rotation of quantized V (0: none).
+    pub n_rot_v: u32,
+}
+
 /// Tensor bytes on one device.
 #[napi(object)]
 pub struct DeviceBytes {
@@ -120,6 +148,20 @@ pub struct Slot {
     pub len: u32,
     /// Cells the attention should look at.
     pub n: u32,
+}
+
+/// Where the tokens of a ubatch went in one stream of one part of a memory (`place`).
+#[napi(object)]
+pub struct PlacedCells {
+    /// The part: 'base' or 'swa' (iSWA).
+    pub part: String,
+    /// The stream (the sequence's own when the memory is not unified, else 0).
+    pub stream: u32,
+    /// One cell per token, in ubatch order (per stream, that stream's tokens): write each
+    /// token's K/V rows there with `writeRows`.
+    pub cells: Uint32Array,
+    /// The ubatch tokens these cells are for.
+    pub tokens: Uint32Array,
 }
 
 /// A slot handed back to `SlotRestorer.save` (as `prepareBatch` / `findSlot` return it).

@@ -23,6 +23,7 @@ use crate::signal::Signal;
 use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
 use crate::types::{
     CacheView, CellColumns, CellInfo, CudaDevice, CudaStatus, DeviceBytes, KvCacheOptions,
+    MemoryPart,
 };
 
 mod restorer;
@@ -61,21 +62,42 @@ impl KvCache {
         let devices = crate::device::devices(device, params.n_layer)?;
         let mut alloc = crate::device::allocator(devices)?;
         let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
-        // V8 is told about host memory only, as it gets written
-        let shared = Arc::new(Shared::new(Handle::new(env, cache)));
-        Ok(KvCache {
-            shared,
+        Ok(KvCache::from_memory(
+            env,
+            core::Memory::Kv(Box::new(cache)),
             model_shift,
-        })
+        ))
     }
 
+    /// The class around a memory of any kind.
+    pub(crate) fn from_memory(
+        env: &Env,
+        memory: core::Memory,
+        model_shift: Option<core::ShiftParams>,
+    ) -> Self {
+        // V8 is told about host memory only, as it gets written
+        let shared = Arc::new(Shared::new(Handle::new(env, memory)));
+        KvCache {
+            shared,
+            model_shift,
+        }
+    }
+
+    /// Runs a synchronous call that needs the seed's unified cache (`kv` and `recurrent`
+    /// kinds; other kinds refuse with `ERR_KV_UNSUPPORTED`, naming theirs).
     fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
+        self.shared
+            .with(|m| f(m.kv("this method").map_err(from_core)?))
+    }
+
+    /// Runs a synchronous call on a memory of any kind.
+    fn with_memory<T>(&self, f: impl FnOnce(&mut core::Memory) -> JsResult<T>) -> JsResult<T> {
         self.shared.with(f)
     }
 
     /// Runs `job` on the calling thread (refused while the cache is busy).
     pub(crate) fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
-        self.with(|c| {
+        self.with_memory(|c| {
             let output = job.run(c, &mut |_, _| true);
             self.shared.handle.account(c);
             let output = output?;
@@ -95,7 +117,7 @@ impl KvCache {
             // refuse now rather than in the promise when the cache is disposed (while anything
             // is pending it cannot be)
             if !self.shared.queue.is_pending() {
-                self.with(|_| Ok(()))?;
+                self.with_memory(|_| Ok(()))?;
             }
             let (deferred, promise) =
                 Deferred::new(env.raw()).map_err(|e| err(Code::Internal, e.reason.clone()))?;
@@ -238,7 +260,22 @@ impl KvCache {
     /// back (see `releaseMemory`). This is also what V8 is told the cache costs.
     #[napi(getter)]
     pub fn resident_bytes(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.host_resident_bytes() as f64))
+        self.with_memory(|c| Ok(c.host_resident_bytes() as f64))
+    }
+
+    /// What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
+    /// for Mamba-style models) or `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a
+    /// base cache for full-attention layers and a window cache for the others).
+    #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa'")]
+    pub fn kind(&self) -> Result<String, Code> {
+        self.with_memory(|c| Ok(c.kind().into()))
+    }
+
+    /// Each part of the memory, in state order: its role, model layers, cells, streams, window,
+    /// K/V types and rotation.
+    #[napi(getter)]
+    pub fn parts(&self) -> Result<Vec<MemoryPart>, Code> {
+        self.with_memory(|c| Ok(c.parts().iter().map(memory_part).collect()))
     }
 
     /// Tensor bytes per device.
@@ -273,7 +310,7 @@ impl KvCache {
     /// Number of layers.
     #[napi(getter)]
     pub fn n_layer(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.n_layer()))
+        self.with_memory(|c| Ok(c.n_layer()))
     }
 
     /// Where the next slot search starts.
@@ -315,13 +352,13 @@ impl KvCache {
     /// Whether a K-shift is possible.
     #[napi(getter)]
     pub fn can_shift(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.can_shift()))
+        self.with_memory(|c| Ok(c.can_shift()))
     }
 
     /// Whether positions changed since the last K-shift.
     #[napi(getter)]
     pub fn has_shift(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.has_shift()))
+        self.with_memory(|c| Ok(c.has_shift()))
     }
 
     /// Whether a defrag is scheduled for the next `update`.
@@ -358,7 +395,7 @@ impl KvCache {
     /// Number of sequences the cache tracks (seq ids `0..nSeqMax`).
     #[napi(getter)]
     pub fn n_seq_max(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.params().n_seq_max))
+        self.with_memory(|c| Ok(c.n_seq_max()))
     }
 
     /// Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused).
@@ -448,5 +485,22 @@ impl KvCache {
                 max_contiguous_idx: v.max_contiguous_idx,
             })
         })
+    }
+}
+
+/// A part of a memory for JS.
+fn memory_part(p: &core::PartInfo) -> MemoryPart {
+    MemoryPart {
+        role: p.role.name().into(),
+        layers: p.layers.clone(),
+        size: p.size,
+        n_stream: p.n_stream,
+        used_cells: p.used_cells,
+        n_swa: p.window.n_swa,
+        swa_type: p.window.swa_type.name().into(),
+        type_k: p.type_k.name().into(),
+        type_v: p.type_v.name().into(),
+        n_rot_k: p.n_rot.0,
+        n_rot_v: p.n_rot.1,
     }
 }

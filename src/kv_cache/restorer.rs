@@ -53,8 +53,11 @@ impl SlotRestorer {
     /// call: `ERR_KV_BUSY` while async work is pending).
     #[napi]
     pub fn restore(&self) -> Result<(), Code> {
-        self.shared
-            .with(|c| c.restore_slots(&self.inner).map_err(from_core))
+        self.shared.with(|m| {
+            m.kv("SlotRestorer.restore")
+                .and_then(|c| c.restore_slots(&self.inner))
+                .map_err(from_core)
+        })
     }
 
     /// `head` when the restorer was taken.

@@ -11,7 +11,7 @@ use super::KvCache;
 use crate::args::{i32_named, i32v, opt_i32, u32v, I32Copy, I32s, Num, Obj};
 use crate::convert;
 use crate::error::{err, from_core, Code, JsResult};
-use crate::types::{PrepareBatchOptions, Slot, UBatchInput};
+use crate::types::{PlacedCells, PrepareBatchOptions, Slot, UBatchInput};
 
 #[napi]
 impl KvCache {
@@ -29,7 +29,7 @@ impl KvCache {
             opt_i32("p0", p0, -1)?,
             opt_i32("p1", p1, -1)?,
         );
-        self.with(|c| c.seq_rm(s, p0, p1).map_err(from_core))
+        self.with_memory(|c| c.seq_rm(s, p0, p1).map_err(from_core))
     }
 
     /// Adds `dst` to the cells of `src` with positions in `[p0, p1)`.
@@ -43,14 +43,14 @@ impl KvCache {
     ) -> Result<(), Code> {
         let (s, d) = (i32v("src", src)?, i32v("dst", dst)?);
         let (p0, p1) = (opt_i32("p0", p0, -1)?, opt_i32("p1", p1, -1)?);
-        self.with(|c| c.seq_cp(s, d, p0, p1).map_err(from_core))
+        self.with_memory(|c| c.seq_cp(s, d, p0, p1).map_err(from_core))
     }
 
     /// Frees every cell not owned by `seqId` and drops other sequences from the rest.
     #[napi]
     pub fn seq_keep(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<(), Code> {
         let s = i32v("seqId", seq_id)?;
-        self.with(|c| c.seq_keep(s).map_err(from_core))
+        self.with_memory(|c| c.seq_keep(s).map_err(from_core))
     }
 
     /// Adds `delta` to positions of `seqId` in `[p0, p1)`; the K-shift is applied by `update`.
@@ -64,7 +64,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] delta: Num,
     ) -> Result<(), Code> {
         let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("delta", delta))?;
-        self.with(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
+        self.with_memory(|c| c.seq_add(s, p0, p1, d).map_err(from_core))
     }
 
     /// Divides positions of `seqId` in `[p0, p1)` by `d` (> 0). `seqId` -1 matches no cell and
@@ -78,14 +78,22 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] d: Num,
     ) -> Result<(), Code> {
         let (s, p0, p1, d) = range_args(seq_id, p0, p1, ("d", d))?;
-        self.with(|c| c.seq_div(s, p0, p1, d).map_err(from_core))
+        self.with_memory(|c| c.seq_div(s, p0, p1, d).map_err(from_core))
     }
 
-    /// Largest position of `seqId`; 0 for an empty sequence, as llama.cpp of the seed's era.
+    /// Largest position of `seqId`. For an empty sequence: 0 in a `kv` cache, as llama.cpp of
+    /// the seed's era; -1 in today's memories (`iswa`), as llama.cpp 0.1.161.
     #[napi]
     pub fn seq_pos_max(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<i32, Code> {
         let s = i32v("seqId", seq_id)?;
-        self.with(|c| c.seq_pos_max(s).map_err(from_core))
+        self.with_memory(|c| c.seq_pos_max(s).map_err(from_core))
+    }
+
+    /// Smallest position of `seqId`, -1 for an empty sequence.
+    #[napi]
+    pub fn seq_pos_min(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<i32, Code> {
+        let s = i32v("seqId", seq_id)?;
+        self.with_memory(|c| c.seq_pos_min(s).map_err(from_core))
     }
 
     /// Number of cells owned by `seqId`.
@@ -98,7 +106,7 @@ impl KvCache {
     /// Frees every cell and zeroes the tensors.
     #[napi]
     pub fn clear(&self) -> Result<(), Code> {
-        self.with(|c| {
+        self.with_memory(|c| {
             let cleared = c.clear().map_err(from_core);
             self.shared.handle.account(c);
             cleared
@@ -174,6 +182,58 @@ impl KvCache {
             Ok(c.prepare_batch(&ub, opts)
                 .map_err(from_core)?
                 .map(|s| s.head))
+        })
+    }
+
+    /// Places the ubatches of one decode in a memory of today's llama.cpp (kind 'iswa'), as
+    /// llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell from the head,
+    /// reusing the cells a sequence's window no longer sees (and purging its older positions).
+    /// Returns, per ubatch, where its tokens went in each part and stream; or null, with the
+    /// memory unchanged, when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+    #[napi]
+    pub fn place(
+        &self,
+        #[napi(ts_arg_type = "UBatchInput[]")] ubatches: Vec<Obj<UBatchInput>>,
+    ) -> Result<Option<Vec<Vec<PlacedCells>>>, Code> {
+        let ubs = ubatches
+            .into_iter()
+            .map(|u| to_ubatch(u.0))
+            .collect::<JsResult<Vec<UBatch>>>()?;
+        self.with_memory(|m| {
+            let core::Memory::Iswa(c) = m else {
+                return Err(err(
+                    Code::Unsupported,
+                    format!(
+                        "place is for today's memories (kind 'iswa'); this cache is of kind \
+                         '{}': use findSlot or prepareBatch",
+                        m.kind()
+                    ),
+                ));
+            };
+            let Some((base, swa)) = c.place(&ubs).map_err(from_core)? else {
+                return Ok(None);
+            };
+            let js = |part: &str, slots: Vec<core::StreamSlot>| -> Vec<PlacedCells> {
+                slots
+                    .into_iter()
+                    .map(|s| PlacedCells {
+                        part: part.into(),
+                        stream: s.stream,
+                        tokens: Uint32Array::new(s.tokens().iter().map(|&t| t as u32).collect()),
+                        cells: Uint32Array::new(s.cells),
+                    })
+                    .collect()
+            };
+            Ok(Some(
+                base.into_iter()
+                    .zip(swa)
+                    .map(|(b, s)| {
+                        let mut v = js("base", b);
+                        v.extend(js("swa", s));
+                        v
+                    })
+                    .collect(),
+            ))
         })
     }
 

@@ -1,6 +1,7 @@
 //! State payloads (`stateSize`, `stateWrite*`, `stateRead*`) and llama.cpp's session and
 //! sequence files, with their options.
 
+use llama_kv_cache as core;
 use llama_kv_cache::{Layout, ReadOptions, WriteOptions};
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -90,7 +91,13 @@ impl KvCache {
     ) -> Result<Buffer, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = save_options(options)?;
-        self.with(|c| {
+        self.with_memory(|m| {
+            let c = match m {
+                core::Memory::Iswa(c) => {
+                    return Ok(c.state_write(seq, opts.layout).map_err(from_core)?.into())
+                }
+                core::Memory::Kv(c) => c,
+            };
             let plan = c
                 .state_out(seq, opts.layout, opts.n_stream)
                 .map_err(from_core)?;
@@ -120,7 +127,11 @@ impl KvCache {
         // which rejects with it
         let plan = match self.shared.queue.is_pending() {
             true => None,
-            false => self.with(|c| Ok(c.state_out(seq, opts.layout, opts.n_stream).ok()))?,
+            false => self.with_memory(|m| {
+                Ok(m.kv_ref("stateWrite")
+                    .and_then(|c| c.state_out(seq, opts.layout, opts.n_stream))
+                    .ok())
+            })?,
         };
         let plan = plan.filter(|p| p.size() >= jobs::NODE_BUFFER_FROM);
         let (planned, failure) = match plan.map(|p| (jobs::node_buffer(&env, p.size()), p)) {

@@ -45,7 +45,7 @@ impl KvCache {
         let data = unsafe { data.borrow("data")? };
         self.with(|c| {
             let written = c.write_rows(il, which, first, data).map_err(from_core);
-            self.shared.handle.account(c);
+            self.shared.handle.account_kv(c);
             written
         })
     }
@@ -69,14 +69,85 @@ impl KvCache {
             let written = c
                 .write_rows_f32(il, which, first, values)
                 .map_err(from_core);
-            self.shared.handle.account(c);
+            self.shared.handle.account_kv(c);
             written
         })
     }
 }
 
+/// Cell indices from JS: numbers or a Uint32Array (as `place` returns them).
+fn cell_list(cells: Either<Vec<f64>, Uint32Array>) -> JsResult<Vec<u32>> {
+    match cells {
+        Either::A(v) => v
+            .into_iter()
+            .enumerate()
+            .map(|(k, c)| u32v(format_args!("cells[{k}]"), c))
+            .collect(),
+        Either::B(a) => Ok(a.to_vec()),
+    }
+}
+
+/// `'k'` or `'v'`.
+fn tensor_named(name: &str) -> JsResult<Tensor> {
+    match name {
+        "k" => Ok(Tensor::K),
+        "v" => Ok(Tensor::V),
+        other => Err(err(
+            Code::InvalidArg,
+            format!("tensor must be 'k' or 'v', got {other:?}"),
+        )),
+    }
+}
+
 #[napi]
 impl KvCache {
+    /// Raw rows of `tensor` ('k' or 'v', V untransposed) of model layer `layer` for `cells`
+    /// of stream `stream` (default 0), packed: the layer is routed to the part that holds
+    /// it (see `parts`), so the cells are that part's, as `place` returns them. Every kind.
+    #[napi]
+    pub fn read_rows(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+        #[napi(ts_arg_type = "Array<number> | Uint32Array")] cells: Either<Vec<f64>, Uint32Array>,
+        #[napi(ts_arg_type = "number")] stream: Option<Num>,
+    ) -> Result<Buffer, Code> {
+        let (il, which) = (u32v("layer", layer)?, tensor_named(&tensor)?);
+        let cells = cell_list(cells)?;
+        let stream = stream.map_or(Ok(0), |s| u32v("stream", s))?;
+        self.with_memory(|c| {
+            Ok(c.read_rows_at(il, which, stream, &cells)
+                .map_err(from_core)?
+                .into())
+        })
+    }
+
+    /// Writes one raw row per cell of `cells` (of stream `stream`, default 0) into `tensor` of
+    /// model layer `layer`, routed as `readRows`; all cells and the length are checked before
+    /// any row is written. Every kind.
+    #[napi]
+    pub fn write_rows(
+        &self,
+        #[napi(ts_arg_type = "number")] layer: Num,
+        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+        #[napi(ts_arg_type = "Array<number> | Uint32Array")] cells: Either<Vec<f64>, Uint32Array>,
+        #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
+        #[napi(ts_arg_type = "number")] stream: Option<Num>,
+    ) -> Result<(), Code> {
+        let (il, which) = (u32v("layer", layer)?, tensor_named(&tensor)?);
+        let cells = cell_list(cells)?;
+        let stream = stream.map_or(Ok(0), |s| u32v("stream", s))?;
+        // SAFETY: every argument is converted; only the core runs while the rows are read
+        let data = unsafe { data.borrow("data")? };
+        self.with_memory(|c| {
+            let written = c
+                .write_rows_at(il, which, stream, &cells, data)
+                .map_err(from_core);
+            self.shared.handle.account(c);
+            written
+        })
+    }
+
     /// Bytes of one row (one cell) of K or V in `layer`.
     #[napi]
     pub fn row_size(

@@ -57,6 +57,7 @@ pub use error::{KvError, Result};
 pub use ggml_type::GgmlType;
 pub use memory::attention::{AttentionCache, StreamSlot, Window};
 pub use memory::iswa::{ContextParams, IswaCache, IswaParams, IswaPart};
+pub use memory::kinds::{Memory, PartInfo};
 pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};
 pub use params::{CacheParams, MAX_SEQ};

@@ -926,6 +926,33 @@ impl KvCache {
         }
         Ok(out)
     }
+
+    /// Writes one row per cell of `cells` (which need not be consecutive: today's caches
+    /// place tokens cell by cell) into `which` of layer `il`. Every cell and the length are
+    /// checked before a row is written.
+    pub fn write_rows_of_cells(
+        &mut self,
+        il: u32,
+        which: Tensor,
+        cells: &[u32],
+        rows: &[u8],
+    ) -> Result<()> {
+        let row = self.row_size(il, which)?;
+        if rows.len() as u64 != cells.len() as u64 * row as u64 {
+            return Err(KvError::InvalidArg(format!(
+                "{which} data of layer {il}: {} bytes for {} cells of {row}-byte rows",
+                rows.len(),
+                cells.len()
+            )));
+        }
+        for &c in cells {
+            self.check_cells(c, 1)?;
+        }
+        for (&c, bytes) in cells.iter().zip(rows.chunks_exact(row)) {
+            self.write_rows(il, which, c, bytes)?;
+        }
+        Ok(())
+    }
 }
 
 /// A layer's K and V bytes, kept while a load writes to device memory.

@@ -62,6 +62,13 @@ pub struct StreamSlot {
     pub(crate) tokens: Vec<usize>,
 }
 
+impl StreamSlot {
+    /// The ubatch tokens the cells are for, in the same order.
+    pub fn tokens(&self) -> &[usize] {
+        &self.tokens
+    }
+}
+
 /// The cells of some streams as they were, to put back when a placement fails.
 pub(crate) struct Snapshot(Vec<(usize, Cells, u32)>);
 
@@ -190,7 +197,9 @@ impl AttentionCache {
     pub fn find_slot(&self, ub: &UBatch) -> Result<Option<Vec<StreamSlot>>> {
         let mut out = Vec::new();
         for (stream, tokens) in self.groups(ub)? {
-            let Some(cells) = find_cells(&self.streams[stream], tokens.len(), self.window) else {
+            let cache = &self.streams[stream];
+            let Some(cells) = find_cells(&cache.cells, cache.head, tokens.len(), self.window)
+            else {
                 return Ok(None);
             };
             out.push(StreamSlot {
@@ -552,8 +561,27 @@ impl AttentionCache {
                     self.size()
                 )));
             }
+            if seq != -1 && !self.sequence_fits(s, seq, stream.cells.len()) {
+                return Err(KvError::NoSpace(format!(
+                    "no {} free cells for sequence {seq} (stream {s})",
+                    stream.cells.len()
+                )));
+            }
         }
         Ok(parsed)
+    }
+
+    /// Whether `n` cells of sequence `seq` find room in stream `s` once the sequence's own
+    /// cells are freed, as a sequence read places them: tried on a copy of the cells, so that
+    /// a read that would not fit is refused before anything changes (0.1.161 would have
+    /// removed the sequence by then).
+    fn sequence_fits(&self, s: usize, seq: i32, n: usize) -> bool {
+        let cache = &self.streams[s];
+        let mut cells = cache.cells.clone();
+        let freed = cells.remove_seq_in_range(seq as usize, 0, i32::MAX);
+        cells.settle();
+        let head = freed.first.map_or(cache.head, |f| cache.head.min(f as u32));
+        find_cells(&cells, head, n, self.window).is_some()
     }
 
     /// A whole-cache read: every stream cleared, then given its cells from cell 0.
@@ -606,7 +634,7 @@ fn read_sequence(
         let slot = cache
             .seq_rm_keeping_data(seq, -1, -1)
             .and_then(|_| {
-                find_cells(cache, cells.len(), window).ok_or_else(|| {
+                find_cells(&cache.cells, cache.head, cells.len(), window).ok_or_else(|| {
                     KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
                 })
             })
@@ -655,13 +683,12 @@ fn usable(cells: &Cells, i: usize, window: Window) -> bool {
 
 /// 0.1.161's search for `n` cells of one stream, one cell at a time from its head (which
 /// starts over at 0 when enough cells before it are free).
-fn find_cells(cache: &KvCache, n: usize, window: Window) -> Option<Vec<u32>> {
-    let cells = &cache.cells;
+fn find_cells(cells: &Cells, head: u32, n: usize, window: Window) -> Option<Vec<u32>> {
     let size = cells.len();
     if n > size {
         return None;
     }
-    let mut head = cache.head as usize;
+    let mut head = head as usize;
     if head > cells.occupied_count() as usize + 2 * n {
         head = 0;
     }

@@ -386,8 +386,28 @@ impl IswaCache {
         Ok(out)
     }
 
+    /// The layout of an iSWA payload: 0.1.161's (with the rotation fields) or the streams
+    /// layout of the llama.cpp versions before it, whichever parses as both parts exactly.
+    pub fn detect_layout(&self, data: &[u8]) -> Result<Layout> {
+        let ext = self.base.cache.params().cell_ext;
+        let mut why = Vec::new();
+        for layout in [Layout::StreamsRot, Layout::Streams] {
+            let fits = parse_payload_with(data, layout, ext, false).and_then(|base| {
+                parse_payload_with(&data[base.len..], layout, ext, true).map(|_| ())
+            });
+            match fits {
+                Ok(()) => return Ok(layout),
+                Err(e) => why.push(format!("{layout}: {e}")),
+            }
+        }
+        Err(KvError::InvalidState(format!(
+            "not an iSWA payload of this memory ({})",
+            why.join("; ")
+        )))
+    }
+
     /// Reads a payload of both caches into `seq` (-1: everything). Both parts are parsed
-    /// and checked before either changes.
+    /// and checked (room included) before either changes.
     pub fn state_read(
         &mut self,
         data: &[u8],
@@ -397,6 +417,7 @@ impl IswaCache {
         let ext = self.base.cache.params().cell_ext;
         let base_len = parse_payload_with(data, layout, ext, false)?.len;
         let (first, second) = data.split_at(base_len);
+        self.base.cache.check_read(first, seq, layout)?;
         self.swa.cache.check_read(second, seq, layout)?;
         let base = self.base.cache.state_read(first, seq, layout)?;
         let swa = self.swa.cache.state_read(second, seq, layout)?;

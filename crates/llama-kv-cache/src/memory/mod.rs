@@ -1,6 +1,7 @@
 //! Layer 5, today's memories as live caches: llama.cpp 0.1.161's attention cache
 //! (`llama_kv_cache`, [`attention`]) with its streams and its sliding window, and the
-//! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]).
+//! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]), and one face
+//! for every kind of live memory ([`kinds`]).
 //!
 //! Each stream of an attention cache is a [`KvCache`](crate::KvCache) of the layer below,
 //! which owns its cells, tensors, K-shift and state codec; this layer adds what 0.1.161 does
@@ -12,6 +13,7 @@
 
 pub mod attention;
 pub mod iswa;
+pub mod kinds;
 
 /// The window rule of a sliding-window cache (`llama_swa_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -643,20 +643,7 @@ impl ModelInfo {
     /// Refuses memories this library does not model, naming what is missing.
     pub fn check_supported(&self) -> Result<()> {
         match self.memory {
-            MemoryKind::Unified | MemoryKind::Recurrent => Ok(()),
-            MemoryKind::Iswa => {
-                let n = self.layers.iter().filter(|l| l.swa).count();
-                let s = self.swa.as_ref().map_or((0, 0), |s| (s.window, s.pattern));
-                Err(KvError::Unsupported(format!(
-                    "{} ({}) uses sliding-window attention on {n} of {} layers (window {}, pattern {}): \
-                     llama.cpp keeps those layers in a second cache (iSWA), which this library does not model yet",
-                    self.display_name(),
-                    self.arch,
-                    self.n_layer,
-                    s.0,
-                    s.1
-                )))
-            }
+            MemoryKind::Unified | MemoryKind::Recurrent | MemoryKind::Iswa => Ok(()),
             MemoryKind::Hybrid => Err(KvError::Unsupported(format!(
                 "{} ({}) is a hybrid model (attention layers plus recurrent layers): \
                  llama.cpp gives it a KV cache and a recurrent memory side by side, which this library does not model yet",
@@ -682,6 +669,20 @@ impl ModelInfo {
         flash_attn: bool,
     ) -> Result<CacheParams> {
         self.check_supported()?;
+        if self.memory == MemoryKind::Iswa {
+            let n = self.layers.iter().filter(|l| l.swa).count();
+            let s = self.swa.as_ref().map_or((0, 0), |s| (s.window, s.pattern));
+            return Err(KvError::Unsupported(format!(
+                "{} ({}) uses sliding-window attention on {n} of {} layers (window {}, pattern \
+                 {}): llama.cpp keeps those layers in a second cache, so its memory is an iSWA \
+                 memory (IswaParams::for_model), not one unified cache",
+                self.display_name(),
+                self.arch,
+                self.n_layer,
+                s.0,
+                s.1
+            )));
+        }
         let recurrent = self.memory == MemoryKind::Recurrent;
         let mut p = self.params_of_layers(1, n_seq_max, type_k, type_v, flash_attn);
         let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };

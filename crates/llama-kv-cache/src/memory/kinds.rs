@@ -1,0 +1,296 @@
+//! One face for every live memory: the seed's unified cache (`kv`, or `recurrent` for a
+//! Mamba-style model) and today's sliding-window memory (`iswa`). Sequence operations, state
+//! I/O and K/V rows addressed by the model's layer index work on every kind; what only one
+//! kind has is reached through [`Memory::kv`] or the kind's own type.
+
+use crate::cache::KvCache;
+use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
+use crate::memory::attention::{AttentionCache, Window};
+use crate::memory::iswa::IswaCache;
+use crate::state::parts::PartRole;
+use crate::state::Layout;
+use crate::tensors::storage::Tensor;
+
+/// A live memory of any kind.
+pub enum Memory {
+    /// The seed's unified cache (also its recurrent mode), boxed: it is five times the size
+    /// of the iSWA memory's handle.
+    Kv(Box<KvCache>),
+    /// llama.cpp 0.1.161's sliding-window memory.
+    Iswa(IswaCache),
+}
+
+/// What one part of a memory is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartInfo {
+    /// Its role: `whole` for a memory of one part, `base` / `swa` for iSWA.
+    pub role: PartRole,
+    /// The model layers it holds, ascending.
+    pub layers: Vec<u32>,
+    /// Cells per stream.
+    pub size: u32,
+    /// Streams (1 when unified).
+    pub n_stream: u32,
+    /// Cells with a position, over all streams.
+    pub used_cells: u32,
+    /// The sliding window (none for a full-attention part).
+    pub window: Window,
+    /// K type.
+    pub type_k: GgmlType,
+    /// V type.
+    pub type_v: GgmlType,
+    /// Hadamard rotation of K and V (0: none).
+    pub n_rot: (u32, u32),
+}
+
+fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInfo {
+    let p = c.params();
+    PartInfo {
+        role,
+        layers: layers.to_vec(),
+        size: c.size(),
+        n_stream: c.n_stream(),
+        used_cells: c.used_cells(),
+        window: c.window(),
+        type_k: p.type_k,
+        type_v: p.type_v,
+        n_rot: (p.n_rot_k, p.n_rot_v),
+    }
+}
+
+impl Memory {
+    /// `"kv"`, `"recurrent"` or `"iswa"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Memory::Kv(c) if c.recurrent() => "recurrent",
+            Memory::Kv(_) => "kv",
+            Memory::Iswa(_) => "iswa",
+        }
+    }
+
+    /// The unified cache, or why this kind has none (`what` names the operation).
+    pub fn kv(&mut self, what: &str) -> Result<&mut KvCache> {
+        match self {
+            Memory::Kv(c) => Ok(c.as_mut()),
+            other => Err(other.not_kv(what)),
+        }
+    }
+
+    /// [`Memory::kv`], to read.
+    pub fn kv_ref(&self, what: &str) -> Result<&KvCache> {
+        match self {
+            Memory::Kv(c) => Ok(c.as_ref()),
+            other => Err(other.not_kv(what)),
+        }
+    }
+
+    fn not_kv(&self, what: &str) -> KvError {
+        KvError::Unsupported(format!(
+            "{what} is an operation of the seed's unified cache; this cache is of kind '{}' \
+             (sequence operations, place, readRows/writeRows, state I/O and update work on \
+             every kind)",
+            self.kind()
+        ))
+    }
+
+    /// Its parts, in state order.
+    pub fn parts(&self) -> Vec<PartInfo> {
+        match self {
+            Memory::Kv(c) => {
+                let p = c.params();
+                vec![PartInfo {
+                    role: PartRole::Whole,
+                    layers: (0..p.n_layer).collect(),
+                    size: p.size,
+                    n_stream: 1,
+                    used_cells: c.used_cells(),
+                    window: Window::FULL,
+                    type_k: p.type_k,
+                    type_v: p.type_v,
+                    n_rot: (p.n_rot_k, p.n_rot_v),
+                }]
+            }
+            Memory::Iswa(c) => vec![
+                attention_part(PartRole::Base, &c.base().layers, &c.base().cache),
+                attention_part(PartRole::Swa, &c.swa().layers, &c.swa().cache),
+            ],
+        }
+    }
+
+    /// Whether positions can be shifted (`seqAdd`, `seqDiv` and the K-shift).
+    pub fn can_shift(&self) -> bool {
+        match self {
+            Memory::Kv(c) => c.can_shift(),
+            Memory::Iswa(c) => c.can_shift(),
+        }
+    }
+
+    /// Whether a K-shift is pending.
+    pub fn has_shift(&self) -> bool {
+        match self {
+            Memory::Kv(c) => c.has_shift(),
+            Memory::Iswa(c) => c.base().cache.has_shift() || c.swa().cache.has_shift(),
+        }
+    }
+
+    /// Sequences.
+    pub fn n_seq_max(&self) -> u32 {
+        match self {
+            Memory::Kv(c) => c.params().n_seq_max,
+            Memory::Iswa(c) => c.base().cache.params().n_seq_max,
+        }
+    }
+
+    /// The model's layers, over all parts.
+    pub fn n_layer(&self) -> u32 {
+        self.parts().iter().map(|p| p.layers.len() as u32).sum()
+    }
+
+    /// Host tensor bytes in memory.
+    pub fn host_resident_bytes(&self) -> usize {
+        let streams = |c: &AttentionCache| -> usize {
+            (0..c.n_stream())
+                .filter_map(|s| c.stream(s).ok())
+                .map(KvCache::host_resident_bytes)
+                .sum()
+        };
+        match self {
+            Memory::Kv(c) => c.host_resident_bytes(),
+            Memory::Iswa(c) => streams(&c.base().cache) + streams(&c.swa().cache),
+        }
+    }
+
+    /// `seq_rm`: false when a recurrent cache refuses a partial removal.
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        match self {
+            Memory::Kv(c) => c.seq_rm(seq, p0, p1),
+            Memory::Iswa(c) => c.seq_rm(seq, p0, p1),
+        }
+    }
+
+    /// `seq_cp`.
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        match self {
+            Memory::Kv(c) => c.seq_cp(src, dst, p0, p1),
+            Memory::Iswa(c) => c.seq_cp(src, dst, p0, p1),
+        }
+    }
+
+    /// `seq_keep`.
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        match self {
+            Memory::Kv(c) => c.seq_keep(seq),
+            Memory::Iswa(c) => c.seq_keep(seq),
+        }
+    }
+
+    /// `seq_add`.
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        match self {
+            Memory::Kv(c) => c.seq_add(seq, p0, p1, delta),
+            Memory::Iswa(c) => c.seq_add(seq, p0, p1, delta),
+        }
+    }
+
+    /// `seq_div`.
+    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        match self {
+            Memory::Kv(c) => c.seq_div(seq, p0, p1, d),
+            Memory::Iswa(c) => c.seq_div(seq, p0, p1, d),
+        }
+    }
+
+    /// Smallest position of `seq`, -1 when it has no cell.
+    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        match self {
+            Memory::Kv(c) => {
+                let s = c.check_seq("seqPosMin", seq)?;
+                Ok(c.cells().seq_pos_min(s).unwrap_or(-1))
+            }
+            Memory::Iswa(c) => c.seq_pos_min(seq),
+        }
+    }
+
+    /// Largest position of `seq`: the seed's (0 for a sequence without cells) for `kv`, -1 for
+    /// one without cells in today's memories.
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        match self {
+            Memory::Kv(c) => c.seq_pos_max(seq),
+            Memory::Iswa(c) => c.seq_pos_max(seq),
+        }
+    }
+
+    /// Frees every cell.
+    pub fn clear(&mut self) -> Result<()> {
+        match self {
+            Memory::Kv(c) => c.clear(),
+            Memory::Iswa(c) => c.clear(),
+        }
+    }
+
+    /// The part holding model layer `il`, its layer index there, and the stream `stream` of it.
+    fn stream_of_layer(&self, il: u32, stream: u32) -> Result<(&KvCache, u32)> {
+        match self {
+            Memory::Kv(c) => {
+                if stream != 0 {
+                    return Err(no_stream(stream, 1));
+                }
+                Ok((c.as_ref(), il))
+            }
+            Memory::Iswa(c) => {
+                let (part, k) = c.route(il)?;
+                Ok((part.stream(stream)?, k))
+            }
+        }
+    }
+
+    /// Rows of `which` of model layer `il` for `cells` of stream `stream`, packed.
+    pub fn read_rows_at(
+        &self,
+        il: u32,
+        which: Tensor,
+        stream: u32,
+        cells: &[u32],
+    ) -> Result<Vec<u8>> {
+        let (cache, k) = self.stream_of_layer(il, stream)?;
+        cache.rows_of_cells(k, which, cells)
+    }
+
+    /// Writes one row per cell of `cells` (of stream `stream`) into `which` of model layer
+    /// `il`; checks every cell and the length before writing any.
+    pub fn write_rows_at(
+        &mut self,
+        il: u32,
+        which: Tensor,
+        stream: u32,
+        cells: &[u32],
+        rows: &[u8],
+    ) -> Result<()> {
+        let (cache, k) = match self {
+            Memory::Kv(c) => {
+                if stream != 0 {
+                    return Err(no_stream(stream, 1));
+                }
+                (c.as_mut(), il)
+            }
+            Memory::Iswa(c) => {
+                let (part, k) = c.route_mut(il)?;
+                (part.stream_mut(stream)?, k)
+            }
+        };
+        cache.write_rows_of_cells(k, which, cells, rows)
+    }
+
+    /// The state of `seq` (-1: everything) in `layout` (llama.cpp 0.1.161's for `iswa`).
+    pub fn state_write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        match self {
+            Memory::Kv(c) => c.state_write(seq, layout, 1, None),
+            Memory::Iswa(c) => c.state_write(seq, layout),
+        }
+    }
+}
+
+fn no_stream(stream: u32, n: u32) -> KvError {
+    KvError::OutOfRange(format!("stream {stream} is out of range [0, {n})"))
+}
