@@ -37,6 +37,12 @@
 //         clear                     llama_memory_clear(data)
 //       `ret` is llama_decode's result (decode), or 1/0 for the others.
 //
+//   today-driver bench model=M [context options] dir=D
+//       llama.cpp's side of the live-cache benchmark (`cargo run --release -p today-peer --bin
+//       bench-live`): loads the sequence states D/seq-<s>.bin into sequences 0.. (written by
+//       our core), keeps the filled state, then answers `time <op>` with {"ns": ...}: the
+//       filled state restored (untimed), the op timed once. `quit` ends it.
+//
 //   today-driver hparams model=M
 //       the hyper-parameters llama.cpp derives from the GGUF (`llama_model::hparams`, read
 //       through the internal headers), per layer where they can differ; no context is made.
@@ -55,7 +61,10 @@
 #include <iostream>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -503,6 +512,75 @@ static void trace(llama_context * ctx, int n_vocab) {
     }
 }
 
+static void bench(llama_context * ctx) {
+    llama_memory_t mem = llama_get_memory(ctx);
+    const int n_seq = (int) llama_n_seq_max(ctx);
+    std::vector<std::vector<uint8_t>> blobs(n_seq);
+    for (int s = 0; s < n_seq; s++) {
+        const std::string path = arg("dir") + "/seq-" + std::to_string(s) + ".bin";
+        std::ifstream f(path, std::ios::binary);
+        // 0.1.161's in-memory sequence state starts with its magic and the sequence id
+        const uint32_t magic = 0xaf143cd8;
+        blobs[s].resize(8);
+        memcpy(blobs[s].data(), &magic, 4);
+        memcpy(blobs[s].data() + 4, &s, 4);
+        blobs[s].insert(blobs[s].end(), std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+        if (blobs[s].size() == 8 || llama_state_seq_set_data(ctx, blobs[s].data(), blobs[s].size(), s) == 0) {
+            die("bench: cannot load " + path);
+        }
+    }
+    std::vector<uint8_t> whole(llama_state_get_size(ctx));
+    whole.resize(llama_state_get_data(ctx, whole.data(), whole.size()));
+    std::vector<uint8_t> out(blobs[0].size() * 2);
+    std::vector<uint8_t> src(blobs[0].size(), 1), dst(blobs[0].size());
+    const int L = llama_memory_seq_pos_max(mem, 0) + 1;
+    printf("{\"len\":%d,\"whole_bytes\":%zu,\"seq_bytes\":%zu}\n", L, whole.size(), blobs[0].size() - 8);
+    fflush(stdout);
+    static volatile size_t sink;
+    std::string line;
+    while (std::getline(std::cin, line)) {
+        std::istringstream in(line);
+        std::string cmd, op;
+        in >> cmd >> op;
+        if (cmd == "quit") {
+            break;
+        }
+        llama_state_set_data(ctx, whole.data(), whole.size());
+        for (int k = 0; k < 3; k++) {
+            sink = llama_memory_seq_pos_max(mem, k % n_seq);
+        }
+        const int s = 3 % n_seq;
+        const auto t0 = std::chrono::steady_clock::now();
+        if (op == "seq_rm_tail") {
+            llama_memory_seq_rm(mem, s, L - 16, -1);
+        } else if (op == "seq_rm_mid") {
+            llama_memory_seq_rm(mem, s, L / 4, L / 2);
+        } else if (op == "seq_cp") {
+            llama_memory_seq_cp(mem, s, (s + 1) % n_seq, -1, -1);
+        } else if (op == "seq_keep") {
+            llama_memory_seq_keep(mem, s);
+        } else if (op == "seq_add") {
+            llama_memory_seq_add(mem, s, L / 2, -1, -(L / 4));
+        } else if (op == "seq_div") {
+            llama_memory_seq_div(mem, s, 0, -1, 2);
+        } else if (op == "seq_pos_max") {
+            sink = llama_memory_seq_pos_max(mem, s);
+        } else if (op == "seq_get") {
+            sink = llama_state_seq_get_data(ctx, out.data(), out.size(), 0);
+        } else if (op == "seq_set") {
+            sink = llama_state_seq_set_data(ctx, blobs[0].data(), blobs[0].size(), 0);
+        } else if (op == "memcpy") {
+            memcpy(dst.data(), src.data(), src.size());
+            sink = dst[dst.size() / 2];
+        } else {
+            die("bench: unknown op " + op);
+        }
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+        printf("{\"ns\":%lld}\n", (long long) ns.count());
+        fflush(stdout);
+    }
+}
+
 int main(int argc, char ** argv) {
     if (argc < 2) {
         die("usage: today-driver gen|cont key=value...");
@@ -543,6 +621,8 @@ int main(int argc, char ** argv) {
         resume(ctx, n_vocab);
     } else if (action == "trace") {
         trace(ctx, n_vocab);
+    } else if (action == "bench") {
+        bench(ctx);
     } else {
         die("unknown action " + action);
     }

@@ -19,7 +19,7 @@ use crate::cache::rollback::CellsUndo;
 use crate::cache::slot::no_cell_ext;
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
-use crate::cells::Cells;
+use crate::cells::{Cell, Cells};
 use crate::error::{KvError, Result};
 use crate::memory::SwaType;
 use crate::params::CacheParams;
@@ -69,8 +69,42 @@ impl StreamSlot {
     }
 }
 
-/// The cells of some streams as they were, to put back when a placement fails.
-pub(crate) struct Snapshot(Vec<(usize, Cells, u32)>);
+/// A payload parsed and checked against the cache (`AttentionCache::check_read`).
+pub(crate) struct CheckedRead {
+    parsed: ParsedPayload,
+    /// Of a sequence read whose payload holds cells in one stream: the cells they take.
+    found: Option<Vec<u32>>,
+}
+
+impl CheckedRead {
+    /// Bytes of the payload.
+    pub(crate) fn len(&self) -> usize {
+        self.parsed.len
+    }
+}
+
+/// Stream `k` of `parsed` as a payload of its own.
+fn one_stream(parsed: &ParsedPayload, k: usize) -> ParsedPayload {
+    ParsedPayload {
+        layout: parsed.layout,
+        streams: vec![parsed.streams[k].clone()],
+        len: parsed.len,
+        ext: parsed.ext,
+    }
+}
+
+/// The cells a placement changed, as they were (per slot: stream, head, `used`, cells), to put
+/// back when a later ubatch of the same decode does not fit.
+#[derive(Default)]
+pub(crate) struct Snapshot(Vec<SlotUndo>);
+
+/// One slot's record in a [`Snapshot`].
+struct SlotUndo {
+    stream: usize,
+    head: u32,
+    used: u32,
+    cells: Vec<(usize, Cell)>,
+}
 
 /// llama.cpp 0.1.161's `llama_kv_cache`.
 pub struct AttentionCache {
@@ -198,7 +232,7 @@ impl AttentionCache {
         let mut out = Vec::new();
         for (stream, tokens) in self.groups(ub)? {
             let cache = &self.streams[stream];
-            let Some(cells) = find_cells(&cache.cells, cache.head, tokens.len(), self.window)
+            let Some(cells) = find_cells(&cache.cells, cache.head, tokens.len(), self.window, None)
             else {
                 return Ok(None);
             };
@@ -215,50 +249,54 @@ impl AttentionCache {
     /// the context's `apply` do: all of them, or (`None`, an ordinary outcome) none, with the
     /// cells as before.
     pub fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Vec<Vec<StreamSlot>>>> {
-        let snapshot = self.snapshot(ubatches)?;
-        let placed = self.place_each(ubatches);
+        let mut undo = Snapshot::default();
+        let placed = self.place_each(ubatches, &mut undo);
         if !matches!(placed, Ok(Some(_))) {
-            self.restore(snapshot);
+            self.restore(undo);
         }
         placed
     }
 
-    /// The cells of every stream `ubatches` touch, taken before placing them.
-    pub(crate) fn snapshot(&self, ubatches: &[UBatch]) -> Result<Snapshot> {
-        let mut touched = vec![false; self.streams.len()];
-        for ub in ubatches {
-            for (s, _) in self.groups(ub)? {
-                touched[s] = true;
-            }
-        }
-        let mut kept = Vec::new();
-        for (s, cache) in self.streams.iter().enumerate() {
-            if touched[s] {
-                kept.push((s, cache.cells.clone(), cache.head));
-            }
-        }
-        Ok(Snapshot(kept))
-    }
-
-    /// Puts back the cells of a [`Snapshot`].
+    /// Puts back the cells a [`Snapshot`] recorded, newest first.
     pub(crate) fn restore(&mut self, snapshot: Snapshot) {
-        for (s, cells, head) in snapshot.0 {
-            self.streams[s].cells = cells;
-            self.streams[s].head = head;
+        for undo in snapshot.0.into_iter().rev() {
+            let cache = &mut self.streams[undo.stream];
+            for (i, cell) in undo.cells {
+                cache.cells.set_cell(i, cell);
+            }
+            cache.cells.used = undo.used;
+            cache.cells.settle();
+            cache.head = undo.head;
         }
     }
 
-    /// Finds and applies each ubatch in turn; stops at the first that does not fit (`None`),
-    /// leaving the ones before it placed.
+    /// Finds and applies each ubatch in turn, recording in `undo` every cell it changes (as
+    /// 0.1.161's `prepare` keeps the cells of each slot: a copy of the whole table per decode
+    /// cost more than placing a token); stops at the first that does not fit (`None`), leaving
+    /// the ones before it placed.
     pub(crate) fn place_each(
         &mut self,
         ubatches: &[UBatch],
+        undo: &mut Snapshot,
     ) -> Result<Option<Vec<Vec<StreamSlot>>>> {
         let mut out = Vec::with_capacity(ubatches.len());
         for ub in ubatches {
             let Some(slots) = self.find_slot(ub)? else {
                 return Ok(None);
             };
+            for slot in &slots {
+                let cache = &self.streams[slot.stream as usize];
+                let touched = touched_by(&cache.cells, &slot.cells, None);
+                undo.0.push(SlotUndo {
+                    stream: slot.stream as usize,
+                    head: cache.head,
+                    used: cache.cells.used,
+                    cells: touched
+                        .into_iter()
+                        .map(|i| (i, cache.cells.get(i)))
+                        .collect(),
+                });
+            }
             self.apply(&slots, ub)?;
             out.push(slots);
         }
@@ -501,7 +539,18 @@ impl AttentionCache {
     /// (-1: every stream), checking all of it before the cache changes. A sequence payload
     /// goes to the sequence's stream, whichever of its streams holds the cells.
     pub fn state_read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        let parsed = self.parse(data, seq, layout)?;
+        let checked = self.check_read(data, seq, layout, true)?;
+        self.apply_read(data, checked, seq)
+    }
+
+    /// Applies a read [`AttentionCache::check_read`] accepted, the cache unchanged since.
+    pub(crate) fn apply_read(
+        &mut self,
+        data: &[u8],
+        checked: CheckedRead,
+        seq: i32,
+    ) -> Result<ReadSummary> {
+        let CheckedRead { parsed, mut found } = checked;
         if seq == -1 {
             return self.read_whole(data, &parsed);
         }
@@ -511,27 +560,33 @@ impl AttentionCache {
             cells: 0,
             placed: Vec::new(),
         };
-        for stream in &parsed.streams {
-            let one = ParsedPayload {
-                streams: vec![stream.clone()],
-                ..parsed.clone()
-            };
-            let r = read_sequence(&mut self.streams[s], data, &one, seq, self.window)?;
+        for k in 0..parsed.streams.len() {
+            let one = one_stream(&parsed, k);
+            let r = read_sequence(
+                &mut self.streams[s],
+                data,
+                &one,
+                seq,
+                self.window,
+                found.take(),
+            )?;
             summary.cells += r.cells;
             summary.placed.extend(r.placed);
         }
         Ok(summary)
     }
 
-    /// Checks that `data` reads into `seq` (-1: every stream) without changing the cache.
-    pub(crate) fn check_read(&self, data: &[u8], seq: i32, layout: Layout) -> Result<()> {
-        self.parse(data, seq, layout).map(|_| ())
-    }
-
-    /// Parses and checks `data` against every stream it goes to.
-    fn parse(&self, data: &[u8], seq: i32, layout: Layout) -> Result<ParsedPayload> {
+    /// Parses `data` (`exact`: as the whole of it) and checks it against every stream it goes
+    /// to, room included, without changing the cache.
+    pub(crate) fn check_read(
+        &self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+        exact: bool,
+    ) -> Result<CheckedRead> {
         let ext = self.params().cell_ext;
-        let parsed = parse_payload_with(data, layout, ext, true)?;
+        let parsed = parse_payload_with(data, layout, ext, exact)?;
         let want = self.streams.len();
         if parsed.streams.len() != want {
             return Err(KvError::InvalidState(format!(
@@ -539,6 +594,12 @@ impl AttentionCache {
                 parsed.streams.len()
             )));
         }
+        let holding = parsed
+            .streams
+            .iter()
+            .filter(|s| !s.cells.is_empty())
+            .count();
+        let mut found = None;
         for (k, stream) in parsed.streams.iter().enumerate() {
             if seq != -1 && stream.cells.is_empty() {
                 continue;
@@ -548,12 +609,8 @@ impl AttentionCache {
             } else {
                 self.stream_of("stateRead", seq)?
             };
-            let one = ParsedPayload {
-                streams: vec![stream.clone()],
-                ..parsed.clone()
-            };
             let dest = (seq != -1).then_some(seq);
-            self.streams[s].check_payload(&one, dest)?;
+            self.streams[s].check_payload(&one_stream(&parsed, k), dest)?;
             if stream.cells.len() > self.size() as usize {
                 return Err(KvError::NoSpace(format!(
                     "stream {k} of the payload has {} cells, the cache {}",
@@ -561,37 +618,44 @@ impl AttentionCache {
                     self.size()
                 )));
             }
-            if seq != -1 && !self.sequence_fits(s, seq, stream.cells.len()) {
-                return Err(KvError::NoSpace(format!(
-                    "no {} free cells for sequence {seq} (stream {s})",
-                    stream.cells.len()
-                )));
+            if seq != -1 {
+                let cells = self.room_for(s, seq, stream.cells.len()).ok_or_else(|| {
+                    KvError::NoSpace(format!(
+                        "no {} free cells for sequence {seq} (stream {s})",
+                        stream.cells.len()
+                    ))
+                })?;
+                // the one stream with cells is placed where found now; with several, each
+                // is found as it is read
+                if holding == 1 {
+                    found = Some(cells);
+                }
             }
         }
-        Ok(parsed)
+        Ok(CheckedRead { parsed, found })
     }
 
-    /// Whether `n` cells of sequence `seq` find room in stream `s` once the sequence's own
-    /// cells are freed, as a sequence read places them: tried on a copy of the cells, so that
-    /// a read that would not fit is refused before anything changes (0.1.161 would have
-    /// removed the sequence by then).
-    fn sequence_fits(&self, s: usize, seq: i32, n: usize) -> bool {
+    /// The cells `n` cells of sequence `seq` take in stream `s` once the sequence's own are
+    /// freed, as a sequence read places them, found without changing the cache, so that a read
+    /// that would not fit is refused before anything changes (0.1.161 would have removed the
+    /// sequence by then).
+    fn room_for(&self, s: usize, seq: i32, n: usize) -> Option<Vec<u32>> {
         let cache = &self.streams[s];
-        let mut cells = cache.cells.clone();
-        let freed = cells.remove_seq_in_range(seq as usize, 0, i32::MAX);
-        cells.settle();
-        let head = freed.first.map_or(cache.head, |f| cache.head.min(f as u32));
-        find_cells(&cells, head, n, self.window).is_some()
+        let gone = seq as usize;
+        find_cells(
+            &cache.cells,
+            head_after_rm(cache, gone),
+            n,
+            self.window,
+            Some(gone),
+        )
     }
 
     /// A whole-cache read: every stream cleared, then given its cells from cell 0.
     fn read_whole(&mut self, data: &[u8], parsed: &ParsedPayload) -> Result<ReadSummary> {
         let mut placed = Vec::new();
-        for (s, stream) in parsed.streams.iter().enumerate() {
-            let one = ParsedPayload {
-                streams: vec![stream.clone()],
-                ..parsed.clone()
-            };
+        for s in 0..parsed.streams.len() {
+            let one = one_stream(parsed, s);
             let cache = &mut self.streams[s];
             let r = cache.apply_payload(data, &one, None, ReadOptions::default(), None)?;
             cache.cells.clear_deltas();
@@ -615,6 +679,7 @@ fn read_sequence(
     parsed: &ParsedPayload,
     seq: i32,
     window: Window,
+    found: Option<Vec<u32>>,
 ) -> Result<ReadSummary> {
     if parsed.streams[0].cells.is_empty() {
         return Ok(ReadSummary {
@@ -624,31 +689,36 @@ fn read_sequence(
         });
     }
     cache.apply_payload_with(data, parsed, Some(seq), None, |cache, cells| {
-        let undo = CellsUndo::All(Box::new(cache.cells.clone()), cache.head, cache.n);
         let ub = UBatch {
             pos: cells.positions().to_vec(),
             n_seq_tokens: cells.len() as u32,
             seq_ids: vec![vec![seq]],
             ext: cells.exts().to_vec(),
         };
-        let slot = cache
-            .seq_rm_keeping_data(seq, -1, -1)
-            .and_then(|_| {
-                find_cells(&cache.cells, cache.head, cells.len(), window).ok_or_else(|| {
-                    KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
-                })
-            })
-            .map(|found| StreamSlot {
-                stream: 0,
-                cells: found,
-                tokens: (0..cells.len()).collect(),
-            });
-        let slot = match slot {
-            Ok(slot) => slot,
-            Err(e) => {
-                cache.roll_back(undo, &[]);
-                return Err(e);
-            }
+        // the cells the read will take, found as if the sequence were already removed, before
+        // anything changes; the undo record keeps only the cells the read changes
+        let gone = seq as usize;
+        let found = match found {
+            Some(found) => found,
+            None => find_cells(
+                &cache.cells,
+                head_after_rm(cache, gone),
+                cells.len(),
+                window,
+                Some(gone),
+            )
+            .ok_or_else(|| {
+                KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
+            })?,
+        };
+        let own: Vec<usize> = cache.cells.cells_of(gone).collect();
+        let touched = merge_sorted(&touched_by(&cache.cells, &found, Some(gone)), &own);
+        let undo = CellsUndo::touched(cache, &touched);
+        cache.seq_rm_keeping_data(seq, -1, -1)?;
+        let slot = StreamSlot {
+            stream: 0,
+            cells: found,
+            tokens: (0..cells.len()).collect(),
         };
         for (s, max) in put_tokens(cache, &slot, &ub) {
             if let Some(min) = cache.cells.seq_pos_min(s) {
@@ -663,16 +733,24 @@ fn read_sequence(
 }
 
 /// Whether cell `i` can take a token: free, or held by one sequence whose next token's
-/// window no longer sees it.
-fn usable(cells: &Cells, i: usize, window: Window) -> bool {
+/// window no longer sees it; a cell of `gone` counts without it (a sequence read frees the
+/// sequence's cells before it places its own).
+fn usable(cells: &Cells, i: usize, window: Window, gone: Option<usize>) -> bool {
     let pos = cells.pos(i);
     if pos < 0 {
         return true;
     }
+    let mut seqs = cells.seqs(i);
+    if let Some(g) = gone {
+        seqs.remove(g);
+        if seqs.is_empty() {
+            return true;
+        }
+    }
     if window.swa_type == SwaType::None {
         return false;
     }
-    match cells.seqs(i).only() {
+    match seqs.only() {
         Some(seq) => {
             let next = cells.seq_pos_max(seq).map_or(0, |m| m + 1);
             window.masks(pos, next)
@@ -681,24 +759,61 @@ fn usable(cells: &Cells, i: usize, window: Window) -> bool {
     }
 }
 
+/// The stream's head once `seq_rm(gone)` has run: the first cell it frees, when before the
+/// head.
+fn head_after_rm(cache: &KvCache, gone: usize) -> u32 {
+    let cells = &cache.cells;
+    let first = cells.cells_of(gone).find(|&i| cells.seqs(i).len() == 1);
+    first.map_or(cache.head, |f| cache.head.min(f as u32))
+}
+
 /// 0.1.161's search for `n` cells of one stream, one cell at a time from its head (which
-/// starts over at 0 when enough cells before it are free).
-fn find_cells(cells: &Cells, head: u32, n: usize, window: Window) -> Option<Vec<u32>> {
+/// starts over at 0 when enough cells before it are free), as if the cells of `gone` were
+/// removed first.
+fn find_cells(
+    cells: &Cells,
+    head: u32,
+    n: usize,
+    window: Window,
+    gone: Option<usize>,
+) -> Option<Vec<u32>> {
     let size = cells.len();
     if n > size {
         return None;
     }
+    let mut used = cells.occupied_count() as usize;
+    if let Some(g) = gone {
+        used -= cells
+            .cells_of(g)
+            .filter(|&i| cells.seqs(i).len() == 1)
+            .count();
+    }
     let mut head = head as usize;
-    if head > cells.occupied_count() as usize + 2 * n {
+    if head > used + 2 * n {
         head = 0;
     }
+    // without a window an occupied cell is never usable: runs of them are skipped a word at
+    // a time, counted as tested one by one
+    let skip_occupied = window.swa_type == SwaType::None && gone.is_none();
     let mut out = Vec::with_capacity(n);
     let mut tested = 0usize;
     loop {
         if head >= size {
             head = 0;
         }
-        if usable(cells, head, window) {
+        if skip_occupied {
+            let free = cells.next_free_before(head, size);
+            let skipped = (free - head).min(size - tested);
+            tested += skipped;
+            head += skipped;
+            if tested >= size {
+                return None;
+            }
+            if head >= size {
+                continue;
+            }
+        }
+        if usable(cells, head, window, gone) {
             out.push(head as u32);
         }
         head += 1;
@@ -712,26 +827,98 @@ fn find_cells(cells: &Cells, head: u32, n: usize, window: Window) -> Option<Vec<
     }
 }
 
+/// The cells placing tokens in `at` changes: those, and every cell of a sequence whose cell
+/// there is overwritten, up to the overwritten position (the purge); `gone` as in
+/// [`usable`].
+fn touched_by(cells: &Cells, at: &[u32], gone: Option<usize>) -> Vec<usize> {
+    let mut out: Vec<usize> = at.iter().map(|&c| c as usize).collect();
+    // found cells ascend but for one wrap to the start: sorting is a rotation's cost
+    out.sort_unstable();
+    let mut purged: Vec<(usize, i32)> = Vec::new();
+    for &c in at {
+        let i = c as usize;
+        let mut seqs = cells.seqs(i);
+        if let Some(g) = gone {
+            seqs.remove(g);
+        }
+        if let (true, Some(seq)) = (cells.pos(i) >= 0, seqs.only()) {
+            match purged.iter_mut().find(|(s, _)| *s == seq) {
+                Some((_, max)) => *max = (*max).max(cells.pos(i)),
+                None => purged.push((seq, cells.pos(i))),
+            }
+        }
+    }
+    for (seq, max) in purged {
+        let theirs: Vec<usize> = cells
+            .cells_of(seq)
+            .filter(|&i| cells.pos(i) <= max)
+            .collect();
+        out = merge_sorted(&out, &theirs);
+    }
+    out
+}
+
+/// The union of two ascending lists, ascending.
+fn merge_sorted(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let next = a[i].min(b[j]);
+        i += usize::from(a[i] == next);
+        j += usize::from(b[j] == next);
+        out.push(next);
+    }
+    out.extend_from_slice(&a[i..]);
+    out.extend_from_slice(&b[j..]);
+    out
+}
+
 /// Writes the tokens of `slot` into its cells (freeing what they held) and returns, per
 /// sequence whose cell was overwritten, the largest position overwritten.
 fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize, i32)> {
     let per_group = ub.n_seq_tokens as usize;
     let keeps_ext = cache.cells.keeps_ext();
+    let (cells, tokens) = (&slot.cells, &slot.tokens);
     let mut overwritten: Vec<(usize, i32)> = Vec::new();
-    for (&cell, &k) in slot.cells.iter().zip(&slot.tokens) {
-        let i = cell as usize;
-        let old = cache.cells.pos(i);
-        if old >= 0 {
-            if let Some(seq) = cache.cells.seqs(i).only() {
-                match overwritten.iter_mut().find(|(s, _)| *s == seq) {
-                    Some((_, max)) => *max = (*max).max(old),
-                    None => overwritten.push((seq, old)),
+    let mut j = 0;
+    while j < cells.len() {
+        // a run of consecutive free cells, the common case, fills a word of cells at a time
+        let mut end = j;
+        while end < cells.len()
+            && cache.cells.pos(cells[end] as usize) < 0
+            && (end == j || cells[end] == cells[end - 1] + 1)
+        {
+            end += 1;
+        }
+        if end > j {
+            let run = &tokens[j..end];
+            let pos: Vec<i32> = run.iter().map(|&k| ub.pos[k]).collect();
+            let first = cells[j] as usize;
+            cache
+                .cells
+                .fill_free(first, &pos, |x| &ub.seq_ids[run[x] / per_group]);
+            for (x, &k) in run.iter().enumerate() {
+                cache.cells.set_delta(first + x, 0);
+                if keeps_ext {
+                    let ext = cache.ubatch_ext(ub, k);
+                    cache.cells.set_ext(first + x, ext);
                 }
             }
-            cache.cells.clear_seqs(i);
-            cache.cells.set_pos(i, -1);
-            cache.cells.used = cache.cells.used.wrapping_sub(1);
+            cache.cells.used += run.len() as u32;
+            j = end;
+            continue;
         }
+        // a cell the window no longer sees: freed first, its sequence noted for the purge
+        let (i, k) = (cells[j] as usize, tokens[j]);
+        let old = cache.cells.pos(i);
+        if let Some(seq) = cache.cells.seqs(i).only() {
+            match overwritten.iter_mut().find(|(s, _)| *s == seq) {
+                Some((_, max)) => *max = (*max).max(old),
+                None => overwritten.push((seq, old)),
+            }
+        }
+        cache.cells.clear_seqs(i);
+        cache.cells.set_pos(i, -1);
         cache.cells.set_pos(i, ub.pos[k]);
         cache.cells.set_delta(i, 0);
         if keeps_ext {
@@ -741,7 +928,7 @@ fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize
         for &s in &ub.seq_ids[k / per_group] {
             cache.cells.insert_seq(i, s as usize);
         }
-        cache.cells.used += 1;
+        j += 1;
     }
     cache.cells.settle();
     // sequences in ascending order, as 0.1.161's purge loop visits them
@@ -752,6 +939,7 @@ fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::cells::CellExt;
 
     fn cache(size: u32, n_seq: u32, unified: bool, window: Window) -> AttentionCache {
         let mut p = CacheParams::new(size, 1, 8, 8);
@@ -790,6 +978,40 @@ mod tests {
         assert!(none.is_none());
         assert_eq!(c.stream(0).unwrap().cells, before);
         assert_eq!(c.stream(0).unwrap().head, 6);
+    }
+
+    #[test]
+    fn a_rolled_back_read_by_todays_placement_puts_back_every_cell_it_touched() {
+        let mut c = cache(16, 3, true, standard(4));
+        c.place(&[UBatch::sequence(0, 0, 6), UBatch::sequence(1, 0, 6)])
+            .unwrap()
+            .unwrap();
+        c.seq_cp(1, 2, 2, 4).unwrap();
+        let payload = c.state_write(0, Layout::StreamsRot).unwrap();
+        let before = c.stream(0).unwrap().cells.clone();
+        let head = c.stream(0).unwrap().head;
+        let cache = &mut c.streams[0];
+        let all: Vec<usize> = (0..16).collect();
+        let undo = CellsUndo::touched(cache, &all);
+        // a read into sequence 1 (shared cells, window reuse, purge), then its undo
+        let read = {
+            let parsed =
+                parse_payload_with(&payload[..], Layout::StreamsRot, CellExt::None, true).unwrap();
+            read_sequence(
+                cache,
+                &payload,
+                &one_stream(&parsed, 0),
+                1,
+                standard(4),
+                None,
+            )
+            .unwrap()
+        };
+        assert_ne!(cache.cells, before);
+        let placed: Vec<usize> = read.placed.iter().map(|&c| c as usize).collect();
+        cache.roll_back(undo, &placed);
+        assert_eq!(cache.cells, before);
+        assert_eq!(cache.head, head);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use crate::cache::kshift::UpdateReport;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::memory::attention::{AttentionCache, StreamSlot, Window};
+use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
 use crate::memory::SwaType;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::params::CacheParams;
@@ -248,19 +248,15 @@ impl IswaCache {
         &mut self,
         ubatches: &[UBatch],
     ) -> Result<Option<(Vec<Vec<StreamSlot>>, Vec<Vec<StreamSlot>>)>> {
-        let kept = [
-            self.base.cache.snapshot(ubatches)?,
-            self.swa.cache.snapshot(ubatches)?,
-        ];
-        let base = self.base.cache.place_each(ubatches);
+        let (mut kb, mut ks) = (Snapshot::default(), Snapshot::default());
+        let base = self.base.cache.place_each(ubatches, &mut kb);
         let swa = match base {
-            Ok(Some(_)) => self.swa.cache.place_each(ubatches),
+            Ok(Some(_)) => self.swa.cache.place_each(ubatches, &mut ks),
             _ => Ok(None),
         };
         match (base, swa) {
             (Ok(Some(b)), Ok(Some(s))) => Ok(Some((b, s))),
             (b, s) => {
-                let [kb, ks] = kept;
                 self.base.cache.restore(kb);
                 self.swa.cache.restore(ks);
                 b.and(s).map(|_| None)
@@ -414,13 +410,11 @@ impl IswaCache {
         seq: i32,
         layout: Layout,
     ) -> Result<[ReadSummary; 2]> {
-        let ext = self.base.cache.params().cell_ext;
-        let base_len = parse_payload_with(data, layout, ext, false)?.len;
-        let (first, second) = data.split_at(base_len);
-        self.base.cache.check_read(first, seq, layout)?;
-        self.swa.cache.check_read(second, seq, layout)?;
-        let base = self.base.cache.state_read(first, seq, layout)?;
-        let swa = self.swa.cache.state_read(second, seq, layout)?;
+        let base = self.base.cache.check_read(data, seq, layout, false)?;
+        let (first, second) = data.split_at(base.len());
+        let swa = self.swa.cache.check_read(second, seq, layout, true)?;
+        let base = self.base.cache.apply_read(first, base, seq)?;
+        let swa = self.swa.cache.apply_read(second, swa, seq)?;
         Ok([base, swa])
     }
 }
