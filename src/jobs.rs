@@ -311,6 +311,14 @@ impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
     fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
+        if let core::Memory::Iswa(c) = m {
+            if !p(0, 1) {
+                return Err(crate::tasks::aborted());
+            }
+            return c
+                .save_file(&self.path, self.seq, &self.tokens, &self.arch, self.opts)
+                .map_err(from_core);
+        }
         let c = m.kv("saving a state file").map_err(from_core)?;
         match self.seq {
             Some(seq) => c.save_sequence_file(&self.path, seq, &self.tokens, self.opts, Some(p)),
@@ -346,6 +354,14 @@ impl Job for LoadFileJob {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
+        if let core::Memory::Iswa(c) = m {
+            if !p(0, 1) {
+                return Err(crate::tasks::aborted());
+            }
+            return c
+                .load_file(&self.path, self.dest, self.opts)
+                .map_err(from_core);
+        }
         let c = m.kv("loading a state file").map_err(from_core)?;
         match self.dest {
             // streamed from the file where it holds one memory
