@@ -57,6 +57,8 @@
 #include "llama-kv-cache.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cells.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-recurrent.h"
 
 #include <iostream>
 
@@ -425,16 +427,49 @@ static std::string cells_json(const llama_kv_cache * kv, int n_seq_max) {
     return js.str();
 }
 
+// a recurrent memory: its head, used counter, non-empty cells "i:pos:s.s" and each
+// sequence's tail cell
+static std::string recurrent_json(const llama_memory_recurrent * r) {
+    std::ostringstream js;
+    js << "{\"size\":" << r->size << ",\"head\":" << r->head << ",\"used\":" << r->used << ",\"cells\":\"";
+    bool first = true;
+    for (uint32_t i = 0; i < r->size; i++) {
+        const auto & c = r->cells[i];
+        if (c.is_empty()) {
+            continue;
+        }
+        js << (first ? "" : " ") << i << ":" << c.pos << ":";
+        first = false;
+        bool first_seq = true;
+        for (llama_seq_id q : c.seq_id) {
+            js << (first_seq ? "" : ".") << q;
+            first_seq = false;
+        }
+    }
+    js << "\",\"tails\":\"";
+    for (uint32_t i = 0; i < r->size; i++) {
+        js << (i ? "," : "") << r->cells[i].tail;
+    }
+    js << "\"}";
+    return js.str();
+}
+
 static void trace(llama_context * ctx, int n_vocab) {
     llama_memory_t mem = llama_get_memory(ctx);
     const int n_seq_max = (int) llama_n_seq_max(ctx);
     std::vector<const llama_kv_cache *> parts;
+    const llama_memory_recurrent * recr = nullptr;
     if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
         parts = {iswa->get_base(), iswa->get_swa()};
     } else if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         parts = {kv};
+    } else if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        parts = {hybrid->get_mem_attn()};
+        recr  = hybrid->get_mem_recr();
+    } else if (auto * r = dynamic_cast<llama_memory_recurrent *>(mem)) {
+        recr = r;
     } else {
-        die("trace: the memory is neither an attention cache nor an iSWA memory");
+        die("trace: the memory is none of attention, iSWA, hybrid and recurrent");
     }
     std::vector<uint8_t> saved;
     std::string line;
@@ -501,7 +536,11 @@ static void trace(llama_context * ctx, int n_vocab) {
         for (size_t k = 0; k < parts.size(); k++) {
             js << (k ? "," : "") << cells_json(parts[k], n_seq_max);
         }
-        js << "],\"pos\":[";
+        js << "]";
+        if (recr) {
+            js << ",\"recr\":" << recurrent_json(recr);
+        }
+        js << ",\"pos\":[";
         for (int q = 0; q < n_seq_max; q++) {
             js << (q ? "," : "") << "[" << llama_memory_seq_pos_min(mem, q) << "," << llama_memory_seq_pos_max(mem, q)
                << "]";

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use llama_kv_cache::{
-    AttentionCache, ContextParams, GgmlType, IswaCache, IswaParams, KvCache, Layout, ModelInfo,
-    ShiftParams, UBatch,
+    AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, KvCache, Layout,
+    MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
 };
 use serde_json::Value;
 
@@ -93,6 +93,21 @@ impl Op {
     }
 }
 
+/// A recurrent memory as both sides show it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recurrent {
+    /// State cells.
+    pub size: u64,
+    /// Where the next placement searches from.
+    pub head: u64,
+    /// The `used` counter.
+    pub used: u64,
+    /// Non-empty cells as `i:pos:seqs`.
+    pub cells: String,
+    /// Each sequence's tail cell.
+    pub tails: String,
+}
+
 /// What both sides show after an op: the result and every part's cells.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shown {
@@ -100,6 +115,8 @@ pub struct Shown {
     pub ret: i64,
     /// Per part: size and, per stream, its non-empty cells as `i:pos:shift:seqs`.
     pub parts: Vec<(u64, Vec<String>)>,
+    /// The recurrent memory, alone or in a hybrid.
+    pub recr: Option<Recurrent>,
     /// `(seq_pos_min, seq_pos_max)` per sequence.
     pub pos: Vec<(i64, i64)>,
 }
@@ -119,6 +136,16 @@ fn shown_from_json(v: &Value) -> Result<Shown, String> {
             Ok((p["size"].as_u64().ok_or_else(err)?, streams))
         })
         .collect::<Result<_, String>>()?;
+    let recr = match v.get("recr") {
+        Some(r) => Some(Recurrent {
+            size: r["size"].as_u64().ok_or_else(err)?,
+            head: r["head"].as_u64().ok_or_else(err)?,
+            used: r["used"].as_u64().ok_or_else(err)?,
+            cells: r["cells"].as_str().ok_or_else(err)?.to_string(),
+            tails: r["tails"].as_str().ok_or_else(err)?.to_string(),
+        }),
+        None => None,
+    };
     let pos = v["pos"]
         .as_array()
         .ok_or_else(err)?
@@ -128,6 +155,7 @@ fn shown_from_json(v: &Value) -> Result<Shown, String> {
     Ok(Shown {
         ret: v["ret"].as_i64().ok_or_else(err)?,
         parts,
+        recr,
         pos,
     })
 }
@@ -197,6 +225,22 @@ pub enum Ours {
     Iswa(IswaCache),
     /// Full attention only.
     Attention(AttentionCache),
+    /// Attention and recurrent layers.
+    Hybrid(HybridCache),
+    /// Recurrent layers only.
+    Recurrent(RecurrentMemory),
+}
+
+/// Runs `$body` on whichever memory `$m` holds, bound to `$c`.
+macro_rules! each {
+    ($m:expr, $c:ident => $body:expr) => {
+        match $m {
+            Ours::Iswa($c) => $body,
+            Ours::Attention($c) => $body,
+            Ours::Hybrid($c) => $body,
+            Ours::Recurrent($c) => $body,
+        }
+    };
 }
 
 /// Our side of a trace.
@@ -208,24 +252,106 @@ pub struct OurSide {
     saved: Vec<u8>,
 }
 
+/// A recurrent memory's state layout is the stream-less one in every version; the others'
+/// state goes in 0.1.161's layout.
+trait TraceMemory {
+    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool>;
+    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()>;
+    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>>;
+    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()>;
+}
+
+impl TraceMemory for IswaCache {
+    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
+        Ok(self.place(ubatches)?.is_some())
+    }
+    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
+        self.update(shift).map(drop)
+    }
+    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
+        self.state_write(seq, Layout::StreamsRot)
+    }
+    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
+        self.state_read(data, seq, Layout::StreamsRot).map(drop)
+    }
+}
+
+impl TraceMemory for AttentionCache {
+    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
+        Ok(self.place(ubatches)?.is_some())
+    }
+    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
+        self.update(shift).map(drop)
+    }
+    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
+        self.state_write(seq, Layout::StreamsRot)
+    }
+    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
+        self.state_read(data, seq, Layout::StreamsRot).map(drop)
+    }
+}
+
+impl TraceMemory for HybridCache {
+    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
+        Ok(self.place(ubatches)?.is_some())
+    }
+    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
+        self.update(shift).map(drop)
+    }
+    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
+        self.state_write(seq, Layout::StreamsRot)
+    }
+    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
+        self.state_read(data, seq, Layout::StreamsRot).map(drop)
+    }
+}
+
+impl TraceMemory for RecurrentMemory {
+    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
+        self.place(ubatches)
+    }
+    fn update_shift(&mut self, _: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
+        Ok(())
+    }
+    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
+        self.state_write(seq)
+    }
+    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
+        self.state_read(data, seq).map(drop)
+    }
+}
+
 impl OurSide {
     /// The memory 0.1.161 builds for `cfg`'s model and context.
     pub fn new(cfg: &TraceConfig, models: &Path) -> Result<OurSide, String> {
-        let info =
-            ModelInfo::from_file(&models.join(&cfg.model), false).map_err(|e| e.to_string())?;
+        let err = |e: llama_kv_cache::KvError| e.to_string();
+        let info = ModelInfo::from_file(&models.join(&cfg.model), false).map_err(err)?;
         let ctx = cfg.context();
-        let memory = match IswaParams::for_model(&info, &ctx) {
-            Ok(p) => Ours::Iswa(IswaCache::new(p).map_err(|e| e.to_string())?),
-            Err(_) => {
-                let size = ctx
-                    .cells_per_stream(info.n_ctx_train)
-                    .map_err(|e| e.to_string())?;
+        let memory = match info.memory {
+            MemoryKind::Iswa => Ours::Iswa(
+                IswaCache::new(IswaParams::for_model(&info, &ctx).map_err(err)?).map_err(err)?,
+            ),
+            MemoryKind::Hybrid => Ours::Hybrid(HybridCache::for_model(&info, &ctx).map_err(err)?),
+            MemoryKind::Recurrent => {
+                let mut p = info
+                    .layer_params(
+                        cfg.n_seq.max(1),
+                        cfg.n_seq,
+                        GgmlType::F32,
+                        GgmlType::F32,
+                        false,
+                    )
+                    .map_err(err)?;
+                p.recurrent = true;
+                Ours::Recurrent(RecurrentMemory::new(p, info.n_layer).map_err(err)?)
+            }
+            MemoryKind::Unified => {
+                let size = ctx.cells_per_stream(info.n_ctx_train).map_err(err)?;
                 let p = info
                     .layer_params(size, cfg.n_seq, ctx.type_k, ctx.type_v, ctx.flash_attn)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(err)?;
                 Ours::Attention(
-                    AttentionCache::new(p, cfg.unified, Default::default())
-                        .map_err(|e| e.to_string())?,
+                    AttentionCache::new(p, cfg.unified, Default::default()).map_err(err)?,
                 )
             }
         };
@@ -238,15 +364,42 @@ impl OurSide {
         })
     }
 
+    /// Whether the memory keeps a recurrent state, whose ubatches hold each sequence's tokens
+    /// as one group (`split_equal`); traces of such memories decode one sequence per batch.
+    pub fn equal_split(&self) -> bool {
+        matches!(self.memory, Ours::Hybrid(_) | Ours::Recurrent(_))
+    }
+
+    /// Whether positions may be shifted.
+    fn can_shift(&self) -> bool {
+        match &self.memory {
+            Ours::Iswa(c) => c.can_shift(),
+            Ours::Attention(c) => c.can_shift(),
+            Ours::Hybrid(c) => c.attention().cache.can_shift(),
+            Ours::Recurrent(_) => true,
+        }
+    }
+
     fn parts(&self) -> Vec<&AttentionCache> {
         match &self.memory {
             Ours::Iswa(c) => vec![&c.base().cache, &c.swa().cache],
             Ours::Attention(c) => vec![c],
+            Ours::Hybrid(c) => vec![&c.attention().cache],
+            Ours::Recurrent(_) => Vec::new(),
+        }
+    }
+
+    fn recurrent(&self) -> Option<&RecurrentMemory> {
+        match &self.memory {
+            Ours::Hybrid(c) => Some(&c.recurrent().memory),
+            Ours::Recurrent(c) => Some(c),
+            _ => None,
         }
     }
 
     /// The ubatches 0.1.161 splits a batch into: `split_simple` (unified) or, one sequence
-    /// per batch, `split_equal`; both cut it into pieces of `n_ubatch` tokens in order.
+    /// per batch, `split_equal`; both cut it into pieces of `n_ubatch` tokens in order, and a
+    /// memory with a recurrent state takes each piece as one group of its sequence.
     fn ubatches(&self, groups: &[(i32, i32, u32)]) -> Vec<UBatch> {
         let tokens: Vec<(i32, i32)> = groups
             .iter()
@@ -255,10 +408,17 @@ impl OurSide {
         tokens
             .chunks(self.n_ubatch as usize)
             .map(|c| {
-                UBatch::per_token(
-                    c.iter().map(|t| t.1).collect(),
-                    c.iter().map(|t| vec![t.0]).collect(),
-                )
+                let pos: Vec<i32> = c.iter().map(|t| t.1).collect();
+                if self.equal_split() {
+                    UBatch {
+                        n_seq_tokens: pos.len() as u32,
+                        pos,
+                        seq_ids: vec![vec![c[0].0]],
+                        ext: Vec::new(),
+                    }
+                } else {
+                    UBatch::per_token(pos, c.iter().map(|t| vec![t.0]).collect())
+                }
             })
             .collect()
     }
@@ -271,79 +431,32 @@ impl OurSide {
             Op::Decode(ref groups) => {
                 let ubatches = self.ubatches(groups);
                 let shift = self.shift.as_ref();
-                let placed = match &mut self.memory {
-                    Ours::Iswa(c) => {
-                        c.update(shift).map_err(e)?;
-                        c.place(&ubatches).map_err(e)?.is_some()
-                    }
-                    Ours::Attention(c) => {
-                        c.update(shift).map_err(e)?;
-                        c.place(&ubatches).map_err(e)?.is_some()
-                    }
-                };
+                let placed = each!(&mut self.memory, c => {
+                    c.update_shift(shift).map_err(e)?;
+                    c.place_all(&ubatches).map_err(e)?
+                });
                 ret = if placed { 0 } else { 1 };
             }
             Op::Rm(s, a, b) => {
-                let ok = match &mut self.memory {
-                    Ours::Iswa(c) => c.seq_rm(s, a, b),
-                    Ours::Attention(c) => c.seq_rm(s, a, b),
-                }
-                .map_err(e)?;
-                ret = i64::from(ok);
+                ret = i64::from(each!(&mut self.memory, c => c.seq_rm(s, a, b)).map_err(e)?);
             }
-            Op::Cp(s, d, a, b) => match &mut self.memory {
-                Ours::Iswa(c) => c.seq_cp(s, d, a, b),
-                Ours::Attention(c) => c.seq_cp(s, d, a, b),
+            Op::Cp(s, d, a, b) => each!(&mut self.memory, c => c.seq_cp(s, d, a, b)).map_err(e)?,
+            Op::Keep(s) => each!(&mut self.memory, c => c.seq_keep(s)).map_err(e)?,
+            Op::Add(s, a, b, d) => {
+                each!(&mut self.memory, c => c.seq_add(s, a, b, d)).map_err(e)?
             }
-            .map_err(e)?,
-            Op::Keep(s) => match &mut self.memory {
-                Ours::Iswa(c) => c.seq_keep(s),
-                Ours::Attention(c) => c.seq_keep(s),
+            Op::Div(s, a, b, d) => {
+                each!(&mut self.memory, c => c.seq_div(s, a, b, d)).map_err(e)?
             }
-            .map_err(e)?,
-            Op::Add(s, a, b, d) => match &mut self.memory {
-                Ours::Iswa(c) => c.seq_add(s, a, b, d),
-                Ours::Attention(c) => c.seq_add(s, a, b, d),
-            }
-            .map_err(e)?,
-            Op::Div(s, a, b, d) => match &mut self.memory {
-                Ours::Iswa(c) => c.seq_div(s, a, b, d),
-                Ours::Attention(c) => c.seq_div(s, a, b, d),
-            }
-            .map_err(e)?,
-            Op::Save(s) => {
-                self.saved = match &self.memory {
-                    Ours::Iswa(c) => c.state_write(s, Layout::StreamsRot),
-                    Ours::Attention(c) => c.state_write(s, Layout::StreamsRot),
-                }
-                .map_err(e)?;
-            }
+            Op::Save(s) => self.saved = each!(&self.memory, c => c.write(s)).map_err(e)?,
             Op::Load(s) => {
-                let read = match &mut self.memory {
-                    Ours::Iswa(c) => c.state_read(&self.saved, s, Layout::StreamsRot).map(|_| ()),
-                    Ours::Attention(c) => {
-                        c.state_read(&self.saved, s, Layout::StreamsRot).map(|_| ())
-                    }
-                };
+                let saved = &self.saved;
                 // 0.1.161 reports a load that finds no room as a failure, and so does this
-                ret = i64::from(read.is_ok());
+                ret = i64::from(each!(&mut self.memory, c => c.read(saved, s)).is_ok());
             }
-            Op::Clear => match &mut self.memory {
-                Ours::Iswa(c) => c.clear(),
-                Ours::Attention(c) => c.clear(),
-            }
-            .map_err(e)?,
+            Op::Clear => each!(&mut self.memory, c => c.clear()).map_err(e)?,
         }
         Ok(self.show(ret))
-    }
-
-    /// The state bytes of `seq` (-1: everything).
-    pub fn state(&self, seq: i32) -> Result<Vec<u8>, String> {
-        match &self.memory {
-            Ours::Iswa(c) => c.state_write(seq, Layout::StreamsRot),
-            Ours::Attention(c) => c.state_write(seq, Layout::StreamsRot),
-        }
-        .map_err(|e| e.to_string())
     }
 
     fn show(&self, ret: i64) -> Shown {
@@ -357,16 +470,43 @@ impl OurSide {
                 (u64::from(p.size()), streams)
             })
             .collect();
+        let recr = self.recurrent().map(|r| recurrent_cells(r.cache()));
         let pos = (0..self.n_seq as i32)
             .map(|s| {
-                let (lo, hi) = match &self.memory {
-                    Ours::Iswa(c) => (c.seq_pos_min(s), c.seq_pos_max(s)),
-                    Ours::Attention(c) => (c.seq_pos_min(s), c.seq_pos_max(s)),
-                };
+                let (lo, hi) = each!(&self.memory, c => (c.seq_pos_min(s), c.seq_pos_max(s)));
                 (i64::from(lo.unwrap_or(-9)), i64::from(hi.unwrap_or(-9)))
             })
             .collect();
-        Shown { ret, parts, pos }
+        Shown {
+            ret,
+            parts,
+            recr,
+            pos,
+        }
+    }
+}
+
+/// A recurrent memory as the driver prints it.
+fn recurrent_cells(cache: &KvCache) -> Recurrent {
+    let cells = cache.cells();
+    let mut out = Vec::new();
+    for i in 0..cells.len() {
+        let seqs = cells.seqs(i);
+        if seqs.is_empty() {
+            continue;
+        }
+        let ids: Vec<String> = seqs.iter().map(|q| q.to_string()).collect();
+        out.push(format!("{i}:{}:{}", cells.pos(i), ids.join(".")));
+    }
+    let tails: Vec<String> = (0..cells.len())
+        .map(|i| cells.tail(i).to_string())
+        .collect();
+    Recurrent {
+        size: u64::from(cache.size()),
+        head: u64::from(cache.head()),
+        used: u64::from(cells.used),
+        cells: out.join(" "),
+        tails: tails.join(","),
     }
 }
 
@@ -412,14 +552,10 @@ impl Rng {
 
 /// The next op of a trace, given what the memory shows now (positions per sequence), for a
 /// context of `cfg`. Decodes continue every sequence at its next position, as 0.1.161
-/// requires; shifts only where the memory can shift; copies across streams only whole.
-pub fn next_op(
-    rng: &mut Rng,
-    cfg: &TraceConfig,
-    shown: &Shown,
-    can_shift: bool,
-    saved: bool,
-) -> Op {
+/// requires; shifts only where the memory can shift; copies across streams only whole;
+/// batches of one sequence for a memory with a recurrent state (`side`).
+fn next_op(rng: &mut Rng, cfg: &TraceConfig, shown: &Shown, side: &OurSide, saved: bool) -> Op {
+    let can_shift = side.can_shift();
     let n_seq = cfg.n_seq;
     let seq = |rng: &mut Rng| rng.below(n_seq) as i32;
     let next_pos = |s: i32| (shown.pos[s as usize].1 + 1) as i32;
@@ -436,7 +572,7 @@ pub fn next_op(
     };
     match rng.below(20) {
         0..=9 => {
-            let groups = if cfg.unified && n_seq > 1 {
+            let groups = if cfg.unified && n_seq > 1 && !side.equal_split() {
                 1 + rng.below(3)
             } else {
                 1
@@ -496,10 +632,6 @@ pub fn run_traces(
 ) -> Result<TraceStats, String> {
     let mut oracle = Oracle::start(cfg, models)?;
     let mut ours = OurSide::new(cfg, models)?;
-    let can_shift = match &ours.memory {
-        Ours::Iswa(c) => c.can_shift(),
-        Ours::Attention(c) => c.can_shift(),
-    };
     let mut stats = TraceStats::default();
     for t in 0..n_traces {
         let mut rng = Rng::new(seed + u64::from(t));
@@ -507,7 +639,7 @@ pub fn run_traces(
         let mut shown = compare(&mut oracle, &mut ours, &Op::Clear, &ops)?;
         let mut saved = false;
         for _ in 0..n_ops {
-            let op = next_op(&mut rng, cfg, &shown, can_shift, saved);
+            let op = next_op(&mut rng, cfg, &shown, &ours, saved);
             saved |= matches!(op, Op::Save(_));
             ops.push(op.clone());
             let Op::Load(s) = op else {

@@ -865,7 +865,7 @@ impl Write for DeclaredLayers<'_> {
 
 /// Writes `declared` over the `n_layer` of a recurrent payload's data header; fails while the
 /// bytes end before it.
-fn patch_declared_layers(payload: &mut [u8], declared: u32) -> Result<()> {
+pub(crate) fn patch_declared_layers(payload: &mut [u8], declared: u32) -> Result<()> {
     let mut c = Cursor::partial(&payload[..]);
     parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
     // the head ends with the recurrent data header: s_trans, n_layer

@@ -477,6 +477,15 @@ impl AttentionCache {
         Ok(())
     }
 
+    /// Marks a pending K-shift done without rotating anything: for a model whose K carries
+    /// no position (no RoPE), which 0.1.161 "shifts" by clearing the recorded shifts.
+    pub(crate) fn drop_shift(&mut self) {
+        for s in &mut self.streams {
+            s.cells.clear_deltas();
+            s.has_shift = false;
+        }
+    }
+
     /// Applies a pending K-shift of every stream (`shift` `None`: reports it pending).
     pub fn update(&mut self, shift: Option<&ShiftParams>) -> Result<UpdateReport> {
         let mut report = UpdateReport::default();

@@ -12,8 +12,10 @@
 //! May import every layer below.
 
 pub mod attention;
+pub mod hybrid;
 pub mod iswa;
 pub mod kinds;
+pub mod recurrent;
 
 /// The window rule of a sliding-window cache (`llama_swa_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

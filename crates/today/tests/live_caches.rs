@@ -1,8 +1,10 @@
 //! Today's live caches against llama.cpp 0.1.161, op by op: random traces of decodes,
 //! sequence operations and sequence state round trips on a gemma3-like iSWA model (window 4,
-//! every second layer full) and a full-attention llama, with 1, 3 and 256 sequences, unified
-//! and one stream per sequence. After every op both sides show every cell of every stream of
-//! every part (position, pending shift, sequences) and each sequence's position range.
+//! every second layer full), a full-attention llama, a Jamba-like hybrid (a Mamba layer and an
+//! attention layer) and Mamba, with 1, 3 and 256 sequences, unified and one stream per
+//! sequence. After every op both sides show every cell of every stream of every part
+//! (position, pending shift, sequences), the recurrent state cells (position, sequences,
+//! tails, head, used) and each sequence's position range.
 
 use today_peer::models_dir;
 use today_peer::trace::{run_traces, TraceConfig};
@@ -91,4 +93,17 @@ fn iswa_256_sequences_match_0_1_161() {
         4,
         40,
     );
+}
+
+#[test]
+fn hybrid_memory_matches_0_1_161() {
+    run(config("jamba.gguf", 256, 1, true, false), 9_000, 80, 60);
+    run(config("jamba.gguf", 512, 3, true, false), 10_000, 80, 60);
+    run(config("jamba.gguf", 768, 3, false, false), 11_000, 40, 60);
+}
+
+#[test]
+fn recurrent_memory_matches_0_1_161() {
+    run(config("mamba.gguf", 256, 1, true, false), 12_000, 100, 60);
+    run(config("mamba.gguf", 256, 3, true, false), 13_000, 100, 60);
 }

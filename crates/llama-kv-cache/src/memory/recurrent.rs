@@ -1,0 +1,192 @@
+//! llama.cpp 0.1.161's recurrent memory (`llama_memory_recurrent`): one state cell per
+//! sequence, R and S rows per recurrent layer. The cells, placement and state codec are the
+//! seed's recurrent mode of [`KvCache`], which 0.1.161 kept; what changed is `seq_rm`, done
+//! here as 0.1.161 does it. 0.1.161's per-token rollback snapshots (`n_rs_seq`, off unless a
+//! context asks for them) are not kept: a removal of the end of a state is refused, as
+//! 0.1.161 refuses it without them.
+
+use crate::cache::convert::patch_declared_layers;
+use crate::cache::io::{ReadOptions, ReadSummary};
+use crate::cache::KvCache;
+use crate::cells::ubatch::UBatch;
+use crate::error::{KvError, Result};
+use crate::params::CacheParams;
+use crate::state::Layout;
+
+/// llama.cpp 0.1.161's `llama_memory_recurrent`.
+pub struct RecurrentMemory {
+    cache: KvCache,
+    /// The layer count its state declares: the model's, while it holds only the recurrent
+    /// layers of a hybrid (0.1.161 declares every layer and writes the recurrent ones).
+    declared: u32,
+}
+
+impl RecurrentMemory {
+    /// A memory of `params.size` state cells (0.1.161: one per sequence, at least 1) whose
+    /// state declares `declared` layers (`params.n_layer` for a model of recurrent layers
+    /// only).
+    pub fn new(mut params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
+        params.recurrent = true;
+        params.can_shift = false;
+        Ok(RecurrentMemory {
+            cache: KvCache::new(params)?,
+            declared,
+        })
+    }
+
+    /// The cells and tensors.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// The cells and tensors, to write rows.
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// Places the ubatches of one decode (each sequence's tokens one group, as
+    /// `split_equal` makes them): all, or (false) none, with the cells as before.
+    pub fn place(&mut self, ubatches: &[UBatch]) -> Result<bool> {
+        let kept = (self.cache.cells.clone(), self.cache.head, self.cache.n);
+        for ub in ubatches {
+            match self.cache.find_slot(ub) {
+                Ok(Some(_)) => {}
+                other => {
+                    (self.cache.cells, self.cache.head, self.cache.n) = kept;
+                    return other.map(|_| false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// 0.1.161's `seq_rm`: false, changing nothing, for a removal that would cut a state
+    /// (from inside a sequence to its end), for a sequence id out of range, and for -1 (0.1.161
+    /// compares the id unsigned with the sequence count, so every negative id is out of range).
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        let c = &mut self.cache;
+        let (p0, p1) = (p0.max(0), if p1 < 0 { i32::MAX } else { p1 });
+        if seq < 0 || seq as u32 >= c.params.n_seq_max || seq as u32 >= c.params.size {
+            return Ok(false);
+        }
+        let s = seq as usize;
+        let tail = c.cells.tail(s);
+        if tail >= 0 {
+            let pos = c.cells.pos(tail as usize);
+            if 0 < p0 && p0 <= pos && p1 > pos {
+                return Ok(false);
+            }
+            if p0 <= pos && pos < p1 {
+                c.cells.set_tail(s, -1);
+            }
+        }
+        let size = c.cells.len();
+        let mut new_head = size;
+        for i in 0..size {
+            let pos = c.cells.pos(i);
+            if pos < p0 || pos >= p1 || !c.cells.seqs(i).contains(s) {
+                continue;
+            }
+            c.cells.remove_seq(i, s);
+            if c.cells.is_empty_cell(i) {
+                c.cells.used = c.cells.used.wrapping_sub(1);
+                c.cells.set_pos(i, -1);
+                c.cells.set_src(i, -1);
+                new_head = new_head.min(i);
+            }
+        }
+        c.cells.settle();
+        if new_head != size && (new_head as u32) < c.head {
+            c.head = new_head as u32;
+        }
+        Ok(true)
+    }
+
+    /// `seq_cp`: the destination shares the source's state cell.
+    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        self.cache.seq_cp(src, dst, p0, p1)
+    }
+
+    /// `seq_keep`.
+    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        self.cache.seq_keep(seq)
+    }
+
+    /// `seq_add`: moves the state cell's position only.
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        self.cache.seq_add(seq, p0, p1, delta)
+    }
+
+    /// `seq_div`: divides the state cell's position only.
+    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        self.cache.seq_div(seq, p0, p1, d)
+    }
+
+    /// Smallest position of the cells holding `seq`, -1 when none does.
+    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        let s = self.cache.check_seq("seqPosMin", seq)?;
+        Ok(self.cache.cells.seq_pos_min(s).unwrap_or(-1))
+    }
+
+    /// Largest position of the cells holding `seq`, -1 when none does; never below -1 (a
+    /// state moved below 0 by `seq_add` reads -1, as 0.1.161 starts its maximum there).
+    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        let s = self.cache.check_seq("seqPosMax", seq)?;
+        Ok(self.cache.cells.seq_pos_max(s).unwrap_or(-1).max(-1))
+    }
+
+    /// Frees every cell and zeroes the rows.
+    pub fn clear(&mut self) -> Result<()> {
+        self.cache.clear()
+    }
+
+    /// The state of `seq` (-1: every sequence), in the layout recurrent memories have in
+    /// every version (no stream prefix).
+    pub fn state_write(&self, seq: i32) -> Result<Vec<u8>> {
+        let mut out = self.cache.state_write(seq, Layout::Seed, 1, None)?;
+        if self.declared != self.cache.n_layer() && has_cells(&out) {
+            patch_declared_layers(&mut out, self.declared)?;
+        }
+        Ok(out)
+    }
+
+    /// `data` with the layer count this memory's cache reads in its data header, when its
+    /// state declares another (a hybrid's).
+    fn as_read(&self, data: &[u8]) -> Result<Vec<u8>> {
+        let mut own = data.to_vec();
+        if self.declared != self.cache.n_layer() && has_cells(&own) {
+            patch_declared_layers(&mut own, self.cache.n_layer())?;
+        }
+        Ok(own)
+    }
+
+    /// Checks that `data` (all of it) is a state of this memory for `seq`, without a change.
+    pub(crate) fn check_read(&self, data: &[u8], seq: i32) -> Result<()> {
+        let dest = self.cache.read_dest(seq)?;
+        self.cache
+            .detect_payload(&self.as_read(data)?, dest, Some(Layout::Seed))
+            .map(|_| ())
+    }
+
+    /// Reads a state written by [`RecurrentMemory::state_write`] (or by 0.1.161) into `seq`
+    /// (-1: the whole memory), transactionally.
+    pub fn state_read(&mut self, data: &[u8], seq: i32) -> Result<ReadSummary> {
+        let opts = ReadOptions {
+            layout: Some(Layout::Seed),
+            ..ReadOptions::default()
+        };
+        let own = self.as_read(data)?;
+        self.cache
+            .state_read(&own, seq, opts, None)
+            .map_err(|e| match e {
+                KvError::InvalidState(m) => KvError::InvalidState(format!("recurrent part: {m}")),
+                other => other,
+            })
+    }
+}
+
+/// Whether a recurrent payload holds cells (its first field, the cell count, is not 0): only
+/// then does it have a data header.
+fn has_cells(payload: &[u8]) -> bool {
+    payload.get(..4).is_some_and(|n| n != [0, 0, 0, 0])
+}
