@@ -73,11 +73,14 @@ export declare class KvCache {
    */
   prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions, ext?: Int32Array | null): number | null
   /**
-   * Places the ubatches of one decode in a memory of today's llama.cpp (kind 'iswa'), as
-   * llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell from the head,
-   * reusing the cells a sequence's window no longer sees (and purging its older positions).
-   * Returns, per ubatch, where its tokens went in each part and stream; or null, with the
-   * memory unchanged, when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+   * Places the ubatches of one decode in a memory of today's llama.cpp (kinds 'iswa' and
+   * 'hybrid'), as llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell
+   * from the head, reusing the cells a sequence's window no longer sees (and purging its
+   * older positions); a hybrid's recurrent part takes each group's sequence into its state
+   * cell (give a hybrid each sequence's tokens as one group, `nSeqTokens`). Returns, per
+   * ubatch, where its tokens went in each part and stream (for the recurrent part: each
+   * group's state cell, and the group's first token); or null, with the memory unchanged,
+   * when some ubatch does not fit. For a 'kv' cache use `findSlot`.
    */
   place(ubatches: UBatchInput[]): Array<Array<PlacedCells>> | null
   /**
@@ -229,10 +232,11 @@ export declare class KvCache {
   get residentBytes(): number
   /**
    * What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-   * for Mamba-style models) or `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a
-   * base cache for full-attention layers and a window cache for the others).
+   * for Mamba-style models), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
+   * cache for full-attention layers and a window cache for the others) or `'hybrid'`
+   * (0.1.161's attention cache and recurrent memory side by side).
    */
-  get kind(): 'kv' | 'recurrent' | 'iswa'
+  get kind(): 'kv' | 'recurrent' | 'iswa' | 'hybrid'
   /**
    * Each part of the memory, in state order: its role, model layers, cells, streams, window,
    * K/V types and rotation.
@@ -299,9 +303,9 @@ export declare class KvCache {
    * Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
    * that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
    * option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
-   * llama.cpp 0.1.161's iSWA memory (kind 'iswa', sized as llama.cpp sizes it, see
-   * `kvUnified`, `swaFull`, `nUbatch`). Hybrid models (attention + recurrent) are refused
-   * with ERR_KV_UNSUPPORTED naming what is missing.
+   * llama.cpp 0.1.161's iSWA memory (kind 'iswa'), a hybrid model (Jamba, Granite 4,
+   * Qwen3-Next, ...) its hybrid memory (kind 'hybrid'), each sized as llama.cpp sizes it
+   * (see `kvUnified`, `swaFull`, `nUbatch`).
    */
   static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
 }
@@ -621,7 +625,8 @@ export interface FromModelOptions {
   /** Flash attention. Default false. */
   flashAttn?: boolean
   /**
-   * Sliding-window models: one stream for all sequences (llama.cpp's `kv_unified`).
+   * Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
+   * `kv_unified`).
    * Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
    */
   kvUnified?: boolean
@@ -839,8 +844,8 @@ export interface LoadOptions {
 /** One part of a memory (`KvCache.parts`). */
 export interface MemoryPart {
   /**
-   * 'whole' (a memory of one part), 'base' (iSWA: the full-attention layers) or 'swa'
-   * (iSWA: the sliding-window layers).
+   * 'whole' (a memory of one part), 'base' / 'swa' (iSWA: the full-attention / the
+   * sliding-window layers) or 'attention' / 'recurrent' (hybrid).
    */
   role: string
   /** The model layers it holds, ascending: the layer indices `readRows` and `writeRows` take. */
@@ -907,8 +912,6 @@ export interface ModelInfo {
    * files carry it after each cell's seq id count.
    */
   cellExt: string
-  /** Why `KvCache.fromModel` refuses this model; absent when it accepts it. */
-  unsupported?: string
   /** K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks. */
   bytesPerCell: Record<string, number | undefined | null>
   /** Tensors in the file. */
@@ -1056,7 +1059,7 @@ export interface PartInfo {
 
 /** Where the tokens of a ubatch went in one stream of one part of a memory (`place`). */
 export interface PlacedCells {
-  /** The part: 'base' or 'swa' (iSWA). */
+  /** The part: 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid). */
   part: string
   /** The stream (the sequence's own when the memory is not unified, else 0). */
   stream: number

@@ -77,7 +77,7 @@ const mtest = missingModels.length === 0 ? test : (title) => unregistered.push(t
 
 mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba models', (t) => {
   const h16 = modelInfo(model('llama-h16.gguf'))
-  t.like(h16, { arch: 'llama', nLayer: 2, nEmbdHeadK: 16, nEmbdHeadV: 16, memory: 'unified', unsupported: undefined })
+  t.like(h16, { arch: 'llama', nLayer: 2, nEmbdHeadK: 16, nEmbdHeadV: 16, memory: 'unified' })
   t.deepEqual(h16.nEmbdKGqa, [32, 32])
   t.deepEqual(h16.layers[0], { nHead: 4, nHeadKv: 2, nEmbdKGqa: 32, nEmbdVGqa: 32, swa: false })
   t.like(h16.rope, { type: 'norm', nRot: 16, freqBase: 10000, freqScale: 1, scalingType: 'linear' })
@@ -85,7 +85,7 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.is(h16.bytesPerCell.q8_0, 2 * 2 * 34)
 
   const mamba = modelInfo(model('mamba.gguf'))
-  t.like(mamba, { arch: 'mamba', memory: 'recurrent', unsupported: undefined })
+  t.like(mamba, { arch: 'mamba', memory: 'recurrent' })
   t.like(mamba.recurrent, { ssmDConv: 4, ssmDInner: 128, ssmDState: 16, nEmbdKS: 384, nEmbdVS: 2048 })
   t.deepEqual([mamba.nEmbdKGqa, mamba.nEmbdVGqa], [[384, 384], [2048, 2048]])
   t.is(mamba.rope.type, 'none')
@@ -94,11 +94,9 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.like(gemma, { arch: 'gemma3', memory: 'iswa' })
   t.like(gemma.swa, { window: 4, pattern: 2, chunked: false, layers: [0] }) // its sliding_window_pattern key (as today's llama.cpp reads it)
   t.is(gemma.rope.type, 'neox')
-  t.is(gemma.unsupported, undefined)
 
   const jamba = modelInfo(model('jamba.gguf'))
   t.like(jamba, { arch: 'jamba', memory: 'hybrid' })
-  t.regex(jamba.unsupported, /hybrid/)
 })
 
 // a minimal GGUF v3: u32 and string metadata, f32 tensors of zeros
@@ -304,10 +302,10 @@ mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad mo
   t.throws(() => checkState(path.join(FIXTURES, 'ln-h16-f16.ggsn'), tmp('bad.gguf')), code('ERR_KV_INVALID_MODEL'))
 })
 
-mtest('fromModel refuses hybrid models naming what is missing, and bad options with coded errors', (t) => {
-  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /iSWA memory lives in host memory/))
+mtest('fromModel refuses bad options with coded errors', (t) => {
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /iSWA and hybrid memories live in host memory/))
   t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { nUbatch: -1 }), code('ERR_KV_OUT_OF_RANGE', /nUbatch/))
-  t.throws(() => KvCache.fromModel(model('jamba.gguf')), code('ERR_KV_UNSUPPORTED', /hybrid model/))
+  t.throws(() => KvCache.fromModel(model('jamba.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /host memory/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeV: 'q8_0' }), code('ERR_KV_INVALID_ARG', /flash attention/))
@@ -571,4 +569,53 @@ mtest('an iSWA memory saves and loads llama.cpp\'s session and sequence files, t
   t.throws(() => e.saveSequenceFileSync(tmp('bad.ggsq'), 0, [1], { version: 7 }), code('ERR_KV_INVALID_ARG', /versions/))
   t.false(fs.existsSync(tmp('bad.ggsq')))
   t.deepEqual(e.stateWriteSync(), before)
+})
+
+mtest('fromModel gives a hybrid model llama.cpp 0.1.161\'s hybrid memory: attention and recurrent parts placed, removed, shifted and saved together', async (t) => {
+  const c = KvCache.fromModel(model('jamba.gguf'), { nCtx: 256, nSeqMax: 2 })
+  t.is(c.kind, 'hybrid')
+  t.deepEqual(c.parts.map((p) => [p.role, p.layers, p.size, p.typeK]), [['attention', [1], 256, 'f16'], ['recurrent', [0], 2, 'f32']])
+  // a hybrid takes each sequence's tokens as one group
+  const [where] = c.place([{ pos: [0, 1, 2, 3], seqIds: [0], nSeqTokens: 4 }])
+  t.deepEqual(where.map((p) => [p.part, [...p.cells], [...p.tokens]]), [['attention', [0, 1, 2, 3], [0, 1, 2, 3]], ['recurrent', [0], [0]]])
+  // the state cell's R and S rows (layer 0, f32: 384 and 2,048 wide) and the attention rows (layer 1)
+  const r = Buffer.alloc(384 * 4, 3)
+  const kv = Buffer.alloc(4 * 32 * 2, 5)
+  c.writeRows(0, 'k', [0], r)
+  c.writeRows(1, 'k', where[0].cells, kv)
+  t.deepEqual(c.readRows(0, 'k', [0]), r)
+  t.deepEqual(c.readRows(1, 'k', [0, 1, 2, 3]), kv)
+  t.throws(() => c.writeRows(0, 'k', [0], r, 1), code('ERR_KV_OUT_OF_RANGE', /stream 1/))
+  // a recurrent state cannot lose its end: refused, and neither part changes
+  t.false(c.seqRm(0, 2, -1))
+  t.deepEqual([c.seqPosMin(0), c.seqPosMax(0), c.parts[0].usedCells], [3, 3, 4])
+  const state = c.stateWriteSync()
+  const d = KvCache.fromModel(model('jamba.gguf'), { nCtx: 256, nSeqMax: 2 })
+  t.like(await d.stateRead(state), { cells: 5 })
+  t.deepEqual(d.stateWriteSync(), state)
+  t.deepEqual(d.readRows(0, 'k', [0]), r)
+  // Jamba has no RoPE: a shift is done without a rotation
+  d.seqAdd(0, 0, -1, 2)
+  t.true(d.hasShift)
+  await d.update()
+  t.false(d.hasShift)
+  t.deepEqual([d.seqPosMin(0), d.seqPosMax(0)], [5, 5])
+  t.true(d.seqRm(0, -1, -1))
+  t.is(d.seqPosMax(0), -1)
+})
+
+mtest('the 0.1.161 peer\'s hybrid files load into a live hybrid memory and save back byte for byte', (t) => {
+  for (const ext of ['ggsn', 'ggsq']) {
+    const peer = path.join(FIXTURES, 't161', `t161-jamba.${ext}`)
+    const c = KvCache.fromModel(model('jamba.gguf'), { nCtx: 32 })
+    const loaded = ext === 'ggsn' ? c.loadSessionFileSync(peer) : c.loadSequenceFileSync(peer, 0)
+    t.like(loaded, { version: ext === 'ggsn' ? 11 : 4, layout: 'streams-rot' })
+    const again = tmp(`jamba-again.${ext}`)
+    if (ext === 'ggsn') c.saveSessionFileSync(again, loaded.tokens, { arch: 'jamba', version: 11 })
+    else c.saveSequenceFileSync(again, 0, loaded.tokens, { version: 4 })
+    t.deepEqual(fs.readFileSync(again), fs.readFileSync(peer))
+  }
+  const c = KvCache.fromModel(model('jamba.gguf'), { nCtx: 32 })
+  t.throws(() => c.loadSessionFileSync(path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')), code('ERR_KV_INVALID_STATE', /hybrid/))
+  t.is(c.seqPosMax(0), -1)
 })

@@ -26,11 +26,8 @@ impl Job for UpdateJob {
         m: &mut core::Memory,
         _: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        match m {
-            core::Memory::Iswa(c) => c.update(self.shift.as_ref()),
-            core::Memory::Kv(c) => c.update(self.shift.as_ref(), self.max_nodes),
-        }
-        .map_err(from_core)
+        m.update(self.shift.as_ref(), self.max_nodes)
+            .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<Self::Js> {
         Ok(o.into())
@@ -60,11 +57,11 @@ impl Job for StateWriteJob {
             return Err(e);
         }
         let c = match m {
-            core::Memory::Iswa(c) => {
-                let payload = c.state_write(self.seq, self.opts.layout);
+            core::Memory::Kv(c) => c,
+            other => {
+                let payload = other.state_write(self.seq, self.opts.layout);
                 return Ok(payload.map_err(from_core)?.into());
             }
-            core::Memory::Kv(c) => c,
         };
         match self.planned.take() {
             Some((plan, mut buf)) => {
@@ -262,35 +259,8 @@ impl<D: AsRef<[u8]> + Send> Job for StateReadJob<D> {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        let data = self.data.as_ref();
-        match m {
-            core::Memory::Iswa(c) => {
-                if self.opts.part.is_some() {
-                    return Err(err(
-                        Code::InvalidArg,
-                        "part: an iSWA memory reads both parts of its payload",
-                    ));
-                }
-                if !p(0, data.len() as u64) {
-                    return Err(crate::tasks::aborted());
-                }
-                let layout = match self.opts.layout {
-                    Some(l) => l,
-                    None => c.detect_layout(data).map_err(from_core)?,
-                };
-                let [base, swa] = c.state_read(data, self.seq, layout).map_err(from_core)?;
-                let mut placed = base.placed;
-                placed.extend(swa.placed);
-                Ok(core::ReadSummary {
-                    layout,
-                    cells: base.cells + swa.cells,
-                    placed,
-                })
-            }
-            core::Memory::Kv(c) => c
-                .state_read(data, self.seq, self.opts, Some(p))
-                .map_err(from_core),
-        }
+        m.state_read(self.data.as_ref(), self.seq, self.opts, Some(p))
+            .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<ReadResult> {
         Ok(read_result(o))
@@ -311,12 +281,12 @@ impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
     fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
-        if let core::Memory::Iswa(c) = m {
+        if !matches!(m, core::Memory::Kv(_)) {
             if !p(0, 1) {
                 return Err(crate::tasks::aborted());
             }
-            return c
-                .save_file(&self.path, self.seq, &self.tokens, &self.arch, self.opts)
+            return m
+                .save_parts_file(&self.path, self.seq, &self.tokens, &self.arch, self.opts)
                 .map_err(from_core);
         }
         let c = m.kv("saving a state file").map_err(from_core)?;
@@ -354,12 +324,12 @@ impl Job for LoadFileJob {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        if let core::Memory::Iswa(c) = m {
+        if !matches!(m, core::Memory::Kv(_)) {
             if !p(0, 1) {
                 return Err(crate::tasks::aborted());
             }
-            return c
-                .load_file(&self.path, self.dest, self.opts)
+            return m
+                .load_parts_file(&self.path, self.dest, self.opts)
                 .map_err(from_core);
         }
         let c = m.kv("loading a state file").map_err(from_core)?;

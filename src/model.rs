@@ -136,8 +136,6 @@ pub struct ModelInfo {
     /// Qwen2.5-VL, Qwen3-VL, Qwen3.5) and PLE models, 'none' for every other. Their state
     /// files carry it after each cell's seq id count.
     pub cell_ext: String,
-    /// Why `KvCache.fromModel` refuses this model; absent when it accepts it.
-    pub unsupported: Option<String>,
     /// K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks.
     pub bytes_per_cell: HashMap<String, Option<f64>>,
     /// Tensors in the file.
@@ -248,7 +246,6 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
         }),
         memory: m.memory.name().into(),
         cell_ext: m.cell_ext.name().into(),
-        unsupported: m.check_supported().err().map(|e| e.to_string()),
         bytes_per_cell,
         n_tensors: m.n_tensors as f64,
         file_size: m.file_size as f64,
@@ -410,7 +407,8 @@ pub struct FromModelOptions {
     pub type_v: Option<String>,
     /// Flash attention. Default false.
     pub flash_attn: Option<bool>,
-    /// Sliding-window models: one stream for all sequences (llama.cpp's `kv_unified`).
+    /// Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
+    /// `kv_unified`).
     /// Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
     pub kv_unified: Option<bool>,
     /// Sliding-window models: a window cache as large as the base cache (llama.cpp's
@@ -429,9 +427,9 @@ impl KvCache {
     /// Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
     /// that remembers the model's RoPE, so `update()` applies a K-shift without a `rope`
     /// option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
-    /// llama.cpp 0.1.161's iSWA memory (kind 'iswa', sized as llama.cpp sizes it, see
-    /// `kvUnified`, `swaFull`, `nUbatch`). Hybrid models (attention + recurrent) are refused
-    /// with ERR_KV_UNSUPPORTED naming what is missing.
+    /// llama.cpp 0.1.161's iSWA memory (kind 'iswa'), a hybrid model (Jamba, Granite 4,
+    /// Qwen3-Next, ...) its hybrid memory (kind 'hybrid'), each sized as llama.cpp sizes it
+    /// (see `kvUnified`, `swaFull`, `nUbatch`).
     #[napi(factory)]
     pub fn from_model(
         env: Env,
@@ -461,11 +459,15 @@ impl KvCache {
                     .map_err(from_core),
                 None => Ok(None),
             };
-            if model.memory == core::MemoryKind::Iswa {
+            // today's memories: built as llama.cpp 0.1.161 builds them for the context
+            if matches!(
+                model.memory,
+                core::MemoryKind::Iswa | core::MemoryKind::Hybrid
+            ) {
                 if device.is_some() {
                     return Err(err(
                         Code::Unsupported,
-                        "device: an iSWA memory lives in host memory for now",
+                        "device: iSWA and hybrid memories live in host memory for now",
                     ));
                 }
                 let ctx = core::ContextParams {
@@ -478,14 +480,17 @@ impl KvCache {
                     type_v,
                     flash_attn,
                 };
-                let p = core::IswaParams::for_model(&model, &ctx).map_err(from_core)?;
-                let shift = model.shift_params(factors(p.params.size)?);
-                let memory = core::IswaCache::new(p).map_err(from_core)?;
-                return Ok(KvCache::from_memory(
-                    &env,
-                    core::Memory::Iswa(memory),
-                    shift,
-                ));
+                let memory = if model.memory == core::MemoryKind::Iswa {
+                    let p = core::IswaParams::for_model(&model, &ctx).map_err(from_core)?;
+                    core::Memory::Iswa(core::IswaCache::new(p).map_err(from_core)?)
+                } else {
+                    core::Memory::Hybrid(Box::new(
+                        core::HybridCache::for_model(&model, &ctx).map_err(from_core)?,
+                    ))
+                };
+                let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
+                let shift = model.shift_params(factors(size)?);
+                return Ok(KvCache::from_memory(&env, memory, shift));
             }
             let params = model
                 .cache_params(n_ctx, n_seq_max, type_k, type_v, flash_attn)

@@ -88,8 +88,8 @@ pub struct CudaStatus {
 /// One part of a memory (`KvCache.parts`).
 #[napi(object)]
 pub struct MemoryPart {
-    /// 'whole' (a memory of one part), 'base' (iSWA: the full-attention layers) or 'swa'
-    /// (iSWA: the sliding-window layers).
+    /// 'whole' (a memory of one part), 'base' / 'swa' (iSWA: the full-attention / the
+    /// sliding-window layers) or 'attention' / 'recurrent' (hybrid).
     pub role: String,
     /// The model layers it holds, ascending: the layer indices `readRows` and `writeRows` take.
     pub layers: Vec<u32>,
@@ -153,7 +153,7 @@ pub struct Slot {
 /// Where the tokens of a ubatch went in one stream of one part of a memory (`place`).
 #[napi(object)]
 pub struct PlacedCells {
-    /// The part: 'base' or 'swa' (iSWA).
+    /// The part: 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid).
     pub part: String,
     /// The stream (the sequence's own when the memory is not unified, else 0).
     pub stream: u32,

@@ -264,9 +264,10 @@ impl KvCache {
     }
 
     /// What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-    /// for Mamba-style models) or `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a
-    /// base cache for full-attention layers and a window cache for the others).
-    #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa'")]
+    /// for Mamba-style models), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
+    /// cache for full-attention layers and a window cache for the others) or `'hybrid'`
+    /// (0.1.161's attention cache and recurrent memory side by side).
+    #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid'")]
     pub fn kind(&self) -> Result<String, Code> {
         self.with_memory(|c| Ok(c.kind().into()))
     }

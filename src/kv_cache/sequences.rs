@@ -185,11 +185,14 @@ impl KvCache {
         })
     }
 
-    /// Places the ubatches of one decode in a memory of today's llama.cpp (kind 'iswa'), as
-    /// llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell from the head,
-    /// reusing the cells a sequence's window no longer sees (and purging its older positions).
-    /// Returns, per ubatch, where its tokens went in each part and stream; or null, with the
-    /// memory unchanged, when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+    /// Places the ubatches of one decode in a memory of today's llama.cpp (kinds 'iswa' and
+    /// 'hybrid'), as llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell
+    /// from the head, reusing the cells a sequence's window no longer sees (and purging its
+    /// older positions); a hybrid's recurrent part takes each group's sequence into its state
+    /// cell (give a hybrid each sequence's tokens as one group, `nSeqTokens`). Returns, per
+    /// ubatch, where its tokens went in each part and stream (for the recurrent part: each
+    /// group's state cell, and the group's first token); or null, with the memory unchanged,
+    /// when some ubatch does not fit. For a 'kv' cache use `findSlot`.
     #[napi]
     pub fn place(
         &self,
@@ -200,19 +203,6 @@ impl KvCache {
             .map(|u| to_ubatch(u.0))
             .collect::<JsResult<Vec<UBatch>>>()?;
         self.with_memory(|m| {
-            let core::Memory::Iswa(c) = m else {
-                return Err(err(
-                    Code::Unsupported,
-                    format!(
-                        "place is for today's memories (kind 'iswa'); this cache is of kind \
-                         '{}': use findSlot or prepareBatch",
-                        m.kind()
-                    ),
-                ));
-            };
-            let Some((base, swa)) = c.place(&ubs).map_err(from_core)? else {
-                return Ok(None);
-            };
             let js = |part: &str, slots: Vec<core::StreamSlot>| -> Vec<PlacedCells> {
                 slots
                     .into_iter()
@@ -224,16 +214,62 @@ impl KvCache {
                     })
                     .collect()
             };
-            Ok(Some(
-                base.into_iter()
-                    .zip(swa)
-                    .map(|(b, s)| {
-                        let mut v = js("base", b);
-                        v.extend(js("swa", s));
-                        v
-                    })
-                    .collect(),
-            ))
+            match m {
+                core::Memory::Iswa(c) => {
+                    let Some((base, swa)) = c.place(&ubs).map_err(from_core)? else {
+                        return Ok(None);
+                    };
+                    Ok(Some(
+                        base.into_iter()
+                            .zip(swa)
+                            .map(|(b, s)| {
+                                let mut v = js("base", b);
+                                v.extend(js("swa", s));
+                                v
+                            })
+                            .collect(),
+                    ))
+                }
+                core::Memory::Hybrid(c) => {
+                    let Some(attn) = c.place(&ubs).map_err(from_core)? else {
+                        return Ok(None);
+                    };
+                    // each group's sequence has its state cell: where its R and S rows go
+                    let cells = c.recurrent().memory.cache().cells();
+                    Ok(Some(
+                        attn.into_iter()
+                            .zip(&ubs)
+                            .map(|(a, ub)| {
+                                let mut v = js("attention", a);
+                                v.push(PlacedCells {
+                                    part: "recurrent".into(),
+                                    stream: 0,
+                                    cells: Uint32Array::new(
+                                        ub.seq_ids
+                                            .iter()
+                                            .map(|ids| cells.tail(ids[0] as usize) as u32)
+                                            .collect(),
+                                    ),
+                                    tokens: Uint32Array::new(
+                                        (0..ub.seq_ids.len() as u32)
+                                            .map(|g| g * ub.n_seq_tokens)
+                                            .collect(),
+                                    ),
+                                });
+                                v
+                            })
+                            .collect(),
+                    ))
+                }
+                core::Memory::Kv(_) => Err(err(
+                    Code::Unsupported,
+                    format!(
+                        "place is for today's memories (kinds 'iswa' and 'hybrid'); this cache \
+                         is of kind '{}': use findSlot or prepareBatch",
+                        m.kind()
+                    ),
+                )),
+            }
         })
     }
 

@@ -93,10 +93,13 @@ impl KvCache {
         let (opts, ..) = save_options(options)?;
         self.with_memory(|m| {
             let c = match m {
-                core::Memory::Iswa(c) => {
-                    return Ok(c.state_write(seq, opts.layout).map_err(from_core)?.into())
-                }
                 core::Memory::Kv(c) => c,
+                other => {
+                    return Ok(other
+                        .state_write(seq, opts.layout)
+                        .map_err(from_core)?
+                        .into())
+                }
             };
             let plan = c
                 .state_out(seq, opts.layout, opts.n_stream)

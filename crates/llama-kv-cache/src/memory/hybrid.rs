@@ -4,6 +4,7 @@
 
 use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
+use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
@@ -61,8 +62,9 @@ impl HybridCache {
         let mut all =
             model.layer_params(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn)?;
         (all.n_rot_k, all.n_rot_v) = model.rotation(ctx.type_k, ctx.type_v);
+        // the model's widths without the recurrent state, which only the recurrent part keeps
         let attn = part_params(&all, &attn_layers, size, |il| {
-            (all.n_embd_k(il) as u32, all.n_embd_v(il) as u32)
+            (all.n_embd_k_gqa[il], all.n_embd_v_gqa[il])
         });
         // recurrent layers keep R (conv) and S (ssm) rows, in f32, one cell per sequence
         let mut recr = part_params(&all, &recr_layers, ctx.n_seq_max.max(1), |_| {
@@ -92,6 +94,43 @@ impl HybridCache {
     /// The recurrent part.
     pub fn recurrent(&self) -> &HybridRecurrent {
         &self.recr
+    }
+
+    /// The cache holding model layer `il` (stream `stream` of the attention part, or the
+    /// recurrent memory, whose one stream is 0) and its layer index there.
+    pub fn route(&self, il: u32, stream: u32) -> Result<(&KvCache, u32)> {
+        if let Ok(k) = self.attn.layers.binary_search(&il) {
+            return Ok((self.attn.cache.stream(stream)?, k as u32));
+        }
+        match self.recr.layers.binary_search(&il) {
+            Ok(k) if stream == 0 => Ok((self.recr.memory.cache(), k as u32)),
+            Ok(_) => Err(KvError::OutOfRange(format!(
+                "stream {stream} is out of range [0, 1) for recurrent layer {il}"
+            ))),
+            Err(_) => Err(self.no_layer(il)),
+        }
+    }
+
+    /// [`HybridCache::route`], to write rows.
+    pub fn route_mut(&mut self, il: u32, stream: u32) -> Result<(&mut KvCache, u32)> {
+        let err = self.no_layer(il);
+        if let Ok(k) = self.attn.layers.binary_search(&il) {
+            return Ok((self.attn.cache.stream_mut(stream)?, k as u32));
+        }
+        match self.recr.layers.binary_search(&il) {
+            Ok(k) if stream == 0 => Ok((self.recr.memory.cache_mut(), k as u32)),
+            Ok(_) => Err(KvError::OutOfRange(format!(
+                "stream {stream} is out of range [0, 1) for recurrent layer {il}"
+            ))),
+            Err(_) => Err(err),
+        }
+    }
+
+    fn no_layer(&self, il: u32) -> KvError {
+        KvError::OutOfRange(format!(
+            "layer {il} is out of range [0, {})",
+            self.attn.layers.len() + self.recr.layers.len()
+        ))
     }
 
     /// Places the ubatches of one decode in both parts (recurrent first, as 0.1.161

@@ -2,10 +2,7 @@
 //! full-attention layers and a window cache for the sliding-window layers, each an
 //! [`AttentionCache`], fed the same ubatches and the same sequence operations.
 
-use std::path::Path;
-
-use crate::cache::files::LoadedFile;
-use crate::cache::io::{ReadOptions, ReadSummary};
+use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
@@ -14,11 +11,7 @@ use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
 use crate::memory::SwaType;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::params::CacheParams;
-use crate::state::files::{
-    body_splits, file_layouts, header_bytes, parse_header, read_file, resolve_version,
-    session_prefix, write_atomic_with, FileKind, WriteOptions,
-};
-use crate::state::{parse_payload_with, Layout};
+use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
 
 /// What an iSWA memory is built from: the model's layers and window, and the context.
@@ -389,26 +382,6 @@ impl IswaCache {
         Ok(out)
     }
 
-    /// The layout of an iSWA payload: 0.1.161's (with the rotation fields) or the streams
-    /// layout of the llama.cpp versions before it, whichever parses as both parts exactly.
-    pub fn detect_layout(&self, data: &[u8]) -> Result<Layout> {
-        let ext = self.base.cache.params().cell_ext;
-        let mut why = Vec::new();
-        for layout in [Layout::StreamsRot, Layout::Streams] {
-            let fits = parse_payload_with(data, layout, ext, false).and_then(|base| {
-                parse_payload_with(&data[base.len..], layout, ext, true).map(|_| ())
-            });
-            match fits {
-                Ok(()) => return Ok(layout),
-                Err(e) => why.push(format!("{layout}: {e}")),
-            }
-        }
-        Err(KvError::InvalidState(format!(
-            "not an iSWA payload of this memory ({})",
-            why.join("; ")
-        )))
-    }
-
     /// Reads a payload of both caches into `seq` (-1: everything). Both parts are parsed
     /// and checked (room included) before either changes.
     pub fn state_read(
@@ -423,97 +396,5 @@ impl IswaCache {
         let base = self.base.cache.apply_read(first, base, seq)?;
         let swa = self.swa.cache.apply_read(second, swa, seq)?;
         Ok([base, swa])
-    }
-}
-
-impl IswaCache {
-    /// Saves `seq` (`None`: every sequence, as a session file with `arch`) with its prompt
-    /// `tokens` at `path`, atomically: llama.cpp's sequence (`ggsq`) or session (`ggsn`)
-    /// file of an iSWA memory, both parts in its payload.
-    pub fn save_file(
-        &self,
-        path: &Path,
-        seq: Option<i32>,
-        tokens: &[i32],
-        arch: &str,
-        opts: WriteOptions,
-    ) -> Result<()> {
-        let kind = match seq {
-            Some(_) => FileKind::Sequence,
-            None => FileKind::Session,
-        };
-        let (version, layout) = resolve_version(kind, &opts)?;
-        let mut head = header_bytes(kind, version, tokens);
-        if kind == FileKind::Session {
-            head.extend(session_prefix(arch, None, layout));
-        }
-        // written before the file is created: a refusal leaves no file behind
-        let payload = self.state_write(seq.unwrap_or(-1), layout)?;
-        write_atomic_with(path, &mut |w| {
-            w.write_all(&head)
-                .and_then(|()| w.write_all(&payload))
-                .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))
-        })
-    }
-
-    /// Loads the file at `path`: a sequence file into `dest`, a session file (`dest`
-    /// `None`) into the whole memory. Each body and layout the file's version allows is
-    /// tried; the first whose payload is an iSWA payload of this memory is read
-    /// (transactional, as [`IswaCache::state_read`]).
-    pub fn load_file(
-        &mut self,
-        path: &Path,
-        dest: Option<i32>,
-        opts: ReadOptions,
-    ) -> Result<LoadedFile> {
-        if opts.part.is_some() {
-            return Err(KvError::InvalidArg(
-                "part: an iSWA memory reads both parts of its file".into(),
-            ));
-        }
-        let bytes = read_file(path)?;
-        let header = parse_header(&bytes)?;
-        let want = match dest {
-            Some(_) => FileKind::Sequence,
-            None => FileKind::Session,
-        };
-        if header.kind != want {
-            return Err(KvError::InvalidState(format!(
-                "expected a {} file, got a {} file",
-                want.name(),
-                header.kind.name()
-            )));
-        }
-        let layouts = file_layouts(&header, opts.layout)?;
-        let mut why = Vec::new();
-        for split in body_splits(&bytes[..], &header, true)? {
-            let payload = &bytes[split.payload.clone()];
-            for &layout in &layouts {
-                match self.state_read(payload, dest.unwrap_or(-1), layout) {
-                    Ok([base, swa]) => {
-                        let mut placed = base.placed;
-                        placed.extend(swa.placed);
-                        return Ok(LoadedFile {
-                            arch: (header.kind == FileKind::Session).then_some(split.arch),
-                            outputs: split.outputs,
-                            header,
-                            summary: ReadSummary {
-                                layout,
-                                cells: base.cells + swa.cells,
-                                placed,
-                            },
-                        });
-                    }
-                    // room is a property of the memory, not of the reading
-                    Err(e @ KvError::NoSpace(_)) => return Err(e),
-                    Err(e) => why.push(format!("{layout}: {e}")),
-                }
-            }
-        }
-        Err(KvError::InvalidState(format!(
-            "{} is not a state of this iSWA memory ({})",
-            path.display(),
-            why.join("; ")
-        )))
     }
 }

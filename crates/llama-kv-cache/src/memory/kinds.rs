@@ -3,13 +3,22 @@
 //! I/O and K/V rows addressed by the model's layer index work on every kind; what only one
 //! kind has is reached through [`Memory::kv`] or the kind's own type.
 
+use std::path::Path;
+
+use crate::cache::files::LoadedFile;
+use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, Window};
+use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
+use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::IswaCache;
+use crate::state::files::WriteOptions;
 use crate::state::parts::PartRole;
 use crate::state::Layout;
+use crate::tensors::rope::ShiftParams;
 use crate::tensors::storage::Tensor;
 
 /// A live memory of any kind.
@@ -19,6 +28,8 @@ pub enum Memory {
     Kv(Box<KvCache>),
     /// llama.cpp 0.1.161's sliding-window memory.
     Iswa(IswaCache),
+    /// llama.cpp 0.1.161's hybrid memory (attention and recurrent layers), boxed as `Kv` is.
+    Hybrid(Box<HybridCache>),
 }
 
 /// What one part of a memory is.
@@ -60,12 +71,13 @@ fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInf
 }
 
 impl Memory {
-    /// `"kv"`, `"recurrent"` or `"iswa"`.
+    /// `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Memory::Kv(c) if c.recurrent() => "recurrent",
             Memory::Kv(_) => "kv",
             Memory::Iswa(_) => "iswa",
+            Memory::Hybrid(_) => "hybrid",
         }
     }
 
@@ -115,6 +127,28 @@ impl Memory {
                 attention_part(PartRole::Base, &c.base().layers, &c.base().cache),
                 attention_part(PartRole::Swa, &c.swa().layers, &c.swa().cache),
             ],
+            Memory::Hybrid(c) => {
+                let r = c.recurrent();
+                let cache = r.memory.cache();
+                vec![
+                    attention_part(
+                        PartRole::Attention,
+                        &c.attention().layers,
+                        &c.attention().cache,
+                    ),
+                    PartInfo {
+                        role: PartRole::Recurrent,
+                        layers: r.layers.clone(),
+                        size: cache.size(),
+                        n_stream: 1,
+                        used_cells: cache.used_cells(),
+                        window: Window::FULL,
+                        type_k: cache.type_k(),
+                        type_v: cache.type_v(),
+                        n_rot: (0, 0),
+                    },
+                ]
+            }
         }
     }
 
@@ -123,6 +157,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.can_shift(),
             Memory::Iswa(c) => c.can_shift(),
+            Memory::Hybrid(c) => c.attention().cache.can_shift(),
         }
     }
 
@@ -131,6 +166,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.has_shift(),
             Memory::Iswa(c) => c.base().cache.has_shift() || c.swa().cache.has_shift(),
+            Memory::Hybrid(c) => c.attention().cache.has_shift(),
         }
     }
 
@@ -139,6 +175,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.params().n_seq_max,
             Memory::Iswa(c) => c.base().cache.params().n_seq_max,
+            Memory::Hybrid(c) => c.attention().cache.params().n_seq_max,
         }
     }
 
@@ -158,6 +195,9 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.host_resident_bytes(),
             Memory::Iswa(c) => streams(&c.base().cache) + streams(&c.swa().cache),
+            Memory::Hybrid(c) => {
+                streams(&c.attention().cache) + c.recurrent().memory.cache().host_resident_bytes()
+            }
         }
     }
 
@@ -166,6 +206,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_rm(seq, p0, p1),
             Memory::Iswa(c) => c.seq_rm(seq, p0, p1),
+            Memory::Hybrid(c) => c.seq_rm(seq, p0, p1),
         }
     }
 
@@ -174,6 +215,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_cp(src, dst, p0, p1),
             Memory::Iswa(c) => c.seq_cp(src, dst, p0, p1),
+            Memory::Hybrid(c) => c.seq_cp(src, dst, p0, p1),
         }
     }
 
@@ -182,6 +224,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_keep(seq),
             Memory::Iswa(c) => c.seq_keep(seq),
+            Memory::Hybrid(c) => c.seq_keep(seq),
         }
     }
 
@@ -190,6 +233,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_add(seq, p0, p1, delta),
             Memory::Iswa(c) => c.seq_add(seq, p0, p1, delta),
+            Memory::Hybrid(c) => c.seq_add(seq, p0, p1, delta),
         }
     }
 
@@ -198,6 +242,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_div(seq, p0, p1, d),
             Memory::Iswa(c) => c.seq_div(seq, p0, p1, d),
+            Memory::Hybrid(c) => c.seq_div(seq, p0, p1, d),
         }
     }
 
@@ -209,6 +254,7 @@ impl Memory {
                 Ok(c.cells().seq_pos_min(s).unwrap_or(-1))
             }
             Memory::Iswa(c) => c.seq_pos_min(seq),
+            Memory::Hybrid(c) => c.seq_pos_min(seq),
         }
     }
 
@@ -218,6 +264,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.seq_pos_max(seq),
             Memory::Iswa(c) => c.seq_pos_max(seq),
+            Memory::Hybrid(c) => c.seq_pos_max(seq),
         }
     }
 
@@ -226,6 +273,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.clear(),
             Memory::Iswa(c) => c.clear(),
+            Memory::Hybrid(c) => c.clear(),
         }
     }
 
@@ -242,6 +290,7 @@ impl Memory {
                 let (part, k) = c.route(il)?;
                 Ok((part.stream(stream)?, k))
             }
+            Memory::Hybrid(c) => c.route(il, stream),
         }
     }
 
@@ -278,6 +327,7 @@ impl Memory {
                 let (part, k) = c.route_mut(il)?;
                 (part.stream_mut(stream)?, k)
             }
+            Memory::Hybrid(c) => c.route_mut(il, stream)?,
         };
         cache.write_rows_of_cells(k, which, cells, rows)
     }
@@ -287,6 +337,90 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.state_write(seq, layout, 1, None),
             Memory::Iswa(c) => c.state_write(seq, layout),
+            Memory::Hybrid(c) => c.state_write(seq, layout),
+        }
+    }
+
+    /// Reads a payload into `seq` (-1: everything) in `layout`, or in whichever layout
+    /// fits; transactional. A `kv` cache reads as `state_read` does (with its options).
+    pub fn state_read(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        let layouts = payload_layouts(opts.layout);
+        match self {
+            Memory::Kv(c) => c.state_read(data, seq, opts, progress),
+            other => {
+                if opts.part.is_some() {
+                    return Err(KvError::InvalidArg(format!(
+                        "part: a memory of kind '{}' reads both parts of its payload",
+                        other.kind()
+                    )));
+                }
+                if progress.is_some_and(|p| !p(0, data.len() as u64)) {
+                    return Err(KvError::Aborted("state read aborted".into()));
+                }
+                match other {
+                    Memory::Iswa(c) => read_any(c, data, seq, &layouts),
+                    Memory::Hybrid(c) => read_any(c.as_mut(), data, seq, &layouts),
+                    Memory::Kv(_) => unreachable!("matched above"),
+                }
+            }
+        }
+    }
+
+    /// Saves a file of a memory of two parts (see [`save_file`]); a `kv` cache saves its
+    /// own (streamed) files instead.
+    pub fn save_parts_file(
+        &self,
+        path: &Path,
+        seq: Option<i32>,
+        tokens: &[i32],
+        arch: &str,
+        opts: WriteOptions,
+    ) -> Result<()> {
+        match self {
+            Memory::Iswa(c) => save_file(c, path, seq, tokens, arch, opts),
+            Memory::Hybrid(c) => save_file(c.as_ref(), path, seq, tokens, arch, opts),
+            Memory::Kv(_) => Err(self.not_parts("save_parts_file")),
+        }
+    }
+
+    /// Loads a file into a memory of two parts (see [`load_file`]).
+    pub fn load_parts_file(
+        &mut self,
+        path: &Path,
+        dest: Option<i32>,
+        opts: ReadOptions,
+    ) -> Result<LoadedFile> {
+        match self {
+            Memory::Iswa(c) => load_file(c, path, dest, opts),
+            Memory::Hybrid(c) => load_file(c.as_mut(), path, dest, opts),
+            Memory::Kv(_) => Err(self.not_parts("load_parts_file")),
+        }
+    }
+
+    fn not_parts(&self, what: &str) -> KvError {
+        KvError::Unsupported(format!(
+            "{what} is for memories of two parts; this one is of kind '{}'",
+            self.kind()
+        ))
+    }
+
+    /// Applies a pending K-shift; `shift` gives the rotation per model layer (a `kv` cache
+    /// also runs its pending defrag, bounded by `max_nodes`).
+    pub fn update(
+        &mut self,
+        shift: Option<&ShiftParams>,
+        max_nodes: Option<u32>,
+    ) -> Result<UpdateReport> {
+        match self {
+            Memory::Kv(c) => c.update(shift, max_nodes),
+            Memory::Iswa(c) => c.update(shift),
+            Memory::Hybrid(c) => c.update(shift),
         }
     }
 }

@@ -12,6 +12,7 @@
 //! May import every layer below.
 
 pub mod attention;
+pub mod files;
 pub mod hybrid;
 pub mod iswa;
 pub mod kinds;

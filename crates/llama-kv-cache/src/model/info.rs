@@ -640,19 +640,6 @@ impl ModelInfo {
         self.layers[il].n_embd_v_gqa as u64 + self.state_widths().1
     }
 
-    /// Refuses memories this library does not model, naming what is missing.
-    pub fn check_supported(&self) -> Result<()> {
-        match self.memory {
-            MemoryKind::Unified | MemoryKind::Recurrent | MemoryKind::Iswa => Ok(()),
-            MemoryKind::Hybrid => Err(KvError::Unsupported(format!(
-                "{} ({}) is a hybrid model (attention layers plus recurrent layers): \
-                 llama.cpp gives it a KV cache and a recurrent memory side by side, which this library does not model yet",
-                self.display_name(),
-                self.arch
-            ))),
-        }
-    }
-
     fn display_name(&self) -> &str {
         self.name.as_deref().unwrap_or("the model")
     }
@@ -668,7 +655,15 @@ impl ModelInfo {
         type_v: GgmlType,
         flash_attn: bool,
     ) -> Result<CacheParams> {
-        self.check_supported()?;
+        if self.memory == MemoryKind::Hybrid {
+            return Err(KvError::Unsupported(format!(
+                "{} ({}) is a hybrid model (attention layers plus recurrent layers): its \
+                 memory is an attention cache and a recurrent memory side by side \
+                 (HybridCache::for_model), not one unified cache",
+                self.display_name(),
+                self.arch
+            )));
+        }
         if self.memory == MemoryKind::Iswa {
             let n = self.layers.iter().filter(|l| l.swa).count();
             let s = self.swa.as_ref().map_or((0, 0), |s| (s.window, s.pattern));
