@@ -261,50 +261,27 @@ trait TraceMemory {
     fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()>;
 }
 
-impl TraceMemory for IswaCache {
-    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
-        Ok(self.place(ubatches)?.is_some())
-    }
-    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
-        self.update(shift).map(drop)
-    }
-    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
-        self.state_write(seq, Layout::StreamsRot)
-    }
-    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
-        self.state_read(data, seq, Layout::StreamsRot).map(drop)
-    }
+/// Today's attention-bearing memories: placement, shift and state as their own calls.
+macro_rules! attention_memory {
+    ($($t:ty),*) => {$(
+        impl TraceMemory for $t {
+            fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
+                Ok(self.place(ubatches)?.is_some())
+            }
+            fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
+                self.update(shift).map(drop)
+            }
+            fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
+                self.state_write(seq, Layout::StreamsRot)
+            }
+            fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
+                self.state_read(data, seq, Layout::StreamsRot).map(drop)
+            }
+        }
+    )*};
 }
 
-impl TraceMemory for AttentionCache {
-    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
-        Ok(self.place(ubatches)?.is_some())
-    }
-    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
-        self.update(shift).map(drop)
-    }
-    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
-        self.state_write(seq, Layout::StreamsRot)
-    }
-    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
-        self.state_read(data, seq, Layout::StreamsRot).map(drop)
-    }
-}
-
-impl TraceMemory for HybridCache {
-    fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {
-        Ok(self.place(ubatches)?.is_some())
-    }
-    fn update_shift(&mut self, shift: Option<&ShiftParams>) -> llama_kv_cache::Result<()> {
-        self.update(shift).map(drop)
-    }
-    fn write(&self, seq: i32) -> llama_kv_cache::Result<Vec<u8>> {
-        self.state_write(seq, Layout::StreamsRot)
-    }
-    fn read(&mut self, data: &[u8], seq: i32) -> llama_kv_cache::Result<()> {
-        self.state_read(data, seq, Layout::StreamsRot).map(drop)
-    }
-}
+attention_memory!(IswaCache, AttentionCache, HybridCache);
 
 impl TraceMemory for RecurrentMemory {
     fn place_all(&mut self, ubatches: &[UBatch]) -> llama_kv_cache::Result<bool> {

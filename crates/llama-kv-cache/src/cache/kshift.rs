@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use crate::cache::defrag::{DefragReport, DEFAULT_MAX_NODES};
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
 use crate::tensors::f16_simd::{self, F16Rope};
 use crate::tensors::quant;
 use crate::tensors::rope::{RopeParams, RopeTable, ShiftParams};
@@ -81,13 +82,13 @@ fn shift_runs(deltas: &[i32], skip_zero: bool) -> Vec<ShiftRun> {
 /// back. Each element's arithmetic is the same as row by row, so the result is bit-identical.
 fn rotate_host_runs(
     bytes: &mut [u8],
-    ty: crate::GgmlType,
+    ty: GgmlType,
     row: usize,
     p: &RopeParams,
     runs: &[ShiftRun],
     tables: &mut HashMap<i32, RopeTable>,
 ) -> Result<()> {
-    let fused = ty == crate::GgmlType::F16 && f16_simd::available();
+    let fused = ty == GgmlType::F16 && f16_simd::available();
     let mut kernels: HashMap<i32, F16Rope> = HashMap::new();
     let row_len = p.row_len();
     let rows_per_chunk = (SHIFT_CHUNK_VALUES / row_len.max(1)).max(1);
@@ -126,7 +127,7 @@ fn rotate_host_runs(
 #[cfg(feature = "cuda")]
 fn rotate_on_device(
     buf: &mut dyn KvBuffer,
-    ty: crate::GgmlType,
+    ty: GgmlType,
     row: usize,
     params: &RopeParams,
     cells: &[usize],
@@ -263,7 +264,6 @@ impl KvCache {
 mod tests {
     use super::*;
     use crate::tensors::rope::RopeType;
-    use crate::GgmlType;
 
     /// The row-by-row reference the run kernel replaces.
     fn rotate_row_by_row(

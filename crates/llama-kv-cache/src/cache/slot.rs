@@ -2,10 +2,10 @@
 //! around it (`prepare_batch`).
 
 use crate::cache::KvCache;
+use crate::cell_ext::CellExtValue;
 use crate::cells::ubatch::UBatch;
 use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
-use crate::CellExtValue;
 
 /// Where a micro-batch was placed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

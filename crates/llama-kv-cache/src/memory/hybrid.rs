@@ -7,6 +7,7 @@ use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
+use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
 use crate::memory::iswa::ContextParams;
 use crate::memory::recurrent::RecurrentMemory;
@@ -70,8 +71,8 @@ impl HybridCache {
         let mut recr = part_params(&all, &recr_layers, ctx.n_seq_max.max(1), |_| {
             (r.n_embd_k_s, r.n_embd_v_s)
         });
-        recr.type_k = crate::GgmlType::F32;
-        recr.type_v = crate::GgmlType::F32;
+        recr.type_k = GgmlType::F32;
+        recr.type_v = GgmlType::F32;
         (recr.n_rot_k, recr.n_rot_v) = (0, 0);
         Ok(HybridCache {
             attn: HybridAttention {

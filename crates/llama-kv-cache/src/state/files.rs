@@ -613,7 +613,7 @@ pub fn read_file(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// Parameters of a cache that can hold exactly what an inspected file holds.
-pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::CacheParams> {
+pub fn params_for(ins: &Inspection, recurrent: bool) -> Result<crate::params::CacheParams> {
     params_for_payload(&ins.payload, recurrent)
 }
 
@@ -623,7 +623,10 @@ const MAX_DERIVED_CACHE_FLOOR: u64 = 64 << 20;
 
 /// Parameters of a cache that can hold exactly what one memory's payload holds (one part of
 /// an iSWA or hybrid payload), rotation included.
-pub fn params_for_payload(payload: &ParsedPayload, recurrent: bool) -> Result<crate::CacheParams> {
+pub fn params_for_payload(
+    payload: &ParsedPayload,
+    recurrent: bool,
+) -> Result<crate::params::CacheParams> {
     let stream = payload
         .streams
         .iter()
