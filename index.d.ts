@@ -912,6 +912,11 @@ export interface ModelInfo {
    * files carry it after each cell's seq id count.
    */
   cellExt: string
+  /**
+   * Why `KvCache.fromModel` refuses this model (memories with an indexer cache, hybrids
+   * whose layer split is not modeled); absent when it builds its memory.
+   */
+  unsupported?: string
   /** K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks. */
   bytesPerCell: Record<string, number | undefined | null>
   /** Tensors in the file. */

@@ -91,12 +91,12 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.is(mamba.rope.type, 'none')
 
   const gemma = modelInfo(model('gemma3-swa.gguf'))
-  t.like(gemma, { arch: 'gemma3', memory: 'iswa' })
+  t.like(gemma, { arch: 'gemma3', memory: 'iswa', unsupported: undefined })
   t.like(gemma.swa, { window: 4, pattern: 2, chunked: false, layers: [0] }) // its sliding_window_pattern key (as today's llama.cpp reads it)
   t.is(gemma.rope.type, 'neox')
 
   const jamba = modelInfo(model('jamba.gguf'))
-  t.like(jamba, { arch: 'jamba', memory: 'hybrid' })
+  t.like(jamba, { arch: 'jamba', memory: 'hybrid', unsupported: undefined })
 })
 
 // a minimal GGUF v3: u32 and string metadata, f32 tensors of zeros

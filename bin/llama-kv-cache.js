@@ -150,7 +150,7 @@ function memoryTable(info, nSeq) {
 function humanModel(file, info, nSeq) {
   const lines = [`${file}`]
   lines.push(`  arch     ${info.arch}${info.name ? ` (${info.name})` : ''}, ${info.nLayer} layers, n_embd ${info.nEmbd}, trained context ${info.nCtxTrain}`)
-  lines.push(`  memory   ${info.memory}`)
+  lines.push(`  memory   ${info.memory}${info.unsupported ? ` (no live cache: ${info.unsupported})` : ''}`)
   lines.push(`  heads    head size K ${info.nEmbdHeadK} / V ${info.nEmbdHeadV}`)
   info.layers.forEach((l, i) => {
     lines.push(`    ${String(i).padStart(3)}  heads ${l.nHead}, KV heads ${l.nHeadKv}, K width ${info.nEmbdKGqa[i]}, V width ${info.nEmbdVGqa[i]}${l.swa ? ', sliding window' : ''}`)

@@ -136,6 +136,9 @@ pub struct ModelInfo {
     /// Qwen2.5-VL, Qwen3-VL, Qwen3.5) and PLE models, 'none' for every other. Their state
     /// files carry it after each cell's seq id count.
     pub cell_ext: String,
+    /// Why `KvCache.fromModel` refuses this model (memories with an indexer cache, hybrids
+    /// whose layer split is not modeled); absent when it builds its memory.
+    pub unsupported: Option<String>,
     /// K+V bytes of one cell (all layers) per KV type name, null where a width is not whole blocks.
     pub bytes_per_cell: HashMap<String, Option<f64>>,
     /// Tensors in the file.
@@ -246,6 +249,7 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
         }),
         memory: m.memory.name().into(),
         cell_ext: m.cell_ext.name().into(),
+        unsupported: m.check_live().err().map(|e| e.to_string()),
         bytes_per_cell,
         n_tensors: m.n_tensors as f64,
         file_size: m.file_size as f64,
@@ -453,6 +457,7 @@ impl KvCache {
 
             let read = gguf::read_file(&path, false).map_err(from_core)?;
             let model = core::ModelInfo::from_header(&read.header).map_err(from_core)?;
+            model.check_live().map_err(from_core)?;
             let factors = |per_seq: u32| match model.factor_tensor(per_seq) {
                 Some(name) => gguf::read_f32_tensor(&path, &read.header, name)
                     .map(Some)

@@ -51,6 +51,7 @@ impl HybridCache {
                 model.memory.name()
             )));
         }
+        model.check_live()?;
         let r = model.recurrent.clone().unwrap_or_default();
         let recurrent: Vec<bool> = model.layers.iter().map(|l| l.n_head_kv == 0).collect();
         let pick = |want: bool| -> Vec<u32> {

@@ -16,6 +16,26 @@ const HYBRID: &[&str] = &[
     "qwen3next",
 ];
 
+/// The hybrid architectures whose recurrent layers are those without KV heads, the parts of
+/// their memory taking exactly those layers (0.1.161's default layer filters). The other
+/// hybrids pick their layers by rules of their own (Falcon-H1: both parts on every layer;
+/// Nemotron-H: MLP-only layers in neither; Qwen3-Next: a list or an interval).
+pub const HYBRID_BY_KV_HEADS: &[&str] = &["jamba", "granitehybrid", "plamo2", "lfm2"];
+
+/// The memory 0.1.161 gives an architecture that keeps an indexer cache beside K and V
+/// (sparse-attention models), by the name its file uses: `msa`, `dsa`, `dsa-iswa`, `dsv4` or
+/// `hybrid-idx`.
+pub fn indexer_memory(arch: &str) -> Option<&'static str> {
+    match arch {
+        "minimax-m3" => Some("msa"),
+        "glm-dsa" | "deepseek32" | "hy_v4" => Some("dsa"),
+        "dots3note" => Some("dsa-iswa"),
+        "deepseek4" => Some("dsv4"),
+        "glm5-next" | "qwen4exp" => Some("hybrid-idx"),
+        _ => None,
+    }
+}
+
 /// Which memory llama.cpp gives the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryKind {

@@ -640,6 +640,41 @@ impl ModelInfo {
         self.layers[il].n_embd_v_gqa as u64 + self.state_widths().1
     }
 
+    /// Refuses the models whose live memory this library does not build, naming why: the
+    /// memories with an indexer cache (their state files still inspect and convert), and the
+    /// hybrids whose layers are split by a rule not modeled, or that add a sliding window.
+    pub fn check_live(&self) -> Result<()> {
+        if let Some(kind) = arch::indexer_memory(&self.arch) {
+            return Err(KvError::Unsupported(format!(
+                "{} ({}): llama.cpp 0.1.161 gives it a '{kind}' memory (an indexer cache beside \
+                 K and V), which this library does not hold live",
+                self.display_name(),
+                self.arch
+            )));
+        }
+        if self.memory != MemoryKind::Hybrid {
+            return Ok(());
+        }
+        if !arch::HYBRID_BY_KV_HEADS.contains(&self.arch.as_str()) {
+            return Err(KvError::Unsupported(format!(
+                "{} ({}): its hybrid memory splits the layers by a rule this library does not \
+                 model yet (modeled: {})",
+                self.display_name(),
+                self.arch,
+                arch::HYBRID_BY_KV_HEADS.join(", ")
+            )));
+        }
+        if self.layers.iter().any(|l| l.swa) {
+            return Err(KvError::Unsupported(format!(
+                "{} ({}) adds a sliding window to its hybrid memory: 0.1.161 gives it a \
+                 hybrid-iSWA memory, which this library does not hold live yet",
+                self.display_name(),
+                self.arch
+            )));
+        }
+        Ok(())
+    }
+
     fn display_name(&self) -> &str {
         self.name.as_deref().unwrap_or("the model")
     }
@@ -905,6 +940,36 @@ mod tests {
 
     fn info(g: &GgufBuilder) -> Result<ModelInfo> {
         ModelInfo::from_header(&gguf::parse_bytes(&g.bytes_zero_data())?)
+    }
+
+    /// A header of `arch` with llama's keys under that architecture's prefix.
+    fn named(arch: &str, kv_heads: GgufValue) -> GgufBuilder {
+        let mut g = GgufBuilder::new();
+        g.kv("general.architecture", GgufValue::Str(arch.into()))
+            .kv(&format!("{arch}.context_length"), GgufValue::U32(4096))
+            .kv(&format!("{arch}.embedding_length"), GgufValue::U32(64))
+            .kv(&format!("{arch}.block_count"), GgufValue::U32(3))
+            .kv(&format!("{arch}.attention.head_count"), GgufValue::U32(4))
+            .kv(&format!("{arch}.attention.head_count_kv"), kv_heads);
+        g
+    }
+
+    #[test]
+    fn live_memories_are_refused_by_the_kind_or_rule_not_modeled() {
+        let kinds = [
+            ("deepseek4", "'dsv4'"),
+            ("minimax-m3", "'msa'"),
+            ("qwen4exp", "'hybrid-idx'"),
+        ];
+        for (arch, kind) in kinds {
+            let m = info(&named(arch, GgufValue::U32(2))).unwrap();
+            let e = m.check_live().unwrap_err().to_string();
+            assert!(e.contains(kind) && e.contains(arch), "{e}");
+        }
+        assert!(info(&llama(GgufValue::U32(2)))
+            .unwrap()
+            .check_live()
+            .is_ok());
     }
 
     #[test]
