@@ -720,8 +720,7 @@ fn read_sequence(
                 KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
             })?,
         };
-        let own: Vec<usize> = cache.cells.cells_of(gone).collect();
-        let touched = merge_sorted(&touched_by(&cache.cells, &found, Some(gone)), &own);
+        let touched = touched_by(&cache.cells, &found, Some(gone));
         let undo = CellsUndo::touched(cache, &touched);
         cache.seq_rm_keeping_data(seq, -1, -1)?;
         let slot = StreamSlot {
@@ -836,16 +835,17 @@ fn find_cells(
     }
 }
 
-/// The cells placing tokens in `at` changes: those, and every cell of a sequence whose cell
-/// there is overwritten, up to the overwritten position (the purge); `gone` as in
-/// [`usable`].
+/// The cells placing tokens in `at` changes, ascending: those, every cell of a sequence whose
+/// cell there is overwritten up to the overwritten position (the purge), and the cells of
+/// `gone` (a sequence read removes the sequence first). Marked in a bitmap of the stream and
+/// read back in order: sorting and merging the lists cost more than the placement.
 fn touched_by(cells: &Cells, at: &[u32], gone: Option<usize>) -> Vec<usize> {
-    let mut out: Vec<usize> = at.iter().map(|&c| c as usize).collect();
-    // found cells ascend but for one wrap to the start: sorting is a rotation's cost
-    out.sort_unstable();
+    let mut marks = vec![0u64; cells.len().div_ceil(64)];
+    let mut mark = |i: usize| marks[i / 64] |= 1 << (i % 64);
     let mut purged: Vec<(usize, i32)> = Vec::new();
     for &c in at {
         let i = c as usize;
+        mark(i);
         let mut seqs = cells.seqs(i);
         if let Some(g) = gone {
             seqs.remove(g);
@@ -858,27 +858,22 @@ fn touched_by(cells: &Cells, at: &[u32], gone: Option<usize>) -> Vec<usize> {
         }
     }
     for (seq, max) in purged {
-        let theirs: Vec<usize> = cells
+        cells
             .cells_of(seq)
             .filter(|&i| cells.pos(i) <= max)
-            .collect();
-        out = merge_sorted(&out, &theirs);
+            .for_each(&mut mark);
     }
-    out
-}
-
-/// The union of two ascending lists, ascending.
-fn merge_sorted(a: &[usize], b: &[usize]) -> Vec<usize> {
-    let mut out = Vec::with_capacity(a.len() + b.len());
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() && j < b.len() {
-        let next = a[i].min(b[j]);
-        i += usize::from(a[i] == next);
-        j += usize::from(b[j] == next);
-        out.push(next);
+    if let Some(g) = gone {
+        cells.cells_of(g).for_each(&mut mark);
     }
-    out.extend_from_slice(&a[i..]);
-    out.extend_from_slice(&b[j..]);
+    let mut out = Vec::with_capacity(at.len());
+    for (w, &word) in marks.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            out.push(w * 64 + bits.trailing_zeros() as usize);
+            bits &= bits - 1;
+        }
+    }
     out
 }
 
