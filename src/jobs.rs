@@ -126,8 +126,21 @@ impl Job for StateWriteIntoJob<'_> {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
-        let c = m.kv("stateWriteInto").map_err(from_core)?;
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
+        let c = match m {
+            core::Memory::Kv(c) => c,
+            other => {
+                // today's memories write their parts whole, then into the caller's buffer
+                let payload = other.state_write(seq, layout).map_err(from_core)?;
+                let len = self.out.len();
+                let into = self
+                    .out
+                    .get_mut(..payload.len())
+                    .ok_or_else(|| too_small(len, payload.len()))?;
+                into.copy_from_slice(&payload);
+                return Ok(payload.len());
+            }
+        };
         c.state_write_into(self.out, seq, layout, n_stream, Some(p))
             .map_err(from_core)
     }
@@ -162,22 +175,17 @@ impl Job for StateWriteIntoCopyJob {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
-        let c = m.kv("stateWriteInto").map_err(from_core)?;
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
-        let size = c.state_size(seq, layout, n_stream).map_err(from_core)?;
+        let size = m.state_size(seq, layout, n_stream).map_err(from_core)?;
         if size > self.len {
-            return Err(err(
-                Code::InvalidArg,
-                format!(
-                    "a buffer of {} bytes cannot hold the {size}-byte state",
-                    self.len
-                ),
-            ));
+            return Err(too_small(self.len, size));
         }
         // the core allocates fallibly: a failure is ERR_KV_BACKEND
-        self.payload = c
-            .state_write(seq, layout, n_stream, Some(p))
-            .map_err(from_core)?;
+        self.payload = match m {
+            core::Memory::Kv(c) => c.state_write(seq, layout, n_stream, Some(p)),
+            other => other.state_write(seq, layout),
+        }
+        .map_err(from_core)?;
         Ok(self.payload.len())
     }
     fn to_js(n: usize) -> JsResult<f64> {
@@ -230,6 +238,14 @@ impl Job for StateWriteIntoCopyJob {
         unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), data.cast::<u8>(), n) };
         Ok(n as f64)
     }
+}
+
+/// The refusal of a caller's buffer too small for the state.
+fn too_small(len: usize, size: usize) -> crate::error::JsErr {
+    err(
+        Code::InvalidArg,
+        format!("a buffer of {len} bytes cannot hold the {size}-byte state"),
+    )
 }
 
 /// A core read summary for JS.

@@ -74,7 +74,7 @@ impl KvCache {
     ) -> Result<f64, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, ..) = save_options(options)?;
-        self.with(|c| {
+        self.with_memory(|c| {
             Ok(c.state_size(seq, opts.layout, opts.n_stream)
                 .map_err(from_core)? as f64)
         })

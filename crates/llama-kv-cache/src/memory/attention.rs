@@ -13,7 +13,7 @@
 //!   forgets pending shifts, positions of a sequence without cells read -1, and there is no
 //!   defrag (0.1.161 removed it: placement does not need contiguous runs).
 
-use crate::cache::io::{ReadOptions, ReadSummary};
+use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::rollback::CellsUndo;
 use crate::cache::slot::no_cell_ext;
@@ -501,24 +501,42 @@ impl AttentionCache {
     /// count, then each stream's cells and rows (a stream without cells of `seq`: its count,
     /// 0). A sequence's cells that its window no longer sees stay out.
     pub fn state_write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
-        let own = match seq {
-            -1 => None,
-            seq => Some(self.stream_of("stateWrite", seq)?),
-        };
+        let plans = self.stream_plans(seq, layout)?;
         let mut out = n_stream_header(self.streams.len() as u32).to_vec();
-        for (s, cache) in self.streams.iter().enumerate() {
-            let runs = match own {
-                None => cache.cells.nonempty_runs(),
-                Some(o) if o == s => self.visible_runs(cache, seq as usize),
-                Some(_) => Vec::new(),
-            };
-            let plan = cache.plan_of_ranges(seq, layout, vec![runs])?;
+        for (cache, plan) in self.streams.iter().zip(&plans) {
             let mut body = Vec::new();
-            cache.write_planned(&mut body, &plan, None)?;
+            cache.write_planned(&mut body, plan, None)?;
             // each stream's own payload starts with its stream count, 1
             out.extend_from_slice(&body[n_stream_header(1).len()..]);
         }
         Ok(out)
+    }
+
+    /// Bytes of [`AttentionCache::state_write`]`(seq, layout)`, without writing them.
+    pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
+        let header = n_stream_header(1).len();
+        let plans = self.stream_plans(seq, layout)?;
+        Ok(header + plans.iter().map(|p| p.total - header).sum::<usize>())
+    }
+
+    /// Each stream's plan of a write of `seq` (-1: every sequence): its cells, or none.
+    fn stream_plans(&self, seq: i32, layout: Layout) -> Result<Vec<WritePlan>> {
+        let own = match seq {
+            -1 => None,
+            seq => Some(self.stream_of("stateWrite", seq)?),
+        };
+        self.streams
+            .iter()
+            .enumerate()
+            .map(|(s, cache)| {
+                let runs = match own {
+                    None => cache.cells.nonempty_runs(),
+                    Some(o) if o == s => self.visible_runs(cache, seq as usize),
+                    Some(_) => Vec::new(),
+                };
+                cache.plan_of_ranges(seq, layout, vec![runs])
+            })
+            .collect()
     }
 
     /// The runs of cells (`begin..end`) of `seq` that its window still sees from its last

@@ -242,6 +242,12 @@ impl HybridCache {
         Ok(out)
     }
 
+    /// Bytes of [`HybridCache::state_write`]`(seq, layout)`.
+    pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
+        let recr = self.recr.memory.cache().state_size(seq, Layout::Seed, 1)?;
+        Ok(self.attn.cache.state_size(seq, layout)? + recr)
+    }
+
     /// Reads a payload of both parts into `seq` (-1: everything); both are parsed and
     /// checked before either changes.
     pub fn state_read(

@@ -382,6 +382,11 @@ impl IswaCache {
         Ok(out)
     }
 
+    /// Bytes of [`IswaCache::state_write`]`(seq, layout)`.
+    pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
+        Ok(self.base.cache.state_size(seq, layout)? + self.swa.cache.state_size(seq, layout)?)
+    }
+
     /// Reads a payload of both caches into `seq` (-1: everything). Both parts are parsed
     /// and checked (room included) before either changes.
     pub fn state_read(

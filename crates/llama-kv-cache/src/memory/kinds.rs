@@ -341,6 +341,16 @@ impl Memory {
         }
     }
 
+    /// Bytes of the state of `seq` (-1: everything) in `layout` (`n_stream`: a `kv` cache's
+    /// option of writing one stream per sequence).
+    pub fn state_size(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<usize> {
+        match self {
+            Memory::Kv(c) => c.state_size(seq, layout, n_stream),
+            Memory::Iswa(c) => c.state_size(seq, layout),
+            Memory::Hybrid(c) => c.state_size(seq, layout),
+        }
+    }
+
     /// Reads a payload into `seq` (-1: everything) in `layout`, or in whichever layout
     /// fits; transactional. A `kv` cache reads as `state_read` does (with its options).
     pub fn state_read(
