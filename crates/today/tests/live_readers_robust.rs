@@ -1,0 +1,187 @@
+//! The state readers of today's live memories against damaged input: thousands of mutations
+//! (flipped bytes, cut payloads, spliced and zeroed spans, swapped counts) of real iSWA and
+//! hybrid payloads, each read into a filled memory as a whole state and as a sequence, in both
+//! layouts. Every read either succeeds or fails with the memory exactly as it was (its whole
+//! state byte for byte), and never panics. A seeded property test, not a fuzzer: it runs in
+//! `cargo test` every time; `LIVE_READER_ROUNDS=N` runs N rounds per memory (default 20,000).
+
+use llama_kv_cache::{
+    ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo, Result, UBatch,
+};
+use today_peer::models_dir;
+use today_peer::trace::Rng;
+
+fn context(n_seq: u32) -> ContextParams {
+    ContextParams {
+        n_ctx: 256,
+        n_seq_max: n_seq,
+        n_ubatch: 16,
+        unified: true,
+        swa_full: false,
+        type_k: GgmlType::F16,
+        type_v: GgmlType::F16,
+        flash_attn: false,
+    }
+}
+
+fn model(name: &str) -> ModelInfo {
+    ModelInfo::from_file(&models_dir().join(name), false)
+        .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"))
+}
+
+/// A memory of either kind, as the readers see it.
+trait Reads {
+    fn write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>>;
+    fn read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<()>;
+}
+
+impl Reads for IswaCache {
+    fn write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        self.state_write(seq, layout)
+    }
+    fn read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<()> {
+        self.state_read(data, seq, layout).map(drop)
+    }
+}
+
+impl Reads for HybridCache {
+    fn write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        self.state_write(seq, layout)
+    }
+    fn read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<()> {
+        self.state_read(data, seq, layout).map(drop)
+    }
+}
+
+/// One damaged copy of `good`.
+fn mutate(rng: &mut Rng, good: &[u8]) -> Vec<u8> {
+    let mut bad = good.to_vec();
+    let n = bad.len().max(1) as u32;
+    match rng.below(6) {
+        0 => {
+            for _ in 0..1 + rng.below(4) {
+                let i = rng.below(n) as usize % bad.len().max(1);
+                if let Some(b) = bad.get_mut(i) {
+                    *b ^= 1 << rng.below(8);
+                }
+            }
+        }
+        1 => bad.truncate(rng.below(n) as usize),
+        2 => {
+            // a field near the front (counts, headers) set to an extreme
+            let at = (rng.below(64) as usize * 4).min(bad.len().saturating_sub(4));
+            let v = [0u32, 1, 0xffff_ffff, 0x7fff_ffff, 256, 65_536][rng.below(6) as usize];
+            if bad.len() >= 4 {
+                bad[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        3 => {
+            let (a, b) = (rng.below(n) as usize, rng.below(n) as usize);
+            let (a, b) = (a.min(b), a.max(b).min(bad.len()));
+            bad[a..b].fill(0);
+        }
+        4 => {
+            let cut = rng.below(n) as usize;
+            let tail = bad.split_off(cut.min(bad.len()));
+            bad.extend_from_slice(&tail[..tail.len() / 2]);
+            bad.extend_from_slice(&tail);
+        }
+        _ => bad.extend((0..rng.below(64)).map(|k| k as u8)),
+    }
+    bad
+}
+
+fn hammer<M: Reads>(what: &str, m: &mut M, seqs: &[i32], rounds: u32, seed: u64) -> (u32, u32) {
+    let mut rng = Rng::new(seed);
+    let layouts = [Layout::StreamsRot, Layout::Streams];
+    let baseline = m.write(-1, Layout::StreamsRot).unwrap();
+    let mut good = Vec::new();
+    for &layout in &layouts {
+        good.push((m.write(-1, layout).unwrap(), -1));
+        for &s in seqs {
+            good.push((m.write(s, layout).unwrap(), s));
+        }
+    }
+    let (mut refused, mut read) = (0, 0);
+    for round in 0..rounds {
+        let (payload, seq) = &good[rng.below(good.len() as u32) as usize];
+        let bad = mutate(&mut rng, payload);
+        let dest = if *seq == -1 {
+            -1
+        } else {
+            seqs[rng.below(seqs.len() as u32) as usize]
+        };
+        let layout = layouts[rng.below(2) as usize];
+        let before = m.write(-1, Layout::StreamsRot).unwrap();
+        match m.read(&bad, dest, layout) {
+            Err(_) => {
+                refused += 1;
+                let after = m.write(-1, Layout::StreamsRot).unwrap();
+                assert!(
+                    after == before,
+                    "{what} round {round}: a refused read changed the memory ({} bytes, dest {dest}, {layout})",
+                    bad.len()
+                );
+            }
+            Ok(()) => {
+                read += 1;
+                // whatever it read writes back, and the memory goes back to its filled state
+                m.write(-1, Layout::StreamsRot).unwrap();
+                m.read(&baseline, -1, Layout::StreamsRot).unwrap();
+            }
+        }
+    }
+    (refused, read)
+}
+
+fn rounds() -> u32 {
+    std::env::var("LIVE_READER_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000)
+}
+
+fn filled_iswa() -> IswaCache {
+    let mut c =
+        IswaCache::new(IswaParams::for_model(&model("gemma3-swa.gguf"), &context(3)).unwrap())
+            .unwrap();
+    c.place(&[UBatch::sequence(0, 0, 12), UBatch::sequence(1, 0, 5)])
+        .unwrap()
+        .unwrap();
+    c.seq_cp(1, 2, -1, -1).unwrap();
+    c
+}
+
+fn filled_hybrid() -> HybridCache {
+    let mut c = HybridCache::for_model(&model("jamba.gguf"), &context(2)).unwrap();
+    for (s, n) in [(0, 7), (1, 3)] {
+        let ub = UBatch {
+            pos: (0..n).collect(),
+            n_seq_tokens: n as u32,
+            seq_ids: vec![vec![s]],
+            ext: Vec::new(),
+        };
+        c.place(&[ub]).unwrap().unwrap();
+    }
+    c
+}
+
+#[test]
+fn damaged_iswa_states_are_read_or_refused_with_the_memory_unchanged() {
+    let (refused, read) = hammer("iswa", &mut filled_iswa(), &[0, 1, 2], rounds(), 77);
+    eprintln!("iswa: {refused} refused, {read} read");
+    assert!(
+        refused > rounds() / 3 && read > 0,
+        "{refused} refused, {read} read"
+    );
+}
+
+#[test]
+fn damaged_hybrid_states_are_read_or_refused_with_the_memory_unchanged() {
+    let (refused, read) = hammer("hybrid", &mut filled_hybrid(), &[0, 1], rounds(), 78);
+    eprintln!("hybrid: {refused} refused, {read} read");
+    assert!(
+        refused > rounds() / 3 && read > 0,
+        "{refused} refused, {read} read"
+    );
+}
