@@ -20,6 +20,10 @@ Models
   llama-h64-yarn.gguf   as llama-h64 (norm RoPE), plus YaRN scaling (factor 12, original context
                   64; 12 is a factor whose YaRN attention factor llama.cpp 0.1.161 computes as
                   1 - 2^-24, not 1)
+  llama4-chunked.gguf   llama4, 4 layers, n_embd 32, n_head 2, n_head_kv 1 (head_dim 16): chunked
+                  attention (chunks of 8192, layers 0-2; layer 3 full), one expert that no layer
+                  uses (MoE every 1000th layer): today's llama.cpp gives it an iSWA memory whose
+                  window rule is the chunk
 
 Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
   0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
@@ -256,6 +260,30 @@ def write_gemma3_swa(path, n_embd, n_head, n_head_kv, n_ff, n_layer, window, pat
     finish(w)
 
 
+def write_llama4_chunked(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+    """Llama 4 without MoE layers (the interleave step exceeds the layer count; llama.cpp still
+    wants an expert count): its chunked attention, as a tiny dense model."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = begin(path, "llama4", "llama4-chunked", n_embd, n_layer, n_ff, n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(1)
+    w.add_expert_used_count(1)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_uint32("llama4.interleave_moe_layer_step", 1000)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_attention(w, rng, p, n_embd, n_embd_gqa)
+        add_ffn(w, rng, p, n_embd, n_ff)
+    finish(w)
+
+
 def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank, seed):
     """Layer 0 is Mamba (n_head_kv 0), layer 1 attention: jamba's layer filter."""
     rng = np.random.default_rng(seed)
@@ -295,6 +323,7 @@ def main():
     write_llama(os.path.join(out, "llama-h64.gguf"), 128, 2, 1, 128, 2, seed=6464)
     write_gemma3_swa(os.path.join(out, "gemma3-swa.gguf"), 128, 2, 1, 128, 2, 4, 2, seed=3)
     write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)
+    write_llama4_chunked(os.path.join(out, "llama4-chunked.gguf"), 32, 2, 1, 64, 4, seed=4)
     write_qwen2(os.path.join(out, "qwen2-h64.gguf"), 128, 2, 1, 128, 2, seed=264)
     write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
     write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))

@@ -649,6 +649,21 @@ pub fn run_traces(
     Ok(stats)
 }
 
+/// Runs the given ops through one driver and ours, comparing after every op (a trace written
+/// for what random traces cannot reach, such as a window of 8,192 positions); what both showed
+/// after each op.
+pub fn run_ops(cfg: &TraceConfig, models: &Path, script: &[Op]) -> Result<Vec<Shown>, String> {
+    let mut oracle = Oracle::start(cfg, models)?;
+    let mut ours = OurSide::new(cfg, models)?;
+    let mut ops = Vec::new();
+    let mut shown = Vec::new();
+    for op in script {
+        ops.push(op.clone());
+        shown.push(compare(&mut oracle, &mut ours, op, &ops)?);
+    }
+    Ok(shown)
+}
+
 fn compare(oracle: &mut Oracle, ours: &mut OurSide, op: &Op, ops: &[Op]) -> Result<Shown, String> {
     let theirs = oracle.apply(op)?;
     let mine = ours

@@ -7,7 +7,7 @@
 //! tails, head, used) and each sequence's position range.
 
 use today_peer::models_dir;
-use today_peer::trace::{run_traces, TraceConfig};
+use today_peer::trace::{run_ops, run_traces, Op, TraceConfig};
 
 fn config(model: &str, ctx: u32, n_seq: u32, unified: bool, swa_full: bool) -> TraceConfig {
     TraceConfig {
@@ -106,4 +106,48 @@ fn hybrid_memory_matches_0_1_161() {
 fn recurrent_memory_matches_0_1_161() {
     run(config("mamba.gguf", 256, 1, true, false), 12_000, 100, 60);
     run(config("mamba.gguf", 256, 3, true, false), 13_000, 100, 60);
+}
+
+/// Llama 4's chunked window (chunks of 8,192 positions) through a sequence long enough for the
+/// window cache (8,704 cells) to reuse the cells of the chunk before: random traces never get
+/// there, so this one is written out.
+#[test]
+fn chunked_window_matches_0_1_161() {
+    let cfg = TraceConfig {
+        model: "llama4-chunked.gguf".into(),
+        ctx: 16_384,
+        n_seq: 1,
+        n_ubatch: 512,
+        unified: true,
+        swa_full: false,
+    };
+    let decode = |p: i32, n: u32| Op::Decode(vec![(0, p, n)]);
+    let mut ops: Vec<Op> = (0..19).map(|k| decode(k * 512, 512)).collect();
+    ops.extend([
+        Op::Rm(0, 9_500, -1),
+        decode(9_500, 300),
+        Op::Save(0),
+        Op::Load(0),
+        decode(9_800, 512),
+        Op::Rm(0, 0, 4_096),
+        decode(10_312, 200),
+        Op::Keep(0),
+        decode(10_512, 100),
+    ]);
+    let shown = run_ops(&cfg, &models_dir(), &ops)
+        .unwrap_or_else(|e| panic!("{e}\n(set-up: node scripts/setup.mjs)"));
+    for (op, s) in ops.iter().zip(&shown) {
+        assert!(
+            !matches!(op, Op::Decode(_)) || s.ret == 0,
+            "{op:?} found no room"
+        );
+    }
+    // the window cache (8,704 cells) is full after 17 decodes; the 18th and 19th reuse the
+    // cells of the chunk before position 8,192, purging the sequence's oldest positions
+    assert_eq!(shown[16].pos[0], (0, 8_703));
+    assert!(
+        shown[18].pos[0].0 > 0,
+        "no cell was reused: {:?}",
+        shown[18].pos
+    );
 }
