@@ -24,6 +24,8 @@ Models
                   attention (chunks of 8192, layers 0-2; layer 3 full), one expert that no layer
                   uses (MoE every 1000th layer): today's llama.cpp gives it an iSWA memory whose
                   window rule is the chunk
+  lfm2.gguf       lfm2, 4 layers, n_embd 32: layers 0 and 2 short convolutions (l_cache 3: a
+                  recurrent state of R rows only), 1 and 3 attention (n_head 2, n_head_kv 1)
 
 Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
   0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
@@ -284,6 +286,39 @@ def write_llama4_chunked(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     finish(w)
 
 
+def write_lfm2(path, n_embd, n_head, n_head_kv, n_ff, l_cache, seed):
+    """LFM2: short-convolution layers (no KV heads; their state keeps the last l_cache - 1
+    inputs and nothing else) and attention layers."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    w = begin(path, "lfm2", "lfm2", n_embd, 4, n_ff, n_head)
+    w.add_head_count_kv([0, n_head_kv, 0, n_head_kv])
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = add_tokenizer(w)
+    w.add_vocab_size(n_vocab)
+    w.add_tensor("token_embd.weight", rnd(rng, (n_vocab, n_embd), 0.5))
+    w.add_tensor("token_embd_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", out_weight(rng, n_vocab, n_embd))
+    for i in range(4):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_ffn(w, rng, p, n_embd, n_ff)
+        if i % 2 == 1:
+            w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            add_attention(w, rng, p, n_embd, n_embd_gqa)
+        else:
+            w.add_tensor(p + "shortconv.conv.weight", rnd(rng, (n_embd, l_cache), 0.2))
+            w.add_tensor(p + "shortconv.in_proj.weight", rnd(rng, (3 * n_embd, n_embd), 0.2))
+            w.add_tensor(p + "shortconv.out_proj.weight", rnd(rng, (n_embd, n_embd), 0.2))
+    finish(w)
+
+
 def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank, seed):
     """Layer 0 is Mamba (n_head_kv 0), layer 1 attention: jamba's layer filter."""
     rng = np.random.default_rng(seed)
@@ -324,6 +359,7 @@ def main():
     write_gemma3_swa(os.path.join(out, "gemma3-swa.gguf"), 128, 2, 1, 128, 2, 4, 2, seed=3)
     write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)
     write_llama4_chunked(os.path.join(out, "llama4-chunked.gguf"), 32, 2, 1, 64, 4, seed=4)
+    write_lfm2(os.path.join(out, "lfm2.gguf"), 32, 2, 1, 64, 3, seed=2)
     write_qwen2(os.path.join(out, "qwen2-h64.gguf"), 128, 2, 1, 128, 2, seed=264)
     write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
     write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))

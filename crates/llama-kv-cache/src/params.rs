@@ -164,7 +164,8 @@ impl CacheParams {
                 ("K", self.n_embd_k(il), self.type_k),
                 ("V", self.n_embd_v(il), self.type_v),
             ] {
-                if width == 0 {
+                // a recurrent state may have no S rows (LFM2's short convolutions keep R only)
+                if width == 0 && !(self.recurrent && name == "V") {
                     return bad(format!("layer {il}: {name} width is 0"));
                 }
                 if width % ty.block_size() != 0 {

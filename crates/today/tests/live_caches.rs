@@ -103,6 +103,13 @@ fn hybrid_memory_matches_0_1_161() {
 }
 
 #[test]
+fn lfm2_hybrid_memory_matches_0_1_161() {
+    // short convolutions: a recurrent state of R rows only, beside the attention layers
+    run(config("lfm2.gguf", 256, 1, true, false), 14_000, 40, 60);
+    run(config("lfm2.gguf", 512, 3, true, false), 15_000, 40, 60);
+}
+
+#[test]
 fn recurrent_memory_matches_0_1_161() {
     run(config("mamba.gguf", 256, 1, true, false), 12_000, 100, 60);
     run(config("mamba.gguf", 256, 3, true, false), 13_000, 100, 60);

@@ -1,6 +1,6 @@
 //! llama.cpp 0.1.161's hybrid memory (`llama_memory_hybrid`): an attention cache for the
-//! attention layers and a recurrent memory for the others (Jamba, Granite 4, Qwen3-Next,
-//! LFM2, Nemotron-H), fed the same ubatches, with 0.1.161's rules for what each accepts.
+//! attention layers and a recurrent memory for the others (Jamba, Granite 4, PLaMo 2, LFM2),
+//! fed the same ubatches, with 0.1.161's rules for what each accepts.
 
 use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
@@ -61,8 +61,10 @@ impl HybridCache {
         };
         let (attn_layers, recr_layers) = (pick(false), pick(true));
         let size = ctx.cells_per_stream(model.n_ctx_train)?;
+        // a template of every layer, not a cache of its own: each part is checked when built
+        // (LFM2's convolution layers have no K/V and no S rows, which no one cache could hold)
         let mut all =
-            model.layer_params(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn)?;
+            model.params_of_layers(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn);
         (all.n_rot_k, all.n_rot_v) = model.rotation(ctx.type_k, ctx.type_v);
         // the model's widths without the recurrent state, which only the recurrent part keeps
         let attn = part_params(&all, &attn_layers, size, |il| {

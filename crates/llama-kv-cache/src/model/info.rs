@@ -522,6 +522,10 @@ impl ModelInfo {
             }
             None => None,
         };
+        // LFM2: every attention layer uses the window (0.1.161: `is_swa = !is_recr`)
+        if arch == "lfm2" && swa.as_ref().is_some_and(|s| s.window > 0) {
+            explicit = Some(n_head_kv.iter().map(|&h| h > 0).collect());
+        }
         let is_swa = |il: u32| match (&swa, &explicit) {
             (Some(s), _) if s.window == 0 => false,
             (Some(_), Some(flags)) => flags[il as usize],
@@ -565,16 +569,23 @@ impl ModelInfo {
                 get("ssm.inner_size")?,
                 get("ssm.state_size")?,
             );
-            Some(RecurrentInfo {
-                ssm_d_conv: d_conv,
-                ssm_d_inner: d_inner,
-                ssm_d_state: d_state,
-                ssm_dt_rank: get("ssm.time_step_rank")?,
-                token_shift_count: 0,
-                n_embd_k_s: mul(d_conv.saturating_sub(1), d_inner, "SSM conv state width")?,
-                n_embd_v_s: mul(d_state, d_inner, "SSM state width")?,
-                ..Default::default()
-            })
+            // LFM2's short convolutions keep the last `l_cache - 1` inputs and no SSM state
+            match k.u32_opt("shortconv.l_cache")?.filter(|&l| l > 0) {
+                Some(l_cache) => Some(RecurrentInfo {
+                    n_embd_k_s: mul(l_cache - 1, n_embd, "short-convolution state width")?,
+                    ..Default::default()
+                }),
+                None => Some(RecurrentInfo {
+                    ssm_d_conv: d_conv,
+                    ssm_d_inner: d_inner,
+                    ssm_d_state: d_state,
+                    ssm_dt_rank: get("ssm.time_step_rank")?,
+                    token_shift_count: 0,
+                    n_embd_k_s: mul(d_conv.saturating_sub(1), d_inner, "SSM conv state width")?,
+                    n_embd_v_s: mul(d_state, d_inner, "SSM state width")?,
+                    ..Default::default()
+                }),
+            }
         } else {
             None
         };
@@ -763,7 +774,7 @@ impl ModelInfo {
     }
 
     /// [`ModelInfo::layer_params`], not yet validated.
-    fn params_of_layers(
+    pub(crate) fn params_of_layers(
         &self,
         size: u32,
         n_seq_max: u32,
