@@ -53,8 +53,12 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
 #[test]
 fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
     let mut failures = Vec::new();
-    // and an M-RoPE model, which the seed-era peer of the shared list does not read alike
-    for name in TINY_MODELS.into_iter().chain(["qwen2vl.gguf"]) {
+    // and the models the seed-era peer of the shared list does not read alike: M-RoPE, LFM2,
+    // Llama 4
+    for name in TINY_MODELS
+        .into_iter()
+        .chain(["qwen2vl.gguf", "lfm2.gguf", "llama4-chunked.gguf"])
+    {
         let path = models_dir().join(name);
         let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
         let theirs = run("hparams", &[format!("model={}", path.display())])
