@@ -62,7 +62,7 @@ test('modelInfo, fromModel and checkState: a model path that is not a string is 
 
 // No switch turns these off: without the models (written by `npm test`'s set-up) the spec fails with one test
 // that names the set-up command, and the model tests are not registered, so nothing passes vacuously.
-const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf']
+const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf', 'lfm2-swa.gguf']
 const missingModels = MODEL_FILES.filter((m) => !fs.existsSync(model(m)))
 const unregistered = []
 if (missingModels.length > 0) {
@@ -629,4 +629,21 @@ mtest('the 0.1.161 peer\'s hybrid files load into a live hybrid memory and save 
   const c = KvCache.fromModel(model('jamba.gguf'), { nCtx: 32 })
   t.throws(() => c.loadSessionFileSync(path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')), code('ERR_KV_INVALID_STATE', /hybrid/))
   t.is(c.seqPosMax(0), -1)
+})
+
+mtest('an LFM2 model with a window gets a hybrid-iSWA memory: a base cache without layers, a window cache and the recurrent state', (t) => {
+  const c = KvCache.fromModel(model('lfm2-swa.gguf'), { nCtx: 256, nSeqMax: 2, nUbatch: 16 })
+  t.is(c.kind, 'hybrid')
+  t.deepEqual(c.parts.map((p) => [p.role, p.layers, p.nSwa]), [['base', [], 0], ['swa', [1, 3], 4], ['recurrent', [0, 2], 0]])
+  const [where] = c.place([{ pos: [0, 1, 2, 3, 4, 5], seqIds: [0], nSeqTokens: 6 }])
+  t.deepEqual(where.map((p) => p.part), ['base', 'swa', 'recurrent'])
+  // a short convolution's state is R rows only (n_embd * (l_cache - 1) = 64 floats)
+  c.writeRows(0, 'k', [where[2].cells[0]], Buffer.alloc(64 * 4, 7))
+  const state = c.stateWriteSync()
+  const d = KvCache.fromModel(model('lfm2-swa.gguf'), { nCtx: 256, nSeqMax: 2, nUbatch: 16 })
+  d.stateReadSync(state)
+  t.deepEqual(d.stateWriteSync(), state)
+  t.deepEqual(d.readRows(0, 'k', [where[2].cells[0]]), Buffer.alloc(64 * 4, 7))
+  // the recurrent state holds the last position only: 0.1.161's hybrid minimum is the larger one
+  t.deepEqual([d.seqPosMin(0), d.seqPosMax(0)], [5, 5])
 })

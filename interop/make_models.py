@@ -26,6 +26,8 @@ Models
                   window rule is the chunk
   lfm2.gguf       lfm2, 4 layers, n_embd 32: layers 0 and 2 short convolutions (l_cache 3: a
                   recurrent state of R rows only), 1 and 3 attention (n_head 2, n_head_kv 1)
+  lfm2-swa.gguf   as lfm2, with a window of 4 on every attention layer: a hybrid-iSWA memory
+                  (its base cache holds no layer)
 
 Tokenizer (all models): SentencePiece-style ("llama") vocab of 320 tokens:
   0 <unk>, 1 <s>, 2 </s>, 3..258 byte tokens <0x00>..<0xFF>, then 61 pieces:
@@ -286,17 +288,19 @@ def write_llama4_chunked(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     finish(w)
 
 
-def write_lfm2(path, n_embd, n_head, n_head_kv, n_ff, l_cache, seed):
+def write_lfm2(path, n_embd, n_head, n_head_kv, n_ff, l_cache, seed, window=None):
     """LFM2: short-convolution layers (no KV heads; their state keeps the last l_cache - 1
     inputs and nothing else) and attention layers."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    w = begin(path, "lfm2", "lfm2", n_embd, 4, n_ff, n_head)
+    w = begin(path, "lfm2", "lfm2" if window is None else "lfm2-swa", n_embd, 4, n_ff, n_head)
     w.add_head_count_kv([0, n_head_kv, 0, n_head_kv])
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    if window is not None:
+        w.add_sliding_window(window)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     n_vocab = add_tokenizer(w)
     w.add_vocab_size(n_vocab)
@@ -360,6 +364,7 @@ def main():
     write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)
     write_llama4_chunked(os.path.join(out, "llama4-chunked.gguf"), 32, 2, 1, 64, 4, seed=4)
     write_lfm2(os.path.join(out, "lfm2.gguf"), 32, 2, 1, 64, 3, seed=2)
+    write_lfm2(os.path.join(out, "lfm2-swa.gguf"), 32, 2, 1, 64, 3, seed=2, window=4)
     write_qwen2(os.path.join(out, "qwen2-h64.gguf"), 128, 2, 1, 128, 2, seed=264)
     write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
     write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))

@@ -234,13 +234,19 @@ impl KvCache {
                     let Some(attn) = c.place(&ubs).map_err(from_core)? else {
                         return Ok(None);
                     };
+                    let js_tagged = |slots: Vec<(core::PartRole, core::StreamSlot)>| {
+                        slots
+                            .into_iter()
+                            .flat_map(|(role, s)| js(role.name(), vec![s]))
+                            .collect::<Vec<PlacedCells>>()
+                    };
                     // each group's sequence has its state cell: where its R and S rows go
                     let cells = c.recurrent().memory.cache().cells();
                     Ok(Some(
                         attn.into_iter()
                             .zip(&ubs)
                             .map(|(a, ub)| {
-                                let mut v = js("attention", a);
+                                let mut v = js_tagged(a);
                                 v.push(PlacedCells {
                                     part: "recurrent".into(),
                                     stream: 0,

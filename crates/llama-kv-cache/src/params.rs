@@ -101,12 +101,20 @@ impl CacheParams {
 
     /// Checks every rule; the error names the offending value.
     pub fn validate(&self) -> Result<()> {
+        if self.n_layer == 0 {
+            return Err(KvError::InvalidArg(
+                "nLayer must be at least 1, got 0".into(),
+            ));
+        }
+        self.validate_part()
+    }
+
+    /// [`CacheParams::validate`] of a part of a memory, which may hold no layer (the base
+    /// cache of a hybrid-iSWA memory whose attention layers all use the window).
+    pub(crate) fn validate_part(&self) -> Result<()> {
         let bad = |m: String| Err(KvError::InvalidArg(m));
         if self.size == 0 {
             return bad("size must be at least 1 cell, got 0".into());
-        }
-        if self.n_layer == 0 {
-            return bad("nLayer must be at least 1, got 0".into());
         }
         if self.n_seq_max == 0 || self.n_seq_max as usize > MAX_SEQ {
             return Err(KvError::OutOfRange(format!(

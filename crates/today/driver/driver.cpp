@@ -58,6 +58,7 @@
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cells.h"
 #include "llama-memory-hybrid.h"
+#include "llama-memory-hybrid-iswa.h"
 #include "llama-memory-recurrent.h"
 
 #include <iostream>
@@ -463,13 +464,16 @@ static void trace(llama_context * ctx, int n_vocab) {
         parts = {iswa->get_base(), iswa->get_swa()};
     } else if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         parts = {kv};
+    } else if (auto * hybrid_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        parts = {hybrid_iswa->get_mem_attn()->get_base(), hybrid_iswa->get_mem_attn()->get_swa()};
+        recr  = hybrid_iswa->get_mem_recr();
     } else if (auto * hybrid = dynamic_cast<llama_memory_hybrid *>(mem)) {
         parts = {hybrid->get_mem_attn()};
         recr  = hybrid->get_mem_recr();
     } else if (auto * r = dynamic_cast<llama_memory_recurrent *>(mem)) {
         recr = r;
     } else {
-        die("trace: the memory is none of attention, iSWA, hybrid and recurrent");
+        die("trace: the memory is none of attention, iSWA, hybrid (-iSWA) and recurrent");
     }
     std::vector<uint8_t> saved;
     std::string line;

@@ -352,7 +352,12 @@ impl OurSide {
         match &self.memory {
             Ours::Iswa(c) => c.can_shift(),
             Ours::Attention(c) => c.can_shift(),
-            Ours::Hybrid(c) => c.attention().cache.can_shift(),
+            // 0.1.161 aborts on the K-shift of a cache without layers (an LFM2-with-window
+            // memory's base cache: `GGML_ASSERT(buffer)`), so traces do not shift those
+            Ours::Hybrid(c) => {
+                let attn = &c.attention().cache;
+                attn.can_shift() && attn.caches().iter().all(|(_, p, _)| p.params().n_layer > 0)
+            }
             Ours::Recurrent(_) => true,
         }
     }
@@ -361,7 +366,13 @@ impl OurSide {
         match &self.memory {
             Ours::Iswa(c) => vec![&c.base().cache, &c.swa().cache],
             Ours::Attention(c) => vec![c],
-            Ours::Hybrid(c) => vec![&c.attention().cache],
+            Ours::Hybrid(c) => c
+                .attention()
+                .cache
+                .caches()
+                .into_iter()
+                .map(|p| p.1)
+                .collect(),
             Ours::Recurrent(_) => Vec::new(),
         }
     }
@@ -665,7 +676,9 @@ pub fn run_ops(cfg: &TraceConfig, models: &Path, script: &[Op]) -> Result<Vec<Sh
 }
 
 fn compare(oracle: &mut Oracle, ours: &mut OurSide, op: &Op, ops: &[Op]) -> Result<Shown, String> {
-    let theirs = oracle.apply(op)?;
+    let theirs = oracle
+        .apply(op)
+        .map_err(|e| format!("{e}\n{}", listing(ops)))?;
     let mine = ours
         .apply(op)
         .map_err(|e| format!("{e}\n{}", listing(ops)))?;

@@ -110,6 +110,20 @@ fn lfm2_hybrid_memory_matches_0_1_161() {
 }
 
 #[test]
+fn hybrid_iswa_memory_matches_0_1_161() {
+    // LFM2 with a window of 4 on every attention layer: a window cache (and a base cache with
+    // no layer) beside the recurrent memory
+    run(config("lfm2-swa.gguf", 256, 1, true, false), 16_000, 60, 60);
+    run(config("lfm2-swa.gguf", 512, 3, true, false), 17_000, 60, 60);
+    run(
+        config("lfm2-swa.gguf", 768, 3, false, false),
+        18_000,
+        40,
+        60,
+    );
+}
+
+#[test]
 fn recurrent_memory_matches_0_1_161() {
     run(config("mamba.gguf", 256, 1, true, false), 12_000, 100, 60);
     run(config("mamba.gguf", 256, 3, true, false), 13_000, 100, 60);

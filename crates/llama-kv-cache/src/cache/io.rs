@@ -607,7 +607,7 @@ impl KvCache {
                 && n_layer as usize == self.layers.len()
                 && rot == (self.params.n_rot_k, self.params.n_rot_v)
                 && k_type == self.params.type_k.id()
-                && k_row == self.layers[0].k_row as u64)
+                && self.layers.first().is_some_and(|l| k_row == l.k_row as u64))
         };
         match fits() {
             Ok(true) => None,

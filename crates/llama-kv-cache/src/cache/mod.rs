@@ -55,6 +55,16 @@ impl KvCache {
     /// layers on a device.
     pub fn with_allocator(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {
         params.validate()?;
+        KvCache::build(params, alloc)
+    }
+
+    /// A cache in host memory that is a part of a memory: it may hold no layer (cells only).
+    pub(crate) fn new_part(params: CacheParams) -> Result<KvCache> {
+        params.validate_part()?;
+        KvCache::build(params, &mut host_allocator)
+    }
+
+    fn build(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {
         let size = params.size as usize;
         let mut layers = crate::alloc::with_capacity(params.n_layer as usize, "the layers")?;
         for il in 0..params.n_layer as usize {

@@ -125,7 +125,7 @@ impl AttentionCache {
         let n_stream = if unified { 1 } else { params.n_seq_max };
         let mut streams = crate::alloc::with_capacity(n_stream as usize, "the streams")?;
         for _ in 0..n_stream {
-            streams.push(KvCache::new(params.clone())?);
+            streams.push(KvCache::new_part(params.clone())?);
         }
         Ok(AttentionCache { streams, window })
     }

@@ -1,6 +1,7 @@
-//! llama.cpp 0.1.161's hybrid memory (`llama_memory_hybrid`): an attention cache for the
-//! attention layers and a recurrent memory for the others (Jamba, Granite 4, PLaMo 2, LFM2),
-//! fed the same ubatches, with 0.1.161's rules for what each accepts.
+//! llama.cpp 0.1.161's hybrid memory (`llama_memory_hybrid`, and `llama_memory_hybrid_iswa`
+//! when the attention layers use a sliding window): an attention cache (or a base and a window
+//! cache) for the attention layers and a recurrent memory for the others (Jamba, Granite 4,
+//! PLaMo 2, LFM2), fed the same ubatches, with 0.1.161's rules for what each accepts.
 
 use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
@@ -8,11 +9,13 @@ use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
-use crate::memory::iswa::ContextParams;
+use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
+use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::recurrent::RecurrentMemory;
+use crate::memory::SwaType;
 use crate::model::{MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;
+use crate::state::parts::PartRole;
 use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
 
@@ -20,8 +23,155 @@ use crate::tensors::rope::ShiftParams;
 pub struct HybridAttention {
     /// The model layers it holds, ascending.
     pub layers: Vec<u32>,
-    /// The cache.
-    pub cache: AttentionCache,
+    /// The cache: one attention cache, or (hybrid-iSWA) a base and a window cache.
+    pub cache: AttentionPart,
+}
+
+/// The attention layers' memory in a hybrid: `llama_kv_cache`, or `llama_kv_cache_iswa` when
+/// the attention layers use a window (0.1.161's `llama_memory_hybrid_iswa`). Its layer
+/// indices are the attention part's own (0 for its first layer).
+pub enum AttentionPart {
+    /// Full attention.
+    Full(AttentionCache),
+    /// A base and a window cache.
+    Window(IswaCache),
+}
+
+/// A read of the attention part, checked.
+pub(crate) enum AttentionChecked {
+    Full(CheckedRead),
+    Window(IswaChecked),
+}
+
+impl AttentionChecked {
+    fn len(&self) -> usize {
+        match self {
+            AttentionChecked::Full(c) => c.len(),
+            AttentionChecked::Window(c) => c.len(),
+        }
+    }
+}
+
+/// Runs `$body` on the attention part's cache, whichever it is, bound to `$c`.
+macro_rules! either {
+    ($part:expr, $c:ident => $body:expr) => {
+        match $part {
+            AttentionPart::Full($c) => $body,
+            AttentionPart::Window($c) => $body,
+        }
+    };
+}
+
+impl AttentionPart {
+    /// The caches, in state order, with their roles and the part's layers each holds.
+    pub fn caches(&self) -> Vec<(PartRole, &AttentionCache, Vec<u32>)> {
+        match self {
+            AttentionPart::Full(c) => {
+                let n = c.params().n_layer;
+                vec![(PartRole::Attention, c, (0..n).collect())]
+            }
+            AttentionPart::Window(c) => vec![
+                (PartRole::Base, &c.base().cache, c.base().layers.clone()),
+                (PartRole::Swa, &c.swa().cache, c.swa().layers.clone()),
+            ],
+        }
+    }
+
+    /// The cache holding the part's layer `k`, and the layer's index there.
+    fn route(&self, k: u32) -> Result<(&AttentionCache, u32)> {
+        match self {
+            AttentionPart::Full(c) => Ok((c, k)),
+            AttentionPart::Window(c) => c.route(k),
+        }
+    }
+
+    fn route_mut(&mut self, k: u32) -> Result<(&mut AttentionCache, u32)> {
+        match self {
+            AttentionPart::Full(c) => Ok((c, k)),
+            AttentionPart::Window(c) => c.route_mut(k),
+        }
+    }
+
+    /// Checks a sequence id as every cache of the part does.
+    fn check_seq(&self, what: &str, seq: i32) -> Result<()> {
+        self.caches()[0].1.stream_of(what, seq).map(drop)
+    }
+
+    /// Places the ubatches (all or none), each slot with the role of its cache.
+    #[allow(clippy::type_complexity)]
+    fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Vec<Vec<(PartRole, StreamSlot)>>>> {
+        let tag =
+            |role: PartRole, slots: Vec<StreamSlot>| slots.into_iter().map(move |s| (role, s));
+        match self {
+            AttentionPart::Full(c) => {
+                let mut undo = Snapshot::default();
+                match c.place_each(ubatches, &mut undo) {
+                    Ok(Some(all)) => Ok(Some(
+                        all.into_iter()
+                            .map(|s| tag(PartRole::Attention, s).collect())
+                            .collect(),
+                    )),
+                    other => {
+                        c.restore(undo);
+                        other.map(|_| None)
+                    }
+                }
+            }
+            AttentionPart::Window(c) => Ok(c.place(ubatches)?.map(|(base, swa)| {
+                base.into_iter()
+                    .zip(swa)
+                    .map(|(b, s)| {
+                        tag(PartRole::Base, b)
+                            .chain(tag(PartRole::Swa, s))
+                            .collect()
+                    })
+                    .collect()
+            })),
+        }
+    }
+
+    /// Whether positions can be shifted.
+    pub fn can_shift(&self) -> bool {
+        either!(self, c => c.can_shift())
+    }
+
+    /// Whether a K-shift is pending.
+    pub fn has_shift(&self) -> bool {
+        self.caches().iter().any(|(_, c, _)| c.has_shift())
+    }
+
+    fn check_read(&self, data: &[u8], seq: i32, layout: Layout) -> Result<AttentionChecked> {
+        Ok(match self {
+            AttentionPart::Full(c) => {
+                AttentionChecked::Full(c.check_read(data, seq, layout, false)?)
+            }
+            AttentionPart::Window(c) => {
+                AttentionChecked::Window(c.check_parts(data, seq, layout, false)?)
+            }
+        })
+    }
+
+    fn apply_read(
+        &mut self,
+        data: &[u8],
+        checked: AttentionChecked,
+        seq: i32,
+    ) -> Result<ReadSummary> {
+        match (self, checked) {
+            (AttentionPart::Full(c), AttentionChecked::Full(k)) => c.apply_read(data, k, seq),
+            (AttentionPart::Window(c), AttentionChecked::Window(k)) => {
+                let [a, b] = c.apply_parts(data, k, seq)?;
+                let mut placed = a.placed;
+                placed.extend(b.placed);
+                Ok(ReadSummary {
+                    layout: a.layout,
+                    cells: a.cells + b.cells,
+                    placed,
+                })
+            }
+            _ => unreachable!("a read is applied to the part that checked it"),
+        }
+    }
 }
 
 /// The recurrent part of a hybrid memory.
@@ -77,10 +227,34 @@ impl HybridCache {
         recr.type_k = GgmlType::F32;
         recr.type_v = GgmlType::F32;
         (recr.n_rot_k, recr.n_rot_v) = (0, 0);
+        let windowed: Vec<bool> = attn_layers
+            .iter()
+            .map(|&il| model.layers[il as usize].swa)
+            .collect();
+        let cache = match &model.swa {
+            Some(swa) if windowed.iter().any(|&w| w) => {
+                AttentionPart::Window(IswaCache::new(IswaParams {
+                    params: attn,
+                    swa_layers: windowed,
+                    window: Window {
+                        n_swa: swa.window,
+                        swa_type: if swa.chunked {
+                            SwaType::Chunked
+                        } else {
+                            SwaType::Standard
+                        },
+                    },
+                    unified: ctx.unified,
+                    swa_full: ctx.swa_full,
+                    n_ubatch: ctx.n_ubatch,
+                })?)
+            }
+            _ => AttentionPart::Full(AttentionCache::new(attn, ctx.unified, Window::FULL)?),
+        };
         Ok(HybridCache {
             attn: HybridAttention {
                 layers: attn_layers,
-                cache: AttentionCache::new(attn, ctx.unified, Window::FULL)?,
+                cache,
             },
             recr: HybridRecurrent {
                 layers: recr_layers,
@@ -104,7 +278,8 @@ impl HybridCache {
     /// recurrent memory, whose one stream is 0) and its layer index there.
     pub fn route(&self, il: u32, stream: u32) -> Result<(&KvCache, u32)> {
         if let Ok(k) = self.attn.layers.binary_search(&il) {
-            return Ok((self.attn.cache.stream(stream)?, k as u32));
+            let (cache, k) = self.attn.cache.route(k as u32)?;
+            return Ok((cache.stream(stream)?, k));
         }
         match self.recr.layers.binary_search(&il) {
             Ok(k) if stream == 0 => Ok((self.recr.memory.cache(), k as u32)),
@@ -119,7 +294,8 @@ impl HybridCache {
     pub fn route_mut(&mut self, il: u32, stream: u32) -> Result<(&mut KvCache, u32)> {
         let err = self.no_layer(il);
         if let Ok(k) = self.attn.layers.binary_search(&il) {
-            return Ok((self.attn.cache.stream_mut(stream)?, k as u32));
+            let (cache, k) = self.attn.cache.route_mut(k as u32)?;
+            return Ok((cache.stream_mut(stream)?, k));
         }
         match self.recr.layers.binary_search(&il) {
             Ok(k) if stream == 0 => Ok((self.recr.memory.cache_mut(), k as u32)),
@@ -138,8 +314,13 @@ impl HybridCache {
     }
 
     /// Places the ubatches of one decode in both parts (recurrent first, as 0.1.161
-    /// prepares it), or (`None`) in neither.
-    pub fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Vec<Vec<StreamSlot>>>> {
+    /// prepares it), or (`None`) in neither; per ubatch, where its tokens went in each cache
+    /// of the attention part.
+    #[allow(clippy::type_complexity)]
+    pub fn place(
+        &mut self,
+        ubatches: &[UBatch],
+    ) -> Result<Option<Vec<Vec<(PartRole, StreamSlot)>>>> {
         let kept = (
             self.recr.memory.cache().cells.clone(),
             self.recr.memory.cache().head,
@@ -148,11 +329,9 @@ impl HybridCache {
         if !self.recr.memory.place(ubatches)? {
             return Ok(None);
         }
-        let mut undo = Snapshot::default();
-        match self.attn.cache.place_each(ubatches, &mut undo) {
+        match self.attn.cache.place(ubatches) {
             Ok(Some(slots)) => Ok(Some(slots)),
             other => {
-                self.attn.cache.restore(undo);
                 let c = self.recr.memory.cache_mut();
                 (c.cells, c.head, c.n) = kept;
                 other
@@ -163,59 +342,53 @@ impl HybridCache {
     /// `seq_rm`: the recurrent part first, which may refuse (then nothing changes).
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
         if seq != -1 {
-            self.attn.cache.stream_of("seqRm", seq)?;
+            self.attn.cache.check_seq("seqRm", seq)?;
         }
         if !self.recr.memory.seq_rm(seq, p0, p1)? {
             return Ok(false);
         }
-        self.attn.cache.seq_rm(seq, p0, p1)
+        either!(&mut self.attn.cache, c => c.seq_rm(seq, p0, p1))
     }
 
     /// `seq_cp` in both parts (the recurrent part shares the source's state cell).
     pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        self.attn.cache.stream_of("seqCp source", src)?;
-        self.attn.cache.stream_of("seqCp destination", dst)?;
-        self.attn.cache.seq_cp(src, dst, p0, p1)?;
+        self.attn.cache.check_seq("seqCp source", src)?;
+        self.attn.cache.check_seq("seqCp destination", dst)?;
+        either!(&mut self.attn.cache, c => c.seq_cp(src, dst, p0, p1))?;
         self.recr.memory.seq_cp(src, dst, p0, p1)
     }
 
     /// `seq_keep` in both parts.
     pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        self.attn.cache.stream_of("seqKeep", seq)?;
-        self.attn.cache.seq_keep(seq)?;
+        self.attn.cache.check_seq("seqKeep", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_keep(seq))?;
         self.recr.memory.seq_keep(seq)
     }
 
     /// `seq_add` in both parts.
     pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        self.attn.cache.stream_of("seqAdd", seq)?;
-        self.attn.cache.seq_add(seq, p0, p1, delta)?;
+        self.attn.cache.check_seq("seqAdd", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_add(seq, p0, p1, delta))?;
         self.recr.memory.seq_add(seq, p0, p1, delta)
     }
 
     /// `seq_div` in both parts.
     pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        self.attn.cache.stream_of("seqDiv", seq)?;
-        self.attn.cache.seq_div(seq, p0, p1, d)?;
+        self.attn.cache.check_seq("seqDiv", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_div(seq, p0, p1, d))?;
         self.recr.memory.seq_div(seq, p0, p1, d)
     }
 
     /// Smallest position both parts hold of `seq` (0.1.161: the larger of their minima).
     pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
-        Ok(self
-            .attn
-            .cache
-            .seq_pos_min(seq)?
-            .max(self.recr.memory.seq_pos_min(seq)?))
+        let attn = either!(&self.attn.cache, c => c.seq_pos_min(seq))?;
+        Ok(attn.max(self.recr.memory.seq_pos_min(seq)?))
     }
 
     /// Largest position both parts hold of `seq` (0.1.161: the smaller of their maxima).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        Ok(self
-            .attn
-            .cache
-            .seq_pos_max(seq)?
-            .min(self.recr.memory.seq_pos_max(seq)?))
+        let attn = either!(&self.attn.cache, c => c.seq_pos_max(seq))?;
+        Ok(attn.min(self.recr.memory.seq_pos_max(seq)?))
     }
 
     /// Applies a pending K-shift of the attention part (the recurrent part keeps no
@@ -223,23 +396,23 @@ impl HybridCache {
     /// none: its pending shift is done at once.
     pub fn update(&mut self, shift: Option<&ShiftParams>) -> Result<UpdateReport> {
         if !self.rope {
-            self.attn.cache.drop_shift();
+            either!(&mut self.attn.cache, c => c.drop_shift());
             return Ok(UpdateReport::default());
         }
         let params = shift.map(|s| s.for_layers(&self.attn.layers));
-        self.attn.cache.update(params.as_ref())
+        either!(&mut self.attn.cache, c => c.update(params.as_ref()))
     }
 
     /// Frees every cell of both parts.
     pub fn clear(&mut self) -> Result<()> {
-        self.attn.cache.clear()?;
+        either!(&mut self.attn.cache, c => c.clear())?;
         self.recr.memory.clear()
     }
 
     /// The state of `seq` (-1: everything) as 0.1.161 writes it: the attention part in
     /// `layout`, then the recurrent part.
     pub fn state_write(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
-        let mut out = self.attn.cache.state_write(seq, layout)?;
+        let mut out = either!(&self.attn.cache, c => c.state_write(seq, layout))?;
         out.extend(self.recr.memory.state_write(seq)?);
         Ok(out)
     }
@@ -247,7 +420,7 @@ impl HybridCache {
     /// Bytes of [`HybridCache::state_write`]`(seq, layout)`.
     pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
         let recr = self.recr.memory.cache().state_size(seq, Layout::Seed, 1)?;
-        Ok(self.attn.cache.state_size(seq, layout)? + recr)
+        Ok(either!(&self.attn.cache, c => c.state_size(seq, layout))? + recr)
     }
 
     /// Reads a payload of both parts into `seq` (-1: everything); both are parsed and
@@ -258,7 +431,7 @@ impl HybridCache {
         seq: i32,
         layout: Layout,
     ) -> Result<[ReadSummary; 2]> {
-        let attn = self.attn.cache.check_read(data, seq, layout, false)?;
+        let attn = self.attn.cache.check_read(data, seq, layout)?;
         let (first, second) = data.split_at(attn.len());
         self.recr.memory.check_read(second, seq)?;
         let a = self.attn.cache.apply_read(first, attn, seq)?;

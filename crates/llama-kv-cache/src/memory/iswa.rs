@@ -7,7 +7,7 @@ use crate::cache::kshift::UpdateReport;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::memory::attention::{AttentionCache, Snapshot, StreamSlot, Window};
+use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
 use crate::memory::SwaType;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::params::CacheParams;
@@ -130,6 +130,19 @@ impl IswaParams {
         let want = u64::from(self.window.n_swa) * per + u64::from(self.n_ubatch);
         let min = want.min(u64::from(base));
         (min.div_ceil(256) * 256) as u32
+    }
+}
+
+/// A payload of both caches, checked (`IswaCache::check_parts`).
+pub(crate) struct IswaChecked {
+    base: CheckedRead,
+    swa: CheckedRead,
+}
+
+impl IswaChecked {
+    /// Bytes of both parts.
+    pub(crate) fn len(&self) -> usize {
+        self.base.len() + self.swa.len()
     }
 }
 
@@ -395,11 +408,45 @@ impl IswaCache {
         seq: i32,
         layout: Layout,
     ) -> Result<[ReadSummary; 2]> {
+        let checked = self.check_parts(data, seq, layout, true)?;
+        self.apply_parts(data, checked, seq)
+    }
+
+    /// Parses and checks a payload of both caches (`exact`: as the whole of `data`; a
+    /// hybrid-iSWA payload goes on with its recurrent part) without changing either.
+    pub(crate) fn check_parts(
+        &self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+        exact: bool,
+    ) -> Result<IswaChecked> {
         let base = self.base.cache.check_read(data, seq, layout, false)?;
-        let (first, second) = data.split_at(base.len());
-        let swa = self.swa.cache.check_read(second, seq, layout, true)?;
+        let swa = self
+            .swa
+            .cache
+            .check_read(&data[base.len()..], seq, layout, exact)?;
+        Ok(IswaChecked { base, swa })
+    }
+
+    /// Applies a read [`IswaCache::check_parts`] accepted.
+    pub(crate) fn apply_parts(
+        &mut self,
+        data: &[u8],
+        checked: IswaChecked,
+        seq: i32,
+    ) -> Result<[ReadSummary; 2]> {
+        let IswaChecked { base, swa } = checked;
+        let (first, rest) = data.split_at(base.len());
+        let second = &rest[..swa.len()];
         let base = self.base.cache.apply_read(first, base, seq)?;
         let swa = self.swa.cache.apply_read(second, swa, seq)?;
         Ok([base, swa])
+    }
+
+    /// Marks a pending K-shift done without rotating (a model without RoPE).
+    pub(crate) fn drop_shift(&mut self) {
+        self.base.cache.drop_shift();
+        self.swa.cache.drop_shift();
     }
 }

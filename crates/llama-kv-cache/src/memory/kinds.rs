@@ -128,26 +128,30 @@ impl Memory {
                 attention_part(PartRole::Swa, &c.swa().layers, &c.swa().cache),
             ],
             Memory::Hybrid(c) => {
-                let r = c.recurrent();
+                let (attn, r) = (c.attention(), c.recurrent());
                 let cache = r.memory.cache();
-                vec![
-                    attention_part(
-                        PartRole::Attention,
-                        &c.attention().layers,
-                        &c.attention().cache,
-                    ),
-                    PartInfo {
-                        role: PartRole::Recurrent,
-                        layers: r.layers.clone(),
-                        size: cache.size(),
-                        n_stream: 1,
-                        used_cells: cache.used_cells(),
-                        window: Window::FULL,
-                        type_k: cache.type_k(),
-                        type_v: cache.type_v(),
-                        n_rot: (0, 0),
-                    },
-                ]
+                let mut parts: Vec<PartInfo> = attn
+                    .cache
+                    .caches()
+                    .into_iter()
+                    .map(|(role, part, own)| {
+                        let layers: Vec<u32> =
+                            own.iter().map(|&k| attn.layers[k as usize]).collect();
+                        attention_part(role, &layers, part)
+                    })
+                    .collect();
+                parts.push(PartInfo {
+                    role: PartRole::Recurrent,
+                    layers: r.layers.clone(),
+                    size: cache.size(),
+                    n_stream: 1,
+                    used_cells: cache.used_cells(),
+                    window: Window::FULL,
+                    type_k: cache.type_k(),
+                    type_v: cache.type_v(),
+                    n_rot: (0, 0),
+                });
+                parts
             }
         }
     }
@@ -175,7 +179,7 @@ impl Memory {
         match self {
             Memory::Kv(c) => c.params().n_seq_max,
             Memory::Iswa(c) => c.base().cache.params().n_seq_max,
-            Memory::Hybrid(c) => c.attention().cache.params().n_seq_max,
+            Memory::Hybrid(c) => c.attention().cache.caches()[0].1.params().n_seq_max,
         }
     }
 
@@ -196,7 +200,10 @@ impl Memory {
             Memory::Kv(c) => c.host_resident_bytes(),
             Memory::Iswa(c) => streams(&c.base().cache) + streams(&c.swa().cache),
             Memory::Hybrid(c) => {
-                streams(&c.attention().cache) + c.recurrent().memory.cache().host_resident_bytes()
+                let attn: usize = (c.attention().cache.caches().iter())
+                    .map(|(_, part, _)| streams(part))
+                    .sum();
+                attn + c.recurrent().memory.cache().host_resident_bytes()
             }
         }
     }

@@ -653,7 +653,7 @@ impl ModelInfo {
 
     /// Refuses the models whose live memory this library does not build, naming why: the
     /// memories with an indexer cache (their state files still inspect and convert), and the
-    /// hybrids whose layers are split by a rule not modeled, or that add a sliding window.
+    /// hybrids whose layers are split by a rule not modeled.
     pub fn check_live(&self) -> Result<()> {
         if let Some(kind) = arch::indexer_memory(&self.arch) {
             return Err(KvError::Unsupported(format!(
@@ -673,14 +673,6 @@ impl ModelInfo {
                 self.display_name(),
                 self.arch,
                 arch::HYBRID_BY_KV_HEADS.join(", ")
-            )));
-        }
-        if self.layers.iter().any(|l| l.swa) {
-            return Err(KvError::Unsupported(format!(
-                "{} ({}) adds a sliding window to its hybrid memory: 0.1.161 gives it a \
-                 hybrid-iSWA memory, which this library does not hold live yet",
-                self.display_name(),
-                self.arch
             )));
         }
         Ok(())

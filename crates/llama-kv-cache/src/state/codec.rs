@@ -148,9 +148,11 @@ pub(crate) fn checked_v_trans(x: u32) -> Result<bool> {
     }
 }
 
-/// A stream's `n_layer`, refused when no model has that many layers.
+/// A stream's `n_layer`, refused when no model has that many layers. 0 is a cache of cells
+/// without rows: the base cache of a hybrid-iSWA memory whose attention layers all use the
+/// window (LFM2 with a window).
 pub(crate) fn checked_n_layer(n: u32) -> Result<u32> {
-    if n == 0 || n > MAX_LAYERS {
+    if n > MAX_LAYERS {
         return Err(KvError::InvalidState(format!("n_layer {n} is implausible")));
     }
     Ok(n)
