@@ -23,6 +23,7 @@ use crate::cells::{Cell, Cells};
 use crate::error::{KvError, Result};
 use crate::memory::SwaType;
 use crate::params::CacheParams;
+use crate::state::codec::parse_layerless_payload;
 use crate::state::{n_stream_header, parse_payload_with, Layout, ParsedPayload};
 use crate::tensors::rope::ShiftParams;
 use crate::tensors::storage::Tensor;
@@ -613,7 +614,12 @@ impl AttentionCache {
         exact: bool,
     ) -> Result<CheckedRead> {
         let ext = self.params().cell_ext;
-        let parsed = parse_payload_with(data, layout, ext, exact)?;
+        // a cache of no layer reads only payloads of no layer (0.1.161 writes them so)
+        let parsed = if self.params().n_layer == 0 {
+            parse_layerless_payload(data, layout, ext, exact)?
+        } else {
+            parse_payload_with(data, layout, ext, exact)?
+        };
         let want = self.streams.len();
         if parsed.streams.len() != want {
             return Err(KvError::InvalidState(format!(

@@ -148,11 +148,12 @@ pub(crate) fn checked_v_trans(x: u32) -> Result<bool> {
     }
 }
 
-/// A stream's `n_layer`, refused when no model has that many layers. 0 is a cache of cells
-/// without rows: the base cache of a hybrid-iSWA memory whose attention layers all use the
-/// window (LFM2 with a window).
-pub(crate) fn checked_n_layer(n: u32) -> Result<u32> {
-    if n > MAX_LAYERS {
+/// A stream's `n_layer`, refused when no model has that many layers, and 0 unless `layerless`
+/// (a cache of cells without rows: the base cache of a hybrid-iSWA memory whose attention
+/// layers all use the window, LFM2 with one; read only by a cache of no layer, so that no
+/// other payload gains a reading).
+pub(crate) fn checked_n_layer(n: u32, layerless: bool) -> Result<u32> {
+    if (n == 0 && !layerless) || n > MAX_LAYERS {
         return Err(KvError::InvalidState(format!("n_layer {n} is implausible")));
     }
     Ok(n)
@@ -195,6 +196,8 @@ pub(crate) struct StreamFormat {
     pub rot: bool,
     /// The extension each cell carries.
     pub ext: CellExt,
+    /// Whether a data header may declare no layer (see [`checked_n_layer`]).
+    pub layerless: bool,
 }
 
 impl StreamFormat {
@@ -204,6 +207,7 @@ impl StreamFormat {
             header_when_empty: !layout.has_stream_prefix(),
             rot: layout.records_rotation(),
             ext,
+            layerless: false,
         }
     }
 
@@ -213,6 +217,7 @@ impl StreamFormat {
             header_when_empty: true,
             rot: false,
             ext: CellExt::None,
+            layerless: false,
         }
     }
 }
@@ -246,7 +251,7 @@ pub(crate) fn parse_stream_head<S: ByteSource + ?Sized>(
         return Ok(StreamHead { cells, data: None });
     }
     let v_trans = checked_v_trans(c.u32("v_trans")?)?;
-    let n_layer = checked_n_layer(c.u32("n_layer")?)?;
+    let n_layer = checked_n_layer(c.u32("n_layer")?, f.layerless)?;
     let n_rot = if f.rot {
         Some((c.u32("n_rot_k")?, c.u32("n_rot_v")?))
     } else {
@@ -513,8 +518,32 @@ pub fn parse_payload_with<S: ByteSource + ?Sized>(
     ext: CellExt,
     exact: bool,
 ) -> Result<ParsedPayload> {
+    parse_payload_as(bytes, StreamFormat::of(layout, ext), layout, exact)
+}
+
+/// [`parse_payload_with`] of a payload written by a cache of no layer (its data headers
+/// declare 0).
+pub(crate) fn parse_layerless_payload<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layout: Layout,
+    ext: CellExt,
+    exact: bool,
+) -> Result<ParsedPayload> {
+    let f = StreamFormat {
+        layerless: true,
+        ..StreamFormat::of(layout, ext)
+    };
+    parse_payload_as(bytes, f, layout, exact)
+}
+
+fn parse_payload_as<S: ByteSource + ?Sized>(
+    bytes: &S,
+    f: StreamFormat,
+    layout: Layout,
+    exact: bool,
+) -> Result<ParsedPayload> {
+    let ext = f.ext;
     let mut c = Cursor::new(bytes);
-    let f = StreamFormat::of(layout, ext);
     let streams = match layout {
         Layout::Seed => vec![parse_stream_with(&mut c, 0, f, None)?],
         Layout::Streams | Layout::StreamsRot => {
