@@ -331,7 +331,9 @@ export declare class PromptStore {
   /**
    * Stores the full blocks of sequence `seqId` of `cache` that the store lacks. The sequence
    * must hold positions 0..n-1 with no pending shift (else `ERR_KV_STORE_NOT_PREFIX`);
-   * `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens).
+   * `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens). Every kind
+   * of cache: an iSWA or hybrid one stores what a peer's sequence file of the same state
+   * would (its window or recurrent state in a checkpoint at the prompt's end).
    */
   put(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<StorePutResult>
   /** `put` on the calling thread. */
@@ -346,7 +348,9 @@ export declare class PromptStore {
   /**
    * Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and
    * returns its length in tokens. Transactional: on any error the cache is unchanged. When
-   * nothing is stored, returns 0 and leaves the cache unchanged.
+   * nothing is stored, returns 0 and leaves the cache unchanged. Every kind of cache of the
+   * store's model; an iSWA or hybrid one needs the store's model record (written by every
+   * put), and its window cache gets only the window unless it is as large as the base.
    */
   restore(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<number>
   /** `restore` on the calling thread. */

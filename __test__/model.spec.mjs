@@ -647,3 +647,85 @@ mtest('an LFM2 model with a window gets a hybrid-iSWA memory: a base cache witho
   // the recurrent state holds the last position only: 0.1.161's hybrid minimum is the larger one
   t.deepEqual([d.seqPosMin(0), d.seqPosMax(0)], [5, 5])
 })
+
+// ---- the prompt store with live caches of today's kinds -----------------------------------------------
+
+/** Places positions 0..n-1 of `seq`, 16 per ubatch, and fills every row of them with bytes made of `salt`. */
+const fillGroup = (c, seq, n, salt) => {
+  for (let p0 = 0; p0 < n; p0 += 16) fillUbatch(c, seq, p0, Math.min(16, n - p0), salt)
+}
+
+const fillUbatch = (c, seq, p0, n, salt) => {
+  const [where] = c.place([{ pos: Array.from({ length: n }, (_, k) => p0 + k), seqIds: [seq], nSeqTokens: n }])
+  for (const placed of where) {
+    for (const layer of c.parts.find((p) => p.role === placed.part).layers) {
+      for (const kv of placed.part === 'recurrent' ? ['k'] : ['k', 'v']) {
+        const row = c.readRows(layer, kv, [placed.cells[0]], placed.stream).length
+        const bytes = Buffer.alloc(row * placed.cells.length)
+        for (let i = 0; i < bytes.length; i++) bytes[i] = (i * 31 + layer * 7 + salt) & 0x7f
+        c.writeRows(layer, kv, placed.cells, bytes, placed.stream)
+      }
+    }
+  }
+}
+
+for (const [name, make] of [
+  ['an iSWA memory (window only)', () => gemma()],
+  ['an iSWA memory with swaFull', () => gemma({ swaFull: true })],
+  ['a hybrid memory (Jamba)', () => KvCache.fromModel(model('jamba.gguf'), { nCtx: 512, nSeqMax: 2 })],
+]) {
+  mtest(`PromptStore.put and restore work on ${name}: the restored sequence writes the same state`, async (t) => {
+    const c = make()
+    // 300 tokens: more than the window cache's 256 cells, so that without swaFull it keeps only the window
+    fillGroup(c, 0, 300, 3)
+    if (name.includes('window only')) t.true(c.parts[1].usedCells < 300)
+    const tokens = Array.from({ length: 300 }, (_, i) => 5 + i)
+    const store = new PromptStore({ model: `live-${name}`, blockTokens: 16 })
+    t.like(await store.put(c, 0, tokens), { tokens: 300 })
+    const d = make()
+    const progress = []
+    t.is(await store.restore(d, 0, [...tokens, 99, 98], { onProgress: (done, total) => progress.push([done, total]) }), 300)
+    // reports are queued to the JS thread: wait for the last one
+    for (let i = 0; i < 1000 && progress.length < 2; i++) await new Promise((resolve) => setImmediate(resolve))
+    t.deepEqual(progress, [[0, 300], [300, 300]])
+    t.deepEqual(d.stateWriteSync(0, { layout: 'streams-rot' }), c.stateWriteSync(0, { layout: 'streams-rot' }))
+    // into another sequence, beside what the cache holds
+    const e = make()
+    fillGroup(e, 0, 8, 5)
+    const other = e.stateWriteSync(0)
+    t.is(store.restoreSync(e, 1, tokens), 300)
+    t.deepEqual([e.seqPosMax(1), e.seqPosMax(0)], [299, 7])
+    t.deepEqual(e.stateWriteSync(0), other)
+    // a prompt that diverges in the last block restores from full blocks only where they suffice: the
+    // window cache held the whole range (swaFull); the window alone or a recurrent state needs the checkpoint
+    const diverged = [...tokens.slice(0, 296), 7, 7, 7, 7]
+    t.is(store.lookupSync(diverged), name.includes('swaFull') ? 288 : 0)
+  })
+}
+
+mtest('PromptStore.restore into a live cache of another kind or shape is ERR_KV_STORE_GEOMETRY and changes nothing', async (t) => {
+  const c = gemma()
+  fillGroup(c, 0, 20, 1)
+  const tokens = Array.from({ length: 20 }, (_, i) => 5 + i)
+  const store = new PromptStore({ model: 'live-refusals', blockTokens: 16 })
+  await store.put(c, 0, tokens)
+  for (const other of [
+    KvCache.fromModel(model('jamba.gguf'), { nCtx: 256, nSeqMax: 2 }),
+    gemma({ typeK: 'q8_0', typeV: 'q8_0', flashAttn: true }),
+  ]) {
+    fillGroup(other, 1, 4, 9)
+    const before = other.stateWriteSync(-1, { layout: 'streams-rot' })
+    await t.throwsAsync(store.restore(other, 1, tokens), code('ERR_KV_STORE_GEOMETRY', /live-refusals/))
+    t.deepEqual(other.stateWriteSync(-1, { layout: 'streams-rot' }), before)
+  }
+  const unified = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 256, nSeqMax: 2 })
+  await t.throwsAsync(store.restore(unified, 1, tokens), code('ERR_KV_STORE_GEOMETRY', /iswa/))
+  await t.throwsAsync(store.restore(gemma(), 2, tokens), code('ERR_KV_OUT_OF_RANGE', /seq id 2/))
+  // a pending shift: K rows are not those of positions 0..n
+  const f = gemma({ swaFull: true })
+  fillGroup(f, 0, 20, 1)
+  f.seqAdd(0, 0, -1, 1)
+  await t.throwsAsync(store.put(f, 0, tokens), code('ERR_KV_STORE_NOT_PREFIX', /update\(\)/))
+  // a store without the model's record holds nothing for a live iSWA memory
+  t.is(await new PromptStore({ model: 'live-empty', blockTokens: 16 }).restore(gemma(), 0, tokens), 0)
+})

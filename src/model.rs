@@ -485,14 +485,7 @@ impl KvCache {
                     type_v,
                     flash_attn,
                 };
-                let memory = if model.memory == core::MemoryKind::Iswa {
-                    let p = core::IswaParams::for_model(&model, &ctx).map_err(from_core)?;
-                    core::Memory::Iswa(core::IswaCache::new(p).map_err(from_core)?)
-                } else {
-                    core::Memory::Hybrid(Box::new(
-                        core::HybridCache::for_model(&model, &ctx).map_err(from_core)?,
-                    ))
-                };
+                let memory = core::Memory::for_model(&model, &ctx).map_err(from_core)?;
                 let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
                 let shift = model.shift_params(factors(size)?);
                 return Ok(KvCache::from_memory(&env, memory, shift));

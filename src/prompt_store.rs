@@ -209,10 +209,8 @@ impl Job for PutJob {
         m: &mut core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        let c = m.kv("PromptStore.put").map_err(crate::error::from_core)?;
-        let store = &self.store;
-        store
-            .put(c, self.seq, &self.tokens, Some(p))
+        self.store
+            .put_memory(m, self.seq, &self.tokens, Some(p))
             .map_err(from_store)
     }
     fn to_js(o: Self::Output) -> JsResult<StorePutResult> {
@@ -237,12 +235,8 @@ impl Job for RestoreJob {
     type Output = u64;
     type Js = f64;
     fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<u64> {
-        let c = m
-            .kv("PromptStore.restore")
-            .map_err(crate::error::from_core)?;
-        let store = &self.store;
-        store
-            .restore(c, self.seq, &self.tokens, Some(p))
+        self.store
+            .restore_memory(m, self.seq, &self.tokens, Some(p))
             .map_err(from_store)
     }
     fn to_js(o: u64) -> JsResult<f64> {
@@ -536,7 +530,9 @@ impl PromptStore {
 
     /// Stores the full blocks of sequence `seqId` of `cache` that the store lacks. The sequence
     /// must hold positions 0..n-1 with no pending shift (else `ERR_KV_STORE_NOT_PREFIX`);
-    /// `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens).
+    /// `tokens` are its prompt tokens (blocks cover min(n, tokens.length) tokens). Every kind
+    /// of cache: an iSWA or hybrid one stores what a peer's sequence file of the same state
+    /// would (its window or recurrent state in a checkpoint at the prompt's end).
     #[napi(ts_return_type = "Promise<StorePutResult>")]
     pub fn put(
         &self,
@@ -584,7 +580,9 @@ impl PromptStore {
 
     /// Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and
     /// returns its length in tokens. Transactional: on any error the cache is unchanged. When
-    /// nothing is stored, returns 0 and leaves the cache unchanged.
+    /// nothing is stored, returns 0 and leaves the cache unchanged. Every kind of cache of the
+    /// store's model; an iSWA or hybrid one needs the store's model record (written by every
+    /// put), and its window cache gets only the window unless it is as large as the base.
     #[napi(ts_return_type = "Promise<number>")]
     pub fn restore(
         &self,

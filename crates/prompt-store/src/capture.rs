@@ -7,7 +7,7 @@ use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
 use llama_kv_cache::state::{StreamBlock, VBlock};
 use llama_kv_cache::tensors::transpose::{transpose, Shape as TransposeShape};
-use llama_kv_cache::{KvCache, KvError, Layout, MemoryKind, Tensor};
+use llama_kv_cache::{KvCache, KvError, Layout, Memory, MemoryKind, Tensor, Window};
 
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{put_exts, Geometry};
@@ -223,6 +223,26 @@ impl<'a> KvRows<'a> {
                 .all(|(i, &p)| p == i as i32)
     }
 
+    /// The rows a token after the last one still sees through `window` (llama.cpp leaves the
+    /// others out of a sequence's state).
+    fn seen_by(self, window: Window) -> KvRows<'a> {
+        let Some(&last) = self.positions.last() else {
+            return self;
+        };
+        let (cells, positions) = self
+            .cells
+            .iter()
+            .zip(&self.positions)
+            .filter(|(_, &p)| !window.masks(p, last))
+            .map(|(&c, &p)| (c, p))
+            .unzip();
+        KvRows {
+            source: self.source,
+            cells,
+            positions,
+        }
+    }
+
     /// The number of cells, which must hold positions `0..n` (sequence `seq`, for messages).
     fn prefix_len(&self, seq: i32) -> StoreResult<usize> {
         let n = self.positions.len();
@@ -309,14 +329,18 @@ fn recurrent_one_sequence(part: &[u8], seq: Option<i32>) -> StoreResult<(Vec<u8>
     Ok((out, pos))
 }
 
+fn pending_shift() -> StoreError {
+    StoreError::NotPrefix(
+        "the cache has a pending K-shift (apply it with update() first): its K rows are not those of positions 0..n"
+            .into(),
+    )
+}
+
 impl<'a> Capture<'a> {
     /// Sequence `seq` of a live cache (a unified or recurrent one), `tokens` being its prompt.
     pub fn of_cache(cache: &'a KvCache, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
         if cache.has_shift() {
-            return Err(StoreError::NotPrefix(
-                "the cache has a pending K-shift (apply it with update() first): its K rows are not those of positions 0..n"
-                    .into(),
-            ));
+            return Err(pending_shift());
         }
         if cache.recurrent() {
             let bytes = cache.state_write(seq, Layout::Seed, 1, None)?;
@@ -344,6 +368,62 @@ impl<'a> Capture<'a> {
             recurrent: Vec::new(),
             len: n.min(tokens),
             recurrent_end: None,
+        })
+    }
+
+    /// Sequence `seq` of a live memory of today's kinds (iSWA, hybrid), `tokens` being its
+    /// prompt: each attention part's rows straight from the stream that holds the sequence (a
+    /// window cache's whole range when it holds it, as with `swa_full`, else the cells its
+    /// window still sees, as llama.cpp writes them) and a hybrid's recurrent state as
+    /// llama.cpp writes it for one sequence.
+    pub fn of_memory(memory: &'a Memory, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
+        if memory.has_shift() {
+            return Err(pending_shift());
+        }
+        let mut main = None;
+        let mut swa = None;
+        for (role, window, cache) in memory.attention_streams(seq)? {
+            let rows = KvRows::of_cache(cache, seq)?;
+            match role {
+                PartRole::Swa => swa = Some((rows, window)),
+                _ => main = Some(rows),
+            }
+        }
+        let (recurrent, recurrent_end) = match memory {
+            Memory::Hybrid(h) => {
+                let state = h.recurrent().memory.state_write(seq)?;
+                let (r, pos) = recurrent_one_sequence(&state, None)?;
+                (r, Some((pos + 1) as usize))
+            }
+            _ => (Vec::new(), None),
+        };
+        let len = match &main {
+            Some(m) => m.prefix_len(seq)?.min(tokens),
+            None => tokens,
+        };
+        let swa = swa.map(|(rows, window)| {
+            if rows.is_prefix(len) {
+                rows
+            } else {
+                rows.seen_by(window)
+            }
+        });
+        let shape = Shape {
+            memory: match memory {
+                Memory::Iswa(_) => MemoryKind::Iswa,
+                _ => MemoryKind::Hybrid,
+            },
+            main: main.as_ref().map(KvRows::shape).transpose()?,
+            swa: swa.as_ref().map(KvRows::shape).transpose()?,
+            recurrent: recurrent_end.map(|_| recurrent.len() as u64),
+        };
+        Ok(Capture {
+            shape,
+            main,
+            swa,
+            recurrent,
+            len,
+            recurrent_end,
         })
     }
 

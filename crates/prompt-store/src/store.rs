@@ -37,6 +37,8 @@ use crate::payload::{FileSink, KvPartWriter, PayloadSink};
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
 
+mod live;
+
 /// Tokens per block unless configured (LMCache's chunk size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 256;
 /// Smallest block size.

@@ -3,13 +3,17 @@
 //! `saveStateToFile` do) is ingested; the store then writes a file for the same conversation
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
-//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba (hybrid), mamba.
+//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba (hybrid), mamba. A live
+//! memory of the same conversation goes through the store the same way (`put_memory`,
+//! `restore_memory`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use llama_kv_cache::state::files::inspect_file;
-use llama_kv_cache::FileKind;
+use llama_kv_cache::{
+    ContextParams, FileKind, GgmlType, Layout, Memory, ModelInfo, ReadOptions, WriteOptions,
+};
 use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
 use serde_json::Value;
 use today_peer::{models_dir, run};
@@ -314,4 +318,67 @@ fn fifty_conversations_sharing_a_2048_token_prefix_on_an_iswa_model_store_it_onc
         assert_eq!(all.lookup(&tokens).unwrap(), 2080, "conversation {k}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The memory 0.1.161 builds for `case` (one sequence, unified).
+fn live_memory(case: &Case) -> Memory {
+    let info = ModelInfo::from_file(&models_dir().join(case.model), false)
+        .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
+    let ctx = ContextParams {
+        n_ctx: 512,
+        n_seq_max: 1,
+        n_ubatch: case.ubatch,
+        unified: true,
+        swa_full: case.swa_full,
+        type_k: GgmlType::from_id(case.types.0).unwrap(),
+        type_v: GgmlType::from_id(case.types.1).unwrap(),
+        flash_attn: case.fa,
+    };
+    Memory::for_model(&info, &ctx).unwrap_or_else(|e| panic!("{}: {e}", case.name))
+}
+
+#[test]
+fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_continues_exactly() {
+    let a = conversation(300, 1);
+    let plus = [a.as_slice(), &conversation(40, 2)].concat();
+    let live_cases = cases()
+        .into_iter()
+        .filter(|c| matches!(c.name, "gemma3-window" | "gemma3-swa-full" | "jamba"));
+    for case in live_cases {
+        let dir = scratch(&format!("live-{}", case.name));
+        let prefix = dir.join("turn");
+        case.run(
+            "turns",
+            &[
+                format!("tokens={}", list(&a)),
+                format!("turns={}", list(&[300])),
+                format!("out={}", prefix.display()),
+            ],
+        );
+        // the conversation as the app's live memory holds it after the turn
+        let mut memory = live_memory(&case);
+        let turn = PathBuf::from(format!("{}-300.ggsq", prefix.display()));
+        memory
+            .load_parts_file(&turn, Some(0), ReadOptions::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+        let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), case.name, BT).unwrap();
+        let put = store.put_memory(&memory, 0, &a, None).unwrap();
+        assert_eq!(put.tokens, 300, "{}", case.name);
+
+        // a new session of the app: a fresh memory, restored from the store for a longer prompt
+        let mut fresh = live_memory(&case);
+        let restored = store.restore_memory(&mut fresh, 0, &plus, None).unwrap();
+        assert_eq!(restored, 300, "{}", case.name);
+        let out = dir.join("restored.ggsq");
+        let opts = WriteOptions {
+            version: Some(FileKind::Sequence.rotation_version()),
+            layout: Layout::StreamsRot,
+            n_stream: 1,
+        };
+        fresh
+            .save_parts_file(&out, Some(0), &plus[..300], "", opts)
+            .unwrap();
+        resume_matches_cold(&case, FileKind::Sequence, &out, &plus, restored);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

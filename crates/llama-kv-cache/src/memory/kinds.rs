@@ -14,7 +14,8 @@ use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, Window};
 use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
-use crate::memory::iswa::IswaCache;
+use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
+use crate::model::{MemoryKind, ModelInfo};
 use crate::state::files::WriteOptions;
 use crate::state::parts::PartRole;
 use crate::state::Layout;
@@ -70,7 +71,40 @@ fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInf
     }
 }
 
+/// The stream of `part` that holds `seq`, with the part's role and window.
+fn stream_holding(
+    role: PartRole,
+    part: &AttentionCache,
+    seq: i32,
+) -> Result<(PartRole, Window, &KvCache)> {
+    let stream = part.stream(part.stream_of("seq", seq)? as u32)?;
+    Ok((role, part.window(), stream))
+}
+
 impl Memory {
+    /// The memory llama.cpp 0.1.161 builds for one of today's models (`model.memory` iSWA or
+    /// hybrid, a hybrid's attention part iSWA where its layers use a window) in `ctx`.
+    /// Unified and recurrent models get the seed's cache from their [`CacheParams`]
+    /// (`ModelInfo::cache_params`) instead, which this refuses by name.
+    ///
+    /// [`CacheParams`]: crate::params::CacheParams
+    pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<Memory> {
+        match model.memory {
+            MemoryKind::Iswa => Ok(Memory::Iswa(IswaCache::new(IswaParams::for_model(
+                model, ctx,
+            )?)?)),
+            MemoryKind::Hybrid => Ok(Memory::Hybrid(Box::new(HybridCache::for_model(
+                model, ctx,
+            )?))),
+            other => Err(KvError::Unsupported(format!(
+                "the model ({}) has a {} memory: build it as the seed's cache from its cache \
+                 parameters",
+                model.arch,
+                other.name()
+            ))),
+        }
+    }
+
     /// `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -153,6 +187,30 @@ impl Memory {
                 });
                 parts
             }
+        }
+    }
+
+    /// The attention caches, in state order, with their roles and windows, each as the stream
+    /// that holds `seq` (every stream of a part has one shape): where a sequence's K/V rows
+    /// are. A recurrent memory has none.
+    pub fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+        match self {
+            Memory::Kv(c) if c.recurrent() => Ok(Vec::new()),
+            Memory::Kv(c) => Ok(vec![(PartRole::Whole, Window::FULL, c.as_ref())]),
+            Memory::Iswa(c) => [
+                (PartRole::Base, &c.base().cache),
+                (PartRole::Swa, &c.swa().cache),
+            ]
+            .into_iter()
+            .map(|(role, part)| stream_holding(role, part, seq))
+            .collect(),
+            Memory::Hybrid(c) => c
+                .attention()
+                .cache
+                .caches()
+                .into_iter()
+                .map(|(role, part, _)| stream_holding(role, part, seq))
+                .collect(),
         }
     }
 
