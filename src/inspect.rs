@@ -222,7 +222,12 @@ fn describe(payload: &ParsedPayload) -> Described {
         }
         streams.push((s.cells.len() as u32, seqs));
     }
-    let first = payload.streams.iter().find(|s| !s.layers.is_empty());
+    // the first stream with a data header (a part of no layer has one, with no layer)
+    let first = payload
+        .streams
+        .iter()
+        .find(|s| !s.layers.is_empty())
+        .or_else(|| payload.streams.iter().find(|s| s.v_trans.is_some()));
     let layers = first.map_or_else(Vec::new, |s| {
         s.layers
             .iter()

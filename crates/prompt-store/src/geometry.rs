@@ -126,8 +126,10 @@ impl Geometry {
     /// consumed, or `None` when malformed.
     pub fn decode(bytes: &[u8]) -> Option<(Geometry, usize)> {
         let word = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
+        // 0 layers: a part of no layer (a hybrid-iSWA memory's base cache when every attention
+        // layer uses the window), whose blocks keep the tokens only
         let n = (word & !HAS_EXT) as usize;
-        if n == 0 || n > 4096 {
+        if n > 4096 {
             return None;
         }
         let len = 4 + n * 24;

@@ -257,6 +257,21 @@ pub fn specs() -> Vec<Spec> {
             memory: "hybrid",
             ..base.clone()
         },
+        // LFM2: short-convolution state (R rows only) beside attention layers; with a window
+        // on those layers, llama_memory_hybrid_iswa (a base cache without layers, the window
+        // cache, the recurrent state: three parts)
+        Spec {
+            name: "lfm2",
+            model: "lfm2.gguf",
+            memory: "hybrid",
+            ..base.clone()
+        },
+        Spec {
+            name: "lfm2-swa",
+            model: "lfm2-swa.gguf",
+            memory: "hybrid",
+            ..base.clone()
+        },
         // M-RoPE: every cell is saved with its extension (x, y, token)
         Spec {
             name: "qwen2vl",

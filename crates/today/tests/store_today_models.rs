@@ -3,7 +3,8 @@
 //! `saveStateToFile` do) is ingested; the store then writes a file for the same conversation
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
-//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba (hybrid), mamba. A live
+//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba and LFM2 (hybrid),
+//! LFM2 with a window (hybrid-iSWA), mamba. A live
 //! memory of the same conversation goes through the store the same way (`put_memory`,
 //! `restore_memory`).
 
@@ -79,6 +80,20 @@ fn cases() -> Vec<Case> {
         Case {
             name: "mamba",
             model: "mamba.gguf",
+            blocks_restore: false,
+            ..base
+        },
+        Case {
+            name: "lfm2",
+            model: "lfm2.gguf",
+            blocks_restore: false,
+            ..base
+        },
+        // hybrid-iSWA: a base cache of no layer, the window cache, the convolution state
+        Case {
+            name: "lfm2-swa",
+            model: "lfm2-swa.gguf",
+            ubatch: 32,
             blocks_restore: false,
             ..base
         },
@@ -341,9 +356,12 @@ fn live_memory(case: &Case) -> Memory {
 fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_continues_exactly() {
     let a = conversation(300, 1);
     let plus = [a.as_slice(), &conversation(40, 2)].concat();
-    let live_cases = cases()
-        .into_iter()
-        .filter(|c| matches!(c.name, "gemma3-window" | "gemma3-swa-full" | "jamba"));
+    let live_cases = cases().into_iter().filter(|c| {
+        matches!(
+            c.name,
+            "gemma3-window" | "gemma3-swa-full" | "jamba" | "lfm2" | "lfm2-swa"
+        )
+    });
     for case in live_cases {
         let dir = scratch(&format!("live-{}", case.name));
         let prefix = dir.join("turn");

@@ -418,7 +418,8 @@ fn view_cache(
     input: &Arc<Input>,
     views: Option<Arc<Views>>,
 ) -> Result<KvCache> {
-    KvCache::with_allocator(params, &mut |il, is_v, len| {
+    // a part of a memory may hold no layer (cells only)
+    KvCache::part_with_allocator(params, &mut |il, is_v, len| {
         Ok(Box::new(InputView {
             views: views.clone(),
             input: input.clone(),

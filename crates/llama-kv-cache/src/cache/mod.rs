@@ -60,8 +60,16 @@ impl KvCache {
 
     /// A cache in host memory that is a part of a memory: it may hold no layer (cells only).
     pub(crate) fn new_part(params: CacheParams) -> Result<KvCache> {
+        KvCache::part_with_allocator(params, &mut host_allocator)
+    }
+
+    /// [`KvCache::new_part`] with tensors from `alloc`.
+    pub(crate) fn part_with_allocator(
+        params: CacheParams,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<KvCache> {
         params.validate_part()?;
-        KvCache::build(params, &mut host_allocator)
+        KvCache::build(params, alloc)
     }
 
     fn build(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {

@@ -627,10 +627,18 @@ pub fn params_for_payload(
     payload: &ParsedPayload,
     recurrent: bool,
 ) -> Result<crate::params::CacheParams> {
+    // a stream with layers gives the shape; a cache of no layer (a hybrid-iSWA memory's base
+    // cache when every attention layer uses the window) declares 0 in its data headers
     let stream = payload
         .streams
         .iter()
         .find(|s| !s.layers.is_empty())
+        .or_else(|| {
+            payload
+                .streams
+                .iter()
+                .find(|s| s.v_trans.is_some() && s.n_layer_declared == 0)
+        })
         .ok_or_else(|| {
             KvError::InvalidState(
                 "the file holds no cells, so no cache shape can be derived".into(),
@@ -667,7 +675,13 @@ pub fn params_for_payload(
             payload.len
         )));
     }
-    let mut p = params_for_shapes(&shapes, size)?;
+    let mut p = if shapes.is_empty() {
+        let mut p = crate::params::CacheParams::new(size, 0, 0, 0);
+        (p.n_embd_k_gqa, p.n_embd_v_gqa) = (Vec::new(), Vec::new());
+        p
+    } else {
+        params_for_shapes(&shapes, size)?
+    };
     p.flash_attn = stream.v_trans == Some(false);
     p.recurrent = recurrent;
     p.n_seq_max = n_seq_max;

@@ -56,8 +56,9 @@ fn width(ty: i32, row_size: u64) -> Option<u64> {
 fn layers_of(model: &ModelInfo, role: PartRole) -> Vec<usize> {
     let keep = |l: &crate::model::LayerGeometry| match role {
         PartRole::Whole => true,
-        PartRole::Base => !l.swa,
-        PartRole::Swa => l.swa,
+        // a hybrid-iSWA memory's base and window caches hold attention layers only
+        PartRole::Base => !l.swa && l.n_head_kv > 0,
+        PartRole::Swa => l.swa && l.n_head_kv > 0,
         PartRole::Attention => l.n_head_kv > 0,
         PartRole::Recurrent => l.n_head_kv == 0,
     };
@@ -151,6 +152,19 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
     reasons.extend(layer_reasons);
 }
 
+/// The parts of the memory llama.cpp 0.1.161 builds for `model`, in state order: a hybrid
+/// whose attention layers use a window has a base and a window cache (hybrid-iSWA).
+fn part_roles(model: &ModelInfo) -> Vec<PartRole> {
+    match model.memory {
+        MemoryKind::Iswa => vec![PartRole::Base, PartRole::Swa],
+        MemoryKind::Hybrid if model.layers.iter().any(|l| l.swa) => {
+            vec![PartRole::Base, PartRole::Swa, PartRole::Recurrent]
+        }
+        MemoryKind::Hybrid => vec![PartRole::Attention, PartRole::Recurrent],
+        MemoryKind::Unified | MemoryKind::Recurrent => vec![PartRole::Whole],
+    }
+}
+
 /// Compares an inspected state file with a model: the memory that wrote it (unified,
 /// recurrent, iSWA, hybrid), the architecture (session files), and for each of its parts the
 /// layer count, each layer's K and V widths (from the row sizes and types) and the head size a
@@ -180,6 +194,19 @@ pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
                 "the session was saved from another architecture",
             ));
         }
+    }
+    let roles = |r: &[PartRole]| r.iter().map(|r| r.name()).collect::<Vec<_>>().join(" + ");
+    let (state_roles, model_roles) = (
+        ins.parts.iter().map(|p| p.role).collect::<Vec<_>>(),
+        part_roles(model),
+    );
+    if ins.memory == model.memory && state_roles != model_roles {
+        reasons.push(mismatch(
+            "parts",
+            roles(&state_roles),
+            roles(&model_roles),
+            "the memory is made of other parts",
+        ));
     }
     for part in &ins.parts {
         check_part(part, model, &mut reasons);

@@ -1,7 +1,8 @@
 //! Payloads of several memories, written one after the other with nothing between them:
 //! llama.cpp's iSWA memory (`llama_kv_cache_iswa`: the base cache, then the sliding-window
-//! cache, two unified-cache payloads) and its hybrid memory (`llama_memory_hybrid`: the
-//! attention cache, then the recurrent memory). Nothing in the bytes says which memory wrote
+//! cache, two unified-cache payloads), its hybrid memory (`llama_memory_hybrid`: the
+//! attention cache, then the recurrent memory) and its hybrid-iSWA memory
+//! (`llama_memory_hybrid_iswa`: base, sliding-window, recurrent; a hybrid whose parts say so). Nothing in the bytes says which memory wrote
 //! them, so a payload is parsed under every shape its file version allows; exactly one must
 //! consume it exactly.
 
@@ -11,6 +12,7 @@ use std::ops::Range;
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
+use crate::state::codec::parse_layerless_payload;
 use crate::state::source::{ByteSource, Sub};
 use crate::state::{
     parse_payload_with, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
@@ -99,7 +101,8 @@ pub struct Part {
 /// A payload split into its memories.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Parts {
-    /// Which memory wrote it: unified or recurrent (one part), iSWA or hybrid (two).
+    /// Which memory wrote it: unified or recurrent (one part), iSWA or hybrid (two), or
+    /// hybrid-iSWA (`Hybrid` with base, SWA and recurrent parts).
     pub memory: MemoryKind,
     /// The parts in payload order.
     pub parts: Vec<Part>,
@@ -113,12 +116,30 @@ fn kv_part<S: ByteSource + ?Sized>(
     exact: bool,
 ) -> Result<Part> {
     let payload = parse_payload_with(&Sub::new(bytes, start..bytes.len()), layout, ext, exact)?;
-    Ok(Part {
+    Ok(kv_part_at(start, role, payload))
+}
+
+/// [`kv_part`] of a cache that may hold no layer: the base cache of a hybrid-iSWA memory
+/// whose attention layers all use the window (LFM2 with a window), whose data headers
+/// declare 0 layers.
+fn layerless_kv_part<S: ByteSource + ?Sized>(
+    bytes: &S,
+    start: usize,
+    (layout, ext): (Layout, CellExt),
+    role: PartRole,
+) -> Result<Part> {
+    let payload =
+        parse_layerless_payload(&Sub::new(bytes, start..bytes.len()), layout, ext, false)?;
+    Ok(kv_part_at(start, role, payload))
+}
+
+fn kv_part_at(start: usize, role: PartRole, payload: ParsedPayload) -> Part {
+    Part {
         kind: PartKind::Kv,
         role,
         range: start..start + payload.len,
         payload,
-    })
+    }
 }
 
 /// The recurrent memory of a hybrid, which must end the payload. Its data header declares
@@ -231,6 +252,17 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                 Ok(Parts {
                     memory: MemoryKind::Hybrid,
                     parts: vec![attn, recr],
+                })
+            }),
+        );
+        note(
+            format!("hybrid-iswa ({layout})"),
+            layerless_kv_part(bytes, 0, format, PartRole::Base).and_then(|base| {
+                let swa = kv_part(bytes, base.range.end, format, PartRole::Swa, false)?;
+                let recr = recurrent_tail(bytes, swa.range.end)?;
+                Ok(Parts {
+                    memory: MemoryKind::Hybrid,
+                    parts: vec![base, swa, recr],
                 })
             }),
         );
