@@ -755,6 +755,12 @@ export interface KvCacheOptions {
    */
   mrope?: boolean
   /**
+   * The cache keeps no V: llama.cpp's multi-head latent attention since mid-2025
+   * (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) keeps the latent K only, and its state files
+   * have no V blocks. V widths are then 0. Default false.
+   */
+  noV?: boolean
+  /**
    * Hadamard rotation of K, as llama.cpp 0.1.161 stores quantized K (its `n_rot_k`: 0, or
    * a power of two dividing the K width; llama.cpp uses the largest power of two >= 64 that
    * divides the head dimension). Recorded in session v11 / sequence v4 files and checked
@@ -788,9 +794,12 @@ export interface LayerInfo {
   kType: string
   /** Bytes per K row. */
   kRowSize: number
-  /** V type name. */
+  /**
+   * V type name ('none' for a cache without V: multi-head latent attention keeps the
+   * latent K only).
+   */
   vType: string
-  /** Bytes per V row (element size x width when transposed). */
+  /** Bytes per V row (element size x width when transposed; 0 without V). */
   vRowSize: number
 }
 

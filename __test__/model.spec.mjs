@@ -729,3 +729,31 @@ mtest('PromptStore.restore into a live cache of another kind or shape is ERR_KV_
   // a store without the model's record holds nothing for a live iSWA memory
   t.is(await new PromptStore({ model: 'live-empty', blockTokens: 16 }).restore(gemma(), 0, tokens), 0)
 })
+
+// ---- multi-head latent attention: caches without V -----------------------------------------------------
+
+mtest("a cache without V (noV) loads 0.1.161's latent-attention files, writes them back byte for byte, and is refused where it cannot be", async (t) => {
+  const info = inspectState(path.join(T161, 't161-deepseek2-mla.ggsn'))
+  t.deepEqual(info.layers.map((l) => [l.kType, l.kRowSize, l.vType, l.vRowSize]), [['f16', 96, 'none', 0], ['f16', 96, 'none', 0]])
+  const make = (o = {}) => new KvCache({ size: 32, nLayer: 2, nEmbdKGqa: 48, nEmbdVGqa: 0, noV: true, ...o })
+  for (const ext of ['ggsn', 'ggsq']) {
+    const peer = path.join(T161, `t161-deepseek2-mla.${ext}`)
+    const c = make()
+    const loaded = ext === 'ggsn' ? await c.loadSessionFile(peer) : await c.loadSequenceFile(peer, 0)
+    t.like(loaded, { layout: 'streams-rot', cells: 10 })
+    t.is(c.readRows(0, 'v', [0]).length, 0)
+    const again = tmp(`mla-again.${ext}`)
+    if (ext === 'ggsn') c.saveSessionFileSync(again, loaded.tokens, { arch: 'deepseek2', version: 11 })
+    else c.saveSequenceFileSync(again, 0, loaded.tokens, { version: 4 })
+    t.deepEqual(fs.readFileSync(again), fs.readFileSync(peer))
+    t.throws(() => c.stateWriteSync(-1, { layout: 'seed' }), code('ERR_KV_UNSUPPORTED', /noV/))
+  }
+  // a cache that keeps V does not take a payload without, and the other way round; neither changes
+  const withV = new KvCache({ size: 32, nLayer: 2, nEmbdKGqa: 48, nEmbdVGqa: 32 })
+  const before = withV.stateWriteSync()
+  t.throws(() => withV.loadSessionFileSync(path.join(T161, 't161-deepseek2-mla.ggsn')), code('ERR_KV_INVALID_STATE', /no V/))
+  t.deepEqual(withV.stateWriteSync(), before)
+  const noV = make()
+  t.throws(() => noV.loadSessionFileSync(path.join(T161, 't161-h16-f16.ggsn')), code('ERR_KV_INVALID_STATE'))
+  t.throws(() => make({ nRotV: 64 }), code('ERR_KV_INVALID_ARG', /noV/))
+})

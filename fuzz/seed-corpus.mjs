@@ -1,14 +1,16 @@
 // Seeds fuzz/corpus/state_reader: every fixture file under a few selector bytes (the target's
 // first byte picks the cache, the reader and the sequence), and payloads written by the addon
-// for the fourth mode (streamed load against state_read). Run after `npm run build`:
+// for the fourth mode (streamed load against state_read); and fuzz/corpus/live_reader (below).
+// Run after `npm run build`:
 //   node fuzz/seed-corpus.mjs && cargo +nightly fuzz run -s none state_reader -- -fork=1
+//   cargo +nightly fuzz run -s none live_reader -- -fork=1
 import fs from 'node:fs'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { createRequire } from 'node:module'
 
 const root = path.join(path.dirname(fileURLToPath(import.meta.url)), '..')
-const { KvCache } = createRequire(import.meta.url)(path.join(root, 'index.js'))
+const { KvCache, inspectState } = createRequire(import.meta.url)(path.join(root, 'index.js'))
 const out = path.join(root, 'fuzz/corpus/state_reader')
 fs.mkdirSync(out, { recursive: true })
 const put = (name, selector, bytes) =>
@@ -43,5 +45,34 @@ for (const sel of [0, 1, 2, 3]) {
     }
   }
   c.dispose()
+}
+// fuzz/corpus/live_reader: payloads of today's memories as that target builds them (selector bits
+// 0-1: gemma3 iSWA, Jamba, LFM2, LFM2 with a window; 256 cells, 3 sequences, sequences 0 and 1
+// placed with 6 and 3 tokens), in both layouts, whole and of one sequence, and 0.1.161's files'
+const liveOut = path.join(root, 'fuzz', 'corpus', 'live_reader')
+fs.mkdirSync(liveOut, { recursive: true })
+const putLive = (name, selector, bytes) =>
+  fs.writeFileSync(path.join(liveOut, `${name}.${selector.toString(16)}`), Buffer.concat([Buffer.from([selector]), bytes]))
+const MEMORIES = ['gemma3-swa', 'jamba', 'lfm2', 'lfm2-swa']
+for (const [k, name] of MEMORIES.entries()) {
+  const c = KvCache.fromModel(path.join(root, 'interop/models', `${name}.gguf`), { nCtx: 256, nSeqMax: 3, nUbatch: 16 })
+  for (const [seq, n] of [[0, 6], [1, 3]]) {
+    const pos = Array.from({ length: n }, (_, i) => i)
+    c.place(name.startsWith('gemma') ? [{ pos, seqIds: Array(n).fill(seq) }] : [{ pos, seqIds: [seq], nSeqTokens: n }])
+  }
+  for (const [bit, layout] of [[0, 'streams-rot'], [4, 'streams']]) {
+    for (const [hi, seq] of [[0, -1], [1, 0]]) {
+      putLive(`${name}-${layout}-${seq}`, k | bit | (hi << 3), c.stateWriteSync(seq, { layout }))
+      payloads++
+    }
+  }
+  c.dispose()
+  for (const ext of ['ggsn', 'ggsq']) {
+    const file = path.join(root, '__test__/fixtures/t161', `t161-${name}.${ext}`)
+    const bytes = fs.readFileSync(file)
+    const ins = inspectState(file)
+    const payload = bytes.subarray(bytes.length - ins.parts.reduce((sum, p) => sum + p.bytes, 0))
+    putLive(`t161-${name}.${ext}`, k | ((ext === 'ggsq' ? 1 : 0) << 3), payload)
+  }
 }
 console.log(`seeded ${out}: ${files} fixture files, ${payloads} payloads, each under several selectors`)

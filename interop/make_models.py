@@ -346,6 +346,46 @@ def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank,
     finish(w)
 
 
+def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, rope, nope, v_head, seed):
+    """deepseek2 with multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): one
+    KV "head" of kv_lora + rope latent values per token, and since llama.cpp's MLA cache (0.1.161)
+    no V at all, so its state files carry K blocks only. Dense layers only (the leading dense
+    block count covers them all), so no experts are needed."""
+    rng = np.random.default_rng(seed)
+    arch = "deepseek2"
+    w = begin(path, arch, "deepseek2-mla", n_embd, n_layer, n_ff, n_head)
+    w.add_head_count_kv(1)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_uint32(f"{arch}.attention.key_length_mla", nope + rope)
+    w.add_uint32(f"{arch}.attention.value_length_mla", v_head)
+    w.add_uint32(f"{arch}.attention.q_lora_rank", q_lora)
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", kv_lora)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_freq_base(10000.0)
+    # without YaRN scaling it changes nothing, but the seed's llama.cpp requires the key
+    w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_uint32(f"{arch}.leading_dense_block_count", n_layer)
+    w.add_uint32(f"{arch}.expert_feed_forward_length", n_ff)
+    w.add_uint32(f"{arch}.expert_shared_count", 0)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora, dtype=np.float32))
+        w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(kv_lora, dtype=np.float32))
+        w.add_tensor(p + "attn_q_a.weight", rnd(rng, (q_lora, n_embd), 0.2))
+        w.add_tensor(p + "attn_q_b.weight", rnd(rng, (n_head * (nope + rope), q_lora), 0.2))
+        w.add_tensor(p + "attn_kv_a_mqa.weight", rnd(rng, (kv_lora + rope, n_embd), 0.2))
+        w.add_tensor(p + "attn_k_b.weight", rnd(rng, (n_head, kv_lora, nope), 0.2))
+        w.add_tensor(p + "attn_v_b.weight", rnd(rng, (n_head, v_head, kv_lora), 0.2))
+        w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_head * v_head), 0.1))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_ffn(w, rng, p, n_embd, n_ff)
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -369,6 +409,8 @@ def main():
     write_qwen2(os.path.join(out, "qwen2-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=265, yarn=(4.0, 64))
     write_llama(os.path.join(out, "llama-h64-yarn.gguf"), 128, 2, 1, 128, 2, seed=6412, yarn=(12.0, 64))
     write_qwen2vl(os.path.join(out, "qwen2vl.gguf"), 128, 2, 1, 128, 2, seed=2002)
+    write_deepseek2_mla(os.path.join(out, "deepseek2-mla.gguf"), 64, 2, 64, 2, q_lora=32, kv_lora=32, rope=16,
+                        nope=16, v_head=16, seed=2222)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

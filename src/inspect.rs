@@ -39,9 +39,10 @@ pub struct LayerInfo {
     pub k_type: String,
     /// Bytes per K row.
     pub k_row_size: f64,
-    /// V type name.
+    /// V type name ('none' for a cache without V: multi-head latent attention keeps the
+    /// latent K only).
     pub v_type: String,
-    /// Bytes per V row (element size x width when transposed).
+    /// Bytes per V row (element size x width when transposed; 0 without V).
     pub v_row_size: f64,
 }
 
@@ -149,7 +150,7 @@ type SeqStats = HashMap<String, (u32, i32, i32)>;
 /// What inspection shows of one memory's payload.
 struct Described {
     streams: Vec<(u32, SeqStats)>,
-    layers: Vec<(i32, f64, i32, f64)>,
+    layers: Vec<(i32, f64, Option<i32>, f64)>,
     v_trans: Option<bool>,
     n_rot: Option<(u32, u32)>,
     meta: usize,
@@ -186,7 +187,7 @@ impl Described {
             .map(|&(k, k_row_size, v, v_row_size)| LayerInfo {
                 k_type: type_name(k),
                 k_row_size,
-                v_type: type_name(v),
+                v_type: v.map_or_else(|| "none".to_string(), type_name),
                 v_row_size,
             })
             .collect()
@@ -218,6 +219,7 @@ fn describe(payload: &ParsedPayload) -> Described {
             k += l.k_data.len();
             v += match &l.v {
                 VBlock::Rows { data, .. } | VBlock::Transposed { data, .. } => data.len(),
+                VBlock::Absent => 0,
             };
         }
         streams.push((s.cells.len() as u32, seqs));
@@ -233,13 +235,14 @@ fn describe(payload: &ParsedPayload) -> Described {
             .iter()
             .map(|l| {
                 let (v_type, v_row_size) = match &l.v {
-                    VBlock::Rows { ty, row_size, .. } => (*ty, *row_size as f64),
+                    VBlock::Rows { ty, row_size, .. } => (Some(*ty), *row_size as f64),
                     VBlock::Transposed {
                         ty,
                         el_size,
                         n_embd,
                         ..
-                    } => (*ty, (*el_size as f64) * (*n_embd as f64)),
+                    } => (Some(*ty), (*el_size as f64) * (*n_embd as f64)),
+                    VBlock::Absent => (None, 0.0),
                 };
                 (l.k_type, l.k_row_size as f64, v_type, v_row_size)
             })

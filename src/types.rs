@@ -44,6 +44,10 @@ pub struct KvCacheOptions {
     /// The model's RoPE is M-RoPE: placed text tokens get `x = y = pos`, and seqAdd / seqDiv
     /// throw ERR_KV_UNSUPPORTED (llama.cpp cannot shift such a cache either). Default false.
     pub mrope: Option<bool>,
+    /// The cache keeps no V: llama.cpp's multi-head latent attention since mid-2025
+    /// (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) keeps the latent K only, and its state files
+    /// have no V blocks. V widths are then 0. Default false.
+    pub no_v: Option<bool>,
     /// Hadamard rotation of K, as llama.cpp 0.1.161 stores quantized K (its `n_rot_k`: 0, or
     /// a power of two dividing the K width; llama.cpp uses the largest power of two >= 64 that
     /// divides the head dimension). Recorded in session v11 / sequence v4 files and checked

@@ -1,9 +1,9 @@
 //! Fuzzes every reader of untrusted bytes: payload detection and restore (whole cache and one
 //! sequence, one part of a payload of several memories), sequence and session files of every
 //! version (v11 / v4 with the rotation, iSWA and hybrid parts, cells with extensions),
-//! inspection and conversion, and the readers of today's live iSWA memory (selector 0xfe). A
-//! failed load must leave the cache exactly as it was; a successful one must write back without
-//! error.
+//! inspection and conversion (the readers of today's live memories have a target of their own,
+//! `live_reader`). A failed load must leave the cache exactly as it was; a successful one must
+//! write back without error.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -11,48 +11,9 @@ use llama_kv_cache::convert_bytes;
 use llama_kv_cache::state::files::inspect_bytes;
 
 use llama_kv_cache::{
-    CacheParams, CellExt, ConvertOptions, GgmlType, IswaCache, IswaParams, KvCache, Layout,
-    PartRole, ReadOptions, ReadSummary, SwaType, UBatch, Window,
+    CacheParams, CellExt, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions,
+    ReadSummary, UBatch,
 };
-
-/// A live iSWA memory (window 4 on layer 0, 256 cells each part), two sequences placed.
-fn iswa() -> IswaCache {
-    let mut p = CacheParams::new(256, 2, 32, 32);
-    p.n_seq_max = 3;
-    let mut c = IswaCache::new(IswaParams {
-        params: p,
-        swa_layers: vec![true, false],
-        window: Window {
-            n_swa: 4,
-            swa_type: SwaType::Standard,
-        },
-        unified: true,
-        swa_full: false,
-        n_ubatch: 16,
-    })
-    .unwrap();
-    c.place(&[UBatch::sequence(0, 0, 6), UBatch::sequence(1, 0, 3)])
-        .unwrap()
-        .unwrap();
-    c
-}
-
-/// Every read of the live iSWA memory: a failure leaves it as it was.
-fn iswa_reads(body: &[u8]) {
-    for seq in [-1, 0, 2] {
-        for layout in [Layout::StreamsRot, Layout::Streams] {
-            let mut c = iswa();
-            let before = c.state_write(-1, Layout::StreamsRot).unwrap();
-            if c.state_read(body, seq, layout).is_err() {
-                assert_eq!(
-                    c.state_write(-1, Layout::StreamsRot).unwrap(),
-                    before,
-                    "a failed read changed the iSWA memory"
-                );
-            }
-        }
-    }
-}
 
 fn cache(flash: bool, ty: GgmlType, rotated: bool, ext: bool) -> KvCache {
     // the rotated cache is shaped like the t161 h64 fixtures (head_dim 64, one KV head)
@@ -96,10 +57,6 @@ fuzz_target!(|data: &[u8]| {
     };
     if selector == 0xff {
         let _ = convert_bytes(body, &ConvertOptions::default());
-        return;
-    }
-    if selector == 0xfe {
-        iswa_reads(body);
         return;
     }
     let flash = selector & 1 == 1;

@@ -201,6 +201,7 @@ impl KvCache {
                 n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
                 cell_ext: convert::cell_ext("cellExt", options.cell_ext)?,
                 mrope: options.mrope.unwrap_or(false),
+                no_v: options.no_v.unwrap_or(false),
             };
             let cache = KvCache::from_params(&env, params, &options.device, None)?;
             if let Some(on) = options.release_memory {

@@ -50,6 +50,10 @@ pub struct CacheParams {
     /// extension gets its position as `x` and `y`, and positions cannot be shifted or divided
     /// (0.1.161 asserts on `seq_add` and `seq_div` of such a cache).
     pub mrope: bool,
+    /// The cache keeps no V (llama.cpp's multi-head latent attention since mid-2025:
+    /// DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash keep only the latent K): every V width is 0 and
+    /// its state payloads have no V block at all.
+    pub no_v: bool,
 }
 
 impl CacheParams {
@@ -72,6 +76,7 @@ impl CacheParams {
             n_rot_v: 0,
             cell_ext: CellExt::None,
             mrope: false,
+            no_v: false,
         }
     }
 
@@ -96,6 +101,9 @@ impl CacheParams {
 
     /// V width of layer `il` including the recurrent extra.
     pub fn n_embd_v(&self, il: usize) -> usize {
+        if self.no_v {
+            return 0;
+        }
         per_layer(&self.n_embd_v_gqa, il) as usize + self.n_embd_v_s as usize
     }
 
@@ -146,7 +154,14 @@ impl CacheParams {
                 ));
             }
         }
-        if self.type_v.is_quantized() && self.v_trans() {
+        if self.no_v && (self.recurrent || self.n_rot_v != 0) {
+            return bad(format!(
+                "a cache without V (noV) is an attention cache with V unrotated, got recurrent {} \
+                 and nRotV {}",
+                self.recurrent, self.n_rot_v
+            ));
+        }
+        if self.type_v.is_quantized() && self.v_trans() && !self.no_v {
             return bad(format!(
                 "quantized V ({}) needs flash attention (V is transposed without it)",
                 self.type_v
@@ -172,8 +187,9 @@ impl CacheParams {
                 ("K", self.n_embd_k(il), self.type_k),
                 ("V", self.n_embd_v(il), self.type_v),
             ] {
-                // a recurrent state may have no S rows (LFM2's short convolutions keep R only)
-                if width == 0 && !(self.recurrent && name == "V") {
+                // a recurrent state may have no S rows (LFM2's short convolutions keep R
+                // only), and a cache without V no V rows
+                if width == 0 && !((self.recurrent || self.no_v) && name == "V") {
                     return bad(format!("layer {il}: {name} width is 0"));
                 }
                 if width % ty.block_size() != 0 {

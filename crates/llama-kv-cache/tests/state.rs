@@ -315,6 +315,7 @@ fn cache_for(ins: &Inspection, sidecar: &str) -> KvCache {
             (t, width(t, *row_size))
         }
         VBlock::Transposed { ty, n_embd, .. } => (GgmlType::from_id(*ty).unwrap(), *n_embd),
+        VBlock::Absent => unreachable!("the seed-era and llama.node fixtures keep V"),
     };
     let mut p = CacheParams::new(
         size,

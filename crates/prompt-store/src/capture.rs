@@ -78,6 +78,8 @@ impl RowSource<'_> {
                         (VBlock::Rows { data, row_size, .. }, true) => {
                             out.extend_from_slice(at(data, *row_size as usize))
                         }
+                        // a part without V: its V rows are of no bytes
+                        (VBlock::Absent, true) => {}
                         (
                             VBlock::Transposed {
                                 data,
@@ -176,6 +178,7 @@ impl<'a> KvRows<'a> {
         let geometry = Geometry {
             layers: stream.layer_shapes()?,
             ext: stream.cells.ext_kind(),
+            no_v: part.payload.no_v(),
         };
         let found: Vec<(i32, u32)> = stream
             .cells

@@ -270,6 +270,7 @@ mod tests {
                 v_row: 2,
             }],
             ext: llama_kv_cache::CellExt::None,
+            no_v: false,
         };
         Shape {
             memory: MemoryKind::Iswa,

@@ -25,6 +25,9 @@ pub struct Geometry {
     /// The extension every cell carries (M-RoPE / PLE models): a block keeps each token's
     /// `x, y, tok` after its rows, so that a restore gives an image's tokens their 2D positions.
     pub ext: CellExt,
+    /// The part keeps no V (multi-head latent attention): its V rows are of no bytes (each
+    /// layer's V type is its K type) and its payloads have no V blocks.
+    pub no_v: bool,
 }
 
 /// Bytes a block keeps per token for a cell extension: `x, y, tok` as i32 LE, whatever the kind
@@ -34,6 +37,9 @@ pub const EXT_BYTES: usize = 12;
 /// Flag on the encoded layer count: a cell extension id follows the layers. Geometries without
 /// one encode as they always did, so their fingerprints and blocks stay valid.
 const HAS_EXT: u32 = 1 << 31;
+
+/// Flag on the encoded layer count: the part keeps no V (see [`Geometry::no_v`]).
+const NO_V: u32 = 1 << 30;
 
 /// The id of a cell extension in an encoded geometry.
 fn ext_id(ext: CellExt) -> u32 {
@@ -69,12 +75,14 @@ pub fn ext_at(bytes: &[u8], k: usize) -> CellExtValue {
 impl Geometry {
     /// The per-layer shapes of a cache.
     pub fn of_cache(cache: &KvCache) -> StoreResult<Geometry> {
+        let no_v = cache.params().no_v;
         let layers = (0..cache.n_layer())
             .map(|il| {
                 Ok(LayerGeometry {
                     k_type: cache.type_k(),
                     k_row: cache.row_size(il, Tensor::K)? as u64,
-                    v_type: cache.type_v(),
+                    // without V, the K type stands in (as a payload's layer shapes give it)
+                    v_type: if no_v { cache.type_k() } else { cache.type_v() },
                     v_row: cache.row_size(il, Tensor::V)? as u64,
                 })
             })
@@ -82,6 +90,7 @@ impl Geometry {
         Ok(Geometry {
             layers,
             ext: cache.params().cell_ext,
+            no_v,
         })
     }
 
@@ -104,12 +113,13 @@ impl Geometry {
         }
     }
 
-    /// Canonical bytes: `u32 n_layer` (bit 31 set when a cell extension follows), then per
+    /// Canonical bytes: `u32 n_layer` (bit 31 set when a cell extension follows, bit 30 when
+    /// the part keeps no V), then per
     /// layer `i32 k_type, u64 k_row, i32 v_type, u64 v_row`, then `u32` the extension's id
     /// (1 x, y; 2 x, y, tok) if any (little-endian). Used in fingerprints, block headers and
     /// model records.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        let flag = if self.ext.is_none() { 0 } else { HAS_EXT };
+        let flag = if self.ext.is_none() { 0 } else { HAS_EXT } | if self.no_v { NO_V } else { 0 };
         out.extend_from_slice(&(self.layers.len() as u32 | flag).to_le_bytes());
         for l in &self.layers {
             out.extend_from_slice(&l.k_type.id().to_le_bytes());
@@ -128,7 +138,8 @@ impl Geometry {
         let word = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
         // 0 layers: a part of no layer (a hybrid-iSWA memory's base cache when every attention
         // layer uses the window), whose blocks keep the tokens only
-        let n = (word & !HAS_EXT) as usize;
+        let no_v = word & NO_V != 0;
+        let n = (word & !(HAS_EXT | NO_V)) as usize;
         if n > 4096 {
             return None;
         }
@@ -150,6 +161,7 @@ impl Geometry {
                 Geometry {
                     layers,
                     ext: CellExt::None,
+                    no_v,
                 },
                 len,
             ));
@@ -158,7 +170,7 @@ impl Geometry {
         let ext = [CellExt::Pos2, CellExt::Pos2Tok]
             .into_iter()
             .find(|&e| ext_id(e) == id)?;
-        Some((Geometry { layers, ext }, len + 4))
+        Some((Geometry { layers, ext, no_v }, len + 4))
     }
 
     /// A one-line description for messages.
@@ -253,6 +265,7 @@ mod tests {
                 2
             ],
             ext: CellExt::None,
+            no_v: false,
         }
     }
 
@@ -295,7 +308,21 @@ mod tests {
         g.encode(&mut bytes);
         assert_eq!(Geometry::decode(&bytes), Some((g, bytes.len())));
         assert_eq!(Geometry::decode(&bytes[..bytes.len() - 1]), None);
-        assert_eq!(Geometry::decode(&[0, 0, 0, 0]), None);
+        assert_eq!(Geometry::decode(&[0x01, 0x10, 0, 0]), None, "4097 layers");
+        // a part of no layer (LFM2's base cache) and a part without V encode and decode
+        let none = Geometry {
+            layers: Vec::new(),
+            ..geo(GgmlType::F16, 64)
+        };
+        let no_v = Geometry {
+            no_v: true,
+            ..geo(GgmlType::F16, 64)
+        };
+        for g in [none, no_v] {
+            let mut bytes = Vec::new();
+            g.encode(&mut bytes);
+            assert_eq!(Geometry::decode(&bytes), Some((g, bytes.len())));
+        }
     }
 
     /// A geometry without a cell extension encodes as before extensions existed (the stores'

@@ -187,7 +187,10 @@ impl<'g> KvPartWriter<'g> {
         }
         let mut v_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {
-            out.append(&v_header(l.v_type, l.v_row as usize, v_trans))?;
+            // a part without V has no V blocks (its rows are of no bytes: nothing to write)
+            if !geometry.no_v {
+                out.append(&v_header(l.v_type, l.v_row as usize, v_trans))?;
+            }
             v_at.push(out.len());
             out.reserve(n * l.v_row as usize)?;
         }
@@ -238,6 +241,9 @@ impl<'g> KvPartWriter<'g> {
         for (il, l) in self.geometry.layers.iter().enumerate() {
             let k_row = l.k_row as usize;
             out.write_at(self.k_at[il] + first * k_row, &rows.k(il)[skip * k_row..])?;
+            if self.geometry.no_v {
+                continue;
+            }
             let v_row = l.v_row as usize;
             if self.v_trans {
                 // the m rows of n_embd channels become columns first.. of the n_embd runs of

@@ -301,6 +301,7 @@ mod tests {
                     2
                 ],
                 ext: llama_kv_cache::CellExt::None,
+                no_v: false,
             },
             rot,
         }

@@ -272,6 +272,12 @@ pub fn specs() -> Vec<Spec> {
             memory: "hybrid",
             ..base.clone()
         },
+        // multi-head latent attention (deepseek2): K only, one latent "head" per token
+        Spec {
+            name: "deepseek2-mla",
+            model: "deepseek2-mla.gguf",
+            ..base.clone()
+        },
         // M-RoPE: every cell is saved with its extension (x, y, token)
         Spec {
             name: "qwen2vl",

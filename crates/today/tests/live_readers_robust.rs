@@ -185,3 +185,52 @@ fn damaged_hybrid_states_are_read_or_refused_with_the_memory_unchanged() {
         "{refused} refused, {read} read"
     );
 }
+
+/// LFM2 with a window: llama_memory_hybrid_iswa (a base cache of no layer, the window cache,
+/// the convolution state), as the `live_reader` fuzz target builds it.
+fn filled_hybrid_iswa() -> HybridCache {
+    let mut c = HybridCache::for_model(&model("lfm2-swa.gguf"), &context(3)).unwrap();
+    for (s, n) in [(0, 6), (1, 3)] {
+        let ub = UBatch {
+            pos: (0..n).collect(),
+            n_seq_tokens: n as u32,
+            seq_ids: vec![vec![s]],
+            ext: Vec::new(),
+        };
+        c.place(&[ub]).unwrap().unwrap();
+    }
+    c
+}
+
+#[test]
+fn damaged_hybrid_iswa_states_are_read_or_refused_with_the_memory_unchanged() {
+    let (refused, read) = hammer(
+        "hybrid-iswa",
+        &mut filled_hybrid_iswa(),
+        &[0, 1, 2],
+        rounds(),
+        79,
+    );
+    eprintln!("hybrid-iswa: {refused} refused, {read} read");
+    assert!(
+        refused > rounds() / 3 && read > 0,
+        "{refused} refused, {read} read"
+    );
+}
+
+#[test]
+fn regression_a_failed_whole_read_of_a_hybrid_iswa_memory_left_it_changed() {
+    // found by the live_reader fuzz target: a whole-memory payload of the streams layout
+    let input = include_bytes!("fuzz-findings/hybrid-iswa-failed-read-changed-memory.bin");
+    let payload = &input[1..];
+    let mut m = filled_hybrid_iswa();
+    let before = m.state_write(-1, Layout::StreamsRot).unwrap();
+    // its recurrent part names sequence 1 twice in one cell: refused by the check of both
+    // parts, before the attention part changed (it used to be refused only when placed)
+    let e = m.state_read(payload, -1, Layout::Streams).unwrap_err();
+    assert!(e.to_string().contains("duplicate tail"), "{e}");
+    assert!(
+        m.state_write(-1, Layout::StreamsRot).unwrap() == before,
+        "a failed read ({e}) changed the memory"
+    );
+}

@@ -4,7 +4,7 @@
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
 //! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba and LFM2 (hybrid),
-//! LFM2 with a window (hybrid-iSWA), mamba. A live
+//! LFM2 with a window (hybrid-iSWA), mamba, deepseek2 (latent attention: no V). A live
 //! memory of the same conversation goes through the store the same way (`put_memory`,
 //! `restore_memory`).
 
@@ -81,6 +81,12 @@ fn cases() -> Vec<Case> {
             name: "mamba",
             model: "mamba.gguf",
             blocks_restore: false,
+            ..base
+        },
+        // multi-head latent attention: K only, no V block
+        Case {
+            name: "deepseek2-mla",
+            model: "deepseek2-mla.gguf",
             ..base
         },
         Case {

@@ -505,12 +505,13 @@ impl Views {
                     at: base + l.k_data.start as u64,
                     n,
                 }));
-                vb[il].push(l.map(|l| {
-                    let (VBlock::Rows { data, .. } | VBlock::Transposed { data, .. }) = &l.v;
-                    Block {
+                // no V block (a cache without V): V has no rows to view
+                vb[il].push(l.and_then(|l| match &l.v {
+                    VBlock::Rows { data, .. } | VBlock::Transposed { data, .. } => Some(Block {
                         at: base + data.start as u64,
                         n,
-                    }
+                    }),
+                    VBlock::Absent => None,
                 }));
             }
         }

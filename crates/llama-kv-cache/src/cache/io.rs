@@ -9,13 +9,14 @@ use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt, PayloadCells};
+use crate::state::codec::recurrent_tails;
 use crate::state::parts::PartRole;
 use crate::state::rows::{write_columns, write_rows};
 use crate::state::sink::{Sink, SliceSink, WriteSink};
 use crate::state::source::Cursor;
 use crate::state::{
     ambiguous, cell_count_header, check_meta, data_header, k_header, n_stream_header,
-    no_layout_fits, parse_payload_with, v_header, Layout, ParsedPayload, VBlock,
+    no_layout_fits, parse_payload_form, v_header, Layout, ParsedPayload, VBlock,
 };
 use crate::tensors::storage::Tensor;
 
@@ -116,7 +117,8 @@ impl KvCache {
     }
 
     /// The layout to write: a rotated cache's K/V mean nothing to a reader that does not know
-    /// the rotation, so only the streams-rot layout may carry them.
+    /// the rotation, so only the streams-rot layout may carry them; a cache without V writes
+    /// a layout with a stream prefix.
     fn write_layout(&self, layout: Layout) -> Result<Layout> {
         let layout = self.effective_layout(layout);
         let (k, v) = (self.params.n_rot_k, self.params.n_rot_v);
@@ -124,6 +126,12 @@ impl KvCache {
             return Err(KvError::Unsupported(format!(
                 "the cache's K/V are rotated (nRotK {k}, nRotV {v}); the {layout} layout cannot record that: write 'streams-rot' (session v11 / sequence v4), or re-type to an unrotated cache first"
             )));
+        }
+        if self.params.no_v && !layout.has_stream_prefix() {
+            return Err(KvError::Unsupported(
+                "the cache keeps no V (noV); the seed layout has a V block in every layer (llama.cpp of that era kept V for latent attention): write 'streams' or 'streams-rot'"
+                    .into(),
+            ));
         }
         Ok(layout)
     }
@@ -210,8 +218,10 @@ impl KvCache {
         let mut size = 0;
         if n > 0 || layout == Layout::Seed {
             size += if layout.records_rotation() { 16 } else { 8 };
+            // a cache without V writes no V blocks (its V rows are of no bytes)
+            let v_header = if self.params.no_v { 0 } else { 12 };
             for l in &self.layers {
-                size += 12 + n * l.k_row + 12 + n * l.v_row;
+                size += 12 + n * l.k_row + v_header + n * l.v_row;
             }
         }
         size
@@ -383,7 +393,13 @@ impl KvCache {
             report(out.written())?;
         }
         let size = self.params.size as usize;
-        for l in &self.layers {
+        // a cache without V writes no V blocks
+        let v_layers = if self.params.no_v {
+            &[][..]
+        } else {
+            &self.layers[..]
+        };
+        for l in v_layers {
             out.put(&v_header(self.params.type_v, l.v_row, self.v_trans()))?;
             if self.v_trans() {
                 let el = self.params.type_v.type_size();
@@ -464,6 +480,18 @@ impl KvCache {
                     )));
                 }
                 let (ty, ok, what) = match &b.v {
+                    VBlock::Absent if self.params.no_v => continue,
+                    VBlock::Absent => {
+                        return Err(KvError::InvalidState(format!(
+                            "layer {il}: the payload has no V (a cache without V, as multi-head \
+                             latent attention keeps), this cache keeps V"
+                        )))
+                    }
+                    _ if self.params.no_v => {
+                        return Err(KvError::InvalidState(format!(
+                            "layer {il}: the payload has V, this cache keeps none (noV)"
+                        )))
+                    }
                     VBlock::Rows { ty, row_size, .. } => (
                         *ty,
                         *row_size == l.v_row as u64,
@@ -555,11 +583,16 @@ impl KvCache {
                 errors.push((l, e));
                 continue;
             }
-            let attempt = parse_payload_with(data, l, self.params.cell_ext, true).and_then(|p| {
-                check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
-                self.check_data(&p)?;
-                Ok(p)
-            });
+            let parse = |no_v| parse_payload_form(data, l, self.params.cell_ext, no_v, true);
+            let attempt = parse(self.params.no_v)
+                // a payload without V blocks where this cache keeps V (or the other way round)
+                // parses only the other way: its check then names the difference
+                .or_else(|e| parse(!self.params.no_v).map_err(|_| e))
+                .and_then(|p| {
+                    check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
+                    self.check_data(&p)?;
+                    Ok(p)
+                });
             match attempt {
                 Ok(p) => fits.push(p),
                 Err(e) => errors.push((l, e)),
@@ -785,27 +818,11 @@ impl KvCache {
 
     pub(crate) fn place_whole(&mut self, cells: &PayloadCells) -> Result<Vec<usize>> {
         let recurrent = self.params.recurrent;
-        let mut tails = Vec::new();
-        if recurrent {
-            tails = vec![-1i32; self.cells.len()];
-            for (i, c) in cells.iter().enumerate() {
-                for &id in c.seq_ids {
-                    let t = tails.get_mut(id as usize).ok_or_else(|| {
-                        KvError::InvalidState(format!(
-                            "seq id {id} has no state cell in a cache of {} cells",
-                            self.cells.len()
-                        ))
-                    })?;
-                    if *t != -1 {
-                        return Err(KvError::InvalidState(format!(
-                            "duplicate tail for seq id {id} in cells {} and {i}",
-                            *t
-                        )));
-                    }
-                    *t = i as i32;
-                }
-            }
-        }
+        let tails = if recurrent {
+            recurrent_tails(cells, self.cells.len())?
+        } else {
+            Vec::new()
+        };
         self.cells.reset();
         self.head = 0;
         self.cells
@@ -885,6 +902,7 @@ impl KvCache {
                         let v = &data[r.clone()];
                         write_columns(l.v.as_mut(), (lay.v_el, lay.size), cells, contiguous, 0, v)?;
                     }
+                    VBlock::Absent => {}
                 }
             }
         }

@@ -355,7 +355,10 @@ impl KvCache {
         } else {
             1
         };
-        let f = StreamFormat::of(layout, self.params.cell_ext);
+        let f = StreamFormat {
+            no_v: self.params.no_v,
+            ..StreamFormat::of(layout, self.params.cell_ext)
+        };
         for s in 0..n_stream {
             // a count this cache cannot hold is refused before its cells arrive
             if let Some(count) = c.peek_u32() {
@@ -471,7 +474,13 @@ impl KvCache {
             });
             segs.push(Segment::K(il));
         }
-        for (il, l) in self.layers.iter().enumerate() {
+        // a cache without V reads no V blocks
+        let v_layers = if self.params.no_v {
+            &[][..]
+        } else {
+            &self.layers[..]
+        };
+        for (il, l) in v_layers.iter().enumerate() {
             segs.push(Segment::Fixed {
                 bytes: v_header(self.params.type_v, l.v_row, self.v_trans()).to_vec(),
                 what: Expected::V(il),

@@ -24,7 +24,7 @@ use crate::error::{KvError, Result};
 use crate::memory::SwaType;
 use crate::params::CacheParams;
 use crate::state::codec::parse_layerless_payload;
-use crate::state::{n_stream_header, parse_payload_with, Layout, ParsedPayload};
+use crate::state::{n_stream_header, parse_payload_form, Layout, ParsedPayload};
 use crate::tensors::rope::ShiftParams;
 use crate::tensors::storage::Tensor;
 
@@ -618,7 +618,7 @@ impl AttentionCache {
         let parsed = if self.params().n_layer == 0 {
             parse_layerless_payload(data, layout, ext, exact)?
         } else {
-            parse_payload_with(data, layout, ext, exact)?
+            parse_payload_form(data, layout, ext, self.params().no_v, exact)?
         };
         let want = self.streams.len();
         if parsed.streams.len() != want {
@@ -968,6 +968,7 @@ fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize
 mod tests {
     use super::*;
     use crate::state::cells::CellExt;
+    use crate::state::parse_payload_with;
 
     fn cache(size: u32, n_seq: u32, unified: bool, window: Window) -> AttentionCache {
         let mut p = CacheParams::new(size, 1, 8, 8);

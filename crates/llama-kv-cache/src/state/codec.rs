@@ -80,6 +80,9 @@ pub enum VBlock {
         n_embd: u32,
         data: Range<usize>,
     },
+    /// No V block: a cache without V (multi-head latent attention since llama.cpp keeps only
+    /// the latent K, as 0.1.161 writes it).
+    Absent,
 }
 
 /// K and V of one layer in a payload (data as byte ranges of the input).
@@ -198,6 +201,8 @@ pub(crate) struct StreamFormat {
     pub ext: CellExt,
     /// Whether a data header may declare no layer (see [`checked_n_layer`]).
     pub layerless: bool,
+    /// Whether the layers have no V blocks (a cache without V).
+    pub no_v: bool,
 }
 
 impl StreamFormat {
@@ -208,6 +213,7 @@ impl StreamFormat {
             rot: layout.records_rotation(),
             ext,
             layerless: false,
+            no_v: false,
         }
     }
 
@@ -218,6 +224,7 @@ impl StreamFormat {
             rot: false,
             ext: CellExt::None,
             layerless: false,
+            no_v: false,
         }
     }
 }
@@ -328,6 +335,15 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
     }
     let mut layers = Vec::with_capacity(n_blocks as usize);
     for (il, (k_type, k_row_size, k_data)) in (0..).zip(k_blocks) {
+        if f.no_v {
+            layers.push(LayerBlock {
+                k_type,
+                k_row_size,
+                k_data,
+                v: VBlock::Absent,
+            });
+            continue;
+        }
         let ty = c.i32(format_args!("layer {il} v_type"))?;
         let v = if v_trans {
             let el_size = c.u32(format_args!("layer {il} v_size_el"))?;
@@ -446,6 +462,8 @@ impl StreamBlock {
                         n_embd,
                         ..
                     } => (ty(*t)?, u64::from(*el_size) * u64::from(*n_embd)),
+                    // no V: the K type stands in, with rows of no bytes
+                    VBlock::Absent => (ty(l.k_type)?, 0),
                 };
                 Ok(LayerShape {
                     k_type: ty(l.k_type)?,
@@ -485,6 +503,14 @@ pub fn params_for_shapes(shapes: &[LayerShape], size: u32) -> Result<CacheParams
 }
 
 impl ParsedPayload {
+    /// Whether its layers have no V blocks (a cache without V).
+    pub fn no_v(&self) -> bool {
+        self.streams
+            .iter()
+            .flat_map(|s| &s.layers)
+            .any(|l| l.v == VBlock::Absent)
+    }
+
     /// Whether no stream has a data header (every stream is empty in a layout with a stream
     /// prefix): such a payload reads the same under the streams and streams-rot layouts.
     pub fn has_no_data_header(&self) -> bool {
@@ -531,6 +557,22 @@ pub(crate) fn parse_layerless_payload<S: ByteSource + ?Sized>(
 ) -> Result<ParsedPayload> {
     let f = StreamFormat {
         layerless: true,
+        ..StreamFormat::of(layout, ext)
+    };
+    parse_payload_as(bytes, f, layout, exact)
+}
+
+/// [`parse_payload_with`] of a payload whose layers have V blocks (`no_v` false) or none (a
+/// cache without V).
+pub fn parse_payload_form<S: ByteSource + ?Sized>(
+    bytes: &S,
+    layout: Layout,
+    ext: CellExt,
+    no_v: bool,
+    exact: bool,
+) -> Result<ParsedPayload> {
+    let f = StreamFormat {
+        no_v,
         ..StreamFormat::of(layout, ext)
     };
     parse_payload_as(bytes, f, layout, exact)
@@ -599,12 +641,46 @@ pub(crate) fn ambiguous(layouts: impl Iterator<Item = Layout>) -> KvError {
 
 /// Checks the cells of a payload for one sequence (`Some(seq)`) or the whole cache of a cache
 /// tracking `n_seq_max` sequences.
+/// The cell holding each sequence's state in a recurrent payload (`-1`: none), for a memory of
+/// `n_cells` state cells. A sequence named by two cells, or with no state cell, is refused:
+/// each sequence has exactly one state.
+pub(crate) fn recurrent_tails(cells: &PayloadCells, n_cells: usize) -> Result<Vec<i32>> {
+    let mut tails = vec![-1i32; n_cells];
+    for (i, c) in cells.iter().enumerate() {
+        for &id in c.seq_ids {
+            let t = usize::try_from(id)
+                .ok()
+                .and_then(|id| tails.get_mut(id))
+                .ok_or_else(|| {
+                    KvError::InvalidState(format!(
+                        "seq id {id} has no state cell in a cache of {n_cells} cells"
+                    ))
+                })?;
+            if *t != -1 {
+                return Err(KvError::InvalidState(format!(
+                    "duplicate tail for seq id {id} in cells {} and {i}",
+                    *t
+                )));
+            }
+            *t = i as i32;
+        }
+    }
+    Ok(tails)
+}
+
 pub(crate) fn check_meta(
     p: &ParsedPayload,
     seq: Option<i32>,
     recurrent: bool,
     n_seq_max: u32,
 ) -> Result<()> {
+    // a whole recurrent state names each sequence in one cell: checked here, before a load
+    // changes anything (a hybrid memory checks both parts before either changes)
+    if recurrent && seq.is_none() {
+        for stream in &p.streams {
+            recurrent_tails(&stream.cells, n_seq_max as usize)?;
+        }
+    }
     let single_ids = match (seq, p.layout, recurrent) {
         (None, _, _) => None,
         (Some(_), Layout::Seed, _) | (Some(_), _, true) => Some(0),

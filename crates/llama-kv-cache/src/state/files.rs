@@ -683,6 +683,7 @@ pub fn params_for_payload(
         params_for_shapes(&shapes, size)?
     };
     p.flash_attn = stream.v_trans == Some(false);
+    p.no_v = payload.no_v();
     p.recurrent = recurrent;
     p.n_seq_max = n_seq_max;
     (p.n_rot_k, p.n_rot_v) = stream.n_rot.unwrap_or((0, 0));

@@ -129,6 +129,8 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
         let v = match &l.v {
             VBlock::Rows { ty, row_size, .. } => width(*ty, *row_size),
             VBlock::Transposed { n_embd, .. } => Some(*n_embd as u64),
+            // a cache without V (multi-head latent attention) keeps the latent K only
+            VBlock::Absent => continue,
         };
         if v != Some(want_v) {
             layer_reasons.push(mismatch(

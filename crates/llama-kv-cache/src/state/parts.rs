@@ -15,7 +15,7 @@ use crate::state::cells::CellExt;
 use crate::state::codec::parse_layerless_payload;
 use crate::state::source::{ByteSource, Sub};
 use crate::state::{
-    parse_payload_with, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
+    parse_payload_form, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
     StreamFormat,
 };
 
@@ -108,14 +108,19 @@ pub struct Parts {
     pub parts: Vec<Part>,
 }
 
+/// How a payload's KV parts are written: the layout, the extension its cells carry, and
+/// whether its layers have no V block (a cache without V).
+type KvFormat = (Layout, CellExt, bool);
+
 fn kv_part<S: ByteSource + ?Sized>(
     bytes: &S,
     start: usize,
-    (layout, ext): (Layout, CellExt),
+    (layout, ext, no_v): KvFormat,
     role: PartRole,
     exact: bool,
 ) -> Result<Part> {
-    let payload = parse_payload_with(&Sub::new(bytes, start..bytes.len()), layout, ext, exact)?;
+    let sub = &Sub::new(bytes, start..bytes.len());
+    let payload = parse_payload_form(sub, layout, ext, no_v, exact)?;
     Ok(kv_part_at(start, role, payload))
 }
 
@@ -125,7 +130,7 @@ fn kv_part<S: ByteSource + ?Sized>(
 fn layerless_kv_part<S: ByteSource + ?Sized>(
     bytes: &S,
     start: usize,
-    (layout, ext): (Layout, CellExt),
+    (layout, ext, _): KvFormat,
     role: PartRole,
 ) -> Result<Part> {
     let payload =
@@ -204,18 +209,31 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
 ) -> (Vec<Parts>, Vec<String>) {
     let mut fits = Vec::new();
     let mut errors = Vec::new();
-    let mut note = |what: String, r: Result<Parts>| match r {
-        Ok(p) => fits.push(p),
-        Err(e) => errors.push(format!("{what}: {e}")),
-    };
     // a stream-less payload is a recurrent memory once the version's KV caches all have the
     // stream prefix; before, it may also be a seed-era KV cache (the caller decides)
     let streams_only = !layouts.contains(&Layout::Streams);
-    for &layout in layouts {
+    // KV caches without V (multi-head latent attention) exist in today's layouts only, and
+    // are tried when no reading with V fits (a reading without V that found no layer is the
+    // reading with V again)
+    let forms = layouts
+        .iter()
+        .map(|&l| (l, false))
+        .chain(layouts.iter().map(|&l| (l, true)))
+        .filter(|&(l, no_v)| !no_v || l.has_stream_prefix());
+    for (layout, no_v) in forms {
+        if no_v && !fits.is_empty() {
+            break;
+        }
         if !ext.is_none() && !layout.has_stream_prefix() {
             continue;
         }
-        let format = (layout, ext);
+        let mut note = |what: String, r: Result<Parts>| match r {
+            Ok(p) if no_v && !p.parts.iter().any(|x| x.payload.no_v()) => {}
+            Ok(p) => fits.push(p),
+            Err(e) if no_v => errors.push(format!("{what} without V: {e}")),
+            Err(e) => errors.push(format!("{what}: {e}")),
+        };
+        let format = (layout, ext, no_v);
         note(
             format!("{layout}"),
             kv_part(bytes, 0, format, PartRole::Whole, true).map(|mut p| {

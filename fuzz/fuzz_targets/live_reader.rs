@@ -1,0 +1,94 @@
+//! Fuzzes the readers of today's live memories, as `KvCache.fromModel` builds them for the tiny
+//! models of `interop/make_models.py` (`node scripts/setup.mjs` writes them): the iSWA memory
+//! (gemma3), the hybrid memories (Jamba, LFM2) and the hybrid-iSWA one (LFM2 with a window:
+//! three parts, the first of no layer). The first byte picks the memory (bits 0-1), the layout
+//! (bit 2) and the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing); the
+//! rest is the payload. A failed read must leave the memory byte for byte as it was; a
+//! successful one must write back without error.
+#![no_main]
+
+use std::sync::OnceLock;
+
+use libfuzzer_sys::fuzz_target;
+use llama_kv_cache::{ContextParams, GgmlType, Layout, Memory, ModelInfo, ReadOptions, UBatch};
+
+const MODELS: [&str; 4] = [
+    "gemma3-swa.gguf",
+    "jamba.gguf",
+    "lfm2.gguf",
+    "lfm2-swa.gguf",
+];
+
+fn model(k: usize) -> &'static ModelInfo {
+    static INFOS: OnceLock<Vec<ModelInfo>> = OnceLock::new();
+    &INFOS.get_or_init(|| {
+        MODELS
+            .iter()
+            .map(|name| {
+                let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../interop/models")
+                    .join(name);
+                ModelInfo::from_file(&path, false)
+                    .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"))
+            })
+            .collect()
+    })[k]
+}
+
+/// Memory `k` (256 cells, 3 sequences) with sequences 0 and 1 placed: 6 and 3 tokens, each
+/// sequence's tokens one group (a hybrid's recurrent part takes a group's last token).
+fn memory(k: usize) -> Memory {
+    let ctx = ContextParams {
+        n_ctx: 256,
+        n_seq_max: 3,
+        n_ubatch: 16,
+        unified: true,
+        swa_full: false,
+        type_k: GgmlType::F16,
+        type_v: GgmlType::F16,
+        flash_attn: false,
+    };
+    let mut m = Memory::for_model(model(k), &ctx).unwrap();
+    let group = |seq: i32, n: i32| UBatch {
+        pos: (0..n).collect(),
+        n_seq_tokens: n as u32,
+        seq_ids: vec![vec![seq]],
+        ext: Vec::new(),
+    };
+    for (seq, n) in [(0, 6), (1, 3)] {
+        let placed = match &mut m {
+            Memory::Iswa(c) => c.place(&[UBatch::sequence(seq, 0, n as u32)]).unwrap().is_some(),
+            Memory::Hybrid(h) => h.place(&[group(seq, n)]).unwrap().is_some(),
+            Memory::Kv(_) => unreachable!("the tiny models of today have iSWA or hybrid memories"),
+        };
+        assert!(placed);
+    }
+    m
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&selector, body)) = data.split_first() else {
+        return;
+    };
+    let mut m = memory(usize::from(selector & 3));
+    let layout = if selector & 4 == 0 {
+        Layout::StreamsRot
+    } else {
+        Layout::Streams
+    };
+    let seq = [-1, 0, 2, -1][usize::from(selector >> 3 & 3)];
+    let before = m.state_write(-1, Layout::StreamsRot).unwrap();
+    let opts = ReadOptions {
+        layout: Some(layout),
+        ..ReadOptions::default()
+    };
+    match m.state_read(body, seq, opts, None) {
+        Err(_) => assert!(
+            m.state_write(-1, Layout::StreamsRot).unwrap() == before,
+            "a failed read changed the memory"
+        ),
+        Ok(_) => {
+            m.state_write(-1, Layout::StreamsRot).unwrap();
+        }
+    }
+});
