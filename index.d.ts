@@ -595,7 +595,7 @@ export interface DeviceBytes {
 
 /** One reason a state does not fit a model. */
 export interface FitReason {
-  /** What differs: 'memory', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'. */
+  /** What differs: 'memory', 'parts', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'. */
   field: string
   /** The state file's value. */
   state: string
@@ -691,7 +691,9 @@ export interface Inspection {
   nRotV?: number
   /**
    * The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
-   * version whose KV caches all have a stream prefix), 'iswa' or 'hybrid'.
+   * version whose KV caches all have a stream prefix), 'iswa', 'hybrid' (also hybrid-iSWA:
+   * base, swa, recurrent), or with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx' (an
+   * 'msa' state reads as 'iswa': its bytes do not tell them apart).
    */
   memory: string
   /**
@@ -917,7 +919,11 @@ export interface ModelInfo {
   swa?: ModelSwa
   /** Recurrent dimensions of recurrent and hybrid models. */
   recurrent?: ModelRecurrent
-  /** 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model. */
+  /**
+   * 'unified' | 'iswa' | 'recurrent' | 'hybrid', or a sparse-attention memory with an
+   * indexer cache ('dsa', 'dsa-iswa', 'msa', 'hybrid-idx', 'dsv4'): the memory llama.cpp
+   * 0.1.161 builds for the model.
+   */
   memory: string
   /**
    * What each cell keeps beside its position: 'pos2-tok' for M-RoPE models (Qwen2-VL,
@@ -1054,7 +1060,10 @@ export interface ModelSwa {
 export interface PartInfo {
   /** 'kv' (a unified KV cache) or 'recurrent'. */
   kind: string
-  /** 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid). */
+  /**
+   * 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid), 'indexer' (the key cache
+   * of a sparse-attention memory's indexer: 'dsa', 'dsa-iswa', 'hybrid-idx').
+   */
   role: string
   /** The streams (a recurrent part has one). */
   streams: Array<StreamInfo>

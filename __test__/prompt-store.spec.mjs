@@ -302,9 +302,10 @@ const T161 = path.join(HERE, 'fixtures', 't161')
 
 test("putFile ingests llama.cpp 0.1.161's files of every memory and writeFile gives each back byte for byte", async (t) => {
   // rotated q8_0, sliding window (f16 and rotated q8_0), hybrid (Jamba, LFM2), hybrid-iSWA (LFM2 with a
-  // window: three parts), latent attention (no V), recurrent, plain: 10-token prompts, so each is one checkpoint (the partial
+  // window: three parts), latent attention (no V), DeepSeek's sparse attention (latent and indexer caches),
+  // recurrent, plain: 10-token prompts, so each is one checkpoint (the partial
   // block) plus whatever its memory needs
-  for (const name of ['h64-q8_0-fa', 'gemma3-swa', 'gemma3-swa-q8_0-fa', 'jamba', 'lfm2', 'lfm2-swa', 'deepseek2-mla', 'mamba', 'h16-f16']) {
+  for (const name of ['h64-q8_0-fa', 'gemma3-swa', 'gemma3-swa-q8_0-fa', 'jamba', 'lfm2', 'lfm2-swa', 'deepseek2-mla', 'deepseek32-dsa', 'mamba', 'h16-f16']) {
     for (const ext of ['ggsn', 'ggsq']) {
       const file = path.join(T161, `t161-${name}.${ext}`)
       const store = new PromptStore({ model: name, blockTokens: 16 })

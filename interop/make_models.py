@@ -346,14 +346,17 @@ def write_jamba(path, n_embd, n_head, n_head_kv, n_ff, d_state, d_conv, dt_rank,
     finish(w)
 
 
-def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, rope, nope, v_head, seed):
+def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, rope, nope, v_head, seed,
+                        indexer=None):
     """deepseek2 with multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): one
     KV "head" of kv_lora + rope latent values per token, and since llama.cpp's MLA cache (0.1.161)
     no V at all, so its state files carry K blocks only. Dense layers only (the leading dense
-    block count covers them all), so no experts are needed."""
+    block count covers them all), so no experts are needed. `indexer`: (heads, head size, top k)
+    makes it deepseek32 (DeepSeek-V3.2's sparse attention: 0.1.161 gives it a 'dsa' memory, an
+    indexer key cache of one head beside the latent one)."""
     rng = np.random.default_rng(seed)
-    arch = "deepseek2"
-    w = begin(path, arch, "deepseek2-mla", n_embd, n_layer, n_ff, n_head)
+    arch = "deepseek2" if indexer is None else "deepseek32"
+    w = begin(path, arch, os.path.splitext(os.path.basename(path))[0], n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(1)
     w.add_key_length(kv_lora + rope)
     w.add_value_length(kv_lora)
@@ -369,6 +372,12 @@ def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, ro
     w.add_uint32(f"{arch}.leading_dense_block_count", n_layer)
     w.add_uint32(f"{arch}.expert_feed_forward_length", n_ff)
     w.add_uint32(f"{arch}.expert_shared_count", 0)
+    if indexer is not None:
+        idx_heads, idx_size, top_k = indexer
+        w.add_uint32(f"{arch}.attention.indexer.head_count", idx_heads)
+        w.add_uint32(f"{arch}.attention.indexer.key_length", idx_size)
+        w.add_uint32(f"{arch}.attention.indexer.top_k", top_k)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
     add_vocab_and_io(w, rng, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
@@ -382,6 +391,12 @@ def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, ro
         w.add_tensor(p + "attn_v_b.weight", rnd(rng, (n_head, v_head, kv_lora), 0.2))
         w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_head * v_head), 0.1))
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if indexer is not None:
+            w.add_tensor(p + "indexer.k_norm.weight", np.ones(idx_size, dtype=np.float32))
+            w.add_tensor(p + "indexer.k_norm.bias", np.zeros(idx_size, dtype=np.float32))
+            w.add_tensor(p + "indexer.proj.weight", rnd(rng, (idx_heads, n_embd), 0.2))
+            w.add_tensor(p + "indexer.attn_k.weight", rnd(rng, (idx_size, n_embd), 0.2))
+            w.add_tensor(p + "indexer.attn_q_b.weight", rnd(rng, (idx_heads * idx_size, q_lora), 0.2))
         add_ffn(w, rng, p, n_embd, n_ff)
     finish(w)
 
@@ -411,6 +426,8 @@ def main():
     write_qwen2vl(os.path.join(out, "qwen2vl.gguf"), 128, 2, 1, 128, 2, seed=2002)
     write_deepseek2_mla(os.path.join(out, "deepseek2-mla.gguf"), 64, 2, 64, 2, q_lora=32, kv_lora=32, rope=16,
                         nope=16, v_head=16, seed=2222)
+    write_deepseek2_mla(os.path.join(out, "deepseek32-dsa.gguf"), 64, 2, 64, 2, q_lora=32, kv_lora=32, rope=16,
+                        nope=16, v_head=16, seed=3232, indexer=(2, 64, 4))
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

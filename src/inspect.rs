@@ -69,7 +69,8 @@ pub struct ByteInfo {
 pub struct PartInfo {
     /// 'kv' (a unified KV cache) or 'recurrent'.
     pub kind: String,
-    /// 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid).
+    /// 'base' or 'swa' (iSWA), 'attention' or 'recurrent' (hybrid), 'indexer' (the key cache
+    /// of a sparse-attention memory's indexer: 'dsa', 'dsa-iswa', 'hybrid-idx').
     pub role: String,
     /// The streams (a recurrent part has one).
     pub streams: Vec<StreamInfo>,
@@ -125,7 +126,9 @@ pub struct Inspection {
     /// Session v11 / sequence v4: the V rotation block size.
     pub n_rot_v: Option<u32>,
     /// The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
-    /// version whose KV caches all have a stream prefix), 'iswa' or 'hybrid'.
+    /// version whose KV caches all have a stream prefix), 'iswa', 'hybrid' (also hybrid-iSWA:
+    /// base, swa, recurrent), or with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx' (an
+    /// 'msa' state reads as 'iswa': its bytes do not tell them apart).
     pub memory: String,
     /// What each cell carries after its seq id count: 'none', or 'pos2' / 'pos2-tok' for the
     /// files of M-RoPE (Qwen-VL) and PLE models. No byte says so: decided by exact length.

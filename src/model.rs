@@ -130,7 +130,9 @@ pub struct ModelInfo {
     pub swa: Option<ModelSwa>,
     /// Recurrent dimensions of recurrent and hybrid models.
     pub recurrent: Option<ModelRecurrent>,
-    /// 'unified' | 'iswa' | 'recurrent' | 'hybrid': the memory llama.cpp builds for the model.
+    /// 'unified' | 'iswa' | 'recurrent' | 'hybrid', or a sparse-attention memory with an
+    /// indexer cache ('dsa', 'dsa-iswa', 'msa', 'hybrid-idx', 'dsv4'): the memory llama.cpp
+    /// 0.1.161 builds for the model.
     pub memory: String,
     /// What each cell keeps beside its position: 'pos2-tok' for M-RoPE models (Qwen2-VL,
     /// Qwen2.5-VL, Qwen3-VL, Qwen3.5) and PLE models, 'none' for every other. Their state
@@ -350,7 +352,7 @@ pub fn model_info(
 /// One reason a state does not fit a model.
 #[napi(object)]
 pub struct FitReason {
-    /// What differs: 'memory', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'.
+    /// What differs: 'memory', 'parts', 'arch', 'recurrent', 'nLayer', 'layers[N].kWidth', 'layers[N].vWidth'.
     pub field: String,
     /// The state file's value.
     pub state: String,

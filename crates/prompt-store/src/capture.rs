@@ -466,6 +466,21 @@ impl<'a> Capture<'a> {
             flash_attn: v_trans == Some(false),
             arch: ins.arch.clone(),
         };
+        // the store keeps at most two KV parts, in llama.cpp's order (main, then window or
+        // indexer, then a recurrent state): dsa-iswa's three and hybrid-idx's indexer after
+        // the recurrent state do not fit that
+        if matches!(ins.memory, MemoryKind::DsaIswa | MemoryKind::HybridIdx) {
+            return Err(StoreError::Cache(KvError::Unsupported(format!(
+                "the prompt store does not keep '{}' states (an indexer cache beside the \
+                 attention and {} parts); inspectState and convertStateFile read them",
+                ins.memory.name(),
+                if ins.memory == MemoryKind::DsaIswa {
+                    "window"
+                } else {
+                    "recurrent"
+                }
+            ))));
+        }
         let kv_parts: Vec<&Part> = ins
             .parts
             .iter()
@@ -488,7 +503,8 @@ impl<'a> Capture<'a> {
             let base = ins.payload_offset + part.range.start;
             let rows = KvRows::of_part(bytes, base, part, seq)?;
             match part.role {
-                PartRole::Swa => swa = Some(rows),
+                // the second KV part: a window, or a dsa memory's indexer
+                PartRole::Swa | PartRole::Indexer => swa = Some(rows),
                 _ => main = Some(rows),
             }
         }

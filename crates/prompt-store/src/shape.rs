@@ -37,7 +37,9 @@ pub struct Shape {
     pub memory: MemoryKind,
     /// The part kept per position for [0, P): absent for a recurrent memory.
     pub main: Option<KvShape>,
-    /// iSWA: the sliding-window part.
+    /// iSWA: the sliding-window part; dsa: the indexer's key cache, which holds every
+    /// position as the latent cache does (so it is kept in blocks of its own, as a
+    /// `swa_full` window is).
     pub swa: Option<KvShape>,
     /// Recurrent and hybrid memories: bytes of one sequence's recurrent state.
     pub recurrent: Option<u64>,
@@ -64,6 +66,11 @@ fn memory_id(m: MemoryKind) -> u32 {
         MemoryKind::Iswa => 1,
         MemoryKind::Recurrent => 2,
         MemoryKind::Hybrid => 3,
+        MemoryKind::Dsa => 4,
+        MemoryKind::DsaIswa => 5,
+        MemoryKind::Msa => 6,
+        MemoryKind::HybridIdx => 7,
+        MemoryKind::Dsv4 => 8,
     }
 }
 
@@ -73,6 +80,11 @@ fn memory_of(id: u32) -> Option<MemoryKind> {
         MemoryKind::Iswa,
         MemoryKind::Recurrent,
         MemoryKind::Hybrid,
+        MemoryKind::Dsa,
+        MemoryKind::DsaIswa,
+        MemoryKind::Msa,
+        MemoryKind::HybridIdx,
+        MemoryKind::Dsv4,
     ]
     .into_iter()
     .find(|&m| memory_id(m) == id)
@@ -232,7 +244,12 @@ impl Shape {
             s += &format!(", {}", m.describe());
         }
         if let Some(w) = &self.swa {
-            s += &format!(", sliding window: {}", w.describe());
+            let what = if self.memory == MemoryKind::Dsa {
+                "indexer"
+            } else {
+                "sliding window"
+            };
+            s += &format!(", {what}: {}", w.describe());
         }
         if let Some(r) = self.recurrent {
             s += &format!(", recurrent state of {r} bytes");

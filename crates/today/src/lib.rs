@@ -59,7 +59,7 @@ pub struct Spec {
     pub ctx: u32,
     /// The sequence saved into the sequence file.
     pub seq: i32,
-    /// The memory that writes the state: "unified", "iswa" or "hybrid".
+    /// The memory that writes the state: "unified", "iswa", "hybrid" or "dsa".
     pub memory: &'static str,
     /// `(n_rot_k, n_rot_v)` llama.cpp chooses.
     pub n_rot: (u32, u32),
@@ -276,6 +276,14 @@ pub fn specs() -> Vec<Spec> {
         Spec {
             name: "deepseek2-mla",
             model: "deepseek2-mla.gguf",
+            ..base.clone()
+        },
+        // DeepSeek-V3.2's sparse attention: a 'dsa' memory, the latent cache then the
+        // indexer's key cache, neither with V
+        Spec {
+            name: "deepseek32-dsa",
+            model: "deepseek32-dsa.gguf",
+            memory: "dsa",
             ..base.clone()
         },
         // M-RoPE: every cell is saved with its extension (x, y, token)

@@ -331,6 +331,13 @@ impl OurSide {
                     AttentionCache::new(p, cfg.unified, Default::default()).map_err(err)?,
                 )
             }
+            indexed => {
+                return Err(format!(
+                    "{}: no live '{}' memory to trace",
+                    cfg.model,
+                    indexed.name()
+                ))
+            }
         };
         Ok(OurSide {
             memory,

@@ -70,6 +70,7 @@ fn every_t161_fixture_inspects_as_its_spec_says() {
                     vec![PartRole::Base, PartRole::Swa, PartRole::Recurrent]
                 }
                 "hybrid" => vec![PartRole::Attention, PartRole::Recurrent],
+                "dsa" => vec![PartRole::Attention, PartRole::Indexer],
                 _ => vec![PartRole::Whole],
             };
             assert_eq!(roles, expected_roles, "{what}");
@@ -80,8 +81,15 @@ fn every_t161_fixture_inspects_as_its_spec_says() {
                         assert_eq!(part.payload.layout, Layout::StreamsRot, "{what}");
                         let streams = if spec.unified { 1 } else { spec.prompts.len() };
                         assert_eq!(part.payload.streams.len(), streams, "{what}");
+                        // the lightning indexer keeps its keys Hadamard-rotated whatever their
+                        // type (0.1.161's self_k_rot_lid over its 64-wide head)
+                        let n_rot = if part.role == PartRole::Indexer {
+                            (64, 0)
+                        } else {
+                            spec.n_rot
+                        };
                         for s in part.payload.streams.iter().filter(|s| !s.cells.is_empty()) {
-                            assert_eq!(s.n_rot, Some(spec.n_rot), "{what} {}", part.role);
+                            assert_eq!(s.n_rot, Some(n_rot), "{what} {}", part.role);
                             assert_eq!(s.v_trans, Some(!spec.fa), "{what}");
                         }
                         // the SWA cache of a one-sequence save drops the cells outside the window
@@ -279,5 +287,70 @@ fn every_t161_file_of_todays_memories_loads_live_and_writes_back_byte_for_byte()
             assert!(again == payload, "{what}: written back differently");
             assert_eq!(memory.parts().len(), ins.parts.len(), "{what}");
         }
+    }
+}
+
+/// The payload of a fixture's sequence file.
+fn sequence_payload(name: &str) -> Vec<u8> {
+    let spec = specs().into_iter().find(|s| s.name == name).unwrap();
+    let (bytes, ins) = inspect(&spec, false);
+    bytes[ins.payload_offset..].to_vec()
+}
+
+#[test]
+fn dsa_iswa_and_hybrid_idx_payloads_read_part_by_part_and_convert_back() {
+    use llama_kv_cache::state::files::{header_bytes, FileKind};
+    use llama_kv_cache::{convert_bytes, ConvertOptions, MemoryKind, WriteOptions};
+    // no tiny model of these exists for 0.1.161 (dots3note, glm5-next): their payloads are
+    // built of real parts in llama.cpp's order. dsa-iswa: latent, indexer, window (all
+    // without V); hybrid-idx: attention, recurrent, indexer.
+    let dsa = sequence_payload("deepseek32-dsa");
+    let mla = sequence_payload("deepseek2-mla");
+    let jamba = sequence_payload("jamba");
+    let jamba_ins =
+        inspect_bytes(&[header_bytes(FileKind::Sequence, 4, &[1]), jamba.clone()].concat())
+            .unwrap();
+    let attention = &jamba[jamba_ins.parts[0].range.clone()];
+    let cases = [
+        (
+            [dsa.as_slice(), &mla].concat(),
+            MemoryKind::DsaIswa,
+            vec![PartRole::Attention, PartRole::Indexer, PartRole::Swa],
+        ),
+        (
+            [jamba.as_slice(), attention].concat(),
+            MemoryKind::HybridIdx,
+            vec![PartRole::Attention, PartRole::Recurrent, PartRole::Indexer],
+        ),
+    ];
+    for (payload, memory, roles) in cases {
+        let file = [header_bytes(FileKind::Sequence, 4, &[1, 2, 3]), payload].concat();
+        let ins = inspect_bytes(&file).unwrap_or_else(|e| panic!("{}: {e}", memory.name()));
+        assert_eq!(ins.memory, memory);
+        assert_eq!(ins.parts.iter().map(|p| p.role).collect::<Vec<_>>(), roles);
+        // every part through a cache of its own, in order: the same bytes
+        let opts = ConvertOptions {
+            write: WriteOptions {
+                version: Some(4),
+                layout: Layout::StreamsRot,
+                n_stream: 1,
+            },
+            ..ConvertOptions::default()
+        };
+        let again =
+            convert_bytes(&file, &opts).unwrap_or_else(|e| panic!("{}: {e}", memory.name()));
+        assert!(again == file, "{}: converted differently", memory.name());
+        // the prompt store keeps two KV parts at most, in llama.cpp's order: refused by name
+        let store = prompt_store::PromptStore::new(
+            std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
+            "indexed",
+            16,
+        )
+        .unwrap();
+        let e = store.put_bytes(&file, None).unwrap_err();
+        assert!(
+            matches!(&e, prompt_store::StoreError::Cache(llama_kv_cache::KvError::Unsupported(m)) if m.contains(memory.name())),
+            "{e:?}"
+        );
     }
 }

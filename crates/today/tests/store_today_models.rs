@@ -4,7 +4,8 @@
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
 //! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba and LFM2 (hybrid),
-//! LFM2 with a window (hybrid-iSWA), mamba, deepseek2 (latent attention: no V). A live
+//! LFM2 with a window (hybrid-iSWA), mamba, deepseek2 (latent attention: no V), deepseek32
+//! (dsa: latent and indexer caches). A live
 //! memory of the same conversation goes through the store the same way (`put_memory`,
 //! `restore_memory`).
 
@@ -87,6 +88,13 @@ fn cases() -> Vec<Case> {
         Case {
             name: "deepseek2-mla",
             model: "deepseek2-mla.gguf",
+            ..base
+        },
+        // DeepSeek-V3.2's sparse attention: the latent cache and the indexer's, both every
+        // position, so every block boundary restores
+        Case {
+            name: "deepseek32-dsa",
+            model: "deepseek32-dsa.gguf",
             ..base
         },
         Case {

@@ -23,15 +23,14 @@ const HYBRID: &[&str] = &[
 pub const HYBRID_BY_KV_HEADS: &[&str] = &["jamba", "granitehybrid", "plamo2", "lfm2"];
 
 /// The memory 0.1.161 gives an architecture that keeps an indexer cache beside K and V
-/// (sparse-attention models), by the name its file uses: `msa`, `dsa`, `dsa-iswa`, `dsv4` or
-/// `hybrid-idx`.
-pub fn indexer_memory(arch: &str) -> Option<&'static str> {
+/// (sparse-attention models): `msa`, `dsa`, `dsa-iswa`, `dsv4` or `hybrid-idx`.
+pub fn indexer_memory(arch: &str) -> Option<MemoryKind> {
     match arch {
-        "minimax-m3" => Some("msa"),
-        "glm-dsa" | "deepseek32" | "hy_v4" => Some("dsa"),
-        "dots3note" => Some("dsa-iswa"),
-        "deepseek4" => Some("dsv4"),
-        "glm5-next" | "qwen4exp" => Some("hybrid-idx"),
+        "minimax-m3" => Some(MemoryKind::Msa),
+        "glm-dsa" | "deepseek32" | "hy_v4" => Some(MemoryKind::Dsa),
+        "dots3note" => Some(MemoryKind::DsaIswa),
+        "deepseek4" => Some(MemoryKind::Dsv4),
+        "glm5-next" | "qwen4exp" => Some(MemoryKind::HybridIdx),
         _ => None,
     }
 }
@@ -47,17 +46,50 @@ pub enum MemoryKind {
     Recurrent,
     /// Attention layers in a KV cache plus recurrent layers.
     Hybrid,
+    /// DeepSeek's sparse attention (`llama_kv_cache_dsa`): the latent KV cache, then the
+    /// lightning indexer's key cache (both without V).
+    Dsa,
+    /// `dsa` plus a sliding-window cache (`llama_kv_cache_dsa_iswa`): latent, indexer, window.
+    DsaIswa,
+    /// MiniMax's sparse attention (`llama_kv_cache_msa`): the KV cache, then the indexer's
+    /// (both with V). Its files read as two KV parts, as an iSWA memory's do: only the model
+    /// tells them apart.
+    Msa,
+    /// A hybrid with an indexer cache (`llama_memory_hybrid_idx`): attention, recurrent, then
+    /// the indexer's key cache.
+    HybridIdx,
+    /// DeepSeek V4's compressed caches (`llama_kv_cache_dsv4`), whose files this library does
+    /// not read.
+    Dsv4,
 }
 
 impl MemoryKind {
-    /// `"unified"`, `"iswa"`, `"recurrent"` or `"hybrid"`.
+    /// `"unified"`, `"iswa"`, `"recurrent"`, `"hybrid"`, or an indexer memory's name as
+    /// llama.cpp calls it (`"dsa"`, `"dsa-iswa"`, `"msa"`, `"hybrid-idx"`, `"dsv4"`).
     pub fn name(self) -> &'static str {
         match self {
             MemoryKind::Unified => "unified",
             MemoryKind::Iswa => "iswa",
             MemoryKind::Recurrent => "recurrent",
             MemoryKind::Hybrid => "hybrid",
+            MemoryKind::Dsa => "dsa",
+            MemoryKind::DsaIswa => "dsa-iswa",
+            MemoryKind::Msa => "msa",
+            MemoryKind::HybridIdx => "hybrid-idx",
+            MemoryKind::Dsv4 => "dsv4",
         }
+    }
+
+    /// Whether it keeps an indexer cache beside K and V (a sparse-attention memory).
+    pub fn has_indexer(self) -> bool {
+        matches!(
+            self,
+            MemoryKind::Dsa
+                | MemoryKind::DsaIswa
+                | MemoryKind::Msa
+                | MemoryKind::HybridIdx
+                | MemoryKind::Dsv4
+        )
     }
 }
 
@@ -82,7 +114,9 @@ pub fn is_hybrid(arch: &str) -> bool {
 /// (attention; a model with sliding-window layers gets [`MemoryKind::Iswa`] from its
 /// hyperparameters instead).
 pub fn memory_of(arch: &str) -> MemoryKind {
-    if is_hybrid(arch) {
+    if let Some(kind) = indexer_memory(arch) {
+        kind
+    } else if is_hybrid(arch) {
         MemoryKind::Hybrid
     } else if is_recurrent(arch) {
         MemoryKind::Recurrent

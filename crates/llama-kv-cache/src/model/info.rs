@@ -655,12 +655,13 @@ impl ModelInfo {
     /// memories with an indexer cache (their state files still inspect and convert), and the
     /// hybrids whose layers are split by a rule not modeled.
     pub fn check_live(&self) -> Result<()> {
-        if let Some(kind) = arch::indexer_memory(&self.arch) {
+        if self.memory.has_indexer() {
             return Err(KvError::Unsupported(format!(
-                "{} ({}): llama.cpp 0.1.161 gives it a '{kind}' memory (an indexer cache beside \
+                "{} ({}): llama.cpp 0.1.161 gives it a '{}' memory (an indexer cache beside \
                  K and V), which this library does not hold live",
                 self.display_name(),
-                self.arch
+                self.arch,
+                self.memory.name()
             )));
         }
         if self.memory != MemoryKind::Hybrid {

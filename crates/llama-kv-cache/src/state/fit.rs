@@ -59,7 +59,7 @@ fn layers_of(model: &ModelInfo, role: PartRole) -> Vec<usize> {
         // a hybrid-iSWA memory's base and window caches hold attention layers only
         PartRole::Base => !l.swa && l.n_head_kv > 0,
         PartRole::Swa => l.swa && l.n_head_kv > 0,
-        PartRole::Attention => l.n_head_kv > 0,
+        PartRole::Attention | PartRole::Indexer => l.n_head_kv > 0,
         PartRole::Recurrent => l.n_head_kv == 0,
     };
     (0..model.layers.len())
@@ -81,7 +81,10 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
         PartRole::Whole => String::new(),
         role => format!("{role}."),
     };
-    for stream in &part.payload.streams {
+    // the indexer's keys are rotated over its own head (the model's indexer head size, which
+    // the model info does not read), whatever their type: only its layer count is compared
+    let own_heads = part.role != PartRole::Indexer;
+    for stream in part.payload.streams.iter().filter(|_| own_heads) {
         if let Some((k, v)) = stream.n_rot {
             // a rotated quantized cache is rotated over whole heads
             for (field, rot, head) in [
@@ -110,6 +113,9 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
             layers.len(),
             "layer counts differ",
         ));
+    }
+    if !own_heads {
+        return;
     }
     let mut layer_reasons = Vec::new();
     for (l, &il) in stream.layers.iter().zip(&layers) {
@@ -163,7 +169,10 @@ fn part_roles(model: &ModelInfo) -> Vec<PartRole> {
             vec![PartRole::Base, PartRole::Swa, PartRole::Recurrent]
         }
         MemoryKind::Hybrid => vec![PartRole::Attention, PartRole::Recurrent],
-        MemoryKind::Unified | MemoryKind::Recurrent => vec![PartRole::Whole],
+        MemoryKind::Dsa | MemoryKind::Msa => vec![PartRole::Attention, PartRole::Indexer],
+        MemoryKind::DsaIswa => vec![PartRole::Attention, PartRole::Indexer, PartRole::Swa],
+        MemoryKind::HybridIdx => vec![PartRole::Attention, PartRole::Recurrent, PartRole::Indexer],
+        MemoryKind::Unified | MemoryKind::Recurrent | MemoryKind::Dsv4 => vec![PartRole::Whole],
     }
 }
 
@@ -179,7 +188,23 @@ pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
     let one_cache_era = ins.payload.layout == Layout::Seed
         && ins.memory == MemoryKind::Unified
         && matches!(model.memory, MemoryKind::Iswa | MemoryKind::Recurrent);
-    if ins.memory != model.memory && !one_cache_era {
+    // an msa memory's two KV caches read as an iSWA memory's: the model names them
+    let msa = ins.memory == MemoryKind::Iswa && model.memory == MemoryKind::Msa;
+    let parts: Vec<Part> = ins
+        .parts
+        .iter()
+        .cloned()
+        .zip([PartRole::Attention, PartRole::Indexer])
+        .map(|(mut p, role)| {
+            if msa {
+                p.role = role;
+            }
+            p
+        })
+        .chain(ins.parts.iter().skip(2).cloned())
+        .collect();
+    let state_memory = if msa { MemoryKind::Msa } else { ins.memory };
+    if state_memory != model.memory && !one_cache_era {
         reasons.push(mismatch(
             "memory",
             ins.memory.name(),
@@ -199,10 +224,10 @@ pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
     }
     let roles = |r: &[PartRole]| r.iter().map(|r| r.name()).collect::<Vec<_>>().join(" + ");
     let (state_roles, model_roles) = (
-        ins.parts.iter().map(|p| p.role).collect::<Vec<_>>(),
+        parts.iter().map(|p| p.role).collect::<Vec<_>>(),
         part_roles(model),
     );
-    if ins.memory == model.memory && state_roles != model_roles {
+    if state_memory == model.memory && state_roles != model_roles {
         reasons.push(mismatch(
             "parts",
             roles(&state_roles),
@@ -210,7 +235,7 @@ pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
             "the memory is made of other parts",
         ));
     }
-    for part in &ins.parts {
+    for part in &parts {
         check_part(part, model, &mut reasons);
     }
     Fit {

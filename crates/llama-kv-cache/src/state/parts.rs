@@ -51,10 +51,13 @@ pub enum PartRole {
     Attention,
     /// Hybrid: the recurrent memory (written second).
     Recurrent,
+    /// Sparse attention (`dsa`, `msa`, `hybrid-idx`): the indexer's key cache, written after
+    /// the attention cache (after the recurrent memory in `hybrid-idx`).
+    Indexer,
 }
 
 impl PartRole {
-    /// `"whole"`, `"base"`, `"swa"`, `"attention"` or `"recurrent"`.
+    /// `"whole"`, `"base"`, `"swa"`, `"attention"`, `"recurrent"` or `"indexer"`.
     pub fn name(self) -> &'static str {
         match self {
             PartRole::Whole => "whole",
@@ -62,6 +65,7 @@ impl PartRole {
             PartRole::Swa => "swa",
             PartRole::Attention => "attention",
             PartRole::Recurrent => "recurrent",
+            PartRole::Indexer => "indexer",
         }
     }
 
@@ -73,6 +77,7 @@ impl PartRole {
             PartRole::Swa,
             PartRole::Attention,
             PartRole::Recurrent,
+            PartRole::Indexer,
         ]
         .into_iter()
         .find(|r| r.name() == name)
@@ -101,8 +106,9 @@ pub struct Part {
 /// A payload split into its memories.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Parts {
-    /// Which memory wrote it: unified or recurrent (one part), iSWA or hybrid (two), or
-    /// hybrid-iSWA (`Hybrid` with base, SWA and recurrent parts).
+    /// Which memory wrote it: unified or recurrent (one part), iSWA, hybrid or dsa (two),
+    /// hybrid-iSWA (`Hybrid` with base, SWA and recurrent parts), dsa-iswa or hybrid-idx
+    /// (three).
     pub memory: MemoryKind,
     /// The parts in payload order.
     pub parts: Vec<Part>,
@@ -189,6 +195,54 @@ fn recurrent_tail<S: ByteSource + ?Sized>(bytes: &S, start: usize) -> Result<Par
     }))
 }
 
+/// The recurrent memory of a hybrid with an indexer (`hybrid-idx`), followed by the indexer's
+/// KV cache, which ends the payload: the recurrent part's block count is the one after which
+/// the indexer part consumes the bytes exactly (largest first).
+fn recurrent_then_indexer<S: ByteSource + ?Sized>(
+    bytes: &S,
+    start: usize,
+    format: KvFormat,
+) -> Result<[Part; 2]> {
+    let body = &Sub::new(bytes, start..bytes.len());
+    let declared = {
+        let mut c = Cursor::new(body);
+        let head = parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
+        head.data.map_or(0, |d| d.n_layer)
+    };
+    let mut last_err = None;
+    for blocks in (1..=declared).rev() {
+        let mut c = Cursor::new(body);
+        let stream = match parse_stream_with(&mut c, 0, StreamFormat::recurrent(), Some(blocks)) {
+            Ok(stream) => stream,
+            Err(e) => {
+                last_err = Some(e);
+                continue;
+            }
+        };
+        let end = start + c.pos;
+        match kv_part(bytes, end, format, PartRole::Indexer, true) {
+            Ok(indexer) => {
+                let recurrent = Part {
+                    kind: PartKind::Recurrent,
+                    role: PartRole::Recurrent,
+                    range: start..end,
+                    payload: ParsedPayload {
+                        layout: Layout::Seed,
+                        streams: vec![stream],
+                        len: c.pos,
+                        ext: CellExt::None,
+                    },
+                };
+                return Ok([recurrent, indexer]);
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| {
+        KvError::InvalidState("recurrent part: n_layer 0 declares no layer".into())
+    }))
+}
+
 /// Every way `bytes` parses as the payload of one memory under `layouts` (the layouts a file
 /// version allows for KV caches). Single memories come first; iSWA and hybrid shapes are tried
 /// only for layouts with a stream prefix (the seed era wrote neither). Errors of shapes that do
@@ -253,19 +307,49 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
         if !layout.has_stream_prefix() {
             continue;
         }
+        // every shape of several memories starts with a KV cache: parsed once, given each
+        // shape's role (the base cache of a hybrid-iSWA memory may hold no layer)
+        let lead = kv_part(bytes, 0, format, PartRole::Attention, false);
+        let lead_as = |role: PartRole| {
+            lead.clone().map(|mut p| {
+                p.role = role;
+                p
+            })
+        };
+        // two KV caches: iSWA's base and window caches, or without V (latent attention) a
+        // dsa memory's latent and indexer caches (an msa memory's read as iSWA: the bytes
+        // do not tell them apart)
+        let (first, second, two) = if no_v {
+            (PartRole::Attention, PartRole::Indexer, MemoryKind::Dsa)
+        } else {
+            (PartRole::Base, PartRole::Swa, MemoryKind::Iswa)
+        };
         note(
-            format!("iswa ({layout})"),
-            kv_part(bytes, 0, format, PartRole::Base, false).and_then(|base| {
-                let swa = kv_part(bytes, base.range.end, format, PartRole::Swa, true)?;
+            format!("{} ({layout})", two.name()),
+            lead_as(first).and_then(|a| {
+                let b = kv_part(bytes, a.range.end, format, second, true)?;
                 Ok(Parts {
-                    memory: MemoryKind::Iswa,
-                    parts: vec![base, swa],
+                    memory: two,
+                    parts: vec![a, b],
                 })
             }),
         );
+        if no_v {
+            note(
+                format!("dsa-iswa ({layout})"),
+                lead_as(PartRole::Attention).and_then(|a| {
+                    let b = kv_part(bytes, a.range.end, format, PartRole::Indexer, false)?;
+                    let swa = kv_part(bytes, b.range.end, format, PartRole::Swa, true)?;
+                    Ok(Parts {
+                        memory: MemoryKind::DsaIswa,
+                        parts: vec![a, b, swa],
+                    })
+                }),
+            );
+        }
         note(
             format!("hybrid ({layout})"),
-            kv_part(bytes, 0, format, PartRole::Attention, false).and_then(|attn| {
+            lead_as(PartRole::Attention).and_then(|attn| {
                 let recr = recurrent_tail(bytes, attn.range.end)?;
                 Ok(Parts {
                     memory: MemoryKind::Hybrid,
@@ -274,15 +358,27 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
             }),
         );
         note(
-            format!("hybrid-iswa ({layout})"),
-            layerless_kv_part(bytes, 0, format, PartRole::Base).and_then(|base| {
-                let swa = kv_part(bytes, base.range.end, format, PartRole::Swa, false)?;
-                let recr = recurrent_tail(bytes, swa.range.end)?;
+            format!("hybrid-idx ({layout})"),
+            lead_as(PartRole::Attention).and_then(|attn| {
+                let [recr, idx] = recurrent_then_indexer(bytes, attn.range.end, format)?;
                 Ok(Parts {
-                    memory: MemoryKind::Hybrid,
-                    parts: vec![base, swa, recr],
+                    memory: MemoryKind::HybridIdx,
+                    parts: vec![attn, recr, idx],
                 })
             }),
+        );
+        note(
+            format!("hybrid-iswa ({layout})"),
+            lead_as(PartRole::Base)
+                .or_else(|_| layerless_kv_part(bytes, 0, format, PartRole::Base))
+                .and_then(|base| {
+                    let swa = kv_part(bytes, base.range.end, format, PartRole::Swa, false)?;
+                    let recr = recurrent_tail(bytes, swa.range.end)?;
+                    Ok(Parts {
+                        memory: MemoryKind::Hybrid,
+                        parts: vec![base, swa, recr],
+                    })
+                }),
         );
     }
     // empty streams read the same with and without the rotation fields: keep one reading
