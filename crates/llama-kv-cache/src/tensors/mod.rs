@@ -5,6 +5,7 @@
 //! May import: the base modules (`error`, `alloc`, `ggml_type`). Knows nothing of cells, state
 //! payloads or models.
 
+pub mod bulk_copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod f16_simd;

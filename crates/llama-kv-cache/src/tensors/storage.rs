@@ -4,6 +4,7 @@
 use memmap2::MmapMut;
 
 use crate::alloc::{populate, zeroed_bytes, OwnedBytes};
+use crate::tensors::bulk_copy::copy_rows;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::tensors::transpose::{transpose, Shape};
@@ -223,7 +224,7 @@ impl KvBuffer for HostBuffer {
             self.populate_unwritten(offset, src.len());
         }
         self.touch(offset, src.len());
-        self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+        copy_rows(&mut self.bytes_mut()[offset..offset + src.len()], src);
         Ok(())
     }
 
