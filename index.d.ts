@@ -847,6 +847,12 @@ export interface LoadOptions {
   part?: string
   /** One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule). */
   allowScattered?: boolean
+  /**
+   * `stateRead`: the payload is llama.cpp's `PARTIAL_ONLY` state (a context checkpoint, as
+   * `stateWrite(seq, { partial: true })` writes it): an iSWA memory's window cache, a
+   * hybrid's recurrent part; the other parts keep what they hold. Default false.
+   */
+  partial?: boolean
   /** Called with `(doneBytes, totalBytes)`. */
   onProgress?: (done: number, total: number) => void
   /**
@@ -1296,6 +1302,19 @@ export interface SaveOptions {
   nStream?: number
   /** Session files: the model architecture name. Default 'llama'. */
   arch?: string
+  /**
+   * `stateWrite`, `stateWriteInto`, `stateSize`: llama.cpp's `PARTIAL_ONLY` state (what
+   * llama-server keeps as a context checkpoint): an iSWA memory's window cache, a hybrid's
+   * recurrent part (after its window cache in hybrid-iSWA); a 'kv' or 'recurrent' cache
+   * writes its whole state, as llama.cpp does. Default false.
+   */
+  partial?: boolean
+  /**
+   * `stateWrite`, `stateWriteInto`, `stateSize`: the bytes of `llama_state_seq_get_data`,
+   * the state after its envelope (the magic 0xaf143cd8 and the sequence id), for
+   * `llama_state_seq_set_data`. `stateRead` accepts states with or without it. Default false.
+   */
+  envelope?: boolean
   /** Called with `(doneBytes, totalBytes)` while the state is written. */
   onProgress?: (done: number, total: number) => void
   /**

@@ -757,3 +757,38 @@ mtest("a cache without V (noV) loads 0.1.161's latent-attention files, writes th
   t.throws(() => noV.loadSessionFileSync(path.join(T161, 't161-h16-f16.ggsn')), code('ERR_KV_INVALID_STATE'))
   t.throws(() => make({ nRotV: 64 }), code('ERR_KV_INVALID_ARG', /noV/))
 })
+
+// ---- llama.cpp's in-memory sequence states and context checkpoints ---------------------------------------
+
+mtest("stateWrite's partial and envelope forms: llama.cpp's checkpoints and llama_state_seq_get_data's bytes, read back by stateRead", async (t) => {
+  for (const make of [() => gemma(), () => KvCache.fromModel(model('jamba.gguf'), { nCtx: 256, nSeqMax: 2 })]) {
+    const c = make()
+    fillGroup(c, 0, 40, 3)
+    const whole = c.stateWriteSync(0, { layout: 'streams-rot' })
+    const partial = c.stateWriteSync(0, { layout: 'streams-rot', partial: true })
+    // a checkpoint is the window cache of an iSWA memory, the recurrent part of a hybrid: the
+    // last part of the whole state
+    t.true(partial.length < whole.length)
+    t.deepEqual(whole.subarray(whole.length - partial.length), partial)
+    const enveloped = await c.stateWrite(0, { layout: 'streams-rot', envelope: true })
+    t.deepEqual(enveloped.subarray(0, 8), Buffer.from([0xd8, 0x3c, 0x14, 0xaf, 0, 0, 0, 0]))
+    t.deepEqual(enveloped.subarray(8), whole)
+    t.is(c.stateSize(0, { layout: 'streams-rot', partial: true, envelope: true }), partial.length + 8)
+    const into = Buffer.alloc(partial.length + 8)
+    t.is(c.stateWriteIntoSync(into, 0, { layout: 'streams-rot', partial: true, envelope: true }), partial.length + 8)
+    // the envelope is read past; a partial state changes only its parts
+    const d = make()
+    d.stateReadSync(enveloped, 0)
+    t.deepEqual(d.stateWriteSync(0, { layout: 'streams-rot' }), whole)
+    const e = make()
+    fillGroup(e, 1, 8, 5)
+    const first = e.stateWriteSync(1, { layout: 'streams-rot' })
+    t.true(e.stateReadSync(into, 0, { partial: true }).cells > 0)
+    t.deepEqual(e.stateWriteSync(0, { layout: 'streams-rot', partial: true }), partial)
+    t.deepEqual(e.stateWriteSync(1, { layout: 'streams-rot' }), first, 'another sequence keeps what it held')
+    t.is(e.parts[0].usedCells, 8, "the first part (base or attention cache) keeps only sequence 1's cells")
+    // llama.cpp's files hold whole states without the envelope
+    t.throws(() => c.saveSequenceFileSync(tmp('p.ggsq'), 0, [1, 2], { partial: true }), code('ERR_KV_INVALID_ARG', /stateWrite/))
+    t.false(fs.existsSync(tmp('p.ggsq')))
+  }
+})

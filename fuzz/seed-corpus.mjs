@@ -63,7 +63,9 @@ for (const [k, name] of MEMORIES.entries()) {
   for (const [bit, layout] of [[0, 'streams-rot'], [4, 'streams']]) {
     for (const [hi, seq] of [[0, -1], [1, 0]]) {
       putLive(`${name}-${layout}-${seq}`, k | bit | (hi << 3), c.stateWriteSync(seq, { layout }))
-      payloads++
+      // the checkpoint form (partial, bit 5) with llama_state_seq_get_data's envelope
+      putLive(`${name}-${layout}-${seq}-partial`, k | bit | (hi << 3) | 0x20, c.stateWriteSync(seq, { layout, partial: true, envelope: true }))
+      payloads += 2
     }
   }
   c.dispose()

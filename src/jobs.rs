@@ -34,10 +34,44 @@ impl Job for UpdateJob {
     }
 }
 
+/// How `stateWrite` frames a state beyond its layout: llama.cpp's `PARTIAL_ONLY` state (a
+/// context checkpoint) and the in-memory envelope of `llama_state_seq_get_data`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateForm {
+    pub partial: bool,
+    pub envelope: bool,
+}
+
+impl StateForm {
+    /// Whether it is the plain payload (the fast paths write that).
+    pub fn plain(self) -> bool {
+        self == StateForm::default()
+    }
+
+    /// The state of `seq` in this form.
+    pub fn write(self, m: &core::Memory, seq: i32, opts: WriteOptions) -> core::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        if self.envelope {
+            out.extend(core::state::files::seq_data_envelope(seq));
+        }
+        let body = match m {
+            core::Memory::Kv(c) => c.state_write(seq, opts.layout, opts.n_stream, None)?,
+            other if self.partial => other.state_write_partial(seq, opts.layout)?,
+            other => other.state_write(seq, opts.layout)?,
+        };
+        if out.is_empty() {
+            return Ok(body);
+        }
+        out.extend(body);
+        Ok(out)
+    }
+}
+
 /// `stateWrite`: the payload of one sequence or the whole cache.
 pub struct StateWriteJob {
     pub seq: i32,
     pub opts: WriteOptions,
+    pub form: StateForm,
     /// The plan and a Buffer of its size from Node's allocator, made at the call when the
     /// cache was idle (so the task finds it unchanged); otherwise the task plans and allocates.
     pub planned: Option<(core::StateOut, Buffer)>,
@@ -55,6 +89,13 @@ impl Job for StateWriteJob {
     ) -> JsResult<Buffer> {
         if let Some(e) = self.failure.take() {
             return Err(e);
+        }
+        if !self.form.plain() {
+            return Ok(self
+                .form
+                .write(m, self.seq, self.opts)
+                .map_err(from_core)?
+                .into());
         }
         let c = match m {
             core::Memory::Kv(c) => c,
@@ -116,6 +157,7 @@ pub struct StateWriteIntoJob<'a> {
     pub out: &'a mut [u8],
     pub seq: i32,
     pub opts: WriteOptions,
+    pub form: StateForm,
 }
 
 impl Job for StateWriteIntoJob<'_> {
@@ -128,10 +170,11 @@ impl Job for StateWriteIntoJob<'_> {
     ) -> JsResult<usize> {
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
         let c = match m {
-            core::Memory::Kv(c) => c,
+            core::Memory::Kv(c) if self.form.plain() => c,
             other => {
-                // today's memories write their parts whole, then into the caller's buffer
-                let payload = other.state_write(seq, layout).map_err(from_core)?;
+                // today's memories and framed states are written whole, then into the
+                // caller's buffer
+                let payload = self.form.write(other, seq, self.opts).map_err(from_core)?;
                 let len = self.out.len();
                 let into = self
                     .out
@@ -163,6 +206,7 @@ pub struct StateWriteIntoCopyJob {
     pub len: usize,
     pub seq: i32,
     pub opts: WriteOptions,
+    pub form: StateForm,
     /// The payload, between `run` and `complete`.
     pub payload: Vec<u8>,
 }
@@ -176,6 +220,13 @@ impl Job for StateWriteIntoCopyJob {
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
         let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
+        if !self.form.plain() {
+            self.payload = self.form.write(m, seq, self.opts).map_err(from_core)?;
+            if self.payload.len() > self.len {
+                return Err(too_small(self.len, self.payload.len()));
+            }
+            return Ok(self.payload.len());
+        }
         let size = m.state_size(seq, layout, n_stream).map_err(from_core)?;
         if size > self.len {
             return Err(too_small(self.len, size));

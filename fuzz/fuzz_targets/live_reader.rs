@@ -2,8 +2,9 @@
 //! models of `interop/make_models.py` (`node scripts/setup.mjs` writes them): the iSWA memory
 //! (gemma3), the hybrid memories (Jamba, LFM2) and the hybrid-iSWA one (LFM2 with a window:
 //! three parts, the first of no layer). The first byte picks the memory (bits 0-1), the layout
-//! (bit 2) and the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing); the
-//! rest is the payload. A failed read must leave the memory byte for byte as it was; a
+//! (bit 2), the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing) and a
+//! partial read (bit 5: llama.cpp's `PARTIAL_ONLY` state, a context checkpoint); the rest is
+//! the payload, with or without `llama_state_seq_get_data`'s envelope. A failed read must leave the memory byte for byte as it was; a
 //! successful one must write back without error.
 #![no_main]
 
@@ -80,6 +81,7 @@ fuzz_target!(|data: &[u8]| {
     let before = m.state_write(-1, Layout::StreamsRot).unwrap();
     let opts = ReadOptions {
         layout: Some(layout),
+        partial: selector & 0x20 != 0,
         ..ReadOptions::default()
     };
     match m.state_read(body, seq, opts, None) {

@@ -81,6 +81,7 @@ fuzz_target!(|data: &[u8]| {
         layout: None,
         allow_scattered: selector & 4 == 4,
         part: PARTS[usize::from(selector >> 4 & 3)],
+        partial: false,
     };
     let seq = i32::from(selector >> 4 & 3) - 1;
     if selector >> 6 == 3 {

@@ -8,10 +8,10 @@ use napi_derive::napi;
 
 use super::KvCache;
 use crate::args::{self, i32v, opt_i32, u32v, Bytes, Num, Obj, Tokens};
-use crate::error::{from_core, Code, JsResult};
+use crate::error::{err, from_core, Code, JsResult};
 use crate::jobs::{
-    self, LoadFileJob, SaveFileJob, StateReadJob, StateWriteIntoCopyJob, StateWriteIntoJob,
-    StateWriteJob,
+    self, LoadFileJob, SaveFileJob, StateForm, StateReadJob, StateWriteIntoCopyJob,
+    StateWriteIntoJob, StateWriteJob,
 };
 use crate::queue::JsPromise;
 use crate::signal::Signal;
@@ -32,6 +32,15 @@ pub struct SaveOptions {
     pub n_stream: Option<f64>,
     /// Session files: the model architecture name. Default 'llama'.
     pub arch: Option<String>,
+    /// `stateWrite`, `stateWriteInto`, `stateSize`: llama.cpp's `PARTIAL_ONLY` state (what
+    /// llama-server keeps as a context checkpoint): an iSWA memory's window cache, a hybrid's
+    /// recurrent part (after its window cache in hybrid-iSWA); a 'kv' or 'recurrent' cache
+    /// writes its whole state, as llama.cpp does. Default false.
+    pub partial: Option<bool>,
+    /// `stateWrite`, `stateWriteInto`, `stateSize`: the bytes of `llama_state_seq_get_data`,
+    /// the state after its envelope (the magic 0xaf143cd8 and the sequence id), for
+    /// `llama_state_seq_set_data`. `stateRead` accepts states with or without it. Default false.
+    pub envelope: Option<bool>,
     /// Called with `(doneBytes, totalBytes)` while the state is written.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
@@ -54,6 +63,10 @@ pub struct LoadOptions {
     pub part: Option<String>,
     /// One-sequence restores: use free cells anywhere when no contiguous run is free (today's llama.cpp does). Default false (the seed's rule).
     pub allow_scattered: Option<bool>,
+    /// `stateRead`: the payload is llama.cpp's `PARTIAL_ONLY` state (a context checkpoint, as
+    /// `stateWrite(seq, { partial: true })` writes it): an iSWA memory's window cache, a
+    /// hybrid's recurrent part; the other parts keep what they hold. Default false.
+    pub partial: Option<bool>,
     /// Called with `(doneBytes, totalBytes)`.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
@@ -73,8 +86,11 @@ impl KvCache {
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<f64, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, ..) = save_options(options)?;
+        let (opts, form, ..) = state_options(options)?;
         self.with_memory(|c| {
+            if !form.plain() {
+                return Ok(form.write(c, seq, opts).map_err(from_core)?.len() as f64);
+            }
             Ok(c.state_size(seq, opts.layout, opts.n_stream)
                 .map_err(from_core)? as f64)
         })
@@ -90,8 +106,11 @@ impl KvCache {
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<Buffer, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, ..) = save_options(options)?;
+        let (opts, form, ..) = state_options(options)?;
         self.with_memory(|m| {
+            if !form.plain() {
+                return Ok(form.write(m, seq, opts).map_err(from_core)?.into());
+            }
             let c = match m {
                 core::Memory::Kv(c) => c,
                 other => {
@@ -124,11 +143,11 @@ impl KvCache {
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, _, progress, signal) = save_options(options)?;
+        let (opts, form, progress, signal) = state_options(options)?;
         // an idle cache is what the task will find (calls from now on queue or are busy), so
         // the Buffer can come from Node's allocator here; a failed plan is left to the task,
         // which rejects with it
-        let plan = match self.shared.queue.is_pending() {
+        let plan = match self.shared.queue.is_pending() || !form.plain() {
             true => None,
             false => self.with_memory(|m| {
                 Ok(m.kv_ref("stateWrite")
@@ -145,6 +164,7 @@ impl KvCache {
         let job = StateWriteJob {
             seq,
             opts,
+            form,
             planned,
             failure,
         };
@@ -162,12 +182,17 @@ impl KvCache {
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<f64, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, ..) = save_options(options)?;
+        let (opts, form, ..) = state_options(options)?;
         let mut buffer = buffer;
         // SAFETY: every argument is converted (the options' getters have run); only the core
         // runs while the buffer is written
         let out = unsafe { buffer.borrow_mut("buffer")? };
-        self.run_sync(StateWriteIntoJob { out, seq, opts })
+        self.run_sync(StateWriteIntoJob {
+            out,
+            seq,
+            opts,
+            form,
+        })
     }
 
     /// `stateWriteIntoSync` on the threadpool: the state is written into `buffer` when the promise
@@ -181,7 +206,7 @@ impl KvCache {
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, _, progress, signal) = save_options(options)?;
+        let (opts, form, progress, signal) = state_options(options)?;
         // the threadpool writes into Rust memory, copied into `buffer` on this thread when the
         // task completes (see StateWriteIntoCopyJob)
         let (target, len) = buffer.hold("buffer")?;
@@ -190,6 +215,7 @@ impl KvCache {
             len,
             seq,
             opts,
+            form,
             payload: Vec::new(),
         };
         self.run_async(&env, job, progress, signal)
@@ -399,17 +425,58 @@ impl KvCache {
 
 type SaveParts = (WriteOptions, String, Option<ProgressFn>, Option<Signal>);
 
+/// The options of the file savers, which write llama.cpp's files: whole states, without the
+/// in-memory envelope.
 fn save_options(options: Option<Obj<SaveOptions>>) -> JsResult<SaveParts> {
+    let (opts, form, arch, progress, signal) = write_options(options)?;
+    if !form.plain() {
+        return Err(err(
+            Code::InvalidArg,
+            "partial and envelope are options of stateWrite, stateWriteInto and stateSize: \
+             llama.cpp's state files hold the whole state, without the envelope",
+        ));
+    }
+    Ok((opts, arch, progress, signal))
+}
+
+type StateParts = (WriteOptions, StateForm, Option<ProgressFn>, Option<Signal>);
+
+/// The options of `stateWrite`, `stateWriteInto` and `stateSize`.
+fn state_options(options: Option<Obj<SaveOptions>>) -> JsResult<StateParts> {
+    let (opts, form, _, progress, signal) = write_options(options)?;
+    Ok((opts, form, progress, signal))
+}
+
+type WriteParts = (
+    WriteOptions,
+    StateForm,
+    String,
+    Option<ProgressFn>,
+    Option<Signal>,
+);
+
+fn write_options(options: Option<Obj<SaveOptions>>) -> JsResult<WriteParts> {
     let Some(Obj(o)) = options else {
-        return Ok((WriteOptions::default(), "llama".into(), None, None));
+        return Ok((
+            WriteOptions::default(),
+            StateForm::default(),
+            "llama".into(),
+            None,
+            None,
+        ));
     };
     let opts = WriteOptions {
         version: o.version.map(|v| u32v("version", v)).transpose()?,
         layout: jobs::layout(o.layout.as_deref())?.unwrap_or(Layout::Streams),
         n_stream: o.n_stream.map_or(Ok(1), |n| u32v("nStream", n))?,
     };
+    let form = StateForm {
+        partial: o.partial.unwrap_or(false),
+        envelope: o.envelope.unwrap_or(false),
+    };
     Ok((
         opts,
+        form,
         o.arch.unwrap_or_else(|| "llama".into()),
         o.on_progress,
         o.signal,
@@ -426,6 +493,7 @@ fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
         layout: jobs::layout(o.layout.as_deref())?,
         allow_scattered: o.allow_scattered.unwrap_or(false),
         part: jobs::part(o.part.as_deref())?,
+        partial: o.partial.unwrap_or(false),
     };
     Ok((opts, o.on_progress, o.signal))
 }

@@ -121,6 +121,7 @@ impl KvCache {
             layout: jobs::layout(o.as_ref().and_then(|o| o.layout.as_deref()))?,
             allow_scattered: o.as_ref().and_then(|o| o.allow_scattered).unwrap_or(false),
             part: None,
+            partial: false,
         };
         let chunk = chunk_size(o.as_ref().and_then(|o| o.chunk_size))?;
         let work = Work::In {

@@ -431,6 +431,7 @@ impl Ours {
                     layout: Some(Layout::Seed),
                     allow_scattered: false,
                     part: None,
+                    partial: false,
                 };
                 self.cache.state_read(&data, -1, opts, None).map_err(e)?;
                 // 0.1.103 does not commit here: stale pending ranges survive a whole restore
@@ -727,6 +728,7 @@ impl Ours {
             layout: Some(Layout::Seed),
             allow_scattered: false,
             part: None,
+            partial: false,
         };
         match self.cache.state_read(&data, dst, opts, None) {
             Ok(summary) => {

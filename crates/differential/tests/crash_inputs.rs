@@ -83,6 +83,7 @@ fn crash1_llama_cpp_zero_cell_blob_does_not_touch_the_cache() {
         layout: Some(Layout::Seed),
         allow_scattered: false,
         part: None,
+        partial: false,
     };
     // accepted (empties seq 0) or refused (divergence D1): either way no crash, and a refusal
     // changes nothing

@@ -226,6 +226,7 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
                 allow_scattered: true,
                 layout: None,
                 part: None,
+                partial: false,
             },
             None,
         )
@@ -241,6 +242,7 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
                 allow_scattered: true,
                 layout: None,
                 part: None,
+                partial: false,
             },
             None
         ),

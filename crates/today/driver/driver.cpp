@@ -530,6 +530,26 @@ static void trace(llama_context * ctx, int n_vocab) {
         } else if (op == "load") {
             in >> a;
             ret = llama_state_seq_set_data(ctx, saved.data(), saved.size(), a) == saved.size() ? 1 : 0;
+        } else if (op == "savep") {
+            // PARTIAL_ONLY: what llama-server keeps as a context checkpoint
+            in >> a;
+            saved.resize(llama_state_seq_get_size_ext(ctx, a, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY));
+            ret = llama_state_seq_get_data_ext(ctx, saved.data(), saved.size(), a, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == saved.size() ? 1 : 0;
+        } else if (op == "loadp") {
+            in >> a;
+            ret = llama_state_seq_set_data_ext(ctx, saved.data(), saved.size(), a, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) == saved.size() ? 1 : 0;
+        } else if (op == "dump") {
+            std::string path;
+            in >> path;
+            std::ofstream f(path, std::ios::binary);
+            f.write((const char *) saved.data(), (std::streamsize) saved.size());
+            ret = f.good() ? 1 : 0;
+        } else if (op == "undump") {
+            std::string path;
+            in >> path;
+            std::ifstream f(path, std::ios::binary);
+            saved.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+            ret = f.good() || f.eof() ? 1 : 0;
         } else if (op == "clear") {
             llama_memory_clear(mem, true);
         } else {

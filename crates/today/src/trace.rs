@@ -33,7 +33,8 @@ pub struct TraceConfig {
 }
 
 impl TraceConfig {
-    fn context(&self) -> ContextParams {
+    /// The context the driver makes, as our memory's parameters.
+    pub fn context(&self) -> ContextParams {
         ContextParams {
             n_ctx: self.ctx,
             n_seq_max: self.n_seq,
@@ -195,18 +196,25 @@ impl Oracle {
 
     /// Applies `op` and reads what the memory shows.
     pub fn apply(&mut self, op: &Op) -> Result<Shown, String> {
-        writeln!(self.input, "{}", op.line()).map_err(|e| format!("driver stdin: {e}"))?;
+        self.send(&op.line())
+    }
+
+    /// Sends one line of the trace protocol (also its state ops: `save`/`load` of the
+    /// in-memory sequence state, `savep`/`loadp` of its `PARTIAL_ONLY` form, `dump PATH` /
+    /// `undump PATH` of the saved bytes) and reads what the memory shows.
+    pub fn send(&mut self, op: &str) -> Result<Shown, String> {
+        writeln!(self.input, "{op}").map_err(|e| format!("driver stdin: {e}"))?;
         let mut line = String::new();
         self.output
             .read_line(&mut line)
             .map_err(|e| format!("driver stdout: {e}"))?;
         if line.is_empty() {
-            return Err(format!("the driver ended at `{}`", op.line()));
+            return Err(format!("the driver ended at `{op}`"));
         }
         let v: Value =
             serde_json::from_str(&line).map_err(|e| format!("driver said {line:?}: {e}"))?;
         if let Some(e) = v.get("error") {
-            return Err(format!("driver error at `{}`: {e}", op.line()));
+            return Err(format!("driver error at `{op}`: {e}"));
         }
         shown_from_json(&v)
     }

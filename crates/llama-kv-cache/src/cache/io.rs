@@ -34,6 +34,11 @@ pub struct ReadOptions {
     /// Of a payload of several memories (iSWA, hybrid), load this part. Without it, files
     /// load the one part that fits the cache, and `state_read` reads a single memory.
     pub part: Option<PartRole>,
+    /// The payload is llama.cpp's `PARTIAL_ONLY` state (what llama-server keeps as a context
+    /// checkpoint): an iSWA memory's window cache, a hybrid's recurrent part (after its
+    /// window cache in hybrid-iSWA); the other parts keep what they hold. A unified cache
+    /// writes its whole state either way.
+    pub partial: bool,
 }
 
 /// What a read did.

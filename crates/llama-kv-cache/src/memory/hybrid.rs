@@ -417,6 +417,39 @@ impl HybridCache {
         Ok(out)
     }
 
+    /// llama.cpp's `PARTIAL_ONLY` state of `seq` (a context checkpoint): the recurrent part,
+    /// after the window cache when the attention part is iSWA (hybrid-iSWA).
+    pub fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        let mut out = match &self.attn.cache {
+            AttentionPart::Full(_) => Vec::new(),
+            AttentionPart::Window(c) => c.state_write_partial(seq, layout)?,
+        };
+        out.extend(self.recr.memory.state_write(seq)?);
+        Ok(out)
+    }
+
+    /// Reads a `PARTIAL_ONLY` state: the recurrent part (and a hybrid-iSWA memory's window
+    /// cache before it), all checked before any changes; the attention cache keeps what it
+    /// holds, as in llama.cpp.
+    pub fn state_read_partial(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+    ) -> Result<ReadSummary> {
+        let AttentionPart::Window(c) = &mut self.attn.cache else {
+            return self.recr.memory.state_read(data, seq);
+        };
+        let swa = c.check_swa(data, seq, layout)?;
+        let (first, second) = data.split_at(swa.len());
+        self.recr.memory.check_read(second, seq)?;
+        let mut a = c.apply_swa(first, swa, seq)?;
+        let r = self.recr.memory.state_read(second, seq)?;
+        a.cells += r.cells;
+        a.placed.extend(r.placed);
+        Ok(a)
+    }
+
     /// Bytes of [`HybridCache::state_write`]`(seq, layout)`.
     pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
         let recr = self.recr.memory.cache().state_size(seq, Layout::Seed, 1)?;

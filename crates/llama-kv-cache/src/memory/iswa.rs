@@ -395,6 +395,39 @@ impl IswaCache {
         Ok(out)
     }
 
+    /// llama.cpp's `PARTIAL_ONLY` state of `seq` (what llama-server keeps as a context
+    /// checkpoint): the window cache only.
+    pub fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        self.swa.cache.state_write(seq, layout)
+    }
+
+    /// Reads a `PARTIAL_ONLY` state into the window cache (checked before it changes); the
+    /// base cache keeps what it holds, as in llama.cpp.
+    pub fn state_read_partial(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+    ) -> Result<ReadSummary> {
+        self.swa.cache.state_read(data, seq, layout)
+    }
+
+    /// Checks the window cache's part at the start of `data` (a hybrid-iSWA memory's partial
+    /// state goes on with its recurrent part).
+    pub(crate) fn check_swa(&self, data: &[u8], seq: i32, layout: Layout) -> Result<CheckedRead> {
+        self.swa.cache.check_read(data, seq, layout, false)
+    }
+
+    /// Applies a read [`IswaCache::check_swa`] accepted.
+    pub(crate) fn apply_swa(
+        &mut self,
+        data: &[u8],
+        checked: CheckedRead,
+        seq: i32,
+    ) -> Result<ReadSummary> {
+        self.swa.cache.apply_read(data, checked, seq)
+    }
+
     /// Bytes of [`IswaCache::state_write`]`(seq, layout)`.
     pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
         Ok(self.base.cache.state_size(seq, layout)? + self.swa.cache.state_size(seq, layout)?)

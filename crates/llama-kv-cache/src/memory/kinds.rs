@@ -16,7 +16,7 @@ use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
 use crate::model::{MemoryKind, ModelInfo};
-use crate::state::files::WriteOptions;
+use crate::state::files::{seq_data_payload, WriteOptions};
 use crate::state::parts::PartRole;
 use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
@@ -406,6 +406,18 @@ impl Memory {
         }
     }
 
+    /// llama.cpp's `PARTIAL_ONLY` state of `seq` (what llama-server keeps as a context
+    /// checkpoint): an iSWA memory's window cache, a hybrid's recurrent part (after its window
+    /// cache in hybrid-iSWA). A unified or recurrent cache writes its whole state, as
+    /// llama.cpp does.
+    pub fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        match self {
+            Memory::Kv(_) => self.state_write(seq, layout),
+            Memory::Iswa(c) => c.state_write_partial(seq, layout),
+            Memory::Hybrid(c) => c.state_write_partial(seq, layout),
+        }
+    }
+
     /// Bytes of the state of `seq` (-1: everything) in `layout` (`n_stream`: a `kv` cache's
     /// option of writing one stream per sequence).
     pub fn state_size(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<usize> {
@@ -425,7 +437,15 @@ impl Memory {
         opts: ReadOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<ReadSummary> {
+        // the in-memory form of llama_state_seq_get_data reads as its payload
+        let data = seq_data_payload(data);
         let layouts = payload_layouts(opts.layout);
+        if opts.partial && !matches!(self, Memory::Kv(_)) {
+            if progress.is_some_and(|p| !p(0, data.len() as u64)) {
+                return Err(KvError::Aborted("state read aborted".into()));
+            }
+            return self.read_partial(data, seq, &layouts);
+        }
         match self {
             Memory::Kv(c) => c.state_read(data, seq, opts, progress),
             other => {
@@ -445,6 +465,29 @@ impl Memory {
                 }
             }
         }
+    }
+
+    /// Reads a `PARTIAL_ONLY` state (see [`Memory::state_write_partial`]) under the first of
+    /// `layouts` that fits; the other parts keep what they hold.
+    fn read_partial(&mut self, data: &[u8], seq: i32, layouts: &[Layout]) -> Result<ReadSummary> {
+        let mut why = Vec::new();
+        for &layout in layouts {
+            let read = match self {
+                Memory::Iswa(c) => c.state_read_partial(data, seq, layout),
+                Memory::Hybrid(c) => c.state_read_partial(data, seq, layout),
+                Memory::Kv(_) => unreachable!("a unified cache reads its whole state"),
+            };
+            match read {
+                Ok(r) => return Ok(r),
+                Err(e @ KvError::NoSpace(_)) => return Err(e),
+                Err(e) => why.push(format!("{layout}: {e}")),
+            }
+        }
+        Err(KvError::InvalidState(format!(
+            "not a partial state of this '{}' memory ({})",
+            self.kind(),
+            why.join("; ")
+        )))
     }
 
     /// Saves a file of a memory of two parts (see [`save_file`]); a `kv` cache saves its

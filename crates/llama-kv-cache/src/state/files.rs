@@ -339,6 +339,28 @@ pub fn resolve_version(kind: FileKind, opts: &WriteOptions) -> Result<(u32, Layo
     }
 }
 
+/// The magic `llama_state_seq_get_data` (0.1.161) writes before a sequence's state, then the
+/// sequence id: its in-memory form (`io_magic`), which files do not have.
+pub const SEQ_DATA_MAGIC: u32 = 0xaf14_3cd8;
+
+/// The envelope of `llama_state_seq_get_data` for `seq`: the magic and the sequence id.
+pub fn seq_data_envelope(seq: i32) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    out[..4].copy_from_slice(&SEQ_DATA_MAGIC.to_le_bytes());
+    out[4..].copy_from_slice(&seq.to_le_bytes());
+    out
+}
+
+/// `data` without the envelope of `llama_state_seq_get_data` when it has one (llama.cpp reads
+/// the sequence id there and ignores it, as this does). No payload starts with the magic: as
+/// an `n_stream` or a cell count it is beyond every cache.
+pub fn seq_data_payload(data: &[u8]) -> &[u8] {
+    match data.get(..4) {
+        Some(m) if m == SEQ_DATA_MAGIC.to_le_bytes() && data.len() >= 8 => &data[8..],
+        _ => data,
+    }
+}
+
 /// A state file's header: magic, version and the token list.
 pub fn header_bytes(kind: FileKind, version: u32, tokens: &[i32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + 4 * tokens.len());

@@ -34,9 +34,7 @@ pub fn copy_rows(dst: &mut [u8], src: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 unsafe fn stream_copy(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{
-        __m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence,
-    };
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
     const STEP: usize = 128;
     let n = src.len();
     let head = dst.as_ptr().align_offset(32).min(n);
@@ -71,12 +69,17 @@ mod tests {
     /// Every offset and length around the alignment, the step and the threshold copies exactly.
     #[test]
     fn copies_are_exact_at_every_alignment_and_length() {
-        let src: Vec<u8> = (0..STREAM_MIN + 1024).map(|i| (i * 31 % 251) as u8).collect();
+        let src: Vec<u8> = (0..STREAM_MIN + 1024)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
         for len in [0, 1, 127, 128, STREAM_MIN - 1, STREAM_MIN, STREAM_MIN + 129] {
             for (d_off, s_off) in [(0, 0), (1, 0), (0, 3), (17, 5), (31, 31)] {
                 let mut dst = vec![0u8; len + 64];
                 copy_rows(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
-                assert!(dst[d_off..d_off + len] == src[s_off..s_off + len], "{len} {d_off} {s_off}");
+                assert!(
+                    dst[d_off..d_off + len] == src[s_off..s_off + len],
+                    "{len} {d_off} {s_off}"
+                );
                 assert!(dst[..d_off].iter().all(|&b| b == 0));
                 assert!(dst[d_off + len..].iter().all(|&b| b == 0));
             }

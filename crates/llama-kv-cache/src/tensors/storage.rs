@@ -4,9 +4,9 @@
 use memmap2::MmapMut;
 
 use crate::alloc::{populate, zeroed_bytes, OwnedBytes};
-use crate::tensors::bulk_copy::copy_rows;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
+use crate::tensors::bulk_copy::copy_rows;
 use crate::tensors::transpose::{transpose, Shape};
 
 /// Where a buffer's bytes live.
