@@ -411,11 +411,24 @@ impl<'a> Capture<'a> {
                 rows.seen_by(window)
             }
         });
+        let memory = match memory {
+            Memory::Iswa(_) => MemoryKind::Iswa,
+            _ => MemoryKind::Hybrid,
+        };
+        Capture::of_parts(memory, main, swa, (recurrent, recurrent_end), len)
+    }
+
+    /// A capture of these parts (`recurrent`: its state and end, when the memory has one),
+    /// with the shape they make.
+    fn of_parts(
+        memory: MemoryKind,
+        main: Option<KvRows<'a>>,
+        swa: Option<KvRows<'a>>,
+        (recurrent, recurrent_end): (Vec<u8>, Option<usize>),
+        len: usize,
+    ) -> StoreResult<Capture<'a>> {
         let shape = Shape {
-            memory: match memory {
-                Memory::Iswa(_) => MemoryKind::Iswa,
-                _ => MemoryKind::Hybrid,
-            },
+            memory,
             main: main.as_ref().map(KvRows::shape).transpose()?,
             swa: swa.as_ref().map(KvRows::shape).transpose()?,
             recurrent: recurrent_end.map(|_| recurrent.len() as u64),
@@ -519,24 +532,12 @@ impl<'a> Capture<'a> {
             Some(m) => m.prefix_len(seq.unwrap_or(0))?.min(tokens.len()),
             None => tokens.len(),
         };
-        let shape = Shape {
-            memory: if whole_recurrent {
-                MemoryKind::Recurrent
-            } else {
-                ins.memory
-            },
-            main: main.as_ref().map(KvRows::shape).transpose()?,
-            swa: swa.as_ref().map(KvRows::shape).transpose()?,
-            recurrent: recurrent_part.map(|_| recurrent.len() as u64),
+        let memory = if whole_recurrent {
+            MemoryKind::Recurrent
+        } else {
+            ins.memory
         };
-        let capture = Capture {
-            shape,
-            main,
-            swa,
-            recurrent,
-            len,
-            recurrent_end,
-        };
+        let capture = Capture::of_parts(memory, main, swa, (recurrent, recurrent_end), len)?;
         Ok((capture, format))
     }
 }

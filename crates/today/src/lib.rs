@@ -303,6 +303,22 @@ pub fn specs() -> Vec<Spec> {
 }
 
 impl Spec {
+    /// The context the driver makes for this fixture, as our memory's parameters (the
+    /// driver's batch and ubatch are the context size).
+    pub fn context_params(&self) -> llama_kv_cache::ContextParams {
+        let ty = |id| llama_kv_cache::GgmlType::from_id(id).expect("a fixture's type id");
+        llama_kv_cache::ContextParams {
+            n_ctx: self.ctx,
+            n_seq_max: self.prompts.len() as u32,
+            n_ubatch: self.ctx,
+            unified: self.unified,
+            swa_full: false,
+            type_k: ty(self.types.0),
+            type_v: ty(self.types.1),
+            flash_attn: self.fa,
+        }
+    }
+
     /// The context options of the driver.
     pub fn context_args(&self) -> Vec<String> {
         vec![

@@ -5,9 +5,7 @@
 
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind};
-use llama_kv_cache::{
-    ContextParams, GgmlType, KvCache, Layout, Memory, ModelInfo, PartRole, ReadOptions,
-};
+use llama_kv_cache::{KvCache, Layout, Memory, ModelInfo, PartRole, ReadOptions};
 use today_peer::{models_dir, specs, Spec};
 
 fn read(path: &std::path::Path) -> Vec<u8> {
@@ -250,18 +248,8 @@ fn a_v11_session_larger_than_the_cache_is_no_space_and_changes_nothing() {
 fn live_memory(spec: &Spec) -> Memory {
     let info = ModelInfo::from_file(&models_dir().join(spec.model), false)
         .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
-    let ctx = ContextParams {
-        n_ctx: spec.ctx,
-        n_seq_max: spec.prompts.len() as u32,
-        // the driver's batch and ubatch are the context size it is given
-        n_ubatch: spec.ctx,
-        unified: spec.unified,
-        swa_full: false,
-        type_k: GgmlType::from_id(spec.types.0).unwrap(),
-        type_v: GgmlType::from_id(spec.types.1).unwrap(),
-        flash_attn: spec.fa,
-    };
-    Memory::for_model(&info, &ctx).unwrap_or_else(|e| panic!("t161-{}: {e}", spec.name))
+    Memory::for_model(&info, &spec.context_params())
+        .unwrap_or_else(|e| panic!("t161-{}: {e}", spec.name))
 }
 
 #[test]

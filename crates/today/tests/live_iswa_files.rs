@@ -5,24 +5,13 @@
 //! the token the peer itself predicted after the whole prompt.
 
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, session_prefix, FileKind};
-use llama_kv_cache::{ContextParams, GgmlType, IswaCache, IswaParams, Layout, ModelInfo};
+use llama_kv_cache::{IswaCache, IswaParams, Layout, ModelInfo};
 use today_peer::{models_dir, spec_named, Spec};
 
 fn cache_for(spec: &Spec) -> IswaCache {
     let info = ModelInfo::from_file(&models_dir().join(spec.model), false)
         .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
-    let ctx = ContextParams {
-        n_ctx: spec.ctx,
-        n_seq_max: spec.prompts.len() as u32,
-        // the driver's batch and ubatch are the context size it is given
-        n_ubatch: spec.ctx,
-        unified: spec.unified,
-        swa_full: false,
-        type_k: GgmlType::from_id(spec.types.0).unwrap(),
-        type_v: GgmlType::from_id(spec.types.1).unwrap(),
-        flash_attn: spec.fa,
-    };
-    let p = IswaParams::for_model(&info, &ctx).unwrap();
+    let p = IswaParams::for_model(&info, &spec.context_params()).unwrap();
     assert_eq!(
         (p.params.n_rot_k, p.params.n_rot_v),
         spec.n_rot,

@@ -153,8 +153,14 @@ fn filled_iswa() -> IswaCache {
 }
 
 fn filled_hybrid() -> HybridCache {
-    let mut c = HybridCache::for_model(&model("jamba.gguf"), &context(2)).unwrap();
-    for (s, n) in [(0, 7), (1, 3)] {
+    hybrid_with("jamba.gguf", 2, &[(0, 7), (1, 3)])
+}
+
+/// The hybrid memory of `model` for `n_seq` sequences, each `(seq, n)` placed as one group of
+/// `n` tokens.
+fn hybrid_with(model_file: &str, n_seq: u32, groups: &[(i32, i32)]) -> HybridCache {
+    let mut c = HybridCache::for_model(&model(model_file), &context(n_seq)).unwrap();
+    for &(s, n) in groups {
         let ub = UBatch {
             pos: (0..n).collect(),
             n_seq_tokens: n as u32,
@@ -189,17 +195,7 @@ fn damaged_hybrid_states_are_read_or_refused_with_the_memory_unchanged() {
 /// LFM2 with a window: llama_memory_hybrid_iswa (a base cache of no layer, the window cache,
 /// the convolution state), as the `live_reader` fuzz target builds it.
 fn filled_hybrid_iswa() -> HybridCache {
-    let mut c = HybridCache::for_model(&model("lfm2-swa.gguf"), &context(3)).unwrap();
-    for (s, n) in [(0, 6), (1, 3)] {
-        let ub = UBatch {
-            pos: (0..n).collect(),
-            n_seq_tokens: n as u32,
-            seq_ids: vec![vec![s]],
-            ext: Vec::new(),
-        };
-        c.place(&[ub]).unwrap().unwrap();
-    }
-    c
+    hybrid_with("lfm2-swa.gguf", 3, &[(0, 6), (1, 3)])
 }
 
 #[test]

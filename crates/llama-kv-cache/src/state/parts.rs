@@ -153,58 +153,17 @@ fn kv_part_at(start: usize, role: PartRole, payload: ParsedPayload) -> Part {
     }
 }
 
-/// The recurrent memory of a hybrid, which must end the payload. Its data header declares
-/// every model layer but it writes blocks only for the recurrent ones, so the block count is
-/// the one that consumes the bytes exactly (largest first).
-fn recurrent_tail<S: ByteSource + ?Sized>(bytes: &S, start: usize) -> Result<Part> {
+/// The recurrent memory of a hybrid at `start`, and what `then` makes of the bytes after it.
+/// Its data header declares every model layer but it writes blocks only for the recurrent
+/// ones, so the block count is the one after which `then` succeeds (largest first).
+fn recurrent_then<S: ByteSource + ?Sized, T>(
+    bytes: &S,
+    start: usize,
+    then: impl Fn(usize) -> Result<T>,
+) -> Result<(Part, T)> {
     let body = &Sub::new(bytes, start..bytes.len());
     let declared = {
         // peek at n_layer: cell_count, cells, s_trans, n_layer
-        let mut c = Cursor::new(body);
-        let head = parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
-        head.data.map_or(0, |d| d.n_layer)
-    };
-    let mut last_err = None;
-    for blocks in (1..=declared).rev() {
-        let mut c = Cursor::new(body);
-        match parse_stream_with(&mut c, 0, StreamFormat::recurrent(), Some(blocks)) {
-            Ok(stream) if c.remaining() == 0 => {
-                return Ok(Part {
-                    kind: PartKind::Recurrent,
-                    role: PartRole::Recurrent,
-                    range: start..bytes.len(),
-                    payload: ParsedPayload {
-                        layout: Layout::Seed,
-                        streams: vec![stream],
-                        len: c.pos,
-                        ext: CellExt::None,
-                    },
-                })
-            }
-            Ok(_) => {
-                last_err = Some(KvError::InvalidState(format!(
-                    "recurrent part: {} trailing bytes with {blocks} layer blocks",
-                    c.remaining()
-                )))
-            }
-            Err(e) => last_err = Some(e),
-        }
-    }
-    Err(last_err.unwrap_or_else(|| {
-        KvError::InvalidState("recurrent part: n_layer 0 declares no layer".into())
-    }))
-}
-
-/// The recurrent memory of a hybrid with an indexer (`hybrid-idx`), followed by the indexer's
-/// KV cache, which ends the payload: the recurrent part's block count is the one after which
-/// the indexer part consumes the bytes exactly (largest first).
-fn recurrent_then_indexer<S: ByteSource + ?Sized>(
-    bytes: &S,
-    start: usize,
-    format: KvFormat,
-) -> Result<[Part; 2]> {
-    let body = &Sub::new(bytes, start..bytes.len());
-    let declared = {
         let mut c = Cursor::new(body);
         let head = parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
         head.data.map_or(0, |d| d.n_layer)
@@ -220,9 +179,9 @@ fn recurrent_then_indexer<S: ByteSource + ?Sized>(
             }
         };
         let end = start + c.pos;
-        match kv_part(bytes, end, format, PartRole::Indexer, true) {
-            Ok(indexer) => {
-                let recurrent = Part {
+        match then(end) {
+            Ok(rest) => {
+                let part = Part {
                     kind: PartKind::Recurrent,
                     role: PartRole::Recurrent,
                     range: start..end,
@@ -233,7 +192,7 @@ fn recurrent_then_indexer<S: ByteSource + ?Sized>(
                         ext: CellExt::None,
                     },
                 };
-                return Ok([recurrent, indexer]);
+                return Ok((part, rest));
             }
             Err(e) => last_err = Some(e),
         }
@@ -241,6 +200,29 @@ fn recurrent_then_indexer<S: ByteSource + ?Sized>(
     Err(last_err.unwrap_or_else(|| {
         KvError::InvalidState("recurrent part: n_layer 0 declares no layer".into())
     }))
+}
+
+/// The recurrent memory of a hybrid, which must end the payload.
+fn recurrent_tail<S: ByteSource + ?Sized>(bytes: &S, start: usize) -> Result<Part> {
+    let ends = |end: usize| match bytes.len() - end {
+        0 => Ok(()),
+        n => Err(KvError::InvalidState(format!(
+            "recurrent part: {n} trailing bytes"
+        ))),
+    };
+    Ok(recurrent_then(bytes, start, ends)?.0)
+}
+
+/// The recurrent memory of a hybrid with an indexer (`hybrid-idx`), followed by the indexer's
+/// KV cache, which ends the payload.
+fn recurrent_then_indexer<S: ByteSource + ?Sized>(
+    bytes: &S,
+    start: usize,
+    format: KvFormat,
+) -> Result<[Part; 2]> {
+    let indexer = |end| kv_part(bytes, end, format, PartRole::Indexer, true);
+    let (recurrent, indexer) = recurrent_then(bytes, start, indexer)?;
+    Ok([recurrent, indexer])
 }
 
 /// Every way `bytes` parses as the payload of one memory under `layouts` (the layouts a file
