@@ -19,7 +19,7 @@ use llama_kv_cache::state::files::{
 };
 use llama_kv_cache::{
     convert_bytes, CellExt, CellExtValue, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
-    ReadOptions, SequenceLoad, Tensor, WriteOptions,
+    ReadOptions, ReadSummary, SequenceLoad, Tensor, WriteOptions,
 };
 
 use sha2::{Digest, Sha256};
@@ -1173,15 +1173,10 @@ impl PromptStore {
             allow_scattered: true,
             ..ReadOptions::default()
         };
-        // progress in tokens, as for a KV cache: the one state is loaded whole
-        let mut progress = progress;
-        tick(&mut progress, 0, len as u64)?;
-        cache.state_read(&payload, seq, opts, None)?;
-        if let Some(p) = progress.as_mut() {
-            // loaded: too late to stop, only reported
-            p(len as u64, len as u64);
-        }
-        Ok(len as u64)
+        // the one state is loaded whole
+        read_whole(progress, len, || {
+            Ok(cache.state_read(&payload, seq, opts, None)?)
+        })
     }
 
     /// Plans `tokens`, then loads the longest restore point that verifies into sequence `seq`
@@ -1461,6 +1456,23 @@ impl PromptStore {
 type Written = (StoreResult<Vec<bool>>, Vec<(Key, Vec<u8>)>, usize);
 
 /// Counts a written batch into `report`.
+/// Runs `read` of a restore point of `len` tokens that loads whole, with progress in tokens
+/// as a block-by-block load reports it: it may stop before the read, which it then rolls back
+/// itself, and only hears of the end after it.
+fn read_whole(
+    mut progress: Option<Progress<'_>>,
+    len: usize,
+    read: impl FnOnce() -> StoreResult<ReadSummary>,
+) -> StoreResult<u64> {
+    tick(&mut progress, 0, len as u64)?;
+    read()?;
+    if let Some(p) = progress.as_mut() {
+        // loaded: too late to stop, only reported
+        p(len as u64, len as u64);
+    }
+    Ok(len as u64)
+}
+
 fn count_written(batch: &[(Key, Vec<u8>)], stored: &[bool], report: &mut PutReport) {
     for ((_, v), &s) in batch.iter().zip(stored) {
         if s {

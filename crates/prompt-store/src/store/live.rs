@@ -9,7 +9,7 @@ use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::FileKind;
 use llama_kv_cache::{KvCache, KvError, Layout, Memory, MemoryKind, PartRole, ReadOptions};
 
-use super::{tick, Bound, PromptStore, PutReport, Target};
+use super::{read_whole, Bound, PromptStore, PutReport, Target};
 use crate::capture::Capture;
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::Geometry;
@@ -86,15 +86,10 @@ impl PromptStore {
             layout: Some(Layout::StreamsRot),
             ..ReadOptions::default()
         };
-        // progress in tokens, as for a KV cache: the parts are read whole
-        let mut progress = progress;
-        tick(&mut progress, 0, len as u64)?;
-        memory.state_read(&payload, seq, opts, None)?;
-        if let Some(p) = progress.as_mut() {
-            // loaded: too late to stop, only reported
-            p(len as u64, len as u64);
-        }
-        Ok(len as u64)
+        // the parts are read whole
+        read_whole(progress, len, || {
+            Ok(memory.state_read(&payload, seq, opts, None)?)
+        })
     }
 
     /// Checks that `memory` is of the bound shape (its kind and the rows of its attention
