@@ -987,6 +987,12 @@ export interface ModelLayer {
   nEmbdVGqa: number
   /** Whether the layer uses the sliding window. */
   swa: boolean
+  /**
+   * Which parts of the model's memory hold the layer: 'attention' | 'recurrent' | 'both'
+   * (Falcon-H1) | 'neither' (Nemotron-H's MLP-only layers, multi-token-prediction layers
+   * of a hybrid).
+   */
+  memory: string
 }
 
 /** Recurrent state dimensions (Mamba `ssm_*`, RWKV `wkv`). */
@@ -999,6 +1005,8 @@ export interface ModelRecurrent {
   ssmDState: number
   /** `ssm.time_step_rank`. */
   ssmDtRank: number
+  /** `ssm.group_count` (Mamba-2 groups of B and C; 0 for Mamba). */
+  ssmNGroup: number
   /** RWKV `wkv.head_size`. */
   wkvHeadSize: number
   /** RWKV `token_shift_count`. */

@@ -62,7 +62,7 @@ test('modelInfo, fromModel and checkState: a model path that is not a string is 
 
 // No switch turns these off: without the models (written by `npm test`'s set-up) the spec fails with one test
 // that names the set-up command, and the model tests are not registered, so nothing passes vacuously.
-const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf', 'lfm2-swa.gguf']
+const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf', 'lfm2-swa.gguf', 'qwen35.gguf', 'nemotron-h.gguf']
 const missingModels = MODEL_FILES.filter((m) => !fs.existsSync(model(m)))
 const unregistered = []
 if (missingModels.length > 0) {
@@ -79,7 +79,7 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   const h16 = modelInfo(model('llama-h16.gguf'))
   t.like(h16, { arch: 'llama', nLayer: 2, nEmbdHeadK: 16, nEmbdHeadV: 16, memory: 'unified' })
   t.deepEqual(h16.nEmbdKGqa, [32, 32])
-  t.deepEqual(h16.layers[0], { nHead: 4, nHeadKv: 2, nEmbdKGqa: 32, nEmbdVGqa: 32, swa: false })
+  t.deepEqual(h16.layers[0], { nHead: 4, nHeadKv: 2, nEmbdKGqa: 32, nEmbdVGqa: 32, swa: false, memory: 'attention' })
   t.like(h16.rope, { type: 'norm', nRot: 16, freqBase: 10000, freqScale: 1, scalingType: 'linear' })
   t.is(h16.bytesPerCell.f16, 2 * 2 * 32 * 2)
   t.is(h16.bytesPerCell.q8_0, 2 * 2 * 34)
@@ -646,6 +646,44 @@ mtest('an LFM2 model with a window gets a hybrid-iSWA memory: a base cache witho
   t.deepEqual(d.readRows(0, 'k', [where[2].cells[0]]), Buffer.alloc(64 * 4, 7))
   // the recurrent state holds the last position only: 0.1.161's hybrid minimum is the larger one
   t.deepEqual([d.seqPosMin(0), d.seqPosMax(0)], [5, 5])
+})
+
+mtest('Qwen3.5 gets a hybrid memory split by its attention interval, its attention cells keeping M-RoPE\'s extension', (t) => {
+  const info = modelInfo(model('qwen35.gguf'))
+  // every layer has KV heads: only `full_attention_interval` (2) tells the gated delta nets
+  t.like(info, { arch: 'qwen35', memory: 'hybrid', unsupported: undefined, cellExt: 'pos2-tok' })
+  t.deepEqual(info.layers.map((l) => [l.nHeadKv, l.memory]), [[1, 'recurrent'], [1, 'attention'], [1, 'recurrent'], [1, 'attention']])
+  // a conv state of the Q, K and V channels ((4 - 1) x (16 + 2 x 2 x 8)), one 8x8 state per value head
+  t.like(info.recurrent, { ssmNGroup: 2, nEmbdKS: 144, nEmbdVS: 128 })
+  const c = KvCache.fromModel(model('qwen35.gguf'), { nCtx: 32 })
+  t.deepEqual(c.parts.map((p) => [p.role, p.layers]), [['attention', [1, 3]], ['recurrent', [0, 2]]])
+  // the 0.1.161 peer's files load and save back byte for byte
+  for (const ext of ['ggsn', 'ggsq']) {
+    const peer = path.join(FIXTURES, 't161', `t161-qwen35.${ext}`)
+    const d = KvCache.fromModel(model('qwen35.gguf'), { nCtx: 32 })
+    const loaded = ext === 'ggsn' ? d.loadSessionFileSync(peer) : d.loadSequenceFileSync(peer, 0)
+    t.is(d.seqPosMax(0), 9)
+    const again = tmp(`qwen35-again.${ext}`)
+    if (ext === 'ggsn') d.saveSessionFileSync(again, loaded.tokens, { arch: 'qwen35', version: 11 })
+    else d.saveSequenceFileSync(again, 0, loaded.tokens, { version: 4 })
+    t.deepEqual(fs.readFileSync(again), fs.readFileSync(peer))
+  }
+  // a gated delta net's layer reads its conv state (R) rows; an attention layer its K rows
+  const [where] = c.place([{ pos: [0, 1, 2], seqIds: [0], nSeqTokens: 3 }])
+  t.deepEqual(where.map((p) => p.part), ['attention', 'recurrent'])
+  t.is(c.readRows(0, 'k', where[1].cells).length, 144 * 4)
+  t.is(c.readRows(1, 'k', where[0].cells).length, 3 * 16 * 2)
+})
+
+mtest('Nemotron-H\'s MLP-only layer is in neither part of its hybrid memory, and a layer index there says so', (t) => {
+  const info = modelInfo(model('nemotron-h.gguf'))
+  t.deepEqual(info.layers.map((l) => l.memory), ['recurrent', 'attention', 'neither'])
+  // Mamba-2: (4 - 1) x (64 + 2 x 2 x 8) conv channels, 8 x 64 SSM state
+  t.like(info.recurrent, { ssmNGroup: 2, nEmbdKS: 288, nEmbdVS: 512 })
+  const c = KvCache.fromModel(model('nemotron-h.gguf'), { nCtx: 32 })
+  t.deepEqual(c.parts.map((p) => [p.role, p.layers]), [['attention', [1]], ['recurrent', [0]]])
+  t.throws(() => c.readRows(2, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 2 keeps nothing in this memory/))
+  t.throws(() => c.readRows(3, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 3 is out of range \[0, 3\)/))
 })
 
 // ---- the prompt store with live caches of today's kinds -----------------------------------------------

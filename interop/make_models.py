@@ -401,6 +401,89 @@ def write_deepseek2_mla(path, n_embd, n_head, n_ff, n_layer, q_lora, kv_lora, ro
     finish(w)
 
 
+def write_qwen35(path, n_embd, n_head, n_head_kv, n_ff, n_layer, interval, seed):
+    """Qwen3.5 (dense): gated-delta-net layers (recurrent: a conv state of the Q, K and V
+    channels and one head_dim^2 state per value head) and every `interval`-th layer a gated
+    attention layer with interleaved M-RoPE. KV heads on every layer, as the real models say:
+    only `full_attention_interval` tells the recurrent layers (llama.cpp 0.1.161's filter).
+    Its attention cells carry 0.1.161's cell extension."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    d_conv, d_state, n_group, n_v_heads = 4, 8, 2, 2
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    w = begin(path, "qwen35", "qwen35", n_embd, n_layer, n_ff, n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_sections([3, 3, 2, 0])
+    w.add_rope_freq_base(10000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    add_ssm_hparams(w, d_conv, value_dim, d_state, n_v_heads)
+    w.add_uint32("qwen35.ssm.group_count", n_group)
+    w.add_uint32("qwen35.full_attention_interval", interval)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "post_attention_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if (i + 1) % interval == 0:
+            w.add_tensor(p + "attn_q.weight", rnd(rng, (2 * n_embd, n_embd), 0.2))  # query + gate
+            w.add_tensor(p + "attn_k.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+            w.add_tensor(p + "attn_v.weight", rnd(rng, (n_embd_gqa, n_embd), 0.2))
+            w.add_tensor(p + "attn_output.weight", rnd(rng, (n_embd, n_embd), 0.1))
+            w.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        else:
+            w.add_tensor(p + "attn_qkv.weight", rnd(rng, (conv_dim, n_embd), 0.2))
+            w.add_tensor(p + "attn_gate.weight", rnd(rng, (value_dim, n_embd), 0.2))
+            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (conv_dim, d_conv), 0.3))
+            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_v_heads,), 0.1))
+            w.add_tensor(p + "ssm_a", -np.arange(1, n_v_heads + 1, dtype=np.float32))
+            w.add_tensor(p + "ssm_beta.weight", rnd(rng, (n_v_heads, n_embd), 0.2))
+            w.add_tensor(p + "ssm_alpha.weight", rnd(rng, (n_v_heads, n_embd), 0.2))
+            w.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
+            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, value_dim), 0.1))
+        add_ffn(w, rng, p, n_embd, n_ff)
+    finish(w)
+
+
+def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
+    """Nemotron-H: a Mamba-2 layer (no KV heads, no FFN: recurrent), an attention layer (KV
+    heads, no FFN) and an MLP-only layer (no KV heads, an FFN), which llama.cpp 0.1.161 puts in
+    neither part of the hybrid memory. Mamba-2's groups convolve B and C beside x, so the conv
+    state is (d_conv - 1) x (d_inner + 2 x n_group x d_state) wide."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    channels = d_inner + 2 * n_group * d_state
+    w = begin(path, "nemotron_h", "nemotron_h", n_embd, 3, [0, 0, n_ff], n_head)
+    w.add_head_count_kv([0, n_head_kv, 0])
+    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
+    w.add_uint32("nemotron_h.ssm.group_count", n_group)
+    w.add_float32("nemotron_h.attention.layer_norm_epsilon", 1e-5)
+    w.add_layer_norm_rms_eps(1e-5)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(3):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if i == 0:
+            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd), 0.1))
+            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
+            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
+            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
+            w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
+            w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+            w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        elif i == 1:
+            add_attention(w, rng, p, n_embd, n_embd_gqa)
+        else:
+            w.add_tensor(p + "ffn_up.weight", rnd(rng, (n_ff, n_embd), 0.1))
+            w.add_tensor(p + "ffn_down.weight", rnd(rng, (n_embd, n_ff), 0.1))
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -428,6 +511,8 @@ def main():
                         nope=16, v_head=16, seed=2222)
     write_deepseek2_mla(os.path.join(out, "deepseek32-dsa.gguf"), 64, 2, 64, 2, q_lora=32, kv_lora=32, rope=16,
                         nope=16, v_head=16, seed=3232, indexer=(2, 64, 4))
+    write_qwen35(os.path.join(out, "qwen35.gguf"), 32, 2, 1, 64, 4, interval=2, seed=35)
+    write_nemotron_h(os.path.join(out, "nemotron-h.gguf"), 32, 2, 1, 64, seed=4242)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

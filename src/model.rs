@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use llama_kv_cache as core;
-use llama_kv_cache::model::gguf;
+use llama_kv_cache::model::{gguf, LayerMemory};
 use llama_kv_cache::GgmlType;
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -31,6 +31,10 @@ pub struct ModelLayer {
     pub n_embd_v_gqa: u32,
     /// Whether the layer uses the sliding window.
     pub swa: bool,
+    /// Which parts of the model's memory hold the layer: 'attention' | 'recurrent' | 'both'
+    /// (Falcon-H1) | 'neither' (Nemotron-H's MLP-only layers, multi-token-prediction layers
+    /// of a hybrid).
+    pub memory: String,
 }
 
 /// RoPE as the model was trained.
@@ -89,6 +93,8 @@ pub struct ModelRecurrent {
     pub ssm_d_state: u32,
     /// `ssm.time_step_rank`.
     pub ssm_dt_rank: u32,
+    /// `ssm.group_count` (Mamba-2 groups of B and C; 0 for Mamba).
+    pub ssm_n_group: u32,
     /// RWKV `wkv.head_size`.
     pub wkv_head_size: u32,
     /// RWKV `token_shift_count`.
@@ -208,6 +214,13 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
                 n_embd_k_gqa: l.n_embd_k_gqa,
                 n_embd_v_gqa: l.n_embd_v_gqa,
                 swa: l.swa,
+                memory: match l.memory {
+                    LayerMemory::Attention => "attention",
+                    LayerMemory::Recurrent => "recurrent",
+                    LayerMemory::Both => "both",
+                    LayerMemory::Neither => "neither",
+                }
+                .into(),
             })
             .collect(),
         n_embd_k_gqa: (0..m.layers.len())
@@ -244,6 +257,7 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
             ssm_d_inner: x.ssm_d_inner,
             ssm_d_state: x.ssm_d_state,
             ssm_dt_rank: x.ssm_dt_rank,
+            ssm_n_group: x.ssm_n_group,
             wkv_head_size: x.wkv_head_size,
             token_shift_count: x.token_shift_count,
             n_embd_k_s: x.n_embd_k_s,

@@ -272,6 +272,29 @@ pub fn specs() -> Vec<Spec> {
             memory: "hybrid",
             ..base.clone()
         },
+        // Qwen3.5: gated delta nets and gated attention layers split by
+        // `full_attention_interval`, the attention cells saved with M-RoPE's extension
+        Spec {
+            name: "qwen35",
+            model: "qwen35.gguf",
+            memory: "hybrid",
+            ..base.clone()
+        },
+        Spec {
+            name: "qwen35-par2",
+            model: "qwen35.gguf",
+            memory: "hybrid",
+            prompts: vec![p0.clone(), p1.clone()],
+            seq: 1,
+            ..base.clone()
+        },
+        // Nemotron-H: a Mamba-2 layer, an attention layer, and an MLP-only layer in neither part
+        Spec {
+            name: "nemotron-h",
+            model: "nemotron-h.gguf",
+            memory: "hybrid",
+            ..base.clone()
+        },
         // multi-head latent attention (deepseek2): K only, one latent "head" per token
         Spec {
             name: "deepseek2-mla",

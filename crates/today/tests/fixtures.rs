@@ -37,11 +37,12 @@ fn cache_for(spec: &Spec, part: &Part) -> KvCache {
 
 /// The layers a recurrent part declares (every model layer) and writes (its own): Jamba
 /// declares 2 and writes its Mamba layer, LFM2 declares 4 and writes its 2 short-convolution
-/// layers, Mamba writes both of its 2.
+/// layers (as Qwen3.5 its 2 gated delta nets), Mamba writes both of its 2.
 fn recurrent_layers(spec: &Spec) -> (u32, usize) {
     match spec.model {
         "jamba.gguf" => (2, 1),
-        "lfm2.gguf" | "lfm2-swa.gguf" => (4, 2),
+        "lfm2.gguf" | "lfm2-swa.gguf" | "qwen35.gguf" => (4, 2),
+        "nemotron-h.gguf" => (3, 1),
         _ => (2, 2),
     }
 }

@@ -1,7 +1,7 @@
 //! Today's live caches against llama.cpp 0.1.161, op by op: random traces of decodes,
 //! sequence operations and sequence state round trips on a gemma3-like iSWA model (window 4,
 //! every second layer full), a full-attention llama, a Jamba-like hybrid (a Mamba layer and an
-//! attention layer) and Mamba, with 1, 3 and 256 sequences, unified and one stream per
+//! attention layer), LFM2, Qwen3.5, Nemotron-H and Mamba, with 1, 3 and 256 sequences, unified and one stream per
 //! sequence. After every op both sides show every cell of every stream of every part
 //! (position, pending shift, sequences), the recurrent state cells (position, sequences,
 //! tails, head, used) and each sequence's position range.
@@ -107,6 +107,38 @@ fn lfm2_hybrid_memory_matches_0_1_161() {
     // short convolutions: a recurrent state of R rows only, beside the attention layers
     run(config("lfm2.gguf", 256, 1, true, false), 14_000, 40, 60);
     run(config("lfm2.gguf", 512, 3, true, false), 15_000, 40, 60);
+}
+
+#[test]
+fn qwen35_hybrid_memory_matches_0_1_161() {
+    // gated delta nets on layers 0 and 2, gated attention with interleaved M-RoPE on 1 and 3:
+    // the split comes from `full_attention_interval`, every layer has KV heads
+    run(config("qwen35.gguf", 256, 1, true, false), 19_000, 60, 60);
+    run(config("qwen35.gguf", 512, 3, true, false), 20_000, 60, 60);
+    run(config("qwen35.gguf", 768, 3, false, false), 21_000, 40, 60);
+}
+
+#[test]
+fn nemotron_h_hybrid_memory_matches_0_1_161() {
+    // a Mamba-2 layer, an attention layer and an MLP-only layer that neither part holds
+    run(
+        config("nemotron-h.gguf", 256, 1, true, false),
+        22_000,
+        60,
+        60,
+    );
+    run(
+        config("nemotron-h.gguf", 512, 3, true, false),
+        23_000,
+        60,
+        60,
+    );
+    run(
+        config("nemotron-h.gguf", 768, 3, false, false),
+        24_000,
+        40,
+        60,
+    );
 }
 
 #[test]

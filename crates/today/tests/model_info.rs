@@ -20,11 +20,7 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
     let recurrent_layers = m
         .layers
         .iter()
-        .map(|l| match m.memory {
-            MemoryKind::Recurrent => 1,
-            MemoryKind::Hybrid => (l.n_head_kv == 0) as u32,
-            _ => 0,
-        })
+        .map(|l| l.memory.recurrent() as u32)
         .collect();
     d.layers("is_recr", recurrent_layers);
     // head sizes and RoPE dims only mean something on attention layers
@@ -54,11 +50,14 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
 fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
     let mut failures = Vec::new();
     // and the models the seed-era peer of the shared list does not read alike: M-RoPE, LFM2,
-    // Llama 4
-    for name in TINY_MODELS
-        .into_iter()
-        .chain(["qwen2vl.gguf", "lfm2.gguf", "llama4-chunked.gguf"])
-    {
+    // Llama 4, Qwen3.5 (recurrent layers by `full_attention_interval`, Mamba-2 style widths)
+    for name in TINY_MODELS.into_iter().chain([
+        "qwen2vl.gguf",
+        "lfm2.gguf",
+        "llama4-chunked.gguf",
+        "qwen35.gguf",
+        "nemotron-h.gguf",
+    ]) {
         let path = models_dir().join(name);
         let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
         let theirs = run("hparams", &[format!("model={}", path.display())])

@@ -3,7 +3,8 @@
 //! `saveStateToFile` do) is ingested; the store then writes a file for the same conversation
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
-//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba and LFM2 (hybrid),
+//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba, LFM2 and Qwen3.5
+//! (hybrid; Qwen3.5's attention cells carry M-RoPE's extension),
 //! LFM2 with a window (hybrid-iSWA), mamba, deepseek2 (latent attention: no V), deepseek32
 //! (dsa: latent and indexer caches). A live
 //! memory of the same conversation goes through the store the same way (`put_memory`,
@@ -100,6 +101,14 @@ fn cases() -> Vec<Case> {
         Case {
             name: "lfm2",
             model: "lfm2.gguf",
+            blocks_restore: false,
+            ..base
+        },
+        // Qwen3.5: gated delta nets beside gated attention whose cells carry M-RoPE's
+        // extension
+        Case {
+            name: "qwen35",
+            model: "qwen35.gguf",
             blocks_restore: false,
             ..base
         },
@@ -373,7 +382,7 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
     let live_cases = cases().into_iter().filter(|c| {
         matches!(
             c.name,
-            "gemma3-window" | "gemma3-swa-full" | "jamba" | "lfm2" | "lfm2-swa"
+            "gemma3-window" | "gemma3-swa-full" | "jamba" | "lfm2" | "lfm2-swa" | "qwen35"
         )
     });
     for case in live_cases {

@@ -14,7 +14,7 @@ use crate::state::files::{
     read_file, resolve_version, session_prefix, write_atomic_with, FileHeader, FileKind, Outputs,
     SessionBody, WriteOptions,
 };
-use crate::state::parts::{parse_parts_with, Part, PartKind, PartRole};
+use crate::state::parts::{parse_parts_with, Part, PartKind, PartRole, Parts};
 use crate::state::source::{read_ahead, ByteSource, ReadSource, Sub};
 use crate::state::Layout;
 
@@ -307,6 +307,21 @@ impl KvCache {
         Ok(summary)
     }
 
+    /// The shapes `body` parses as, its KV cells carrying this cache's extension; a recurrent
+    /// cache takes the recurrent part of a hybrid whose attention cells carry any (Qwen3.5's
+    /// M-RoPE cells), so the first extension that gives a shape is kept.
+    fn parse_shapes(&self, body: &[u8], layouts: &[Layout]) -> (Vec<Parts>, Vec<String>) {
+        let own = parse_parts_with(body, layouts, self.params().cell_ext);
+        if !own.0.is_empty() || !self.params().recurrent {
+            return own;
+        }
+        [CellExt::Pos2Tok, CellExt::Pos2]
+            .into_iter()
+            .map(|ext| parse_parts_with(body, layouts, ext))
+            .find(|(shapes, _)| !shapes.is_empty())
+            .unwrap_or(own)
+    }
+
     /// Finds the one part of the candidate bodies that fits this cache (only `part`'s when
     /// given) and applies it.
     #[allow(clippy::too_many_arguments)]
@@ -327,7 +342,7 @@ impl KvCache {
         let mut parts_seen = Vec::new();
         for split in &splits {
             let body = &bytes[split.payload.clone()];
-            let (shapes, shape_errors) = parse_parts_with(body, layouts, self.params().cell_ext);
+            let (shapes, shape_errors) = self.parse_shapes(body, layouts);
             errors.extend(shape_errors);
             for shape in shapes {
                 for p in shape.parts {

@@ -6,6 +6,7 @@
 use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
+use crate::cell_ext::CellExt;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
@@ -13,7 +14,7 @@ use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::recurrent::RecurrentMemory;
 use crate::memory::SwaType;
-use crate::model::{MemoryKind, ModelInfo, RopeKind};
+use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;
 use crate::state::parts::PartRole;
 use crate::state::Layout;
@@ -203,13 +204,13 @@ impl HybridCache {
         }
         model.check_live()?;
         let r = model.recurrent.clone().unwrap_or_default();
-        let recurrent: Vec<bool> = model.layers.iter().map(|l| l.n_head_kv == 0).collect();
-        let pick = |want: bool| -> Vec<u32> {
+        // 0.1.161's layer filters: a layer may be in neither part (Nemotron-H's MLP layers)
+        let pick = |holds: fn(LayerMemory) -> bool| -> Vec<u32> {
             (0..model.n_layer)
-                .filter(|&il| recurrent[il as usize] == want)
+                .filter(|&il| holds(model.layers[il as usize].memory))
                 .collect()
         };
-        let (attn_layers, recr_layers) = (pick(false), pick(true));
+        let (attn_layers, recr_layers) = (pick(LayerMemory::attends), pick(LayerMemory::recurrent));
         let size = ctx.cells_per_stream(model.n_ctx_train)?;
         // a template of every layer, not a cache of its own: each part is checked when built
         // (LFM2's convolution layers have no K/V and no S rows, which no one cache could hold)
@@ -227,6 +228,9 @@ impl HybridCache {
         recr.type_k = GgmlType::F32;
         recr.type_v = GgmlType::F32;
         (recr.n_rot_k, recr.n_rot_v) = (0, 0);
+        // a recurrent cell is a sequence's state, not a token: M-RoPE's extension is the
+        // attention cells' alone (Qwen3.5)
+        recr.cell_ext = CellExt::None;
         let windowed: Vec<bool> = attn_layers
             .iter()
             .map(|&il| model.layers[il as usize].swa)
@@ -258,7 +262,8 @@ impl HybridCache {
             },
             recr: HybridRecurrent {
                 layers: recr_layers,
-                memory: RecurrentMemory::new(recr, model.n_layer)?,
+                // its state declares `hparams.n_layer()`: the model's layers less the MTP ones
+                memory: RecurrentMemory::new(recr, model.n_layer - model.n_layer_nextn)?,
             },
             rope: model.rope.kind != RopeKind::None,
         })
@@ -307,10 +312,15 @@ impl HybridCache {
     }
 
     fn no_layer(&self, il: u32) -> KvError {
-        KvError::OutOfRange(format!(
-            "layer {il} is out of range [0, {})",
-            self.attn.layers.len() + self.recr.layers.len()
-        ))
+        let n_layer = self.recr.memory.declared_layers();
+        if il < n_layer {
+            KvError::OutOfRange(format!(
+                "layer {il} keeps nothing in this memory: it is neither an attention layer nor \
+                 a recurrent one (an MLP-only or multi-token-prediction layer)"
+            ))
+        } else {
+            KvError::OutOfRange(format!("layer {il} is out of range [0, {n_layer})"))
+        }
     }
 
     /// Places the ubatches of one decode in both parts (recurrent first, as 0.1.161

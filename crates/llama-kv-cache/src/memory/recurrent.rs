@@ -34,6 +34,11 @@ impl RecurrentMemory {
         })
     }
 
+    /// The layer count its state declares (the model's `hparams.n_layer()`).
+    pub fn declared_layers(&self) -> u32 {
+        self.declared
+    }
+
     /// The cells and tensors.
     pub fn cache(&self) -> &KvCache {
         &self.cache

@@ -5,22 +5,55 @@
 
 /// Architectures whose whole memory is a recurrent state (`llama_model_is_recurrent`).
 const RECURRENT: &[&str] = &["mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"];
-/// Architectures that mix attention layers with recurrent ones (llama.cpp's hybrid memory).
+/// Architectures that mix attention layers with recurrent ones (`llm_arch_is_hybrid` of
+/// 0.1.161, less the indexer memories, which [`indexer_memory`] names first).
 const HYBRID: &[&str] = &[
     "jamba",
     "falcon-h1",
-    "granitehybrid",
-    "nemotron_h",
-    "lfm2",
     "plamo2",
+    "granitehybrid",
+    "lfm2",
+    "lfm2moe",
+    "nemotron_h",
+    "nemotron_h_moe",
     "qwen3next",
+    "kimi-linear",
+    "bailingmoe3",
+    "kimi-k3",
+    "qwen35",
+    "qwen35moe",
+    "minimax-01",
 ];
 
-/// The hybrid architectures whose recurrent layers are those without KV heads, the parts of
-/// their memory taking exactly those layers (0.1.161's default layer filters). The other
-/// hybrids pick their layers by rules of their own (Falcon-H1: both parts on every layer;
-/// Nemotron-H: MLP-only layers in neither; Qwen3-Next: a list or an interval).
-pub const HYBRID_BY_KV_HEADS: &[&str] = &["jamba", "granitehybrid", "plamo2", "lfm2"];
+/// How a hybrid architecture tells its recurrent layers (0.1.161's `is_recr`) and which
+/// layers each part of its memory takes (the layer filters of `llama_model::create_memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HybridSplit {
+    /// Recurrent: the layers without KV heads; the attention cache takes the others.
+    ByKvHeads,
+    /// The layers `attention.recurrent_layers` flags, else all but every
+    /// `full_attention_interval`-th (default given); multi-token-prediction layers are in
+    /// neither part.
+    Interval(u32),
+    /// Nemotron-H: recurrent layers have neither KV heads nor a feed-forward block, attention
+    /// layers have KV heads, and MLP-only layers are in neither part.
+    MlpOnlyApart,
+    /// Falcon-H1: every layer is in both parts (attention and SSM side by side).
+    Everywhere,
+}
+
+/// The layer split of a hybrid (or hybrid indexer) architecture; `None` for the others.
+pub fn hybrid_split(arch: &str) -> Option<HybridSplit> {
+    match arch {
+        "qwen3next" | "qwen35" | "qwen35moe" | "qwen4exp" => Some(HybridSplit::Interval(4)),
+        "minimax-01" => Some(HybridSplit::Interval(8)),
+        "nemotron_h" | "nemotron_h_moe" => Some(HybridSplit::MlpOnlyApart),
+        "falcon-h1" => Some(HybridSplit::Everywhere),
+        "glm5-next" => Some(HybridSplit::ByKvHeads),
+        a if HYBRID.contains(&a) => Some(HybridSplit::ByKvHeads),
+        _ => None,
+    }
+}
 
 /// The memory 0.1.161 gives an architecture that keeps an indexer cache beside K and V
 /// (sparse-attention models): `msa`, `dsa`, `dsa-iswa`, `dsv4` or `hybrid-idx`.

@@ -12,7 +12,7 @@ use std::path::Path;
 use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::model::arch::{self, MemoryKind};
+use crate::model::arch::{self, HybridSplit, MemoryKind};
 use crate::model::gguf::{self, GgufHeader, GgufValue};
 use crate::params::CacheParams;
 use crate::tensors::rope::ShiftParams;
@@ -131,6 +131,34 @@ pub struct LayerGeometry {
     pub n_embd_v_gqa: u32,
     /// Whether the layer uses the sliding window (`is_swa(il)`).
     pub swa: bool,
+    /// Which parts of the model's memory hold the layer.
+    pub memory: LayerMemory,
+}
+
+/// Which parts of a model's memory hold one layer: K/V in an attention cache, a recurrent
+/// state, both (Falcon-H1), or neither (Nemotron-H's MLP-only layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerMemory {
+    /// K/V rows in an attention cache (every layer of an attention-only model).
+    Attention,
+    /// A recurrent state (0.1.161's `is_recr(il)`; every layer of a recurrent model).
+    Recurrent,
+    /// Both: the attention cache and the recurrent memory each keep the layer.
+    Both,
+    /// Neither: the layer keeps nothing between tokens.
+    Neither,
+}
+
+impl LayerMemory {
+    /// Whether an attention cache holds the layer.
+    pub fn attends(self) -> bool {
+        matches!(self, LayerMemory::Attention | LayerMemory::Both)
+    }
+
+    /// Whether the recurrent memory holds the layer (0.1.161's `is_recr(il)`).
+    pub fn recurrent(self) -> bool {
+        matches!(self, LayerMemory::Recurrent | LayerMemory::Both)
+    }
 }
 
 /// RoPE as trained.
@@ -195,6 +223,8 @@ pub struct RecurrentInfo {
     pub ssm_d_state: u32,
     /// `ssm.time_step_rank`.
     pub ssm_dt_rank: u32,
+    /// `ssm.group_count` (Mamba-2 groups of B and C; 0 for Mamba).
+    pub ssm_n_group: u32,
     /// RWKV `wkv.head_size`.
     pub wkv_head_size: u32,
     /// RWKV `token_shift_count` (default 2).
@@ -214,6 +244,9 @@ pub struct ModelInfo {
     pub name: Option<String>,
     /// Layers (`block_count`).
     pub n_layer: u32,
+    /// Multi-token-prediction layers at the end of them (`nextn_predict_layers`), which
+    /// llama.cpp's `hparams.n_layer()` leaves out.
+    pub n_layer_nextn: u32,
     /// Trained context length.
     pub n_ctx_train: u32,
     /// Embedding width.
@@ -335,6 +368,37 @@ impl Keys<'_> {
         Ok(Some(vec![self.u32_req(suffix)?; n_layer as usize]))
     }
 
+    /// One flag per layer: an array of exactly `n_layer` bools or integers (non-zero: set), or
+    /// one value for every layer.
+    fn flags_per_layer(&self, suffix: &str, n_layer: u32) -> Result<Option<Vec<bool>>> {
+        let Some((key, v)) = self.raw(suffix) else {
+            return Ok(None);
+        };
+        let flag = |key: &str, v: &GgufValue| {
+            v.as_bool()
+                .or_else(|| v.as_int().map(|n| n != 0))
+                .ok_or_else(|| wrong_type(key, "bools or integers", v))
+        };
+        match v {
+            GgufValue::Array { len, values, .. } => {
+                if *len != n_layer as u64 {
+                    return Err(KvError::InvalidModel(format!(
+                        "{key} has {len} values, expected one per layer ({n_layer})"
+                    )));
+                }
+                let values = values.as_ref().ok_or_else(|| {
+                    KvError::InvalidModel(format!("{key} is too long ({len} values)"))
+                })?;
+                values
+                    .iter()
+                    .map(|v| flag(&key, v))
+                    .collect::<Result<_>>()
+                    .map(Some)
+            }
+            v => Ok(Some(vec![flag(&key, v)?; n_layer as usize])),
+        }
+    }
+
     fn missing(&self, suffix: &str) -> KvError {
         KvError::InvalidModel(format!(
             "the model lacks {} (needed for architecture {:?})",
@@ -355,6 +419,77 @@ fn wrong_type(key: &str, want: &str, got: &GgufValue) -> KvError {
         "{key} must be {want}, got a {} value",
         got.ty().name()
     ))
+}
+
+/// Which parts of the memory hold each layer, as 0.1.161 sets `is_recr` and filters the
+/// layers of a hybrid memory (`llama_model::create_memory`).
+fn layer_memories(
+    k: &Keys,
+    arch: &str,
+    n_layer: u32,
+    n_layer_nextn: u32,
+    n_head_kv: &[u32],
+) -> Result<Vec<LayerMemory>> {
+    let n = n_layer as usize;
+    let every = |m| vec![m; n];
+    let Some(split) = arch::hybrid_split(arch) else {
+        return Ok(every(if arch::is_recurrent(arch) {
+            LayerMemory::Recurrent
+        } else {
+            LayerMemory::Attention
+        }));
+    };
+    let by_flags = |recurrent: &dyn Fn(usize) -> bool| {
+        (0..n)
+            .map(|il| {
+                if recurrent(il) {
+                    LayerMemory::Recurrent
+                } else {
+                    LayerMemory::Attention
+                }
+            })
+            .collect()
+    };
+    Ok(match split {
+        HybridSplit::ByKvHeads => by_flags(&|il| n_head_kv[il] == 0),
+        HybridSplit::Everywhere => every(LayerMemory::Both),
+        HybridSplit::MlpOnlyApart => {
+            let n_ff = k
+                .per_layer("feed_forward_length", n_layer)?
+                .unwrap_or(vec![0; n]);
+            (0..n)
+                .map(|il| match (n_head_kv[il], n_ff[il]) {
+                    (0, 0) => LayerMemory::Recurrent,
+                    (_, 0) => LayerMemory::Attention,
+                    _ => LayerMemory::Neither,
+                })
+                .collect()
+        }
+        HybridSplit::Interval(default) => {
+            // the multi-token-prediction layers at the end are in neither part
+            let n_main = (n_layer - n_layer_nextn) as usize;
+            let flags = match k.flags_per_layer("attention.recurrent_layers", n_layer)? {
+                Some(flags) => flags,
+                None => {
+                    let interval = k.u32_opt("full_attention_interval")?.unwrap_or(default);
+                    if interval == 0 {
+                        return Err(KvError::InvalidModel(format!(
+                            "{} = 0, expected a period of at least 1",
+                            k.key("full_attention_interval")
+                        )));
+                    }
+                    (0..n).map(|il| (il + 1) % interval as usize != 0).collect()
+                }
+            };
+            (0..n)
+                .map(|il| match (il < n_main, flags[il]) {
+                    (false, _) => LayerMemory::Neither,
+                    (true, true) => LayerMemory::Recurrent,
+                    (true, false) => LayerMemory::Attention,
+                })
+                .collect()
+        }
+    })
 }
 
 impl ModelInfo {
@@ -498,18 +633,9 @@ impl ModelInfo {
             Some((window, mut pattern, chunked)) => {
                 match k.raw("attention.sliding_window_pattern") {
                     None => {}
-                    Some((key, GgufValue::Array { len, values, .. })) => {
-                        if *len != n_layer as u64 {
-                            return Err(KvError::InvalidModel(format!(
-                                "{key} has {len} values, expected one per layer ({n_layer})"
-                            )));
-                        }
-                        let flags = values.iter().flatten().map(|v| {
-                            v.as_bool()
-                                .or_else(|| v.as_int().map(|n| n != 0))
-                                .ok_or_else(|| wrong_type(&key, "bools or integers", v))
-                        });
-                        explicit = Some(flags.collect::<Result<Vec<bool>>>()?);
+                    Some((_, GgufValue::Array { .. })) => {
+                        explicit =
+                            k.flags_per_layer("attention.sliding_window_pattern", n_layer)?;
                         pattern = 0;
                     }
                     Some(_) => pattern = k.u32_req("attention.sliding_window_pattern")?,
@@ -533,6 +659,14 @@ impl ModelInfo {
             (Some(s), None) => s.pattern == 0 || il % s.pattern < s.pattern - 1,
             (None, _) => false,
         };
+        let n_layer_nextn = k.u32_opt("nextn_predict_layers")?.unwrap_or(0);
+        if n_layer_nextn > n_layer {
+            return Err(KvError::InvalidModel(format!(
+                "{} = {n_layer_nextn} exceeds the {n_layer} layers",
+                k.key("nextn_predict_layers")
+            )));
+        }
+        let memory_of_layer = layer_memories(&k, &arch, n_layer, n_layer_nextn, &n_head_kv)?;
         let layers = (0..n_layer)
             .map(|il| {
                 let hk = n_head_kv[il as usize];
@@ -542,6 +676,7 @@ impl ModelInfo {
                     n_embd_k_gqa: mul(n_embd_head_k, hk, "layer K width")?,
                     n_embd_v_gqa: mul(n_embd_head_v, hk, "layer V width")?,
                     swa: is_swa(il),
+                    memory: memory_of_layer[il as usize],
                 })
             })
             .collect::<Result<Vec<LayerGeometry>>>()?;
@@ -569,23 +704,47 @@ impl ModelInfo {
                 get("ssm.inner_size")?,
                 get("ssm.state_size")?,
             );
-            // LFM2's short convolutions keep the last `l_cache - 1` inputs and no SSM state
-            match k.u32_opt("shortconv.l_cache")?.filter(|&l| l > 0) {
-                Some(l_cache) => Some(RecurrentInfo {
-                    n_embd_k_s: mul(l_cache - 1, n_embd, "short-convolution state width")?,
-                    ..Default::default()
-                }),
-                None => Some(RecurrentInfo {
-                    ssm_d_conv: d_conv,
-                    ssm_d_inner: d_inner,
-                    ssm_d_state: d_state,
-                    ssm_dt_rank: get("ssm.time_step_rank")?,
-                    token_shift_count: 0,
-                    n_embd_k_s: mul(d_conv.saturating_sub(1), d_inner, "SSM conv state width")?,
-                    n_embd_v_s: mul(d_state, d_inner, "SSM state width")?,
-                    ..Default::default()
-                }),
-            }
+            let n_group = k.u32_opt("ssm.group_count")?.unwrap_or(0);
+            let n_head0 = n_head[0];
+            // Kimi's delta attention: the Q, K and V convolutions and one head_dim^2 state per head
+            let kda = k.u32_opt("kda.head_dim")?.filter(|&d| d > 0);
+            // MiniMax-01's lightning attention keeps one head_dim^2 state per head
+            let la = (arch == "minimax-01").then_some(n_embd_head_k);
+            let n_embd_k_s = match (k.u32_opt("shortconv.l_cache")?.filter(|&l| l > 0), kda) {
+                // LFM2's short convolutions keep the last `l_cache - 1` inputs
+                (Some(l_cache), _) => mul(l_cache - 1, n_embd, "short-convolution state width")?,
+                (None, Some(kda)) => {
+                    let taps = if d_conv > 0 { d_conv - 1 } else { 3 };
+                    mul(
+                        mul(3 * taps, n_head0, "KDA conv state width")?,
+                        kda,
+                        "KDA conv state width",
+                    )?
+                }
+                // Mamba-2 groups convolve B and C beside x
+                (None, None) => {
+                    let bc = mul(2 * n_group, d_state, "SSM conv channels")?;
+                    let channels = d_inner.checked_add(bc).ok_or_else(|| {
+                        KvError::InvalidModel("SSM conv channels overflow a uint32".into())
+                    })?;
+                    mul(d_conv.saturating_sub(1), channels, "SSM conv state width")?
+                }
+            };
+            let n_embd_v_s = match kda.or(la) {
+                Some(head) => mul(mul(head, head, "head state width")?, n_head0, "state width")?,
+                None => mul(d_state, d_inner, "SSM state width")?,
+            };
+            Some(RecurrentInfo {
+                ssm_d_conv: d_conv,
+                ssm_d_inner: d_inner,
+                ssm_d_state: d_state,
+                ssm_dt_rank: get("ssm.time_step_rank")?,
+                ssm_n_group: n_group,
+                token_shift_count: 0,
+                n_embd_k_s,
+                n_embd_v_s,
+                ..Default::default()
+            })
         } else {
             None
         };
@@ -613,6 +772,7 @@ impl ModelInfo {
             arch,
             name,
             n_layer,
+            n_layer_nextn,
             n_ctx_train,
             n_embd,
             n_embd_head_k,
@@ -652,8 +812,8 @@ impl ModelInfo {
     }
 
     /// Refuses the models whose live memory this library does not build, naming why: the
-    /// memories with an indexer cache (their state files still inspect and convert), and the
-    /// hybrids whose layers are split by a rule not modeled.
+    /// memories with an indexer cache (their state files still inspect and convert), and
+    /// Falcon-H1's hybrid, whose parts both hold every layer.
     pub fn check_live(&self) -> Result<()> {
         if self.memory.has_indexer() {
             return Err(KvError::Unsupported(format!(
@@ -667,13 +827,13 @@ impl ModelInfo {
         if self.memory != MemoryKind::Hybrid {
             return Ok(());
         }
-        if !arch::HYBRID_BY_KV_HEADS.contains(&self.arch.as_str()) {
+        if arch::hybrid_split(&self.arch) == Some(HybridSplit::Everywhere) {
             return Err(KvError::Unsupported(format!(
-                "{} ({}): its hybrid memory splits the layers by a rule this library does not \
-                 model yet (modeled: {})",
+                "{} ({}): its hybrid memory keeps every layer in both parts (attention and \
+                 recurrent), which this library does not hold live (a layer index would not \
+                 name one part)",
                 self.display_name(),
-                self.arch,
-                arch::HYBRID_BY_KV_HEADS.join(", ")
+                self.arch
             )));
         }
         Ok(())
@@ -948,11 +1108,16 @@ mod tests {
 
     /// A header of `arch` with llama's keys under that architecture's prefix.
     fn named(arch: &str, kv_heads: GgufValue) -> GgufBuilder {
+        named_layers(arch, kv_heads, 3)
+    }
+
+    /// [`named`] with `n_layer` layers.
+    fn named_layers(arch: &str, kv_heads: GgufValue, n_layer: u32) -> GgufBuilder {
         let mut g = GgufBuilder::new();
         g.kv("general.architecture", GgufValue::Str(arch.into()))
             .kv(&format!("{arch}.context_length"), GgufValue::U32(4096))
             .kv(&format!("{arch}.embedding_length"), GgufValue::U32(64))
-            .kv(&format!("{arch}.block_count"), GgufValue::U32(3))
+            .kv(&format!("{arch}.block_count"), GgufValue::U32(n_layer))
             .kv(&format!("{arch}.attention.head_count"), GgufValue::U32(4))
             .kv(&format!("{arch}.attention.head_count_kv"), kv_heads);
         g
@@ -1216,5 +1381,106 @@ mod tests {
         );
         // 16-wide rows are not whole q4_0 blocks... but 32 are
         assert!(m.kv_bytes(1, GgmlType::Q4_0, GgmlType::Q4_0).is_some());
+    }
+
+    fn memories(m: &ModelInfo) -> Vec<LayerMemory> {
+        m.layers.iter().map(|l| l.memory).collect()
+    }
+
+    #[test]
+    fn a_qwen35_hybrid_takes_its_recurrent_layers_from_the_interval_or_the_explicit_flags() {
+        use LayerMemory::{Attention as A, Neither as N, Recurrent as R};
+        let qwen35 = |keys: &[(&str, GgufValue)]| {
+            let mut g = named_layers("qwen35", GgufValue::U32(2), 8);
+            for (k, v) in keys {
+                g.kv(&format!("qwen35.{k}"), v.clone());
+            }
+            info(&g)
+        };
+        // the default interval of 4: every fourth layer attends
+        assert_eq!(memories(&qwen35(&[]).unwrap()), [R, R, R, A, R, R, R, A]);
+        let every_2nd = ("full_attention_interval", GgufValue::U32(2));
+        assert_eq!(
+            memories(&qwen35(std::slice::from_ref(&every_2nd)).unwrap()),
+            [R, A, R, A, R, A, R, A]
+        );
+        // a multi-token-prediction layer at the end is in neither part
+        let mtp = ("nextn_predict_layers", GgufValue::U32(1));
+        let m = qwen35(&[every_2nd.clone(), mtp.clone()]).unwrap();
+        assert_eq!((memories(&m)[7], m.n_layer_nextn), (N, 1));
+        // the explicit flags win over the interval
+        let flags = GgufValue::Array {
+            elem: GgufType::U32,
+            len: 8,
+            values: Some([1u32, 1, 0, 0, 1, 1, 0, 0].map(GgufValue::U32).to_vec()),
+        };
+        let explicit = ("attention.recurrent_layers", flags);
+        assert_eq!(
+            memories(&qwen35(&[every_2nd, mtp, explicit]).unwrap()),
+            [R, R, A, A, R, R, A, N]
+        );
+        let wrong = ("attention.recurrent_layers", GgufValue::Str("x".into()));
+        let e = qwen35(&[wrong]).unwrap_err().to_string();
+        assert!(
+            e.contains("qwen35.attention.recurrent_layers must be bools or integers"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_zero_attention_interval_or_too_many_nextn_layers_are_refused_by_name() {
+        let mut g = named("qwen3next", GgufValue::U32(2));
+        g.kv("qwen3next.full_attention_interval", GgufValue::U32(0));
+        let e = info(&g).unwrap_err().to_string();
+        assert!(e.contains("qwen3next.full_attention_interval = 0"), "{e}");
+        let mut g = named("qwen3next", GgufValue::U32(2));
+        g.kv("qwen3next.nextn_predict_layers", GgufValue::U32(4));
+        let e = info(&g).unwrap_err().to_string();
+        assert!(
+            e.contains("qwen3next.nextn_predict_layers = 4 exceeds the 3 layers"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn falcon_h1_keeps_every_layer_in_both_parts_and_is_refused_live_by_name() {
+        let mut g = named("falcon-h1", GgufValue::U32(2));
+        g.kv("general.name", GgufValue::Str("Falcon-H1-tiny".into()));
+        let m = info(&g).unwrap();
+        assert_eq!(memories(&m), [LayerMemory::Both; 3]);
+        assert!(m
+            .layers
+            .iter()
+            .all(|l| l.memory.attends() && l.memory.recurrent()));
+        let e = m.check_live().unwrap_err().to_string();
+        assert!(
+            e.contains("Falcon-H1-tiny (falcon-h1)") && e.contains("both parts"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kimi_delta_attention_and_minimax_lightning_attention_state_widths_are_0_1_161s() {
+        // Kimi Linear: 3 x (d_conv - 1) x n_head x head_dim conv state, head_dim^2 x n_head
+        let mut g = named(
+            "kimi-linear",
+            GgufValue::Array {
+                elem: GgufType::U32,
+                len: 3,
+                values: Some([0u32, 2, 0].map(GgufValue::U32).to_vec()),
+            },
+        );
+        g.kv("kimi-linear.kda.head_dim", GgufValue::U32(8))
+            .kv("kimi-linear.ssm.conv_kernel", GgufValue::U32(4));
+        let m = info(&g).unwrap();
+        let r = m.recurrent.clone().unwrap();
+        assert_eq!((r.n_embd_k_s, r.n_embd_v_s), (3 * 3 * 4 * 8, 8 * 8 * 4));
+        use LayerMemory::{Attention as A, Recurrent as R};
+        assert_eq!(memories(&m), [R, A, R]);
+        // MiniMax-01: one (n_embd / n_head)^2 state per head, every eighth layer attends
+        let m = info(&named("minimax-01", GgufValue::U32(4))).unwrap();
+        let r = m.recurrent.clone().unwrap();
+        assert_eq!((r.n_embd_k_s, r.n_embd_v_s), (0, 16 * 16 * 4));
+        assert_eq!(memories(&m), [R, R, R]);
     }
 }

@@ -52,15 +52,15 @@ fn width(ty: i32, row_size: u64) -> Option<u64> {
 
 /// The model layers a part of a state holds, in order: every layer for a single memory, the
 /// full-attention or sliding-window layers for an iSWA memory's base or SWA cache, the
-/// attention or recurrent layers (no K/V heads) for a hybrid memory's parts.
+/// attention or recurrent layers for a hybrid memory's parts (0.1.161's layer filters).
 fn layers_of(model: &ModelInfo, role: PartRole) -> Vec<usize> {
     let keep = |l: &crate::model::LayerGeometry| match role {
         PartRole::Whole => true,
         // a hybrid-iSWA memory's base and window caches hold attention layers only
-        PartRole::Base => !l.swa && l.n_head_kv > 0,
-        PartRole::Swa => l.swa && l.n_head_kv > 0,
-        PartRole::Attention | PartRole::Indexer => l.n_head_kv > 0,
-        PartRole::Recurrent => l.n_head_kv == 0,
+        PartRole::Base => !l.swa && l.memory.attends(),
+        PartRole::Swa => l.swa && l.memory.attends(),
+        PartRole::Attention | PartRole::Indexer => l.memory.attends(),
+        PartRole::Recurrent => l.memory.recurrent(),
     };
     (0..model.layers.len())
         .filter(|&il| keep(&model.layers[il]))
