@@ -1,7 +1,8 @@
 //! Fuzzes the readers of today's live memories, as `KvCache.fromModel` builds them for the tiny
 //! models of `interop/make_models.py` (`node scripts/setup.mjs` writes them): the iSWA memory
-//! (gemma3), the hybrid memories (Jamba, LFM2) and the hybrid-iSWA one (LFM2 with a window:
-//! three parts, the first of no layer). The first byte picks the memory (bits 0-1), the layout
+//! (gemma3), the hybrid memories (Jamba, LFM2, Qwen3.5 with M-RoPE cells, Nemotron-H) and the
+//! hybrid-iSWA one (LFM2 with a window: three parts, the first of no layer). The first byte
+//! picks the memory (bits 0-1 and 6, modulo the six), the layout
 //! (bit 2), the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing) and a
 //! partial read (bit 5: llama.cpp's `PARTIAL_ONLY` state, a context checkpoint); the rest is
 //! the payload, with or without `llama_state_seq_get_data`'s envelope. A failed read must leave the memory byte for byte as it was; a
@@ -13,11 +14,13 @@ use std::sync::OnceLock;
 use libfuzzer_sys::fuzz_target;
 use llama_kv_cache::{ContextParams, GgmlType, Layout, Memory, ModelInfo, ReadOptions, UBatch};
 
-const MODELS: [&str; 4] = [
+const MODELS: [&str; 6] = [
     "gemma3-swa.gguf",
     "jamba.gguf",
     "lfm2.gguf",
     "lfm2-swa.gguf",
+    "qwen35.gguf",
+    "nemotron-h.gguf",
 ];
 
 fn model(k: usize) -> &'static ModelInfo {
@@ -71,7 +74,8 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {
         return;
     };
-    let mut m = memory(usize::from(selector & 3));
+    let k = usize::from(selector & 3 | (selector >> 4 & 4)) % MODELS.len();
+    let mut m = memory(k);
     let layout = if selector & 4 == 0 {
         Layout::StreamsRot
     } else {

@@ -230,3 +230,18 @@ fn regression_a_failed_whole_read_of_a_hybrid_iswa_memory_left_it_changed() {
         "a failed read ({e}) changed the memory"
     );
 }
+
+/// Qwen3.5: gated delta nets beside attention cells that carry M-RoPE's extension (the
+/// recurrent part's cells carry none), and Nemotron-H, whose MLP-only layer is in neither part.
+#[test]
+fn damaged_qwen35_and_nemotron_h_states_are_read_or_refused_with_the_memory_unchanged() {
+    for (name, seed) in [("qwen35.gguf", 80), ("nemotron-h.gguf", 81)] {
+        let mut m = hybrid_with(name, 3, &[(0, 6), (1, 3)]);
+        let (refused, read) = hammer(name, &mut m, &[0, 1, 2], rounds(), seed);
+        eprintln!("{name}: {refused} refused, {read} read");
+        assert!(
+            refused > rounds() / 3 && read > 0,
+            "{name}: {refused} refused, {read} read"
+        );
+    }
+}
