@@ -100,3 +100,32 @@ fn sequence_states_and_checkpoints_of_0_1_161_read_and_write_byte_for_byte() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hybrid's recurrent part declares every model layer even when the sequence holds nothing
+/// (0.1.161 always writes its data header); ours declared only its own layers then, so an
+/// empty sequence's state differed from 0.1.161's, and 0.1.161's did not read back.
+#[test]
+fn regression_an_empty_sequence_state_of_a_hybrid_declared_the_recurrent_layers_only() {
+    let dir = std::env::temp_dir().join(format!("today-empty-state-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for model in [
+        "jamba.gguf",
+        "lfm2-swa.gguf",
+        "qwen35.gguf",
+        "nemotron-h.gguf",
+    ] {
+        let cfg = config(model);
+        let mut oracle = Oracle::start(&cfg, &models_dir()).unwrap();
+        let theirs = dir.join("empty.bin");
+        ok(&mut oracle, "save 1");
+        ok(&mut oracle, &format!("dump {}", theirs.display()));
+        let theirs = std::fs::read(theirs).unwrap();
+        let mut ours = memory(&cfg);
+        let mut written = seq_data_envelope(1).to_vec();
+        written.extend(ours.state_write(1, Layout::StreamsRot).unwrap());
+        assert!(written == theirs, "{model}: the empty state differs");
+        ours.state_read(&theirs, 1, ReadOptions::default(), None)
+            .unwrap_or_else(|e| panic!("{model}: {e}"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -11,6 +11,8 @@ use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::params::CacheParams;
+use crate::state::codec::ParsedPayload;
+use crate::state::parts::recurrent_payload;
 use crate::state::Layout;
 
 /// llama.cpp 0.1.161's `llama_memory_recurrent`.
@@ -149,28 +151,42 @@ impl RecurrentMemory {
     /// every version (no stream prefix).
     pub fn state_write(&self, seq: i32) -> Result<Vec<u8>> {
         let mut out = self.cache.state_write(seq, Layout::Seed, 1, None)?;
-        if self.declared != self.cache.n_layer() && has_cells(&out) {
+        // 0.1.161 writes the data header, declaring every model layer, even for no cell
+        if self.declared != self.cache.n_layer() {
             patch_declared_layers(&mut out, self.declared)?;
         }
         Ok(out)
     }
 
-    /// `data` with the layer count this memory's cache reads in its data header, when its
-    /// state declares another (a hybrid's).
-    fn as_read(&self, data: &[u8]) -> Result<Vec<u8>> {
-        let mut own = data.to_vec();
-        if self.declared != self.cache.n_layer() && has_cells(&own) {
-            patch_declared_layers(&mut own, self.cache.n_layer())?;
+    /// `data` parsed for this memory's cache: its data header may declare the model's layers
+    /// while it holds blocks for the recurrent ones only (a hybrid's), read in place without a
+    /// patched copy of the payload; all of `data` must be the state.
+    fn parse(&self, data: &[u8], dest: Option<i32>) -> Result<ParsedPayload> {
+        let parsed = recurrent_payload(data, Some(self.cache.n_layer()))?;
+        if parsed.len != data.len() {
+            return Err(KvError::InvalidState(format!(
+                "recurrent part: {} trailing bytes",
+                data.len() - parsed.len
+            )));
         }
-        Ok(own)
+        let stream = &parsed.streams[0];
+        // a state of no cell has no data header, so it declares nothing
+        if stream.v_trans.is_some() {
+            let declared = stream.n_layer_declared;
+            if declared != self.declared {
+                return Err(KvError::InvalidState(format!(
+                    "recurrent part: the state declares {declared} layers, the memory's model {}",
+                    self.declared
+                )));
+            }
+        }
+        self.cache.check_payload(&parsed, dest)?;
+        Ok(parsed)
     }
 
     /// Checks that `data` (all of it) is a state of this memory for `seq`, without a change.
     pub(crate) fn check_read(&self, data: &[u8], seq: i32) -> Result<()> {
-        let dest = self.cache.read_dest(seq)?;
-        self.cache
-            .detect_payload(&self.as_read(data)?, dest, Some(Layout::Seed))
-            .map(|_| ())
+        self.parse(data, self.cache.read_dest(seq)?).map(drop)
     }
 
     /// Reads a state written by [`RecurrentMemory::state_write`] (or by 0.1.161) into `seq`
@@ -180,18 +196,16 @@ impl RecurrentMemory {
             layout: Some(Layout::Seed),
             ..ReadOptions::default()
         };
-        let own = self.as_read(data)?;
+        let in_part = |e| match e {
+            KvError::InvalidState(m) if !m.starts_with("recurrent part") => {
+                KvError::InvalidState(format!("recurrent part: {m}"))
+            }
+            other => other,
+        };
+        let dest = self.cache.read_dest(seq)?;
+        let parsed = self.parse(data, dest).map_err(in_part)?;
         self.cache
-            .state_read(&own, seq, opts, None)
-            .map_err(|e| match e {
-                KvError::InvalidState(m) => KvError::InvalidState(format!("recurrent part: {m}")),
-                other => other,
-            })
+            .apply_payload(data, &parsed, dest, opts, None)
+            .map_err(in_part)
     }
-}
-
-/// Whether a recurrent payload holds cells (its first field, the cell count, is not 0): only
-/// then does it have a data header.
-fn has_cells(payload: &[u8]) -> bool {
-    payload.get(..4).is_some_and(|n| n != [0, 0, 0, 0])
 }

@@ -153,6 +153,23 @@ fn kv_part_at(start: usize, role: PartRole, payload: ParsedPayload) -> Part {
     }
 }
 
+/// The recurrent memory's payload at the start of `body` (the seed's layout, no extension),
+/// with `blocks` data blocks where its header declares more layers (a hybrid's recurrent part
+/// declares every model layer and writes its own).
+pub(crate) fn recurrent_payload<S: ByteSource + ?Sized>(
+    body: &S,
+    blocks: Option<u32>,
+) -> Result<ParsedPayload> {
+    let mut c = Cursor::new(body);
+    let stream = parse_stream_with(&mut c, 0, StreamFormat::recurrent(), blocks)?;
+    Ok(ParsedPayload {
+        layout: Layout::Seed,
+        streams: vec![stream],
+        len: c.pos,
+        ext: CellExt::None,
+    })
+}
+
 /// The recurrent memory of a hybrid at `start`, and what `then` makes of the bytes after it.
 /// Its data header declares every model layer but it writes blocks only for the recurrent
 /// ones, so the block count is the one after which `then` succeeds (largest first).
@@ -170,27 +187,21 @@ fn recurrent_then<S: ByteSource + ?Sized, T>(
     };
     let mut last_err = None;
     for blocks in (1..=declared).rev() {
-        let mut c = Cursor::new(body);
-        let stream = match parse_stream_with(&mut c, 0, StreamFormat::recurrent(), Some(blocks)) {
-            Ok(stream) => stream,
+        let payload = match recurrent_payload(body, Some(blocks)) {
+            Ok(payload) => payload,
             Err(e) => {
                 last_err = Some(e);
                 continue;
             }
         };
-        let end = start + c.pos;
+        let end = start + payload.len;
         match then(end) {
             Ok(rest) => {
                 let part = Part {
                     kind: PartKind::Recurrent,
                     role: PartRole::Recurrent,
                     range: start..end,
-                    payload: ParsedPayload {
-                        layout: Layout::Seed,
-                        streams: vec![stream],
-                        len: c.pos,
-                        ext: CellExt::None,
-                    },
+                    payload,
                 };
                 return Ok((part, rest));
             }

@@ -6,7 +6,8 @@
 //! interleaved rounds, medians; plus memcpy of the sequence's bytes as the data baseline, and
 //! the same state set at a real model's geometry (gemma3-4b-like: 34 layers, every sixth of
 //! full attention, 1,024-wide f16 K/V, a window of 1,024; 4 sequences of 2,048 tokens), where
-//! rows outweigh the cell metadata that the tiny model's 128-byte rows leave dominant.
+//! rows outweigh the cell metadata that the tiny model's 128-byte rows leave dominant; and a
+//! state set into a hybrid memory at a Qwen3.5-9B-like geometry.
 //!
 //!   cargo run --release -p today-peer --bin bench-live            (npm run bench:live)
 //!   BENCH_ROUNDS=21 cargo run --release -p today-peer --bin bench-live
@@ -15,9 +16,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use llama_kv_cache::model::gguf::{self, GgufBuilder, GgufValue};
 use llama_kv_cache::{
-    CacheParams, ContextParams, GgmlType, IswaCache, IswaParams, Layout, ModelInfo, SwaType,
-    Tensor, UBatch, Window,
+    CacheParams, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo,
+    SwaType, Tensor, UBatch, Window,
 };
 use today_peer::{driver_path, models_dir};
 
@@ -121,6 +123,87 @@ fn real_geometry_set(rounds: usize) -> (usize, u128, u128) {
             .expect("the memory holds every sequence");
     }
     fill_rows(&mut c, LAYERS, CELLS as usize);
+    let seq0 = c.state_write(0, Layout::StreamsRot).unwrap();
+    let whole = c.state_write(-1, Layout::StreamsRot).unwrap();
+    let (mut sets, mut copies, mut out) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds {
+        for k in 0..2 {
+            c.state_read(&whole, -1, Layout::StreamsRot).unwrap();
+            let t0 = Instant::now();
+            if (r + k) % 2 == 0 {
+                drop(c.state_read(&seq0, 0, Layout::StreamsRot).unwrap());
+                sets.push(t0.elapsed().as_nanos());
+            } else {
+                out.resize(seq0.len(), 0);
+                out.copy_from_slice(&seq0);
+                copies.push(t0.elapsed().as_nanos());
+            }
+        }
+    }
+    (seq0.len(), median(&mut sets), median(&mut copies))
+}
+
+/// A Qwen3.5-9B-like model: 32 layers, every fourth gated attention (4 KV heads of 256: 1,024-wide
+/// K/V), the others gated delta nets (16 key heads and 32 value heads of 128: a conv state of
+/// 24,576 floats and a 2 MiB state per layer and sequence).
+fn qwen35_9b_like() -> ModelInfo {
+    let mut g = GgufBuilder::new();
+    let u = GgufValue::U32;
+    g.kv("general.architecture", GgufValue::Str("qwen35".into()))
+        .kv("qwen35.context_length", u(262_144))
+        .kv("qwen35.embedding_length", u(4096))
+        .kv("qwen35.block_count", u(32))
+        .kv("qwen35.attention.head_count", u(16))
+        .kv("qwen35.attention.head_count_kv", u(4))
+        .kv("qwen35.attention.key_length", u(256))
+        .kv("qwen35.attention.value_length", u(256))
+        .kv("qwen35.ssm.conv_kernel", u(4))
+        .kv("qwen35.ssm.inner_size", u(4096))
+        .kv("qwen35.ssm.state_size", u(128))
+        .kv("qwen35.ssm.time_step_rank", u(32))
+        .kv("qwen35.ssm.group_count", u(16))
+        .kv("qwen35.full_attention_interval", u(4));
+    let header = gguf::parse_bytes(&g.bytes_zero_data()).unwrap();
+    ModelInfo::from_header(&header).unwrap()
+}
+
+/// A sequence's state set into a hybrid memory at the Qwen3.5-9B-like geometry (4 sequences of
+/// 2,048 tokens) against a memcpy of its bytes, interleaved as [`real_geometry_set`].
+fn hybrid_geometry_set(rounds: usize) -> (usize, u128, u128) {
+    const SEQS: u32 = 4;
+    const TOKENS: i32 = 2048;
+    let info = qwen35_9b_like();
+    let ctx = ContextParams {
+        n_ctx: SEQS * TOKENS as u32,
+        n_seq_max: SEQS,
+        n_ubatch: 512,
+        unified: true,
+        swa_full: false,
+        type_k: GgmlType::F16,
+        type_v: GgmlType::F16,
+        flash_attn: true,
+    };
+    let mut c = HybridCache::for_model(&info, &ctx).unwrap();
+    for s in 0..SEQS as i32 {
+        let group = UBatch {
+            pos: (0..TOKENS).collect(),
+            n_seq_tokens: TOKENS as u32,
+            seq_ids: vec![vec![s]],
+            ext: Vec::new(),
+        };
+        c.place(&[group])
+            .unwrap()
+            .expect("the memory holds every sequence");
+    }
+    for il in 0..info.n_layer {
+        let (cache, k) = c.route_mut(il, 0).unwrap();
+        let cells = cache.params().size as usize;
+        for which in [Tensor::K, Tensor::V] {
+            let row = cache.row_size(k, which).unwrap();
+            let bytes: Vec<u8> = (0..row * cells).map(|i| (i % 251) as u8).collect();
+            cache.write_rows(k, which, 0, &bytes).unwrap();
+        }
+    }
     let seq0 = c.state_write(0, Layout::StreamsRot).unwrap();
     let whole = c.state_write(-1, Layout::StreamsRot).unwrap();
     let (mut sets, mut copies, mut out) = (Vec::new(), Vec::new(), Vec::new());
@@ -262,6 +345,15 @@ fn main() {
     println!(
         "seq_set at a gemma3-4b-like geometry (34 layers, 1,024-wide f16 K/V, 2,048 tokens), \
          {bytes} bytes: {:.2}x memcpy of the same bytes ({:.1} ms against {:.1} ms)",
+        copy as f64 / set.max(1) as f64,
+        set as f64 / 1e6,
+        copy as f64 / 1e6
+    );
+    let (bytes, set, copy) = hybrid_geometry_set(rounds.min(7));
+    println!(
+        "seq_set into a hybrid memory at a Qwen3.5-9B-like geometry (8 attention layers of \
+         1,024-wide f16 K/V, 24 gated delta nets, 2,048 tokens), {bytes} bytes: {:.2}x memcpy \
+         of the same bytes ({:.1} ms against {:.1} ms)",
         copy as f64 / set.max(1) as f64,
         set as f64 / 1e6,
         copy as f64 / 1e6
