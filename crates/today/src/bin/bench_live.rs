@@ -125,22 +125,9 @@ fn real_geometry_set(rounds: usize) -> (usize, u128, u128) {
     fill_rows(&mut c, LAYERS, CELLS as usize);
     let seq0 = c.state_write(0, Layout::StreamsRot).unwrap();
     let whole = c.state_write(-1, Layout::StreamsRot).unwrap();
-    let (mut sets, mut copies, mut out) = (Vec::new(), Vec::new(), Vec::new());
-    for r in 0..rounds {
-        for k in 0..2 {
-            c.state_read(&whole, -1, Layout::StreamsRot).unwrap();
-            let t0 = Instant::now();
-            if (r + k) % 2 == 0 {
-                drop(c.state_read(&seq0, 0, Layout::StreamsRot).unwrap());
-                sets.push(t0.elapsed().as_nanos());
-            } else {
-                out.resize(seq0.len(), 0);
-                out.copy_from_slice(&seq0);
-                copies.push(t0.elapsed().as_nanos());
-            }
-        }
-    }
-    (seq0.len(), median(&mut sets), median(&mut copies))
+    set_against_copy(rounds, &whole, &seq0, |seq, state| {
+        drop(c.state_read(state, seq, Layout::StreamsRot).unwrap())
+    })
 }
 
 /// A Qwen3.5-9B-like model: 32 layers, every fourth gated attention (4 KV heads of 256: 1,024-wide
@@ -206,17 +193,31 @@ fn hybrid_geometry_set(rounds: usize) -> (usize, u128, u128) {
     }
     let seq0 = c.state_write(0, Layout::StreamsRot).unwrap();
     let whole = c.state_write(-1, Layout::StreamsRot).unwrap();
+    set_against_copy(rounds, &whole, &seq0, |seq, state| {
+        drop(c.state_read(state, seq, Layout::StreamsRot).unwrap())
+    })
+}
+
+/// `read(seq, state)` of sequence 0's state `seq0` against a memcpy of its bytes, interleaved,
+/// each after the whole state `whole` is read back (`read(-1, whole)`: rows as cold as the
+/// tiny model's); the state's length and both medians.
+fn set_against_copy(
+    rounds: usize,
+    whole: &[u8],
+    seq0: &[u8],
+    mut read: impl FnMut(i32, &[u8]),
+) -> (usize, u128, u128) {
     let (mut sets, mut copies, mut out) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..rounds {
         for k in 0..2 {
-            c.state_read(&whole, -1, Layout::StreamsRot).unwrap();
+            read(-1, whole);
             let t0 = Instant::now();
             if (r + k) % 2 == 0 {
-                drop(c.state_read(&seq0, 0, Layout::StreamsRot).unwrap());
+                read(0, seq0);
                 sets.push(t0.elapsed().as_nanos());
             } else {
                 out.resize(seq0.len(), 0);
-                out.copy_from_slice(&seq0);
+                out.copy_from_slice(seq0);
                 copies.push(t0.elapsed().as_nanos());
             }
         }
