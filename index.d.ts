@@ -167,14 +167,17 @@ export declare class KvCache {
    * Raw rows of `tensor` ('k' or 'v', V untransposed) of model layer `layer` for `cells`
    * of stream `stream` (default 0), packed: the layer is routed to the part that holds
    * it (see `parts`), so the cells are that part's, as `place` returns them. Every kind.
+   * A layer with a recurrent state only gives its R rows as 'k' and its S rows as 'v';
+   * 'r' and 's' name those rows of any layer with a recurrent state (Falcon-H1's layers
+   * keep K/V and a state).
    */
-  readRows(layer: number, tensor: 'k' | 'v', cells: Array<number> | Uint32Array, stream?: number): Buffer
+  readRows(layer: number, tensor: 'k' | 'v' | 'r' | 's', cells: Array<number> | Uint32Array, stream?: number): Buffer
   /**
    * Writes one raw row per cell of `cells` (of stream `stream`, default 0) into `tensor` of
    * model layer `layer`, routed as `readRows`; all cells and the length are checked before
    * any row is written. Every kind.
    */
-  writeRows(layer: number, tensor: 'k' | 'v', cells: Array<number> | Uint32Array, data: Uint8Array, stream?: number): void
+  writeRows(layer: number, tensor: 'k' | 'v' | 'r' | 's', cells: Array<number> | Uint32Array, data: Uint8Array, stream?: number): void
   /** Bytes of one row (one cell) of K or V in `layer`. */
   rowSize(layer: number, tensor: 'k' | 'v'): number
   /** Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type. */

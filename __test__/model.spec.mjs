@@ -62,7 +62,7 @@ test('modelInfo, fromModel and checkState: a model path that is not a string is 
 
 // No switch turns these off: without the models (written by `npm test`'s set-up) the spec fails with one test
 // that names the set-up command, and the model tests are not registered, so nothing passes vacuously.
-const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf', 'lfm2-swa.gguf', 'qwen35.gguf', 'nemotron-h.gguf']
+const MODEL_FILES = ['llama-h16.gguf', 'llama-h32.gguf', 'llama-h64.gguf', 'mamba.gguf', 'gemma3-swa.gguf', 'jamba.gguf', 'qwen2-h64.gguf', 'qwen2-h64-yarn.gguf', 'llama-h64-yarn.gguf', 'lfm2-swa.gguf', 'qwen35.gguf', 'nemotron-h.gguf', 'falcon-h1.gguf']
 const missingModels = MODEL_FILES.filter((m) => !fs.existsSync(model(m)))
 const unregistered = []
 if (missingModels.length > 0) {
@@ -536,7 +536,7 @@ mtest('an iSWA memory shifts positions only with swaFull, as llama.cpp 0.1.161 a
   t.throws(() => c.findSlot(ubatch(0, 8, 1)), code('ERR_KV_UNSUPPORTED', /kind 'iswa'/))
   t.throws(() => c.defrag(), code('ERR_KV_UNSUPPORTED', /kind 'iswa'/))
   t.throws(() => c.readRows(2, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 2/))
-  t.throws(() => c.readRows(0, 'q', [0]), code('ERR_KV_INVALID_ARG', /'k' or 'v'/))
+  t.throws(() => c.readRows(0, 'q', [0]), code('ERR_KV_INVALID_ARG', /tensor must be 'k', 'v', 'r' or 's', got "q"/))
   t.throws(() => c.writeRows(0, 'k', [0, 1], Buffer.alloc(5)), code('ERR_KV_INVALID_ARG', /5 bytes for 2 cells/))
   t.throws(() => c.readRows(0, 'k', [0], 1), code('ERR_KV_OUT_OF_RANGE', /stream 1/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf')).place([ubatch(0, 0, 1)]), code('ERR_KV_UNSUPPORTED', /findSlot/))
@@ -684,6 +684,44 @@ mtest('Nemotron-H\'s MLP-only layer is in neither part of its hybrid memory, and
   t.deepEqual(c.parts.map((p) => [p.role, p.layers]), [['attention', [1]], ['recurrent', [0]]])
   t.throws(() => c.readRows(2, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 2 keeps nothing in this memory/))
   t.throws(() => c.readRows(3, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 3 is out of range \[0, 3\)/))
+})
+
+mtest('Falcon-H1 keeps every layer in both parts: \'k\'/\'v\' name its attention rows, \'r\'/\'s\' its Mamba-2 state', (t) => {
+  const info = modelInfo(model('falcon-h1.gguf'))
+  t.deepEqual(info.layers.map((l) => l.memory), ['both', 'both'])
+  t.like(info, { memory: 'hybrid', unsupported: undefined })
+  const c = KvCache.fromModel(model('falcon-h1.gguf'), { nCtx: 32 })
+  t.deepEqual(c.parts.map((p) => [p.role, p.layers]), [['attention', [0, 1]], ['recurrent', [0, 1]]])
+  const [where] = c.place([{ pos: [0, 1, 2, 3], seqIds: [0], nSeqTokens: 4 }])
+  const [attn, recr] = where
+  t.deepEqual([attn.part, recr.part], ['attention', 'recurrent'])
+  // K of layer 1 (16 f16 per token) and its conv state R ((4 - 1) x (64 + 2 x 2 x 8) f32)
+  t.is(c.readRows(1, 'k', attn.cells).length, 4 * 16 * 2)
+  t.is(c.readRows(1, 'r', recr.cells).length, 288 * 4)
+  t.is(c.readRows(1, 's', recr.cells).length, 512 * 4)
+  c.writeRows(1, 's', recr.cells, Buffer.alloc(512 * 4, 9))
+  c.writeRows(1, 'v', attn.cells, Buffer.alloc(4 * 16 * 2, 3))
+  t.deepEqual(c.readRows(1, 's', recr.cells), Buffer.alloc(512 * 4, 9))
+  t.deepEqual(c.readRows(1, 'v', attn.cells), Buffer.alloc(4 * 16 * 2, 3))
+  // the state round-trips with both kinds of rows in it
+  const d = KvCache.fromModel(model('falcon-h1.gguf'), { nCtx: 32 })
+  d.stateReadSync(c.stateWriteSync())
+  t.deepEqual(d.readRows(1, 's', recr.cells), Buffer.alloc(512 * 4, 9))
+  // an attention-only layer (Jamba's layer 1) and any layer of an iSWA memory keep no state
+  const j = KvCache.fromModel(model('jamba.gguf'), { nCtx: 32 })
+  t.throws(() => j.readRows(1, 'r', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 1 keeps no recurrent state/))
+  t.is(j.readRows(0, 'r', [0]).length, j.readRows(0, 'k', [0]).length)
+  t.throws(() => gemma().readRows(0, 's', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 0 keeps no recurrent state/))
+  // the 0.1.161 peer's files load and save back byte for byte
+  for (const ext of ['ggsn', 'ggsq']) {
+    const peer = path.join(FIXTURES, 't161', `t161-falcon-h1.${ext}`)
+    const e = KvCache.fromModel(model('falcon-h1.gguf'), { nCtx: 32 })
+    const loaded = ext === 'ggsn' ? e.loadSessionFileSync(peer) : e.loadSequenceFileSync(peer, 0)
+    const again = tmp(`falcon-again.${ext}`)
+    if (ext === 'ggsn') e.saveSessionFileSync(again, loaded.tokens, { arch: 'falcon-h1', version: 11 })
+    else e.saveSequenceFileSync(again, 0, loaded.tokens, { version: 4 })
+    t.deepEqual(fs.readFileSync(again), fs.readFileSync(peer))
+  }
 })
 
 // ---- the prompt store with live caches of today's kinds -----------------------------------------------

@@ -47,13 +47,13 @@ for (const sel of [0, 1, 2, 3]) {
   c.dispose()
 }
 // fuzz/corpus/live_reader: payloads of today's memories as that target builds them (selector bits
-// 0-1 and 6: gemma3 iSWA, Jamba, LFM2, LFM2 with a window, Qwen3.5, Nemotron-H; 256 cells, 3 sequences, sequences 0 and 1
+// 0-1 and 6: gemma3 iSWA, Jamba, LFM2, LFM2 with a window, Qwen3.5, Nemotron-H, Falcon-H1; 256 cells, 3 sequences, sequences 0 and 1
 // placed with 6 and 3 tokens), in both layouts, whole and of one sequence, and 0.1.161's files'
 const liveOut = path.join(root, 'fuzz', 'corpus', 'live_reader')
 fs.mkdirSync(liveOut, { recursive: true })
 const putLive = (name, selector, bytes) =>
   fs.writeFileSync(path.join(liveOut, `${name}.${selector.toString(16)}`), Buffer.concat([Buffer.from([selector]), bytes]))
-const MEMORIES = ['gemma3-swa', 'jamba', 'lfm2', 'lfm2-swa', 'qwen35', 'nemotron-h']
+const MEMORIES = ['gemma3-swa', 'jamba', 'lfm2', 'lfm2-swa', 'qwen35', 'nemotron-h', 'falcon-h1']
 for (const [index, name] of MEMORIES.entries()) {
   const k = (index & 3) | ((index & 4) << 4)
   const c = KvCache.fromModel(path.join(root, 'interop/models', `${name}.gguf`), { nCtx: 256, nSeqMax: 3, nUbatch: 16 })

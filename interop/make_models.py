@@ -484,6 +484,37 @@ def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
     finish(w)
 
 
+def write_falcon_h1(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
+    """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer, so llama.cpp
+    0.1.161's hybrid memory keeps every layer in both parts (K/V rows and conv/SSM states)."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    channels = d_inner + 2 * n_group * d_state
+    w = begin(path, "falcon-h1", "falcon-h1", n_embd, n_layer, n_ff, n_head)
+    w.add_head_count_kv(n_head_kv)
+    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
+    w.add_uint32("falcon-h1.ssm.group_count", n_group)
+    w.add_layer_norm_rms_eps(1e-5)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ssm_in.weight", rnd(rng, (d_inner + channels + n_ssm_head, n_embd), 0.1))
+        w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
+        w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
+        w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
+        w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
+        w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+        w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+        w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        add_attention(w, rng, p, n_embd, n_embd_gqa)
+        w.add_tensor(p + "ffn_norm", np.ones(n_embd, dtype=np.float32))
+        add_ffn(w, rng, p, n_embd, n_ff)
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -513,6 +544,7 @@ def main():
                         nope=16, v_head=16, seed=3232, indexer=(2, 64, 4))
     write_qwen35(os.path.join(out, "qwen35.gguf"), 32, 2, 1, 64, 4, interval=2, seed=35)
     write_nemotron_h(os.path.join(out, "nemotron-h.gguf"), 32, 2, 1, 64, seed=4242)
+    write_falcon_h1(os.path.join(out, "falcon-h1.gguf"), 32, 2, 1, 64, 2, seed=1111)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

@@ -1,8 +1,8 @@
 //! Fuzzes the readers of today's live memories, as `KvCache.fromModel` builds them for the tiny
 //! models of `interop/make_models.py` (`node scripts/setup.mjs` writes them): the iSWA memory
-//! (gemma3), the hybrid memories (Jamba, LFM2, Qwen3.5 with M-RoPE cells, Nemotron-H) and the
-//! hybrid-iSWA one (LFM2 with a window: three parts, the first of no layer). The first byte
-//! picks the memory (bits 0-1 and 6, modulo the six), the layout
+//! (gemma3), the hybrid memories (Jamba, LFM2, Qwen3.5 with M-RoPE cells, Nemotron-H,
+//! Falcon-H1) and the hybrid-iSWA one (LFM2 with a window: three parts, the first of no layer).
+//! The first byte picks the memory (bits 0-1 and 6, modulo the seven), the layout
 //! (bit 2), the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing) and a
 //! partial read (bit 5: llama.cpp's `PARTIAL_ONLY` state, a context checkpoint); the rest is
 //! the payload, with or without `llama_state_seq_get_data`'s envelope. A failed read must leave the memory byte for byte as it was; a
@@ -14,13 +14,14 @@ use std::sync::OnceLock;
 use libfuzzer_sys::fuzz_target;
 use llama_kv_cache::{ContextParams, GgmlType, Layout, Memory, ModelInfo, ReadOptions, UBatch};
 
-const MODELS: [&str; 6] = [
+const MODELS: [&str; 7] = [
     "gemma3-swa.gguf",
     "jamba.gguf",
     "lfm2.gguf",
     "lfm2-swa.gguf",
     "qwen35.gguf",
     "nemotron-h.gguf",
+    "falcon-h1.gguf",
 ];
 
 fn model(k: usize) -> &'static ModelInfo {

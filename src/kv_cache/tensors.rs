@@ -2,7 +2,7 @@
 //! K-shift and the defrag), with the conversion of its RoPE options.
 
 use llama_kv_cache as core;
-use llama_kv_cache::{RopeParams, RopeType, ShiftParams, Tensor};
+use llama_kv_cache::{LayerRows, RopeParams, RopeType, ShiftParams, Tensor};
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
@@ -87,14 +87,16 @@ fn cell_list(cells: Either<Vec<f64>, Uint32Array>) -> JsResult<Vec<u32>> {
     }
 }
 
-/// `'k'` or `'v'`.
-fn tensor_named(name: &str) -> JsResult<Tensor> {
+/// `'k'` or `'v'` of the part that holds a layer, `'r'` or `'s'` of its recurrent state.
+fn rows_named(name: &str) -> JsResult<LayerRows> {
     match name {
-        "k" => Ok(Tensor::K),
-        "v" => Ok(Tensor::V),
+        "k" => Ok(LayerRows::Own(Tensor::K)),
+        "v" => Ok(LayerRows::Own(Tensor::V)),
+        "r" => Ok(LayerRows::State(Tensor::K)),
+        "s" => Ok(LayerRows::State(Tensor::V)),
         other => Err(err(
             Code::InvalidArg,
-            format!("tensor must be 'k' or 'v', got {other:?}"),
+            format!("tensor must be 'k', 'v', 'r' or 's', got {other:?}"),
         )),
     }
 }
@@ -104,15 +106,18 @@ impl KvCache {
     /// Raw rows of `tensor` ('k' or 'v', V untransposed) of model layer `layer` for `cells`
     /// of stream `stream` (default 0), packed: the layer is routed to the part that holds
     /// it (see `parts`), so the cells are that part's, as `place` returns them. Every kind.
+    /// A layer with a recurrent state only gives its R rows as 'k' and its S rows as 'v';
+    /// 'r' and 's' name those rows of any layer with a recurrent state (Falcon-H1's layers
+    /// keep K/V and a state).
     #[napi]
     pub fn read_rows(
         &self,
         #[napi(ts_arg_type = "number")] layer: Num,
-        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+        #[napi(ts_arg_type = "'k' | 'v' | 'r' | 's'")] tensor: String,
         #[napi(ts_arg_type = "Array<number> | Uint32Array")] cells: Either<Vec<f64>, Uint32Array>,
         #[napi(ts_arg_type = "number")] stream: Option<Num>,
     ) -> Result<Buffer, Code> {
-        let (il, which) = (u32v("layer", layer)?, tensor_named(&tensor)?);
+        let (il, which) = (u32v("layer", layer)?, rows_named(&tensor)?);
         let cells = cell_list(cells)?;
         let stream = stream.map_or(Ok(0), |s| u32v("stream", s))?;
         self.with_memory(|c| {
@@ -129,12 +134,12 @@ impl KvCache {
     pub fn write_rows(
         &self,
         #[napi(ts_arg_type = "number")] layer: Num,
-        #[napi(ts_arg_type = "'k' | 'v'")] tensor: String,
+        #[napi(ts_arg_type = "'k' | 'v' | 'r' | 's'")] tensor: String,
         #[napi(ts_arg_type = "Array<number> | Uint32Array")] cells: Either<Vec<f64>, Uint32Array>,
         #[napi(ts_arg_type = "Uint8Array")] data: Bytes,
         #[napi(ts_arg_type = "number")] stream: Option<Num>,
     ) -> Result<(), Code> {
-        let (il, which) = (u32v("layer", layer)?, tensor_named(&tensor)?);
+        let (il, which) = (u32v("layer", layer)?, rows_named(&tensor)?);
         let cells = cell_list(cells)?;
         let stream = stream.map_or(Ok(0), |s| u32v("stream", s))?;
         // SAFETY: every argument is converted; only the core runs while the rows are read

@@ -58,7 +58,7 @@ pub use ggml_type::GgmlType;
 pub use memory::attention::{AttentionCache, StreamSlot, Window};
 pub use memory::hybrid::{HybridAttention, HybridCache, HybridRecurrent};
 pub use memory::iswa::{ContextParams, IswaCache, IswaParams, IswaPart};
-pub use memory::kinds::{Memory, PartInfo};
+pub use memory::kinds::{LayerRows, Memory, PartInfo};
 pub use memory::recurrent::RecurrentMemory;
 pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};

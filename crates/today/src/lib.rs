@@ -295,6 +295,13 @@ pub fn specs() -> Vec<Spec> {
             memory: "hybrid",
             ..base.clone()
         },
+        // Falcon-H1: every layer keeps K/V and a Mamba-2 state
+        Spec {
+            name: "falcon-h1",
+            model: "falcon-h1.gguf",
+            memory: "hybrid",
+            ..base.clone()
+        },
         // multi-head latent attention (deepseek2): K only, one latent "head" per token
         Spec {
             name: "deepseek2-mla",

@@ -113,6 +113,7 @@ fn regression_an_empty_sequence_state_of_a_hybrid_declared_the_recurrent_layers_
         "lfm2-swa.gguf",
         "qwen35.gguf",
         "nemotron-h.gguf",
+        "falcon-h1.gguf",
     ] {
         let cfg = config(model);
         let mut oracle = Oracle::start(&cfg, &models_dir()).unwrap();

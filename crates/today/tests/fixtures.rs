@@ -43,6 +43,7 @@ fn recurrent_layers(spec: &Spec) -> (u32, usize) {
         "jamba.gguf" => (2, 1),
         "lfm2.gguf" | "lfm2-swa.gguf" | "qwen35.gguf" => (4, 2),
         "nemotron-h.gguf" => (3, 1),
+        "falcon-h1.gguf" => (2, 2),
         _ => (2, 2),
     }
 }

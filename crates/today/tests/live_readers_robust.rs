@@ -232,10 +232,15 @@ fn regression_a_failed_whole_read_of_a_hybrid_iswa_memory_left_it_changed() {
 }
 
 /// Qwen3.5: gated delta nets beside attention cells that carry M-RoPE's extension (the
-/// recurrent part's cells carry none), and Nemotron-H, whose MLP-only layer is in neither part.
+/// recurrent part's cells carry none); Nemotron-H, whose MLP-only layer is in neither part;
+/// Falcon-H1, whose layers are in both.
 #[test]
-fn damaged_qwen35_and_nemotron_h_states_are_read_or_refused_with_the_memory_unchanged() {
-    for (name, seed) in [("qwen35.gguf", 80), ("nemotron-h.gguf", 81)] {
+fn damaged_states_of_todays_hybrid_layer_splits_are_read_or_refused_with_the_memory_unchanged() {
+    for (name, seed) in [
+        ("qwen35.gguf", 80),
+        ("nemotron-h.gguf", 81),
+        ("falcon-h1.gguf", 82),
+    ] {
         let mut m = hybrid_with(name, 3, &[(0, 6), (1, 3)]);
         let (refused, read) = hammer(name, &mut m, &[0, 1, 2], rounds(), seed);
         eprintln!("{name}: {refused} refused, {read} read");

@@ -3,8 +3,9 @@
 //! `saveStateToFile` do) is ingested; the store then writes a file for the same conversation
 //! plus 40 new tokens, and for one that diverges at token 200. 0.1.161 loads each file,
 //! evaluates only the tokens after it, and its logits equal a cold run's. Cases: plain f16,
-//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba, LFM2 and Qwen3.5
-//! (hybrid; Qwen3.5's attention cells carry M-RoPE's extension),
+//! rotated q8_0, gemma3 with the window only and with `swa_full`, jamba, LFM2, Qwen3.5 and
+//! Falcon-H1 (hybrid; Qwen3.5's attention cells carry M-RoPE's extension, Falcon-H1 keeps every
+//! layer in both parts),
 //! LFM2 with a window (hybrid-iSWA), mamba, deepseek2 (latent attention: no V), deepseek32
 //! (dsa: latent and indexer caches). A live
 //! memory of the same conversation goes through the store the same way (`put_memory`,
@@ -109,6 +110,13 @@ fn cases() -> Vec<Case> {
         Case {
             name: "qwen35",
             model: "qwen35.gguf",
+            blocks_restore: false,
+            ..base
+        },
+        // Falcon-H1: every layer in both parts
+        Case {
+            name: "falcon-h1",
+            model: "falcon-h1.gguf",
             blocks_restore: false,
             ..base
         },
@@ -382,7 +390,13 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
     let live_cases = cases().into_iter().filter(|c| {
         matches!(
             c.name,
-            "gemma3-window" | "gemma3-swa-full" | "jamba" | "lfm2" | "lfm2-swa" | "qwen35"
+            "gemma3-window"
+                | "gemma3-swa-full"
+                | "jamba"
+                | "lfm2"
+                | "lfm2-swa"
+                | "qwen35"
+                | "falcon-h1"
         )
     });
     for case in live_cases {

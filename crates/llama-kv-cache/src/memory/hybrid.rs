@@ -311,6 +311,30 @@ impl HybridCache {
         }
     }
 
+    /// The recurrent memory's cache and the index of model layer `il` there, for a layer that
+    /// keeps a recurrent state (a Falcon-H1 layer keeps K/V too, which [`HybridCache::route`]
+    /// finds).
+    pub fn route_recurrent(&self, il: u32) -> Result<(&KvCache, u32)> {
+        let k = self.recurrent_index(il)?;
+        Ok((self.recr.memory.cache(), k))
+    }
+
+    /// [`HybridCache::route_recurrent`], to write rows.
+    pub fn route_recurrent_mut(&mut self, il: u32) -> Result<(&mut KvCache, u32)> {
+        let k = self.recurrent_index(il)?;
+        Ok((self.recr.memory.cache_mut(), k))
+    }
+
+    fn recurrent_index(&self, il: u32) -> Result<u32> {
+        match self.recr.layers.binary_search(&il) {
+            Ok(k) => Ok(k as u32),
+            Err(_) if il < self.recr.memory.declared_layers() => Err(KvError::OutOfRange(format!(
+                "layer {il} keeps no recurrent state in this memory"
+            ))),
+            Err(_) => Err(self.no_layer(il)),
+        }
+    }
+
     fn no_layer(&self, il: u32) -> KvError {
         let n_layer = self.recr.memory.declared_layers();
         if il < n_layer {

@@ -342,59 +342,76 @@ impl Memory {
         }
     }
 
-    /// The part holding model layer `il`, its layer index there, and the stream `stream` of it.
-    fn stream_of_layer(&self, il: u32, stream: u32) -> Result<(&KvCache, u32)> {
-        match self {
-            Memory::Kv(c) => {
+    /// The part holding `rows` of model layer `il`, its layer index there, and the stream
+    /// `stream` of it.
+    fn stream_of_layer(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+        match (self, rows) {
+            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => Err(no_state(il)),
+            (Memory::Kv(c), _) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
                 }
                 Ok((c.as_ref(), il))
             }
-            Memory::Iswa(c) => {
+            (Memory::Iswa(_), LayerRows::State(_)) => Err(no_state(il)),
+            (Memory::Iswa(c), LayerRows::Own(_)) => {
                 let (part, k) = c.route(il)?;
                 Ok((part.stream(stream)?, k))
             }
-            Memory::Hybrid(c) => c.route(il, stream),
+            (Memory::Hybrid(c), LayerRows::Own(_)) => c.route(il, stream),
+            (Memory::Hybrid(c), LayerRows::State(_)) => {
+                if stream != 0 {
+                    return Err(no_stream(stream, 1));
+                }
+                c.route_recurrent(il)
+            }
         }
     }
 
-    /// Rows of `which` of model layer `il` for `cells` of stream `stream`, packed.
+    /// Rows `rows` of model layer `il` for `cells` of stream `stream`, packed.
     pub fn read_rows_at(
         &self,
         il: u32,
-        which: Tensor,
+        rows: LayerRows,
         stream: u32,
         cells: &[u32],
     ) -> Result<Vec<u8>> {
-        let (cache, k) = self.stream_of_layer(il, stream)?;
-        cache.rows_of_cells(k, which, cells)
+        let (cache, k) = self.stream_of_layer(il, rows, stream)?;
+        cache.rows_of_cells(k, rows.tensor(), cells)
     }
 
-    /// Writes one row per cell of `cells` (of stream `stream`) into `which` of model layer
+    /// Writes one row per cell of `cells` (of stream `stream`) into `rows` of model layer
     /// `il`; checks every cell and the length before writing any.
     pub fn write_rows_at(
         &mut self,
         il: u32,
-        which: Tensor,
+        rows: LayerRows,
         stream: u32,
         cells: &[u32],
-        rows: &[u8],
+        data: &[u8],
     ) -> Result<()> {
-        let (cache, k) = match self {
-            Memory::Kv(c) => {
+        let (cache, k) = match (&mut *self, rows) {
+            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => return Err(no_state(il)),
+            (Memory::Kv(c), _) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
                 }
                 (c.as_mut(), il)
             }
-            Memory::Iswa(c) => {
+            (Memory::Iswa(_), LayerRows::State(_)) => return Err(no_state(il)),
+            (Memory::Iswa(c), LayerRows::Own(_)) => {
                 let (part, k) = c.route_mut(il)?;
                 (part.stream_mut(stream)?, k)
             }
-            Memory::Hybrid(c) => c.route_mut(il, stream)?,
+            (Memory::Hybrid(c), LayerRows::Own(_)) => c.route_mut(il, stream)?,
+            (Memory::Hybrid(c), LayerRows::State(_)) => {
+                if stream != 0 {
+                    return Err(no_stream(stream, 1));
+                }
+                c.route_recurrent_mut(il)?
+            }
         };
-        cache.write_rows_of_cells(k, which, cells, rows)
+        cache.write_rows_of_cells(k, rows.tensor(), cells, data)
     }
 
     /// The state of `seq` (-1: everything) in `layout` (llama.cpp 0.1.161's for `iswa`).
@@ -541,6 +558,31 @@ impl Memory {
             Memory::Hybrid(c) => c.update(shift),
         }
     }
+}
+
+/// Which rows of a model layer: K or V of the part that holds the layer (`Own`: its attention
+/// cache, or for a layer with a recurrent state only, that state's R and S), or the R (K) and
+/// S (V) rows of its recurrent state (`State`: Falcon-H1's layers keep both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerRows {
+    /// The layer's own part.
+    Own(Tensor),
+    /// The layer's recurrent state: `Tensor::K` for R, `Tensor::V` for S.
+    State(Tensor),
+}
+
+impl LayerRows {
+    fn tensor(self) -> Tensor {
+        match self {
+            LayerRows::Own(t) | LayerRows::State(t) => t,
+        }
+    }
+}
+
+fn no_state(il: u32) -> KvError {
+    KvError::OutOfRange(format!(
+        "layer {il} keeps no recurrent state in this memory"
+    ))
 }
 
 fn no_stream(stream: u32, n: u32) -> KvError {

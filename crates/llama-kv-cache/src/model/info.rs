@@ -812,8 +812,7 @@ impl ModelInfo {
     }
 
     /// Refuses the models whose live memory this library does not build, naming why: the
-    /// memories with an indexer cache (their state files still inspect and convert), and
-    /// Falcon-H1's hybrid, whose parts both hold every layer.
+    /// memories with an indexer cache (their state files still inspect and convert).
     pub fn check_live(&self) -> Result<()> {
         if self.memory.has_indexer() {
             return Err(KvError::Unsupported(format!(
@@ -822,18 +821,6 @@ impl ModelInfo {
                 self.display_name(),
                 self.arch,
                 self.memory.name()
-            )));
-        }
-        if self.memory != MemoryKind::Hybrid {
-            return Ok(());
-        }
-        if arch::hybrid_split(&self.arch) == Some(HybridSplit::Everywhere) {
-            return Err(KvError::Unsupported(format!(
-                "{} ({}): its hybrid memory keeps every layer in both parts (attention and \
-                 recurrent), which this library does not hold live (a layer index would not \
-                 name one part)",
-                self.display_name(),
-                self.arch
             )));
         }
         Ok(())
@@ -1443,20 +1430,14 @@ mod tests {
     }
 
     #[test]
-    fn falcon_h1_keeps_every_layer_in_both_parts_and_is_refused_live_by_name() {
-        let mut g = named("falcon-h1", GgufValue::U32(2));
-        g.kv("general.name", GgufValue::Str("Falcon-H1-tiny".into()));
-        let m = info(&g).unwrap();
+    fn falcon_h1_keeps_every_layer_in_both_parts() {
+        let m = info(&named("falcon-h1", GgufValue::U32(2))).unwrap();
         assert_eq!(memories(&m), [LayerMemory::Both; 3]);
         assert!(m
             .layers
             .iter()
             .all(|l| l.memory.attends() && l.memory.recurrent()));
-        let e = m.check_live().unwrap_err().to_string();
-        assert!(
-            e.contains("Falcon-H1-tiny (falcon-h1)") && e.contains("both parts"),
-            "{e}"
-        );
+        assert!(m.check_live().is_ok());
     }
 
     #[test]
