@@ -515,6 +515,40 @@ def write_falcon_h1(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     finish(w)
 
 
+def write_granite_hybrid(path, n_embd, n_head, n_head_kv, n_ff, seed):
+    """Granite 4 (granitehybrid, dense): a Mamba-2 layer (no KV heads) and an attention layer,
+    each with its FFN. Its recurrent layers are those without KV heads, as Jamba's; Mamba-2's
+    groups widen the conv state to (d_conv - 1) x (d_inner + 2 x n_group x d_state)."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_embd_gqa = head_dim * n_head_kv
+    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    channels = d_inner + 2 * n_group * d_state
+    w = begin(path, "granitehybrid", "granitehybrid", n_embd, 2, n_ff, n_head)
+    w.add_head_count_kv([0, n_head_kv])
+    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
+    w.add_uint32("granitehybrid.ssm.group_count", n_group)
+    w.add_layer_norm_rms_eps(1e-5)
+    add_vocab_and_io(w, rng, n_embd)
+    for i in range(2):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if i == 0:
+            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd), 0.1))
+            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
+            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
+            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
+            w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
+            w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+            w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        else:
+            add_attention(w, rng, p, n_embd, n_embd_gqa)
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        add_ffn(w, rng, p, n_embd, n_ff)
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -545,6 +579,7 @@ def main():
     write_qwen35(os.path.join(out, "qwen35.gguf"), 32, 2, 1, 64, 4, interval=2, seed=35)
     write_nemotron_h(os.path.join(out, "nemotron-h.gguf"), 32, 2, 1, 64, seed=4242)
     write_falcon_h1(os.path.join(out, "falcon-h1.gguf"), 32, 2, 1, 64, 2, seed=1111)
+    write_granite_hybrid(os.path.join(out, "granite-hybrid.gguf"), 32, 2, 1, 64, seed=4040)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

@@ -1,7 +1,7 @@
 //! Today's live caches against llama.cpp 0.1.161, op by op: random traces of decodes,
 //! sequence operations and sequence state round trips on a gemma3-like iSWA model (window 4,
 //! every second layer full), a full-attention llama, a Jamba-like hybrid (a Mamba layer and an
-//! attention layer), LFM2, Qwen3.5, Nemotron-H, Falcon-H1 and Mamba, with 1, 3 and 256 sequences, unified and one stream per
+//! attention layer), LFM2, Qwen3.5, Nemotron-H, Falcon-H1, Granite 4 and Mamba, with 1, 3 and 256 sequences, unified and one stream per
 //! sequence. After every op both sides show every cell of every stream of every part
 //! (position, pending shift, sequences), the recurrent state cells (position, sequences,
 //! tails, head, used) and each sequence's position range.
@@ -136,6 +136,23 @@ fn nemotron_h_hybrid_memory_matches_0_1_161() {
     run(
         config("nemotron-h.gguf", 768, 3, false, false),
         24_000,
+        40,
+        60,
+    );
+}
+
+#[test]
+fn granite_hybrid_memory_matches_0_1_161() {
+    // Granite 4: a Mamba-2 layer (its conv state widened by the B and C groups) and attention
+    run(
+        config("granite-hybrid.gguf", 256, 1, true, false),
+        28_000,
+        40,
+        60,
+    );
+    run(
+        config("granite-hybrid.gguf", 512, 3, true, false),
+        29_000,
         40,
         60,
     );

@@ -58,6 +58,7 @@ fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
         "qwen35.gguf",
         "nemotron-h.gguf",
         "falcon-h1.gguf",
+        "granite-hybrid.gguf",
     ]) {
         let path = models_dir().join(name);
         let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));
