@@ -479,19 +479,13 @@ impl<'a> Capture<'a> {
             flash_attn: v_trans == Some(false),
             arch: ins.arch.clone(),
         };
-        // the store keeps at most two KV parts, in llama.cpp's order (main, then window or
-        // indexer, then a recurrent state): dsa-iswa's three and hybrid-idx's indexer after
-        // the recurrent state do not fit that
-        if matches!(ins.memory, MemoryKind::DsaIswa | MemoryKind::HybridIdx) {
+        // the store keeps at most two KV parts (main, then a window or an indexer) and a
+        // recurrent state: dsa-iswa's three KV parts do not fit that
+        if ins.memory == MemoryKind::DsaIswa {
             return Err(StoreError::Cache(KvError::Unsupported(format!(
                 "the prompt store does not keep '{}' states (an indexer cache beside the \
-                 attention and {} parts); inspectState and convertStateFile read them",
-                ins.memory.name(),
-                if ins.memory == MemoryKind::DsaIswa {
-                    "window"
-                } else {
-                    "recurrent"
-                }
+                 attention and window parts); inspectState and convertStateFile read them",
+                ins.memory.name()
             ))));
         }
         let kv_parts: Vec<&Part> = ins

@@ -37,8 +37,8 @@ pub struct Shape {
     pub memory: MemoryKind,
     /// The part kept per position for [0, P): absent for a recurrent memory.
     pub main: Option<KvShape>,
-    /// iSWA: the sliding-window part; dsa: the indexer's key cache, which holds every
-    /// position as the latent cache does (so it is kept in blocks of its own, as a
+    /// iSWA: the sliding-window part; dsa and hybrid-idx: the indexer's key cache, which holds
+    /// every position as the attention cache does (so it is kept in blocks of its own, as a
     /// `swa_full` window is).
     pub swa: Option<KvShape>,
     /// Recurrent and hybrid memories: bytes of one sequence's recurrent state.
@@ -244,7 +244,7 @@ impl Shape {
             s += &format!(", {}", m.describe());
         }
         if let Some(w) = &self.swa {
-            let what = if self.memory == MemoryKind::Dsa {
+            let what = if matches!(self.memory, MemoryKind::Dsa | MemoryKind::HybridIdx) {
                 "indexer"
             } else {
                 "sliding window"

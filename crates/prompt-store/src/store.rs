@@ -985,6 +985,9 @@ impl PromptStore {
             let bt = self.block_tokens;
             let shape = &bound.shape;
             let positions: Vec<i32> = (0..plan.len as i32).collect();
+            // llama.cpp's order: main, window or indexer, recurrent state; a hybrid with an
+            // indexer writes its recurrent state before the indexer's cache
+            let recurrent_first = shape.memory == MemoryKind::HybridIdx;
             if let Some(main) = &shape.main {
                 let w = KvPartWriter::begin(
                     out,
@@ -1008,6 +1011,9 @@ impl PromptStore {
                 if let Some(rows) = ckpt.as_ref().and_then(|c| c.main.as_ref()) {
                     w.put(out, plan.blocks * bt, rows)?;
                 }
+            }
+            if let Some(c) = ckpt.as_ref().filter(|_| recurrent_first) {
+                out.append(c.recurrent)?;
             }
             if let Some(swa) = &shape.swa {
                 let window = ckpt.as_ref().and_then(|c| match &c.swa_mode {
@@ -1055,7 +1061,7 @@ impl PromptStore {
                     }
                 }
             }
-            if let Some(c) = &ckpt {
+            if let Some(c) = ckpt.as_ref().filter(|_| !recurrent_first) {
                 out.append(c.recurrent)?;
             }
             Ok(true)

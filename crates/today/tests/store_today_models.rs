@@ -437,3 +437,57 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A hybrid with an indexer (`hybrid-idx`: attention, recurrent state, then the indexer's key
+/// cache) has no tiny 0.1.161 model; its files are built of Jamba's real turns with Jamba's
+/// attention part again as the indexer. The store keeps the indexer in blocks of its own, as
+/// dsa's: a file it writes for a stored turn is that turn's file byte for byte, and a block
+/// boundary past the first turn restores only from that turn's checkpoint.
+#[test]
+fn hybrid_idx_turns_go_through_the_store_and_come_back_byte_for_byte() {
+    use llama_kv_cache::state::files::{header_bytes, inspect_bytes};
+    let case = cases().into_iter().find(|c| c.name == "jamba").unwrap();
+    let a = conversation(300, 1);
+    let dir = scratch("hybrid-idx");
+    let prefix = dir.join("turn");
+    case.run(
+        "turns",
+        &[
+            format!("tokens={}", list(&a)),
+            format!("turns={}", list(&TURNS.map(|t| t as i32))),
+            format!("out={}", prefix.display()),
+        ],
+    );
+    let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "hybrid-idx", BT).unwrap();
+    let mut files = Vec::new();
+    for turn in TURNS {
+        let jamba = std::fs::read(format!("{}-{turn}.ggsq", prefix.display())).unwrap();
+        let ins = inspect_bytes(&jamba).unwrap();
+        let payload = &jamba[ins.payload_offset..];
+        let attention = &payload[ins.parts[0].range.clone()];
+        let file = [
+            header_bytes(FileKind::Sequence, 4, &a[..turn]),
+            payload.to_vec(),
+            attention.to_vec(),
+        ]
+        .concat();
+        assert_eq!(inspect_bytes(&file).unwrap().memory.name(), "hybrid-idx");
+        let r = store.put_bytes(&file, None).unwrap();
+        assert_eq!(r.tokens, turn as u64);
+        files.push(file);
+    }
+    for (turn, file) in TURNS.iter().zip(&files) {
+        let out = dir.join(format!("stored-{turn}.ggsq"));
+        let n = store
+            .write_file(&a[..*turn], &out, &WriteFileOptions::default(), None)
+            .unwrap();
+        assert_eq!(n, *turn as u64);
+        assert!(
+            std::fs::read(&out).unwrap() == *file,
+            "hybrid-idx turn {turn}: the store wrote another file"
+        );
+    }
+    // 256 tokens end a block, but the recurrent state there is kept only at 200
+    assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
