@@ -447,6 +447,20 @@ def write_qwen35(path, n_embd, n_head, n_head_kv, n_ff, n_layer, interval, seed)
     finish(w)
 
 
+def add_mamba2_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, n_ssm_head, n_group):
+    """One Mamba-2 mixer (Nemotron-H, Falcon-H1, Granite 4): its in-projection gives x, z, B, C
+    and dt; the convolution runs over x, B and C (d_inner + 2 x n_group x d_state channels)."""
+    channels = d_inner + 2 * n_group * d_state
+    w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd), 0.1))
+    w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
+    w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
+    w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
+    w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
+    w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
+    w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+    w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+
+
 def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
     """Nemotron-H: a Mamba-2 layer (no KV heads, no FFN: recurrent), an attention layer (KV
     heads, no FFN) and an MLP-only layer (no KV heads, an FFN), which llama.cpp 0.1.161 puts in
@@ -456,7 +470,6 @@ def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
     d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
-    channels = d_inner + 2 * n_group * d_state
     w = begin(path, "nemotron_h", "nemotron_h", n_embd, 3, [0, 0, n_ff], n_head)
     w.add_head_count_kv([0, n_head_kv, 0])
     add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
@@ -468,14 +481,7 @@ def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         if i == 0:
-            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd), 0.1))
-            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
-            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
-            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
-            w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
-            w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
-            w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
-            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+            add_mamba2_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, n_ssm_head, n_group)
         elif i == 1:
             add_attention(w, rng, p, n_embd, n_embd_gqa)
         else:
@@ -491,7 +497,6 @@ def write_falcon_h1(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
     d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
-    channels = d_inner + 2 * n_group * d_state
     w = begin(path, "falcon-h1", "falcon-h1", n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
     add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
@@ -501,14 +506,7 @@ def write_falcon_h1(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(p + "ssm_in.weight", rnd(rng, (d_inner + channels + n_ssm_head, n_embd), 0.1))
-        w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
-        w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
-        w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
-        w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
-        w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
-        w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
-        w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+        add_mamba2_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, n_ssm_head, n_group)
         add_attention(w, rng, p, n_embd, n_embd_gqa)
         w.add_tensor(p + "ffn_norm", np.ones(n_embd, dtype=np.float32))
         add_ffn(w, rng, p, n_embd, n_ff)
@@ -523,7 +521,6 @@ def write_granite_hybrid(path, n_embd, n_head, n_head_kv, n_ff, seed):
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
     d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
-    channels = d_inner + 2 * n_group * d_state
     w = begin(path, "granitehybrid", "granitehybrid", n_embd, 2, n_ff, n_head)
     w.add_head_count_kv([0, n_head_kv])
     add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
@@ -534,14 +531,7 @@ def write_granite_hybrid(path, n_embd, n_head, n_head_kv, n_ff, seed):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         if i == 0:
-            w.add_tensor(p + "ssm_in.weight", rnd(rng, (2 * d_inner + 2 * n_group * d_state + n_ssm_head, n_embd), 0.1))
-            w.add_tensor(p + "ssm_conv1d.weight", rnd(rng, (channels, d_conv), 0.3))
-            w.add_tensor(p + "ssm_conv1d.bias", rnd(rng, (channels,), 0.05))
-            w.add_tensor(p + "ssm_dt.bias", rnd(rng, (n_ssm_head,), 0.1) - 2.0)
-            w.add_tensor(p + "ssm_a", -np.arange(1, n_ssm_head + 1, dtype=np.float32).reshape(n_ssm_head, 1))
-            w.add_tensor(p + "ssm_d", np.ones((n_ssm_head, 1), dtype=np.float32))
-            w.add_tensor(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
-            w.add_tensor(p + "ssm_out.weight", rnd(rng, (n_embd, d_inner), 0.1))
+            add_mamba2_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, n_ssm_head, n_group)
         else:
             add_attention(w, rng, p, n_embd, n_embd_gqa)
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))

@@ -144,6 +144,20 @@ impl Case {
         ]
     }
 
+    /// Has 0.1.161 evaluate `tokens` as a conversation and save its state after each of
+    /// `turns` tokens: `<prefix>-<turn>.ggsn` and `.ggsq`.
+    fn turns(&self, tokens: &[i32], turns: &[usize], prefix: &Path) {
+        let turns: Vec<i32> = turns.iter().map(|&t| t as i32).collect();
+        self.run(
+            "turns",
+            &[
+                format!("tokens={}", list(tokens)),
+                format!("turns={}", list(&turns)),
+                format!("out={}", prefix.display()),
+            ],
+        );
+    }
+
     fn run(&self, action: &str, extra: &[String]) -> Value {
         let mut args = self.args();
         args.extend_from_slice(extra);
@@ -246,14 +260,7 @@ fn the_store_restores_todays_memories_and_0_1_161_continues_them_exactly() {
     for case in cases() {
         let dir = scratch(case.name);
         let prefix = dir.join("turn");
-        case.run(
-            "turns",
-            &[
-                format!("tokens={}", list(&a)),
-                format!("turns={}", list(&TURNS.map(|t| t as i32))),
-                format!("out={}", prefix.display()),
-            ],
-        );
+        case.turns(&a, &TURNS, &prefix);
         for kind in [FileKind::Session, FileKind::Sequence] {
             let ext = match kind {
                 FileKind::Session => "ggsn",
@@ -402,14 +409,7 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
     for case in live_cases {
         let dir = scratch(&format!("live-{}", case.name));
         let prefix = dir.join("turn");
-        case.run(
-            "turns",
-            &[
-                format!("tokens={}", list(&a)),
-                format!("turns={}", list(&[300])),
-                format!("out={}", prefix.display()),
-            ],
-        );
+        case.turns(&a, &[300], &prefix);
         // the conversation as the app's live memory holds it after the turn
         let mut memory = live_memory(&case);
         let turn = PathBuf::from(format!("{}-300.ggsq", prefix.display()));
@@ -450,14 +450,7 @@ fn hybrid_idx_turns_go_through_the_store_and_come_back_byte_for_byte() {
     let a = conversation(300, 1);
     let dir = scratch("hybrid-idx");
     let prefix = dir.join("turn");
-    case.run(
-        "turns",
-        &[
-            format!("tokens={}", list(&a)),
-            format!("turns={}", list(&TURNS.map(|t| t as i32))),
-            format!("out={}", prefix.display()),
-        ],
-    );
+    case.turns(&a, &TURNS, &prefix);
     let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "hybrid-idx", BT).unwrap();
     let mut files = Vec::new();
     for turn in TURNS {
