@@ -447,6 +447,17 @@ def write_qwen35(path, n_embd, n_head, n_head_kv, n_ff, n_layer, interval, seed)
     finish(w)
 
 
+def mamba2_dims(n_embd):
+    """The tiny Mamba-2 mixers' (d_conv, d_inner, d_state, heads, groups): d_inner is twice the
+    embedding, as Granite 4 requires."""
+    return 4, 2 * n_embd, 8, 4, 2
+
+
+def add_mamba2_hparams(w, arch, d_conv, d_inner, d_state, n_ssm_head, n_group):
+    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
+    w.add_uint32(f"{arch}.ssm.group_count", n_group)
+
+
 def add_mamba2_mixer(w, rng, p, n_embd, d_inner, d_state, d_conv, n_ssm_head, n_group):
     """One Mamba-2 mixer (Nemotron-H, Falcon-H1, Granite 4): its in-projection gives x, z, B, C
     and dt; the convolution runs over x, B and C (d_inner + 2 x n_group x d_state channels)."""
@@ -469,11 +480,10 @@ def write_nemotron_h(path, n_embd, n_head, n_head_kv, n_ff, seed):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    d_conv, d_inner, d_state, n_ssm_head, n_group = mamba2_dims(n_embd)
     w = begin(path, "nemotron_h", "nemotron_h", n_embd, 3, [0, 0, n_ff], n_head)
     w.add_head_count_kv([0, n_head_kv, 0])
-    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
-    w.add_uint32("nemotron_h.ssm.group_count", n_group)
+    add_mamba2_hparams(w, "nemotron_h", d_conv, d_inner, d_state, n_ssm_head, n_group)
     w.add_float32("nemotron_h.attention.layer_norm_epsilon", 1e-5)
     w.add_layer_norm_rms_eps(1e-5)
     add_vocab_and_io(w, rng, n_embd)
@@ -496,11 +506,10 @@ def write_falcon_h1(path, n_embd, n_head, n_head_kv, n_ff, n_layer, seed):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    d_conv, d_inner, d_state, n_ssm_head, n_group = mamba2_dims(n_embd)
     w = begin(path, "falcon-h1", "falcon-h1", n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
-    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
-    w.add_uint32("falcon-h1.ssm.group_count", n_group)
+    add_mamba2_hparams(w, "falcon-h1", d_conv, d_inner, d_state, n_ssm_head, n_group)
     w.add_layer_norm_rms_eps(1e-5)
     add_vocab_and_io(w, rng, n_embd)
     for i in range(n_layer):
@@ -520,11 +529,10 @@ def write_granite_hybrid(path, n_embd, n_head, n_head_kv, n_ff, seed):
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_embd_gqa = head_dim * n_head_kv
-    d_conv, d_inner, d_state, n_ssm_head, n_group = 4, 2 * n_embd, 8, 4, 2
+    d_conv, d_inner, d_state, n_ssm_head, n_group = mamba2_dims(n_embd)
     w = begin(path, "granitehybrid", "granitehybrid", n_embd, 2, n_ff, n_head)
     w.add_head_count_kv([0, n_head_kv])
-    add_ssm_hparams(w, d_conv, d_inner, d_state, n_ssm_head)
-    w.add_uint32("granitehybrid.ssm.group_count", n_group)
+    add_mamba2_hparams(w, "granitehybrid", d_conv, d_inner, d_state, n_ssm_head, n_group)
     w.add_layer_norm_rms_eps(1e-5)
     add_vocab_and_io(w, rng, n_embd)
     for i in range(2):
