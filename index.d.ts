@@ -886,7 +886,7 @@ export interface MemoryPart {
   swaType: string
   /** K type. */
   typeK: string
-  /** V type. */
+  /** V type; 'none' for a cache that keeps no V (multi-head latent attention). */
   typeV: string
   /** Hadamard rotation of quantized K (0: none). */
   nRotK: number
@@ -908,6 +908,11 @@ export interface ModelInfo {
   name?: string
   /** Layers. */
   nLayer: number
+  /**
+   * Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, ...: both MLA head
+   * sizes set): llama.cpp 0.1.161's cache keeps K only, and so does `fromModel`'s (`noV`).
+   */
+  mla: boolean
   /** Context length the model was trained with. */
   nCtxTrain: number
   /** Embedding width. */

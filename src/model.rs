@@ -116,6 +116,9 @@ pub struct ModelInfo {
     pub name: Option<String>,
     /// Layers.
     pub n_layer: u32,
+    /// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, ...: both MLA head
+    /// sizes set): llama.cpp 0.1.161's cache keeps K only, and so does `fromModel`'s (`noV`).
+    pub mla: bool,
     /// Context length the model was trained with.
     pub n_ctx_train: u32,
     /// Embedding width.
@@ -201,6 +204,7 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
         arch: m.arch.clone(),
         name: m.name.clone(),
         n_layer: m.n_layer,
+        mla: m.mla,
         n_ctx_train: m.n_ctx_train,
         n_embd: m.n_embd,
         n_embd_head_k: m.n_embd_head_k,

@@ -109,7 +109,7 @@ pub struct MemoryPart {
     pub swa_type: String,
     /// K type.
     pub type_k: String,
-    /// V type.
+    /// V type; 'none' for a cache that keeps no V (multi-head latent attention).
     pub type_v: String,
     /// Hadamard rotation of quantized K (0: none).
     pub n_rot_k: u32,

@@ -501,7 +501,7 @@ fn memory_part(p: &core::PartInfo) -> MemoryPart {
         n_swa: p.window.n_swa,
         swa_type: p.window.swa_type.name().into(),
         type_k: p.type_k.name().into(),
-        type_v: p.type_v.name().into(),
+        type_v: p.type_v.map_or("none", |t| t.name()).into(),
         n_rot_k: p.n_rot.0,
         n_rot_v: p.n_rot.1,
     }

@@ -158,6 +158,12 @@ impl KvCache {
         if !self.can_shift() {
             return Err(KvError::Unsupported(if self.params.recurrent {
                 "K-shift is not possible on a recurrent cache".into()
+            } else if self.params.no_v {
+                // llama.cpp 0.1.161 rotates the last n_rot dimensions of a latent K row
+                "K-shift is disabled for this cache (canShift: false): the K-shift of a \
+                 multi-head latent attention cache (no V) rotates the last nRot dimensions of \
+                 each K row, which this library does not do; remove and re-evaluate instead"
+                    .into()
             } else {
                 "K-shift is disabled for this cache (canShift: false)".into()
             }));

@@ -227,6 +227,8 @@ impl HybridCache {
         });
         recr.type_k = GgmlType::F32;
         recr.type_v = GgmlType::F32;
+        // S rows are the state's own, whatever the attention layers keep
+        recr.no_v = false;
         (recr.n_rot_k, recr.n_rot_v) = (0, 0);
         // a recurrent cell is a sequence's state, not a token: M-RoPE's extension is the
         // attention cells' alone (Qwen3.5)

@@ -50,8 +50,8 @@ pub struct PartInfo {
     pub window: Window,
     /// K type.
     pub type_k: GgmlType,
-    /// V type.
-    pub type_v: GgmlType,
+    /// V type; `None` for a cache that keeps no V (multi-head latent attention).
+    pub type_v: Option<GgmlType>,
     /// Hadamard rotation of K and V (0: none).
     pub n_rot: (u32, u32),
 }
@@ -66,7 +66,7 @@ fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInf
         used_cells: c.used_cells(),
         window: c.window(),
         type_k: p.type_k,
-        type_v: p.type_v,
+        type_v: (!p.no_v).then_some(p.type_v),
         n_rot: (p.n_rot_k, p.n_rot_v),
     }
 }
@@ -153,7 +153,7 @@ impl Memory {
                     used_cells: c.used_cells(),
                     window: Window::FULL,
                     type_k: p.type_k,
-                    type_v: p.type_v,
+                    type_v: (!p.no_v).then_some(p.type_v),
                     n_rot: (p.n_rot_k, p.n_rot_v),
                 }]
             }
@@ -182,7 +182,7 @@ impl Memory {
                     used_cells: cache.used_cells(),
                     window: Window::FULL,
                     type_k: cache.type_k(),
-                    type_v: cache.type_v(),
+                    type_v: Some(cache.type_v()),
                     n_rot: (0, 0),
                 });
                 parts

@@ -55,6 +55,23 @@ pub fn hybrid_split(arch: &str) -> Option<HybridSplit> {
     }
 }
 
+/// Whether the architecture reads `attention.key_length_mla` / `value_length_mla` (0.1.161):
+/// with both set, its attention is multi-head latent attention and its cache keeps no V.
+pub fn reads_mla_keys(arch: &str) -> bool {
+    matches!(
+        arch,
+        "deepseek2"
+            | "deepseek32"
+            | "glm-dsa"
+            | "kimi-linear"
+            | "bailingmoe3"
+            | "kimi-k3"
+            | "dots3note"
+            | "glm5-next"
+            | "hy_v4"
+    )
+}
+
 /// The memory 0.1.161 gives an architecture that keeps an indexer cache beside K and V
 /// (sparse-attention models): `msa`, `dsa`, `dsa-iswa`, `dsv4` or `hybrid-idx`.
 pub fn indexer_memory(arch: &str) -> Option<MemoryKind> {

@@ -247,6 +247,9 @@ pub struct ModelInfo {
     /// Multi-token-prediction layers at the end of them (`nextn_predict_layers`), which
     /// llama.cpp's `hparams.n_layer()` leaves out.
     pub n_layer_nextn: u32,
+    /// Multi-head latent attention (both `attention.key_length_mla` and `value_length_mla`
+    /// set, for an architecture that reads them): llama.cpp 0.1.161's cache keeps no V.
+    pub mla: bool,
     /// Trained context length.
     pub n_ctx_train: u32,
     /// Embedding width.
@@ -659,6 +662,11 @@ impl ModelInfo {
             (Some(s), None) => s.pattern == 0 || il % s.pattern < s.pattern - 1,
             (None, _) => false,
         };
+        // multi-head latent attention (0.1.161's `is_mla()`: both MLA head sizes set): the
+        // cache keeps the latent and its rotated part as K, and no V
+        let mla = arch::reads_mla_keys(&arch)
+            && k.u32_opt("attention.key_length_mla")?.unwrap_or(0) != 0
+            && k.u32_opt("attention.value_length_mla")?.unwrap_or(0) != 0;
         let n_layer_nextn = k.u32_opt("nextn_predict_layers")?.unwrap_or(0);
         if n_layer_nextn > n_layer {
             return Err(KvError::InvalidModel(format!(
@@ -773,6 +781,7 @@ impl ModelInfo {
             name,
             n_layer,
             n_layer_nextn,
+            mla,
             n_ctx_train,
             n_embd,
             n_embd_head_k,
@@ -934,10 +943,14 @@ impl ModelInfo {
         p.type_v = type_v;
         p.flash_attn = flash_attn;
         p.recurrent = recurrent;
-        // an M-RoPE cache cannot shift: 0.1.161 asserts on seq_add / seq_div of one
+        // an M-RoPE cache cannot shift: 0.1.161 asserts on seq_add / seq_div of one. A latent
+        // attention cache's shift rotates the last n_rot dimensions of each K row (0.1.161's
+        // `n_embd_nope` offset), which this library's RoPE does not do: refused, not rotated
+        // wrongly
         p.mrope = self.rope.is_mrope();
-        p.can_shift = !recurrent && !p.mrope;
+        p.can_shift = !recurrent && !p.mrope && !self.mla;
         p.cell_ext = self.cell_ext;
+        p.no_v = self.mla;
         p.n_seq_max = n_seq_max;
         p
     }
