@@ -1297,6 +1297,12 @@ export interface RopeOptions {
   betaSlow?: number
   /** Training context length, for YaRN. Default 0. */
   nCtxOrig?: number
+  /**
+   * Leading dimensions of each head before the rotated ones (latent attention: the K head
+   * is the latent, then its `nRot` rotated dimensions, which llama.cpp 0.1.161's K-shift
+   * rotates). Default 0.
+   */
+  dimsOffset?: number
   /** Per-dimension frequency factors (nRot / 2 values), e.g. llama 3.1's rope_freqs. */
   freqFactors?: Array<number>
 }

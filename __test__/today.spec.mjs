@@ -29,14 +29,17 @@ const width = (type, rowSize) => (rowSize / TYPE_SIZE[type][0]) * TYPE_SIZE[type
 function cacheFor(m, o = {}) {
   const l = m.layers[0]
   const recurrent = m.kind === 'recurrent'
+  // latent attention keeps no V
+  const noV = l.vType === 'none'
   return new KvCache({
     size: recurrent ? 2 : 32,
     nLayer: m.nLayer,
     nEmbdKGqa: recurrent ? 0 : width(l.kType, l.kRowSize),
-    nEmbdVGqa: recurrent ? 0 : m.vTrans ? l.vRowSize / TYPE_SIZE[l.vType][0] : width(l.vType, l.vRowSize),
+    nEmbdVGqa: recurrent || noV ? 0 : m.vTrans ? l.vRowSize / TYPE_SIZE[l.vType][0] : width(l.vType, l.vRowSize),
+    ...(noV ? { noV: true } : {}),
     ...(recurrent ? { nEmbdKS: width(l.kType, l.kRowSize), nEmbdVS: width(l.vType, l.vRowSize), recurrent: true } : {}),
     typeK: l.kType,
-    typeV: l.vType,
+    typeV: noV ? l.kType : l.vType,
     flashAttn: m.vTrans === false && !recurrent,
     nSeqMax: 2,
     nRotK: m.nRotK ?? 0,

@@ -264,6 +264,10 @@ pub struct RopeOptions {
     pub beta_slow: Option<f64>,
     /// Training context length, for YaRN. Default 0.
     pub n_ctx_orig: Option<f64>,
+    /// Leading dimensions of each head before the rotated ones (latent attention: the K head
+    /// is the latent, then its `nRot` rotated dimensions, which llama.cpp 0.1.161's K-shift
+    /// rotates). Default 0.
+    pub dims_offset: Option<f64>,
     /// Per-dimension frequency factors (nRot / 2 values), e.g. llama 3.1's rope_freqs.
     pub freq_factors: Option<Vec<f64>>,
 }

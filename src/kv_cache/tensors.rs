@@ -373,6 +373,9 @@ fn rope(prefix: &str, r: &RopeOptions) -> JsResult<RopeParams> {
     )?;
     p.beta_fast = f32_or(format_args!("{prefix}.betaFast"), r.beta_fast, p.beta_fast)?;
     p.beta_slow = f32_or(format_args!("{prefix}.betaSlow"), r.beta_slow, p.beta_slow)?;
+    if let Some(n) = r.dims_offset {
+        p.dims_offset = int(format_args!("{prefix}.dimsOffset"), n, 0, 1 << 20)? as usize;
+    }
     if let Some(n) = r.n_ctx_orig {
         p.n_ctx_orig = u32v(format_args!("{prefix}.nCtxOrig"), n)?;
     }
@@ -409,6 +412,7 @@ pub fn rope_to_js(p: &RopeParams) -> RopeOptions {
         beta_fast: Some(p.beta_fast.into()),
         beta_slow: Some(p.beta_slow.into()),
         n_ctx_orig: Some(p.n_ctx_orig.into()),
+        dims_offset: Some(p.dims_offset as f64),
         freq_factors: p
             .freq_factors
             .as_ref()

@@ -126,6 +126,9 @@ pub fn kshift_specs() -> Vec<Spec> {
             "llama-h64-yarn.gguf",
             (Q4_0, Q4_0),
         ),
+        // latent attention: each K row is the latent, then the rotated dimensions, which the
+        // shift rotates (behind `n_embd_nope`); the cache keeps no V
+        shifted("deepseek2-mla-shift", by_name("deepseek2-mla")),
         // f32 K keeps every bit of the rotation: YaRN's attention factor to the last ulp
         shifted(
             "h64-yarn-f32-fa-shift",

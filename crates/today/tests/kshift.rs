@@ -2,8 +2,10 @@
 //! our cache (for a Hadamard-rotated quantized K: rotate back, RoPE, rotate forward) with the
 //! RoPE parameters `ModelInfo` derives from the model's GGUF, holds the K rows the peer's shift
 //! produced, and the peer continues our shifted state with the token it produced after its own
-//! shift. Norm RoPE (llama), NeoX RoPE (qwen2) and YaRN scaling (both), with the controls that
-//! show the comparison can fail: NeoX shifted as norm, YaRN without its ramp and magnitude.
+//! shift. Norm RoPE (llama), NeoX RoPE (qwen2), YaRN scaling (both) and latent attention
+//! (deepseek2: the rotated dimensions at the end of each K head), with the controls that show
+//! the comparison can fail: NeoX shifted as norm, YaRN without its ramp and magnitude, a latent
+//! head rotated from its start.
 
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload};
 use llama_kv_cache::{
@@ -50,6 +52,14 @@ fn model(spec: &Spec) -> ModelInfo {
 /// The RoPE a user passes by hand for each model of the shift fixtures (what the model's
 /// metadata says, in `update({ rope })` terms): the derived parameters must equal it.
 fn expected_rope(model: &str) -> RopeParams {
+    if model == "deepseek2-mla.gguf" {
+        // one latent K head of kv_lora_rank 32 then the 16 rotated dimensions (norm RoPE),
+        // which the shift rotates behind the 32 (0.1.161's `n_embd_nope`)
+        let mut p = RopeParams::new(16, 48, 1, RopeType::Norm);
+        p.dims_offset = 32;
+        p.n_ctx_orig = 256;
+        return p;
+    }
     let (head_dim, n_head) = rope_geometry(model);
     let neox = model.starts_with("qwen2");
     let ty = if neox { RopeType::Neox } else { RopeType::Norm };
@@ -208,6 +218,16 @@ fn a_k_shift_with_the_wrong_rope_differs_from_llama_cpp_0_1_161() {
                 },
             ));
         }
+        if right.dims_offset != 0 {
+            // a latent K head rotated from its first dimensions, as a plain head is
+            wrong.push((
+                "rotated from the head's start",
+                RopeParams {
+                    dims_offset: 0,
+                    ..right.clone()
+                },
+            ));
+        }
         if right.ext_factor != 0.0 {
             // linear interpolation only: no ramp towards extrapolation, no mscale
             wrong.push((
@@ -237,7 +257,11 @@ fn a_k_shift_with_the_wrong_rope_differs_from_llama_cpp_0_1_161() {
             controls += 1;
         }
     }
-    assert_eq!(controls, 4 + 4 * 2, "NeoX: 1 control each, YaRN: 2 each");
+    assert_eq!(
+        controls,
+        4 + 4 * 2 + 1,
+        "NeoX: 1 control each, YaRN: 2 each, latent: 1"
+    );
 }
 
 #[test]

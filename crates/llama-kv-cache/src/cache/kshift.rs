@@ -134,7 +134,9 @@ fn rotate_on_device(
     deltas: &[i32],
 ) -> Result<bool> {
     use crate::tensors::cuda::{CudaBuffer, RopeJob};
-    if !CudaBuffer::rope_supported(ty) {
+    // the kernel rotates each head's leading dimensions: a latent K row's rotated part (behind
+    // `dims_offset` values) takes the host path
+    if !CudaBuffer::rope_supported(ty) || params.dims_offset != 0 {
         return Ok(false);
     }
     let Some(cuda) = buf
@@ -158,12 +160,6 @@ impl KvCache {
         if !self.can_shift() {
             return Err(KvError::Unsupported(if self.params.recurrent {
                 "K-shift is not possible on a recurrent cache".into()
-            } else if self.params.no_v {
-                // llama.cpp 0.1.161 rotates the last n_rot dimensions of a latent K row
-                "K-shift is disabled for this cache (canShift: false): the K-shift of a \
-                 multi-head latent attention cache (no V) rotates the last nRot dimensions of \
-                 each K row, which this library does not do; remove and re-evaluate instead"
-                    .into()
             } else {
                 "K-shift is disabled for this cache (canShift: false)".into()
             }));

@@ -72,6 +72,12 @@ pub fn reads_mla_keys(arch: &str) -> bool {
     )
 }
 
+/// Whether the architecture reads `attention.kv_lora_rank` (0.1.161's `n_lora_kv`): with it
+/// set, each K head ends with its rotated dimensions.
+pub fn reads_kv_lora_rank(arch: &str) -> bool {
+    reads_mla_keys(arch) || matches!(arch, "minicpm3" | "plm")
+}
+
 /// The memory 0.1.161 gives an architecture that keeps an indexer cache beside K and V
 /// (sparse-attention models): `msa`, `dsa`, `dsa-iswa`, `dsv4` or `hybrid-idx`.
 pub fn indexer_memory(arch: &str) -> Option<MemoryKind> {

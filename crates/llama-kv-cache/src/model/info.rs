@@ -250,6 +250,9 @@ pub struct ModelInfo {
     /// Multi-head latent attention (both `attention.key_length_mla` and `value_length_mla`
     /// set, for an architecture that reads them): llama.cpp 0.1.161's cache keeps no V.
     pub mla: bool,
+    /// A compressed KV (`attention.kv_lora_rank` set, for an architecture that reads it): each
+    /// K head ends with its rotated dimensions, which the K-shift rotates (0.1.161).
+    pub latent_kv: bool,
     /// Trained context length.
     pub n_ctx_train: u32,
     /// Embedding width.
@@ -667,6 +670,10 @@ impl ModelInfo {
         let mla = arch::reads_mla_keys(&arch)
             && k.u32_opt("attention.key_length_mla")?.unwrap_or(0) != 0
             && k.u32_opt("attention.value_length_mla")?.unwrap_or(0) != 0;
+        // a compressed KV (`kv_lora_rank`) keeps the rotated dimensions at the end of each K
+        // head: the K-shift skips the `n_embd_nope` before them (0.1.161's `n_lora_kv > 0`)
+        let latent_kv = arch::reads_kv_lora_rank(&arch)
+            && k.u32_opt("attention.kv_lora_rank")?.unwrap_or(0) != 0;
         let n_layer_nextn = k.u32_opt("nextn_predict_layers")?.unwrap_or(0);
         if n_layer_nextn > n_layer {
             return Err(KvError::InvalidModel(format!(
@@ -782,6 +789,7 @@ impl ModelInfo {
             n_layer,
             n_layer_nextn,
             mla,
+            latent_kv,
             n_ctx_train,
             n_embd,
             n_embd_head_k,
@@ -943,12 +951,9 @@ impl ModelInfo {
         p.type_v = type_v;
         p.flash_attn = flash_attn;
         p.recurrent = recurrent;
-        // an M-RoPE cache cannot shift: 0.1.161 asserts on seq_add / seq_div of one. A latent
-        // attention cache's shift rotates the last n_rot dimensions of each K row (0.1.161's
-        // `n_embd_nope` offset), which this library's RoPE does not do: refused, not rotated
-        // wrongly
+        // an M-RoPE cache cannot shift: 0.1.161 asserts on seq_add / seq_div of one
         p.mrope = self.rope.is_mrope();
-        p.can_shift = !recurrent && !p.mrope && !self.mla;
+        p.can_shift = !recurrent && !p.mrope;
         p.cell_ext = self.cell_ext;
         p.no_v = self.mla;
         p.n_seq_max = n_seq_max;
@@ -993,6 +998,9 @@ impl ModelInfo {
             p.attn_factor = attn_factor;
             p.n_ctx_orig = self.rope.n_ctx_orig_yarn;
             p.freq_factors = freq_factors.clone();
+            if self.latent_kv {
+                p.dims_offset = p.head_dim.saturating_sub(p.n_dims);
+            }
             p
         };
         let rope = layer(0);

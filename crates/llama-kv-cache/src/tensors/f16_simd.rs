@@ -79,7 +79,9 @@ pub(crate) struct F16Rope {
 impl F16Rope {
     /// The kernel for `table`, or `None` when the CPU lacks the instructions.
     pub(crate) fn new(table: &RopeTable) -> Option<F16Rope> {
-        if !available() {
+        // the kernels rotate each head's leading dimensions: a latent K row's rotated part
+        // (behind `dims_offset` values) takes the row path
+        if !available() || table.dims_offset() != 0 {
             return None;
         }
         let (cos, sin) = table.cos_sin();

@@ -56,11 +56,16 @@ impl RopeType {
 /// `ggml_rope_ext`), plus the shape of one cell's K row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeParams {
-    /// Number of leading dimensions of each head that are rotated (`hparams.n_rot`, ggml's
-    /// `n_dims`). Must be even and at most `head_dim`; dimensions `n_dims..head_dim` are left as is.
+    /// Number of dimensions of each head that are rotated (`hparams.n_rot`, ggml's `n_dims`),
+    /// from `dims_offset` on. Must be even, with `dims_offset + n_dims <= head_dim`; the other
+    /// dimensions are left as they are.
     pub n_dims: usize,
     /// Dimensions per K head (`hparams.n_embd_head_k`, ggml's `ne0` of the K view).
     pub head_dim: usize,
+    /// Leading dimensions of each head left as they are before the rotated ones: llama.cpp
+    /// 0.1.161's `n_embd_nope` (`head_dim - n_dims`) for latent attention, whose K row is the
+    /// latent then its rotated part; 0 otherwise. Default `0`.
+    pub dims_offset: usize,
     /// Number of K heads in one cell's row (`hparams.n_head_kv(il)`).
     pub n_head: usize,
     /// Pairing of dimensions (`hparams.rope_type`).
@@ -97,6 +102,7 @@ impl RopeParams {
         Self {
             n_dims,
             head_dim,
+            dims_offset: 0,
             n_head,
             rope_type,
             freq_base: 10000.0,
@@ -134,6 +140,12 @@ impl RopeParams {
             return bad(format!(
                 "n_dims ({}) must not exceed head_dim ({})",
                 self.n_dims, self.head_dim
+            ));
+        }
+        if self.dims_offset > self.head_dim - self.n_dims {
+            return bad(format!(
+                "dims_offset ({}) + n_dims ({}) must not exceed head_dim ({})",
+                self.dims_offset, self.n_dims, self.head_dim
             ));
         }
         if self.head_dim.checked_mul(self.n_head).is_none() {
@@ -249,6 +261,7 @@ pub struct RopeTable {
     sin: Vec<f32>,
     n_dims: usize,
     head_dim: usize,
+    dims_offset: usize,
     n_head: usize,
     rope_type: RopeType,
     pos: i32,
@@ -262,7 +275,8 @@ impl RopeTable {
     /// invalid geometry (it clamps the rotated width to an even number not above `head_dim` and
     /// treats missing frequency factors as 1), but the result of such parameters is meaningless.
     pub fn new(params: &RopeParams, pos: i32) -> Self {
-        let n_dims = params.n_dims.min(params.head_dim) & !1;
+        let dims_offset = params.dims_offset.min(params.head_dim);
+        let n_dims = params.n_dims.min(params.head_dim - dims_offset) & !1;
         let n_pairs = n_dims / 2;
 
         let freq_scale = params.freq_scale;
@@ -307,6 +321,7 @@ impl RopeTable {
             sin,
             n_dims,
             head_dim: params.head_dim,
+            dims_offset,
             n_head: params.n_head,
             rope_type: params.rope_type,
             pos,
@@ -333,6 +348,11 @@ impl RopeTable {
         self.head_dim
     }
 
+    /// Leading values of each head before the rotated ones.
+    pub(crate) fn dims_offset(&self) -> usize {
+        self.dims_offset
+    }
+
     /// How dimensions are paired.
     pub(crate) fn rope_type(&self) -> RopeType {
         self.rope_type
@@ -345,8 +365,8 @@ impl RopeTable {
     }
 
     /// Rotates one cell's K row in place: each of the `n_head` heads (`head_dim` values each, head
-    /// after head) is rotated independently by this table's position; dimensions
-    /// `n_dims..head_dim` of every head are left untouched. Does not allocate.
+    /// after head) is rotated independently by this table's position; only dimensions
+    /// `dims_offset..dims_offset + n_dims` of every head change. Does not allocate.
     ///
     /// For each pair `(x0, x1)` with scaled `c = cos`, `s = sin`:
     /// `x0' = x0*c - x1*s`, `x1' = x0*s + x1*c` (ggml's order of operations).
@@ -367,7 +387,7 @@ impl RopeTable {
         let n_dims = self.n_dims;
         let half = n_dims / 2;
         for head in row.chunks_exact_mut(self.head_dim) {
-            let rotated = &mut head[..n_dims];
+            let rotated = &mut head[self.dims_offset..self.dims_offset + n_dims];
             match self.rope_type {
                 RopeType::Norm => {
                     for ((pair, &c), &s) in
@@ -591,6 +611,34 @@ mod tests {
                 assert_eq!(got[r.clone()][16..], row[r.clone()][16..]);
                 assert_ne!(got[r.clone()][..16], row[r][..16]);
             }
+        }
+    }
+
+    /// A latent K head (the latent, then its rotated dimensions): the rotation behind
+    /// `dims_offset` is the plain head's rotation moved there, and the latent stays.
+    #[test]
+    fn a_dims_offset_rotates_the_dimensions_behind_it_as_a_plain_head_rotates_its_first() {
+        for rope_type in [RopeType::Norm, RopeType::Neox] {
+            let mut latent = RopeParams::new(16, 48, 2, rope_type);
+            latent.dims_offset = 32;
+            latent.validate().unwrap();
+            let plain = RopeParams::new(16, 16, 1, rope_type);
+            let row = XorShift(7).row(latent.row_len());
+            let mut got = row.clone();
+            RopeTable::new(&latent, -7).rotate(&mut got);
+            for h in 0..2 {
+                let head = h * 48..(h + 1) * 48;
+                assert_eq!(got[head.clone()][..32], row[head.clone()][..32]);
+                let mut tail = row[head.clone()][32..].to_vec();
+                RopeTable::new(&plain, -7).rotate(&mut tail);
+                assert_eq!(got[head][32..], tail[..]);
+            }
+            latent.dims_offset = 33;
+            let e = latent.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("dims_offset (33) + n_dims (16) must not exceed head_dim (48)"),
+                "{e}"
+            );
         }
     }
 
