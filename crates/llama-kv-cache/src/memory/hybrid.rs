@@ -6,13 +6,12 @@
 use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
-use crate::cell_ext::CellExt;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
-use crate::memory::recurrent::RecurrentMemory;
+use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::memory::SwaType;
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;
@@ -227,12 +226,7 @@ impl HybridCache {
         });
         recr.type_k = GgmlType::F32;
         recr.type_v = GgmlType::F32;
-        // S rows are the state's own, whatever the attention layers keep
-        recr.no_v = false;
         (recr.n_rot_k, recr.n_rot_v) = (0, 0);
-        // a recurrent cell is a sequence's state, not a token: M-RoPE's extension is the
-        // attention cells' alone (Qwen3.5)
-        recr.cell_ext = CellExt::None;
         let windowed: Vec<bool> = attn_layers
             .iter()
             .map(|&il| model.layers[il as usize].swa)
@@ -330,9 +324,7 @@ impl HybridCache {
     fn recurrent_index(&self, il: u32) -> Result<u32> {
         match self.recr.layers.binary_search(&il) {
             Ok(k) => Ok(k as u32),
-            Err(_) if il < self.recr.memory.declared_layers() => Err(KvError::OutOfRange(format!(
-                "layer {il} keeps no recurrent state in this memory"
-            ))),
+            Err(_) if il < self.recr.memory.declared_layers() => Err(no_recurrent_state(il)),
             Err(_) => Err(self.no_layer(il)),
         }
     }

@@ -15,6 +15,7 @@ use crate::memory::attention::{AttentionCache, Window};
 use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
+use crate::memory::recurrent::no_recurrent_state;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::state::files::{seq_data_payload, WriteOptions};
 use crate::state::parts::PartRole;
@@ -346,14 +347,14 @@ impl Memory {
     /// `stream` of it.
     fn stream_of_layer(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
         match (self, rows) {
-            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => Err(no_state(il)),
+            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => Err(no_recurrent_state(il)),
             (Memory::Kv(c), _) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
                 }
                 Ok((c.as_ref(), il))
             }
-            (Memory::Iswa(_), LayerRows::State(_)) => Err(no_state(il)),
+            (Memory::Iswa(_), LayerRows::State(_)) => Err(no_recurrent_state(il)),
             (Memory::Iswa(c), LayerRows::Own(_)) => {
                 let (part, k) = c.route(il)?;
                 Ok((part.stream(stream)?, k))
@@ -391,14 +392,16 @@ impl Memory {
         data: &[u8],
     ) -> Result<()> {
         let (cache, k) = match (&mut *self, rows) {
-            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => return Err(no_state(il)),
+            (Memory::Kv(c), LayerRows::State(_)) if !c.recurrent() => {
+                return Err(no_recurrent_state(il))
+            }
             (Memory::Kv(c), _) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
                 }
                 (c.as_mut(), il)
             }
-            (Memory::Iswa(_), LayerRows::State(_)) => return Err(no_state(il)),
+            (Memory::Iswa(_), LayerRows::State(_)) => return Err(no_recurrent_state(il)),
             (Memory::Iswa(c), LayerRows::Own(_)) => {
                 let (part, k) = c.route_mut(il)?;
                 (part.stream_mut(stream)?, k)
@@ -577,12 +580,6 @@ impl LayerRows {
             LayerRows::Own(t) | LayerRows::State(t) => t,
         }
     }
-}
-
-fn no_state(il: u32) -> KvError {
-    KvError::OutOfRange(format!(
-        "layer {il} keeps no recurrent state in this memory"
-    ))
 }
 
 fn no_stream(stream: u32, n: u32) -> KvError {

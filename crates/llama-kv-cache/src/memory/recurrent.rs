@@ -8,12 +8,20 @@
 use crate::cache::convert::patch_declared_layers;
 use crate::cache::io::{ReadOptions, ReadSummary};
 use crate::cache::KvCache;
+use crate::cell_ext::CellExt;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::params::CacheParams;
 use crate::state::codec::ParsedPayload;
 use crate::state::parts::recurrent_payload;
 use crate::state::Layout;
+
+/// The refusal of rows of a recurrent state for a layer that keeps none.
+pub(crate) fn no_recurrent_state(il: u32) -> KvError {
+    KvError::OutOfRange(format!(
+        "layer {il} keeps no recurrent state in this memory"
+    ))
+}
 
 /// llama.cpp 0.1.161's `llama_memory_recurrent`.
 pub struct RecurrentMemory {
@@ -30,6 +38,10 @@ impl RecurrentMemory {
     pub fn new(mut params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
         params.recurrent = true;
         params.can_shift = false;
+        // a cell is a sequence's state, not a token: no cell extension (M-RoPE's belongs to a
+        // hybrid's attention cells, as Qwen3.5's), and its S rows whatever the attention keeps
+        params.cell_ext = CellExt::None;
+        params.no_v = false;
         Ok(RecurrentMemory {
             cache: KvCache::new(params)?,
             declared,
