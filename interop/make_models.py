@@ -547,6 +547,93 @@ def write_granite_hybrid(path, n_embd, n_head, n_head_kv, n_ff, seed):
     finish(w)
 
 
+def write_deepseek4(path, n_embd, n_head, head_dim, rope, q_lora, o_groups, o_lora, ratios, window, n_expert,
+                    n_expert_used, n_ff_exp, hc_mult, indexer, seed):
+    """deepseek4 (DeepSeek-V4): one K "head" per token (K is V), every layer sliding-window
+    attention over a raw cache, and per layer a compression ratio (`ratios`): 0 raw only, 4 (CSA)
+    adds a cache of one compressed row per 4 tokens with its lightning indexer (a key cache of
+    one head of the indexer's size, `indexer`: (heads, head size, top k)) and 128 (HCA) a cache of
+    one row per 128 tokens; the compressors keep the not yet compressed tokens in states of their
+    own. llama.cpp 0.1.161 gives it its 'dsv4' memory. The residual stream is `hc_mult` wide
+    (hyper-connections: 0.1.161 requires 4); the FFN is MoE (sqrt-softplus routing, one shared
+    expert), with no hash-routed layers and no MTP block."""
+    rng = np.random.default_rng(seed)
+    n_layer = len(ratios)
+    idx_heads, idx_size, top_k = indexer
+    hc_dim, hc_mix = hc_mult * n_embd, (2 + hc_mult) * hc_mult
+    w = begin(path, "deepseek4", "deepseek4", n_embd, n_layer, n_ff_exp, n_head)
+    w.add_head_count_kv(1)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_uint32("deepseek4.attention.q_lora_rank", q_lora)
+    w.add_sliding_window(window)
+    w.add_array("deepseek4.attention.compress_ratios", list(ratios))
+    w.add_float32("deepseek4.attention.compress_rope_freq_base", 160000.0)
+    w.add_uint32("deepseek4.attention.output_group_count", o_groups)
+    w.add_uint32("deepseek4.attention.output_lora_rank", o_lora)
+    w.add_uint32("deepseek4.attention.indexer.head_count", idx_heads)
+    w.add_uint32("deepseek4.attention.indexer.key_length", idx_size)
+    w.add_uint32("deepseek4.attention.indexer.top_k", top_k)
+    w.add_uint32("deepseek4.expert_count", n_expert)
+    w.add_uint32("deepseek4.expert_used_count", n_expert_used)
+    w.add_uint32("deepseek4.expert_feed_forward_length", n_ff_exp)
+    w.add_uint32("deepseek4.expert_shared_count", 1)
+    w.add_float32("deepseek4.expert_weights_scale", 1.5)
+    w.add_bool("deepseek4.expert_weights_norm", True)
+    w.add_uint32("deepseek4.expert_gating_func", 4)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+    w.add_float32("deepseek4.swiglu_clamp_exp", 10.0)
+    w.add_uint32("deepseek4.hash_layer_count", 0)
+    w.add_uint32("deepseek4.hyper_connection.count", hc_mult)
+    w.add_uint32("deepseek4.hyper_connection.sinkhorn_iterations", 20)
+    w.add_float32("deepseek4.hyper_connection.epsilon", 1e-6)
+    add_vocab_and_io(w, rng, n_embd)
+    w.add_tensor("output_hc_fn.weight", rnd(rng, (hc_mult, hc_dim), 0.1))
+    w.add_tensor("output_hc_base.weight", rnd(rng, (hc_mult,), 0.1))
+    w.add_tensor("output_hc_scale.weight", np.ones(1, dtype=np.float32))
+    for i, ratio in enumerate(ratios):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "attn_sinks.weight", rnd(rng, (n_head,), 0.1))
+        w.add_tensor(p + "attn_q_a.weight", rnd(rng, (q_lora, n_embd), 0.2))
+        w.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora, dtype=np.float32))
+        w.add_tensor(p + "attn_q_b.weight", rnd(rng, (n_head * head_dim, q_lora), 0.2))
+        w.add_tensor(p + "attn_kv.weight", rnd(rng, (head_dim, n_embd), 0.2))
+        w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(head_dim, dtype=np.float32))
+        # stored (o_groups x o_lora, n_head x head_dim / o_groups); llama.cpp reshapes it per group
+        w.add_tensor(p + "attn_output_a.weight", rnd(rng, (o_groups * o_lora, n_head * head_dim // o_groups), 0.1))
+        w.add_tensor(p + "attn_output_b.weight", rnd(rng, (n_embd, o_groups * o_lora), 0.1))
+        for part in ["attn", "ffn"]:
+            w.add_tensor(p + f"hc_{part}_fn.weight", rnd(rng, (hc_mix, hc_dim), 0.1))
+            w.add_tensor(p + f"hc_{part}_base.weight", rnd(rng, (hc_mix,), 0.1))
+            w.add_tensor(p + f"hc_{part}_scale.weight", np.ones(3, dtype=np.float32))
+        if ratio != 0:
+            coff = 2 if ratio == 4 else 1  # CSA's compressor windows overlap: two halves per row
+            w.add_tensor(p + "attn_compressor_kv.weight", rnd(rng, (coff * head_dim, n_embd), 0.2))
+            w.add_tensor(p + "attn_compressor_gate.weight", rnd(rng, (coff * head_dim, n_embd), 0.2))
+            w.add_tensor(p + "attn_compressor_ape.weight", rnd(rng, (ratio, coff * head_dim), 0.1))
+            w.add_tensor(p + "attn_compressor_norm.weight", np.ones(head_dim, dtype=np.float32))
+        if ratio == 4:
+            w.add_tensor(p + "indexer.proj.weight", rnd(rng, (idx_heads, n_embd), 0.2))
+            w.add_tensor(p + "indexer.attn_q_b.weight", rnd(rng, (idx_heads * idx_size, q_lora), 0.2))
+            w.add_tensor(p + "indexer_compressor_kv.weight", rnd(rng, (2 * idx_size, n_embd), 0.2))
+            w.add_tensor(p + "indexer_compressor_gate.weight", rnd(rng, (2 * idx_size, n_embd), 0.2))
+            w.add_tensor(p + "indexer_compressor_ape.weight", rnd(rng, (ratio, 2 * idx_size), 0.1))
+            w.add_tensor(p + "indexer_compressor_norm.weight", np.ones(idx_size, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate_inp.weight", rnd(rng, (n_expert, n_embd), 0.2))
+        w.add_tensor(p + "exp_probs_b.bias", rnd(rng, (n_expert,), 0.1))
+        w.add_tensor(p + "ffn_gate_exps.weight", rnd(rng, (n_expert, n_ff_exp, n_embd), 0.1))
+        w.add_tensor(p + "ffn_up_exps.weight", rnd(rng, (n_expert, n_ff_exp, n_embd), 0.1))
+        w.add_tensor(p + "ffn_down_exps.weight", rnd(rng, (n_expert, n_embd, n_ff_exp), 0.1))
+        w.add_tensor(p + "ffn_gate_shexp.weight", rnd(rng, (n_ff_exp, n_embd), 0.1))
+        w.add_tensor(p + "ffn_up_shexp.weight", rnd(rng, (n_ff_exp, n_embd), 0.1))
+        w.add_tensor(p + "ffn_down_shexp.weight", rnd(rng, (n_embd, n_ff_exp), 0.1))
+    finish(w)
+
+
 def finish(w):
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -578,6 +665,9 @@ def main():
     write_nemotron_h(os.path.join(out, "nemotron-h.gguf"), 32, 2, 1, 64, seed=4242)
     write_falcon_h1(os.path.join(out, "falcon-h1.gguf"), 32, 2, 1, 64, 2, seed=1111)
     write_granite_hybrid(os.path.join(out, "granite-hybrid.gguf"), 32, 2, 1, 64, seed=4040)
+    write_deepseek4(os.path.join(out, "deepseek4.gguf"), 64, 4, 32, 16, q_lora=32, o_groups=2, o_lora=16,
+                    ratios=[0, 4, 128], window=8, n_expert=4, n_expert_used=2, n_ff_exp=32, hc_mult=4,
+                    indexer=(2, 64, 8), seed=4444)
     # shared vocab, for mapping the peers' token strings back to ids
     import json
     tokens, _, types = build_vocab()

@@ -34,6 +34,35 @@ pub fn fixtures_dir() -> PathBuf {
     repo_root().join("__test__/fixtures/t161")
 }
 
+/// The dsv4 fixtures (DeepSeek V4's states): a directory of their own, since the suites that
+/// walk `t161/` load every file into a live cache, which no dsv4 state goes into.
+pub fn dsv4_fixtures_dir() -> PathBuf {
+    repo_root().join("__test__/fixtures/dsv4")
+}
+
+/// DeepSeek V4's fixture: two sequences long enough to fill rows of both compressed caches
+/// (ratio 4 and 128) in a context of one raw stream per sequence.
+pub fn dsv4_spec() -> Spec {
+    let prompt = |n: usize, first: i32, step: usize| -> Vec<i32> {
+        std::iter::once(1)
+            .chain((0..n - 1).map(|i| first + ((i * step) % 59) as i32))
+            .collect()
+    };
+    Spec {
+        name: "deepseek4-par2",
+        model: "deepseek4.gguf",
+        fa: false,
+        types: (F16, F16),
+        unified: true,
+        prompts: vec![prompt(150, 260, 7), prompt(135, 261, 11)],
+        ctx: 512,
+        seq: 1,
+        memory: "dsv4",
+        n_rot: (0, 0),
+        shift: None,
+    }
+}
+
 /// Where `interop/make_models.py` writes the tiny models.
 pub fn models_dir() -> PathBuf {
     repo_root().join("interop/models")
@@ -336,6 +365,14 @@ pub fn specs() -> Vec<Spec> {
 }
 
 impl Spec {
+    fn dir(&self) -> PathBuf {
+        if self.memory == "dsv4" {
+            dsv4_fixtures_dir()
+        } else {
+            fixtures_dir()
+        }
+    }
+
     /// The context the driver makes for this fixture, as our memory's parameters (the
     /// driver's batch and ubatch are the context size).
     pub fn context_params(&self) -> llama_kv_cache::ContextParams {
@@ -367,22 +404,22 @@ impl Spec {
 
     /// Session fixture path.
     pub fn session_path(&self) -> PathBuf {
-        fixtures_dir().join(format!("t161-{}.ggsn", self.name))
+        self.dir().join(format!("t161-{}.ggsn", self.name))
     }
 
     /// Sequence fixture path.
     pub fn sequence_path(&self) -> PathBuf {
-        fixtures_dir().join(format!("t161-{}.ggsq", self.name))
+        self.dir().join(format!("t161-{}.ggsq", self.name))
     }
 
     /// The state after the shift (shift specs).
     pub fn post_path(&self) -> PathBuf {
-        fixtures_dir().join(format!("t161-{}.post.ggsn", self.name))
+        self.dir().join(format!("t161-{}.post.ggsn", self.name))
     }
 
     /// Sidecar path.
     pub fn sidecar_path(&self) -> PathBuf {
-        fixtures_dir().join(format!("t161-{}.json", self.name))
+        self.dir().join(format!("t161-{}.json", self.name))
     }
 
     /// The sidecar: what was run and what the peer answered.

@@ -38,7 +38,13 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
     d.number("n_embd_r", r.n_embd_k_s);
     d.number("n_embd_s", r.n_embd_v_s);
     d.number("recurrent", (m.memory == MemoryKind::Recurrent) as u8);
-    d.number("hybrid", (m.memory == MemoryKind::Hybrid) as u8);
+    // llama_model_is_hybrid: the hybrid memories, with or without an indexer, and DeepSeek V4's
+    // (compressor states beside its caches)
+    let hybrid = matches!(
+        m.memory,
+        MemoryKind::Hybrid | MemoryKind::HybridIdx | MemoryKind::Dsv4
+    );
+    d.number("hybrid", hybrid as u8);
     // llama_kv_cache::has_cell_ext(): the cells of M-RoPE and PLE models carry an extension
     let has_cell_ext =
         h["n_pos_per_embd"].as_u64() > Some(1) || h["ple_n_heads"].as_u64() > Some(0);
@@ -59,6 +65,7 @@ fn model_info_agrees_with_llama_cpp_0_1_161_for_every_tiny_model() {
         "nemotron-h.gguf",
         "falcon-h1.gguf",
         "granite-hybrid.gguf",
+        "deepseek4.gguf",
     ]) {
         let path = models_dir().join(name);
         let ours = ModelInfo::from_file(&path, false).unwrap_or_else(|e| panic!("{name}: {e}"));

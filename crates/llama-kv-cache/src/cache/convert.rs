@@ -17,6 +17,7 @@ use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::params::CacheParams;
+use crate::state::dsv4::{self, Compressed, Piece};
 use crate::state::files::{
     header_bytes, inspect_bytes, inspect_source, open_seekable, params_for_payload, read_file,
     resolve_version, session_prefix, write_atomic_with, FileKind, Inspection, WriteOptions,
@@ -177,12 +178,26 @@ struct Plan {
     /// The input's outputs block (seed-era sessions), copied as is when the output keeps it.
     outputs: Option<(u64, u64)>,
     parts: Vec<PartPlan>,
+    /// What follows the parts: a dsv4 state's compressed caches and compressor states, as
+    /// bytes of the plan's own and ranges of the input.
+    tail: Vec<(Piece, u64)>,
     layout: Layout,
     n_stream: u32,
 }
 
 impl Plan {
     fn new(ins: &Inspection, input: Arc<Input>, opts: &ConvertOptions) -> Result<Plan> {
+        // a dsv4 state converts whole (the raw cache's parts, then its sections) unless one
+        // part of the raw cache is asked for
+        let dsv4 = ins.compressed.as_ref().filter(|_| opts.part.is_none());
+        let adjusted;
+        let opts = match dsv4 {
+            Some(_) => {
+                adjusted = dsv4_options(ins, opts)?;
+                &adjusted
+            }
+            None => opts,
+        };
         let parts: Vec<&Part> = match opts.part {
             None => ins.parts.iter().collect(),
             Some(want) => vec![ins.parts.iter().find(|p| p.role == want).ok_or_else(|| {
@@ -250,6 +265,10 @@ impl Plan {
         }
         let mut head = header_bytes(to, version, &ins.header.tokens);
         let mut outputs = None;
+        let tail = match dsv4 {
+            Some(c) => dsv4_tail(ins, c, to, opts.extract_seq.unwrap_or(seq_in_file))?,
+            None => Vec::new(),
+        };
         if to == FileKind::Session {
             let arch = ins
                 .arch
@@ -266,11 +285,17 @@ impl Plan {
                 _ => head.extend(session_prefix(arch, None, layout)),
             }
         }
+        if let Some(c) = dsv4 {
+            for x in [dsv4::MAGIC, dsv4::VERSION, c.partial as u32] {
+                head.extend_from_slice(&x.to_le_bytes());
+            }
+        }
         Ok(Plan {
             input,
             head,
             outputs,
             parts: planned,
+            tail,
             layout,
             n_stream: opts.write.n_stream,
         })
@@ -280,6 +305,7 @@ impl Plan {
         self.head.len()
             + self.outputs.map_or(0, |o| o.1 as usize)
             + self.parts.iter().map(|p| p.size).sum::<usize>()
+            + self.tail.iter().map(|(p, _)| p.len()).sum::<usize>()
     }
 
     fn write(&self, w: &mut dyn Write, progress: Option<Progress<'_>>) -> Result<()> {
@@ -319,8 +345,94 @@ impl Plan {
             }
             done += part.size as u64;
         }
+        for (piece, at) in &self.tail {
+            match piece {
+                Piece::Bytes(b) => w.write_all(b).map_err(io)?,
+                Piece::Input(r) => self.input.copy_to(at + r.start as u64, r.len() as u64, w)?,
+            }
+        }
+        if let (Some(p), false) = (progress.as_mut(), self.tail.is_empty()) {
+            // everything is written: a stop asked for now changes nothing
+            p(total, total);
+        }
         Ok(())
     }
+}
+
+/// The options of a whole dsv4 state's conversion: version 11 / 4 (the only ones that have
+/// it) unless another is asked for, which is refused; the raw cache's streams as the input has
+/// them (one per sequence whatever the context); no re-typing (the compressed caches would need
+/// it too).
+fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOptions> {
+    let refuse = |what: &str| {
+        Err(KvError::Unsupported(format!(
+            "{what} of a dsv4 state (DeepSeek V4's compressed caches) is not supported; \
+             convert one part of its raw cache with part 'base' or 'swa'"
+        )))
+    };
+    if [opts.type_k, opts.type_v].iter().any(Option::is_some)
+        || [opts.n_rot_k, opts.n_rot_v].iter().any(Option::is_some)
+    {
+        return refuse("re-typing or rotating");
+    }
+    if ins.header.kind == FileKind::Sequence && opts.to == Some(FileKind::Session) {
+        return refuse("a session made of a sequence file");
+    }
+    let mut out = opts.clone();
+    if out.write.version.is_none() {
+        out.write.layout = Layout::StreamsRot;
+    }
+    if out.write.layout != Layout::StreamsRot
+        || out.write.version.is_some_and(|v| {
+            v != FileKind::Session.rotation_version() && v != FileKind::Sequence.rotation_version()
+        })
+    {
+        return Err(KvError::InvalidArg(format!(
+            "a dsv4 state exists in session version {} / sequence version {} only",
+            FileKind::Session.rotation_version(),
+            FileKind::Sequence.rotation_version()
+        )));
+    }
+    out.write.n_stream = ins.parts[0].payload.streams.len() as u32;
+    Ok(out)
+}
+
+/// The sections of a dsv4 state as the output holds them, each piece with the input offset of
+/// its ranges: as they are, or (a sequence taken out of a whole-memory save) the stream of
+/// `seq` with the compressed rows its positions filled, as 0.1.161 saves one sequence.
+fn dsv4_tail(
+    ins: &Inspection,
+    c: &Compressed,
+    to: FileKind,
+    seq: i32,
+) -> Result<Vec<(Piece, u64)>> {
+    let at = ins.payload_offset as u64;
+    if ins.header.kind == to {
+        return Ok(c
+            .sections
+            .iter()
+            .map(|s| (Piece::Input(s.range.clone()), at))
+            .collect());
+    }
+    // 0.1.161 takes the last position from the raw window cache
+    let window = &ins.parts[ins.parts.len() - 1].payload;
+    let pos_max = window
+        .streams
+        .iter()
+        .flat_map(|s| s.cells.iter())
+        .filter(|c| c.seq_ids.contains(&seq))
+        .map(|c| c.pos)
+        .max()
+        .unwrap_or(-1);
+    let mut pieces = Vec::new();
+    for s in &c.sections {
+        pieces.extend(
+            s.one_stream(seq as u32, pos_max)?
+                .into_iter()
+                .map(|p| (p, at)),
+        );
+    }
+    Ok(pieces)
 }
 
 /// One part of the input and what to make of it.

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
+use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
 use crate::state::files::{
     body_splits, concat, ext_readings, file_layouts, header_bytes, parse_header, parse_header_in,
@@ -344,6 +345,13 @@ impl KvCache {
             let body = &bytes[split.payload.clone()];
             let (shapes, shape_errors) = self.parse_shapes(body, layouts);
             errors.extend(shape_errors);
+            if shapes.iter().any(|s| s.memory == MemoryKind::Dsv4) {
+                return Err(KvError::Unsupported(
+                    "the state is DeepSeek V4's (dsv4: a raw window cache, compressed caches and \
+                     compressor states), which no live cache here holds; inspect or convert it"
+                        .into(),
+                ));
+            }
             for shape in shapes {
                 for p in shape.parts {
                     parts_seen.push(p.role);

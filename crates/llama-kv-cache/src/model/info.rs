@@ -626,6 +626,12 @@ impl ModelInfo {
                 false,
             )),
             "llama4" => Some((8192, 4, true)),
+            // DeepSeek V4: every layer's raw cache uses the window (set_swa_pattern(0))
+            "deepseek4" => Some((
+                window.ok_or_else(|| k.missing("attention.sliding_window"))?,
+                0,
+                false,
+            )),
             // Phi-3 masks with a window on every layer of one cache (pattern 1: no SWA layer)
             "phi3" => window
                 .or(phi3_default_window(n_layer, n_ctx_train, &n_head_kv))
@@ -1139,7 +1145,12 @@ mod tests {
             ("qwen4exp", "'hybrid-idx'"),
         ];
         for (arch, kind) in kinds {
-            let m = info(&named(arch, GgufValue::U32(2))).unwrap();
+            let mut g = named(arch, GgufValue::U32(2));
+            if arch == "deepseek4" {
+                // required, as 0.1.161 requires it: every layer's raw cache uses the window
+                g.kv("deepseek4.attention.sliding_window", GgufValue::U32(128));
+            }
+            let m = info(&g).unwrap();
             let e = m.check_live().unwrap_err().to_string();
             assert!(e.contains(kind) && e.contains(arch), "{e}");
         }

@@ -12,6 +12,7 @@ pub use crate::state::atomic_write::{write_atomic, write_atomic_file, write_atom
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
+use crate::state::dsv4::Compressed;
 use crate::state::parts::{
     layouts_for_version, parse_parts, parse_parts_with, Part, PartKind, Parts,
 };
@@ -464,6 +465,9 @@ pub struct Inspection {
     /// The memories of the payload in payload order (one for a single memory); their ranges
     /// are relative to `payload_offset`.
     pub parts: Vec<Part>,
+    /// dsv4: the compressed caches and compressor states after the raw cache's parts (their
+    /// ranges relative to `payload_offset`).
+    pub compressed: Option<Compressed>,
     /// Total bytes.
     pub bytes: usize,
     /// Byte offset of the payload.
@@ -562,6 +566,7 @@ pub fn inspect_source<S: ByteSource + ?Sized>(bytes: &S, values: bool) -> Result
                 payload: shape.parts[0].payload.clone(),
                 memory: shape.memory,
                 parts: shape.parts,
+                compressed: shape.compressed,
                 bytes: bytes.len(),
                 payload_offset: split.payload.start,
                 header,

@@ -172,7 +172,9 @@ fn part_roles(model: &ModelInfo) -> Vec<PartRole> {
         MemoryKind::Dsa | MemoryKind::Msa => vec![PartRole::Attention, PartRole::Indexer],
         MemoryKind::DsaIswa => vec![PartRole::Attention, PartRole::Indexer, PartRole::Swa],
         MemoryKind::HybridIdx => vec![PartRole::Attention, PartRole::Recurrent, PartRole::Indexer],
-        MemoryKind::Unified | MemoryKind::Recurrent | MemoryKind::Dsv4 => vec![PartRole::Whole],
+        // the raw cache's parts (the compressed caches and compressors follow them)
+        MemoryKind::Dsv4 => vec![PartRole::Base, PartRole::Swa],
+        MemoryKind::Unified | MemoryKind::Recurrent => vec![PartRole::Whole],
     }
 }
 
@@ -223,10 +225,14 @@ pub fn check_state(ins: &Inspection, model: &ModelInfo) -> Fit {
         }
     }
     let roles = |r: &[PartRole]| r.iter().map(|r| r.name()).collect::<Vec<_>>().join(" + ");
-    let (state_roles, model_roles) = (
+    let (state_roles, mut model_roles) = (
         parts.iter().map(|p| p.role).collect::<Vec<_>>(),
         part_roles(model),
     );
+    // a partial dsv4 state holds the raw window cache only
+    if ins.compressed.as_ref().is_some_and(|c| c.partial) {
+        model_roles.retain(|&r| r != PartRole::Base);
+    }
     if state_memory == model.memory && state_roles != model_roles {
         reasons.push(mismatch(
             "parts",

@@ -13,6 +13,7 @@
 pub(crate) mod atomic_write;
 pub mod cells;
 pub mod codec;
+pub mod dsv4;
 pub mod files;
 pub mod fit;
 pub mod parts;

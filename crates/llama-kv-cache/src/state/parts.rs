@@ -13,6 +13,7 @@ use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
 use crate::state::codec::parse_layerless_payload;
+use crate::state::dsv4::{self, Compressed};
 use crate::state::source::{ByteSource, Sub};
 use crate::state::{
     parse_payload_form, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
@@ -112,6 +113,8 @@ pub struct Parts {
     pub memory: MemoryKind,
     /// The parts in payload order.
     pub parts: Vec<Part>,
+    /// dsv4: the compressed caches and compressor states after the raw cache's parts.
+    pub compressed: Option<Compressed>,
 }
 
 /// How a payload's KV parts are written: the layout, the extension its cells carry, and
@@ -256,6 +259,20 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
 ) -> (Vec<Parts>, Vec<String>) {
     let mut fits = Vec::new();
     let mut errors = Vec::new();
+    // DeepSeek V4's payload says what it is: nothing else is tried
+    match dsv4::envelope(bytes) {
+        Ok(None) => {}
+        Ok(Some(partial)) => {
+            for &layout in layouts.iter().filter(|l| l.has_stream_prefix()) {
+                match dsv4_parts(bytes, (layout, ext, true), partial) {
+                    Ok(p) => fits.push(p),
+                    Err(e) => errors.push(format!("dsv4 ({layout}): {e}")),
+                }
+            }
+            return (fits, errors);
+        }
+        Err(e) => return (fits, vec![e.to_string()]),
+    }
     // a stream-less payload is a recurrent memory once the version's KV caches all have the
     // stream prefix; before, it may also be a seed-era KV cache (the caller decides)
     let streams_only = !layouts.contains(&Layout::Streams);
@@ -294,6 +311,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                         MemoryKind::Unified
                     },
                     parts: vec![p],
+                    compressed: None,
                 }
             }),
         );
@@ -324,6 +342,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                 Ok(Parts {
                     memory: two,
                     parts: vec![a, b],
+                    compressed: None,
                 })
             }),
         );
@@ -336,6 +355,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                     Ok(Parts {
                         memory: MemoryKind::DsaIswa,
                         parts: vec![a, b, swa],
+                        compressed: None,
                     })
                 }),
             );
@@ -347,6 +367,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                 Ok(Parts {
                     memory: MemoryKind::Hybrid,
                     parts: vec![attn, recr],
+                    compressed: None,
                 })
             }),
         );
@@ -357,6 +378,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                 Ok(Parts {
                     memory: MemoryKind::HybridIdx,
                     parts: vec![attn, recr, idx],
+                    compressed: None,
                 })
             }),
         );
@@ -370,6 +392,7 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
                     Ok(Parts {
                         memory: MemoryKind::Hybrid,
                         parts: vec![base, swa, recr],
+                        compressed: None,
                     })
                 }),
         );
@@ -384,6 +407,29 @@ pub fn parse_parts_with<S: ByteSource + ?Sized>(
         fits.retain(|p| !empty_rot(p));
     }
     (fits, errors)
+}
+
+/// A dsv4 payload (see [`dsv4`]): its raw cache's parts (base, then window; the window only
+/// in partial mode), K-only caches with one stream per sequence, then its sections.
+fn dsv4_parts<S: ByteSource + ?Sized>(bytes: &S, format: KvFormat, partial: bool) -> Result<Parts> {
+    let mut parts = Vec::with_capacity(2);
+    let mut at = dsv4::ENVELOPE;
+    if !partial {
+        // the base cache holds no layer (every dsv4 layer uses the window), unless a model
+        // says otherwise
+        let base = kv_part(bytes, at, format, PartRole::Base, false)
+            .or_else(|_| layerless_kv_part(bytes, at, format, PartRole::Base))?;
+        at = base.range.end;
+        parts.push(base);
+    }
+    let swa = kv_part(bytes, at, format, PartRole::Swa, false)?;
+    let compressed = dsv4::sections(bytes, swa.range.end, partial)?;
+    parts.push(swa);
+    Ok(Parts {
+        memory: MemoryKind::Dsv4,
+        parts,
+        compressed: Some(compressed),
+    })
 }
 
 /// The layouts a file version writes its KV caches in: session 11 / sequence 4 (llama.cpp
