@@ -109,11 +109,18 @@ function human(file, info) {
       lines.push(`  part ${i}   ${p.role} (${p.kind}), ${p.bytes} bytes`)
       memoryLines(lines, p, '    ')
     })
+    if (info.compressed) {
+      lines.push(`  compressed${info.compressed.partial ? ' (partial: compressors only)' : ''}`)
+      for (const s of info.compressed.sections) {
+        lines.push(`    ${s.group} ${s.kind.padEnd(10)} ratio ${s.ratio}, ${s.nStream} stream(s) x ${s.nRows} rows of ${s.rowWidth} ${s.rowType}, layers [${s.layers.join(', ')}], ${s.bytes} bytes`)
+      }
+    }
   } else {
     memoryLines(lines, info, '  ')
   }
   const b = info.byteAccounting
-  lines.push(`  bytes    ${b.total} = header ${b.header} + session ${b.session} + meta ${b.meta} + K ${b.k} + V ${b.v} + framing ${b.total - b.header - b.session - b.meta - b.k - b.v}`)
+  const compressed = b.compressed ?? 0
+  lines.push(`  bytes    ${b.total} = header ${b.header} + session ${b.session} + meta ${b.meta} + K ${b.k} + V ${b.v}${compressed ? ` + compressed ${compressed}` : ''} + framing ${b.total - b.header - b.session - b.meta - b.k - b.v - compressed}`)
   return lines.join('\n')
 }
 
@@ -207,6 +214,7 @@ function main(argv) {
           ...(p.kind === 'kv' ? { nRotK: p.nRotK ?? null, nRotV: p.nRotV ?? null } : {}), bytes: p.bytes,
         }))
       }
+      if (info.compressed) json.compressed = info.compressed
       const text = human(file, info) + (fit ? `\n${humanFit(flags.model, fit)}` : '')
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${text}\n`)
       if (fit && !fit.fits) process.exitCode = 3

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use llama_kv_cache::state::dsv4::{self, Compressed, SectionKind};
 use llama_kv_cache::state::files::{inspect_bytes, inspect_file};
 use llama_kv_cache::state::parts::Part;
 use llama_kv_cache::state::{ParsedPayload, VBlock};
@@ -61,6 +62,74 @@ pub struct ByteInfo {
     pub k: f64,
     /// V rows.
     pub v: f64,
+    /// dsv4: the envelope, compressed caches and compressor states (absent for other memories).
+    pub compressed: Option<f64>,
+}
+
+/// One compressed cache or compressor state of a dsv4 state (DeepSeek V4).
+#[napi(object)]
+pub struct CompressedSection {
+    /// 'csa' (compressed sparse attention), 'hca' (heavily compressed attention) or 'lid' (the
+    /// lightning indexer).
+    pub group: String,
+    /// 'cache' (compressed K rows) or 'compressor' (the running state that pools the next rows).
+    pub kind: String,
+    /// Positions pooled into one row (4 or 128).
+    pub ratio: u32,
+    /// Streams written (one per sequence for a whole state, one for a sequence's).
+    pub n_stream: u32,
+    /// Rows per stream and layer: a cache's rows in use (a sequence's) or all of them (a whole
+    /// state); a compressor's state rows.
+    pub n_rows: u32,
+    /// Elements per row.
+    pub row_width: f64,
+    /// The rows' type ('f32' for a compressor).
+    pub row_type: String,
+    /// The model layers it holds.
+    pub layers: Vec<u32>,
+    /// Bytes of the section.
+    pub bytes: f64,
+}
+
+/// What a dsv4 state holds after its raw cache's parts.
+#[napi(object)]
+pub struct CompressedInfo {
+    /// Partial (`PARTIAL_ONLY`, llama-server's checkpoints): the raw window cache and the
+    /// compressor states only.
+    pub partial: bool,
+    /// In payload order: the compressed caches (none when partial), then the compressors.
+    pub sections: Vec<CompressedSection>,
+}
+
+fn compressed_info(c: &Compressed) -> CompressedInfo {
+    let sections = c
+        .sections
+        .iter()
+        .map(|s| {
+            let first = s.layers.first().and_then(|l| l.tensors.first());
+            let (kind, ratio, n_rows) = match s.kind {
+                SectionKind::Compressed { n_rows, .. } => ("cache", s.group.ratio(), n_rows),
+                SectionKind::Compressor {
+                    ratio, state_size, ..
+                } => ("compressor", ratio, state_size),
+            };
+            CompressedSection {
+                group: s.group.name().into(),
+                kind: kind.into(),
+                ratio,
+                n_stream: s.n_stream,
+                n_rows,
+                row_width: first.map_or(0.0, |t| t.ne0 as f64),
+                row_type: first.map_or_else(String::new, |t| type_name(t.type_id)),
+                layers: s.layers.iter().map(|l| l.il).collect(),
+                bytes: s.range.len() as f64,
+            }
+        })
+        .collect();
+    CompressedInfo {
+        partial: c.partial,
+        sections,
+    }
 }
 
 /// One memory of a payload of several (iSWA: base then SWA; hybrid: attention then
@@ -127,7 +196,8 @@ pub struct Inspection {
     pub n_rot_v: Option<u32>,
     /// The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
     /// version whose KV caches all have a stream prefix), 'iswa', 'hybrid' (also hybrid-iSWA:
-    /// base, swa, recurrent), or with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx' (an
+    /// base, swa, recurrent), with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx', or 'dsv4'
+    /// (DeepSeek V4: a raw cache, then `compressed`) (an
     /// 'msa' state reads as 'iswa': its bytes do not tell them apart).
     pub memory: String,
     /// What each cell carries after its seq id count: 'none', or 'pos2' / 'pos2-tok' for the
@@ -137,6 +207,9 @@ pub struct Inspection {
     /// `streams`, `layers`, `nLayer`, `vTrans` and rotation describe the first part. Absent for
     /// a single memory.
     pub parts: Option<Vec<PartInfo>>,
+    /// dsv4 (DeepSeek V4): its compressed caches and compressor states, after the raw cache's
+    /// parts ('base', 'swa'; 'swa' only when partial).
+    pub compressed: Option<CompressedInfo>,
     /// File size in bytes.
     pub bytes: f64,
     /// Where the bytes go.
@@ -290,7 +363,7 @@ pub fn inspect_state(
         let (meta, k, v) = described.iter().fold((0, 0, 0), |acc, (_, d)| {
             (acc.0 + d.meta, acc.1 + d.k, acc.2 + d.v)
         });
-        let parts = (ins.parts.len() > 1).then(|| {
+        let parts = (ins.parts.len() > 1 || ins.compressed.is_some()).then(|| {
             described
                 .iter()
                 .map(|(p, d)| PartInfo {
@@ -339,6 +412,7 @@ pub fn inspect_state(
             memory: ins.memory.name().into(),
             cell_ext: ins.payload.ext.name().into(),
             parts,
+            compressed: ins.compressed.as_ref().map(compressed_info),
             layers,
             streams,
             bytes: ins.bytes as f64,
@@ -349,6 +423,10 @@ pub fn inspect_state(
                 meta: meta as f64,
                 k: k as f64,
                 v: v as f64,
+                compressed: ins.compressed.as_ref().map(|c| {
+                    (dsv4::ENVELOPE + c.sections.iter().map(|s| s.range.len()).sum::<usize>())
+                        as f64
+                }),
             },
             tokens: header.tokens,
         })
