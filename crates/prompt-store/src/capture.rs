@@ -480,11 +480,19 @@ impl<'a> Capture<'a> {
             arch: ins.arch.clone(),
         };
         // the store keeps at most two KV parts (main, then a window or an indexer) and a
-        // recurrent state: dsa-iswa's three KV parts do not fit that
-        if ins.memory == MemoryKind::DsaIswa {
+        // recurrent state: dsa-iswa's three KV parts do not fit that, nor dsv4's compressed
+        // caches and compressor states beside its raw cache
+        let not_kept = match ins.memory {
+            MemoryKind::DsaIswa => Some("an indexer cache beside the attention and window parts"),
+            MemoryKind::Dsv4 => {
+                Some("compressed caches and compressor states beside a raw window cache")
+            }
+            _ => None,
+        };
+        if let Some(why) = not_kept {
             return Err(StoreError::Cache(KvError::Unsupported(format!(
-                "the prompt store does not keep '{}' states (an indexer cache beside the \
-                 attention and window parts); inspectState and convertStateFile read them",
+                "the prompt store does not keep '{}' states ({why}); inspectState and \
+                 convertStateFile read them",
                 ins.memory.name()
             ))));
         }

@@ -258,3 +258,26 @@ fn damaged_dsv4_states_are_refused_by_name_and_no_live_cache_loads_one() {
     }
     assert_eq!(cache.used_cells(), 0);
 }
+
+#[test]
+fn regression_the_prompt_store_kept_a_dsv4_state_as_its_raw_cache_alone() {
+    // the store keeps KV parts and recurrent states; a dsv4 state's compressed caches and
+    // compressor states are neither, and storing its raw cache without them would restore a
+    // state 0.1.161 cannot continue: refused by name
+    let (session, sequence) = fixture(&dsv4_spec());
+    let store = prompt_store::PromptStore::new(
+        std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
+        "dsv4",
+        16,
+    )
+    .unwrap();
+    for file in [&session, &sequence] {
+        match store.put_bytes(file, None) {
+            Err(prompt_store::StoreError::Cache(KvError::Unsupported(m))) => {
+                assert!(m.contains("'dsv4'"), "{m}")
+            }
+            other => panic!("the store took a dsv4 state: {other:?}"),
+        }
+    }
+    assert_eq!(store.lookup(&dsv4_spec().prompts[1]).unwrap(), 0);
+}
