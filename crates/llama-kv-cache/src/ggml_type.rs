@@ -96,7 +96,12 @@ impl GgmlType {
                 self.block_size()
             )));
         }
-        Ok(self.type_size() * (n / self.block_size()))
+        // widths come from files: one near usize::MAX must be refused, not overflow
+        self.type_size()
+            .checked_mul(n / self.block_size())
+            .ok_or_else(|| {
+                KvError::InvalidArg(format!("width {n} of {} overflows a row", self.name()))
+            })
     }
 
     /// The width in elements of a row of `row_bytes` bytes (the inverse of [`row_size`]), or
@@ -134,6 +139,14 @@ impl FromStr for GgmlType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn regression_a_row_width_from_a_dsv4_state_near_usize_max_overflowed_row_size() {
+        // found by the state_reader fuzz target: a dsv4 tensor block declaring ne0 2^63
+        let e = GgmlType::F32.row_size(1 << 63).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
+        assert_eq!(GgmlType::Q8_0.row_size(64).unwrap(), 68);
+    }
 
     #[test]
     fn row_width_inverts_row_size_and_refuses_partial_blocks() {

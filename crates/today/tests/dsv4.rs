@@ -242,6 +242,11 @@ fn damaged_dsv4_states_are_refused_by_name_and_no_live_cache_loads_one() {
     // a K row size that is not that of its width and type
     let row_size = c.sections[0].range.start + 16 + 4 + 4 + 8 + 8;
     assert!(err(&patched(row_size, 63)).contains("row size 63"));
+    // a width near 2^64 (found by the state_reader fuzz target: it overflowed the row size)
+    let mut huge = sequence.clone();
+    let ne0 = payload + c.sections[0].range.start + 16 + 4 + 4;
+    huge[ne0..ne0 + 8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+    assert!(err(&huge).contains("is not that of 9223372036854775808 f16 elements"));
     let mut trailing = sequence.clone();
     trailing.push(0);
     assert!(err(&trailing).contains("1 trailing bytes"));
