@@ -74,6 +74,12 @@ test('convertStateFile writes a dsv4 state back byte for byte, takes a sequence 
   const info = inspectState(one)
   t.is(info.format, 'sequence')
   t.deepEqual(info.compressed.sections.map((s) => [s.nStream, s.nRows]), [[1, 33], [1, 1], [1, 33], [1, 8], [1, 128], [1, 8]])
+  // with the model's window (8), the sequence is the peer's own save of it, byte for byte
+  const windowed = path.join(dir, 'seq1-window.ggsq')
+  convertStateFile(SESSION, windowed, { seqId: 1, swaWindow: 8 })
+  const payload = (f) => fs.readFileSync(f).subarray(12 + 4 * inspectState(f).nTokens)
+  t.true(payload(windowed).equals(payload(SEQUENCE)))
+  t.true(fs.statSync(windowed).size < fs.statSync(one).size)
   // the part option takes the raw window cache alone, as a file of one memory
   const swa = path.join(dir, 'swa.ggsq')
   convertStateFile(SEQUENCE, swa, { part: 'swa' })

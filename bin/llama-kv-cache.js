@@ -27,6 +27,8 @@ const USAGE = `usage:
       --seq ID                extract one sequence into a sequence file
       --to session|sequence   output kind (default: the input's; sequence with --seq)
       --as-seq ID             rename the written sequence (e.g. a slot of a non-unified context)
+      --swa-window N          a sequence's window cache as llama.cpp 0.1.161 saves one: its last
+                              N positions only (the model's sliding window)
       --arch NAME             session output from a sequence file: the architecture (default llama)
       --type-k T, --type-v T  re-type K/V (f32, f16, bf16, q8_0, ...)
       --n-rot-k N, --n-rot-v N
@@ -230,7 +232,7 @@ function main(argv) {
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {
         layout: 'str', version: 'int', 'n-stream': 'int', seq: 'int', 'type-k': 'str', 'type-v': 'str', 'n-rot-k': 'int', 'n-rot-v': 'int',
-        recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str', part: 'str',
+        recurrent: 'bool', transformer: 'bool', to: 'str', 'as-seq': 'int', arch: 'str', part: 'str', 'swa-window': 'int',
       })
       if (flags.recurrent && flags.transformer) fail('--recurrent and --transformer exclude each other')
       const [input, output] = flags.positional
@@ -242,6 +244,7 @@ function main(argv) {
           layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
           typeK: flags['type-k'], typeV: flags['type-v'], nRotK: flags['n-rot-k'], nRotV: flags['n-rot-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
           recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,
+          swaWindow: flags['swa-window'],
           onProgress: bar.onProgress,
         })
       } finally {

@@ -465,6 +465,10 @@ pub struct ConvertFileOptions<'a> {
     pub as_seq_id: Option<f64>,
     /// Session output: the architecture when the input has none. Default 'llama'.
     pub arch: Option<String>,
+    /// A sequence file's window cache (iSWA, hybrid-iSWA, dsv4) as llama.cpp 0.1.161 saves one:
+    /// only its last `swaWindow` positions, the cells its next token sees through the model's
+    /// sliding window (which a file does not record). Default: every cell the input has.
+    pub swa_window: Option<f64>,
     /// Of an iSWA or hybrid file, write only this part ('base', 'swa', 'attention',
     /// 'recurrent') as a file of a single memory. Default: every part.
     pub part: Option<String>,
@@ -531,6 +535,7 @@ pub fn convert_state_file(
             opts.n_rot_v = o.n_rot_v.map(|n| u32v("nRotV", n)).transpose()?;
             opts.recurrent = o.recurrent;
             opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
+            opts.swa_window = o.swa_window.map(|n| u32v("swaWindow", n)).transpose()?;
             opts.part = crate::jobs::part(o.part.as_deref())?;
             opts.arch = o.arch;
             opts.to = match o.to.as_deref() {

@@ -109,9 +109,10 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
     let dir = std::env::temp_dir().join(format!("kvc-dsv4-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let peer_seq = inspect_bytes(&sequence).unwrap();
-    for seq in [0, 1] {
+    for (seq, swa_window) in [(0, None), (1, None), (1, Some(8))] {
         let opts = ConvertOptions {
             extract_seq: Some(seq),
+            swa_window,
             ..Default::default()
         };
         let ours = convert_bytes(&session, &opts).unwrap();
@@ -126,6 +127,14 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
                     "section {i}"
                 );
             }
+        }
+        if swa_window.is_some() {
+            // and with the model's window (8), so is the whole payload (the session's tokens
+            // are both prompts', the peer's file holds its sequence's)
+            assert!(
+                ours[ins.payload_offset..] == sequence[peer_seq.payload_offset..],
+                "the payload of sequence {seq} differs from the peer's"
+            );
         }
         let path = dir.join(format!("seq{seq}.ggsq"));
         std::fs::write(&path, &ours).unwrap();

@@ -374,3 +374,38 @@ fn dsa_iswa_and_hybrid_idx_payloads_read_part_by_part_convert_back_and_hybrid_id
         assert_eq!(store.lookup(&tokens[..8]).unwrap(), 0);
     }
 }
+
+#[test]
+fn a_sequence_taken_out_of_a_session_with_the_models_window_is_the_peers_own_file() {
+    use llama_kv_cache::{convert_bytes, ConvertOptions};
+    // 0.1.161 saves a sequence's window cache without the cells its next token cannot see;
+    // `swa_window` (the model's window, 4 for these tiny models) does the same
+    for name in ["gemma3-swa", "gemma3-swa-q8_0-fa", "lfm2-swa"] {
+        let spec = specs().into_iter().find(|s| s.name == name).unwrap();
+        let window = ModelInfo::from_file(&models_dir().join(spec.model), false)
+            .unwrap()
+            .swa
+            .unwrap()
+            .window;
+        assert_eq!(window, 4, "{name}");
+        let session = read(&spec.session_path());
+        let mut v4 = ConvertOptions {
+            extract_seq: Some(spec.seq),
+            swa_window: Some(window),
+            ..ConvertOptions::default()
+        };
+        v4.write.version = Some(4);
+        let ours = convert_bytes(&session, &v4).unwrap();
+        assert!(
+            ours == read(&spec.sequence_path()),
+            "{name}: not the peer's file"
+        );
+        // without the window, every cell of the session's window cache is kept
+        let mut all = v4.clone();
+        all.swa_window = None;
+        assert!(
+            convert_bytes(&session, &all).unwrap().len() > ours.len(),
+            "{name}"
+        );
+    }
+}

@@ -55,6 +55,11 @@ pub struct ConvertOptions {
     /// The V rotation after re-typing (llama.cpp 0.1.161: 64 for quantized V with a head
     /// dimension that is a multiple of 64).
     pub n_rot_v: Option<u32>,
+    /// A sequence file's window cache (iSWA's, hybrid-iSWA's, dsv4's raw one) as llama.cpp
+    /// 0.1.161 saves one: only the cells its next token sees through a standard window of this
+    /// many tokens (the last `swa_window` positions). A file does not record the window; without
+    /// it the window cache keeps every cell of the sequence the input has, which loads alike.
+    pub swa_window: Option<u32>,
     /// Whether the state is recurrent. Sessions tell by their architecture; a stream-less
     /// sequence file is either a seed-era transformer state or a recurrent one, and converting
     /// it to today's layout needs this answered.
@@ -379,19 +384,16 @@ fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOption
         return refuse("a session made of a sequence file");
     }
     let mut out = opts.clone();
-    if out.write.version.is_none() {
-        out.write.layout = Layout::StreamsRot;
-    }
-    if out.write.layout != Layout::StreamsRot
-        || out.write.version.is_some_and(|v| {
-            v != FileKind::Session.rotation_version() && v != FileKind::Sequence.rotation_version()
-        })
-    {
-        return Err(KvError::InvalidArg(format!(
-            "a dsv4 state exists in session version {} / sequence version {} only",
-            FileKind::Session.rotation_version(),
-            FileKind::Sequence.rotation_version()
-        )));
+    let today = [FileKind::Session, FileKind::Sequence].map(FileKind::rotation_version);
+    match out.write.version {
+        None if out.write.layout != Layout::Seed => out.write.layout = Layout::StreamsRot,
+        Some(v) if today.contains(&v) => {}
+        _ => {
+            return Err(KvError::InvalidArg(format!(
+                "a dsv4 state exists in session version {} / sequence version {} only",
+                today[0], today[1]
+            )))
+        }
     }
     out.write.n_stream = ins.parts[0].payload.streams.len() as u32;
     Ok(out)
@@ -511,6 +513,15 @@ impl PartJob<'_> {
             FileKind::Session => -1,
             FileKind::Sequence => seq,
         };
+        if let (Some(n), PartRole::Swa, FileKind::Sequence) =
+            (opts.swa_window, part.role, self.kinds.1)
+        {
+            // 0.1.161 writes no cell that is masked for the sequence's next token
+            let last_masked = cache.seq_pos_max(seq)? - n as i32;
+            if last_masked >= 0 {
+                cache.seq_rm(seq, 0, last_masked + 1)?;
+            }
+        }
         let size = cache.state_size(write_seq, self.layout, opts.write.n_stream)?;
         let declared_layers = (part.kind == PartKind::Recurrent
             && part.role == PartRole::Recurrent)
