@@ -431,6 +431,8 @@ export interface ByteInfo {
   k: number
   /** V rows. */
   v: number
+  /** dsv4: the envelope, compressed caches and compressor states (absent for other memories). */
+  compressed?: number
 }
 
 /** A snapshot of every cell (llama.cpp's `llama_kv_cache_view`). */
@@ -500,6 +502,45 @@ export interface CellMove {
  */
 export declare function checkState(state: string | Uint8Array, ggufPath: string | Uint8Array): FitResult
 
+/** What a dsv4 state holds after its raw cache's parts. */
+export interface CompressedInfo {
+  /**
+   * Partial (`PARTIAL_ONLY`, llama-server's checkpoints): the raw window cache and the
+   * compressor states only.
+   */
+  partial: boolean
+  /** In payload order: the compressed caches (none when partial), then the compressors. */
+  sections: Array<CompressedSection>
+}
+
+/** One compressed cache or compressor state of a dsv4 state (DeepSeek V4). */
+export interface CompressedSection {
+  /**
+   * 'csa' (compressed sparse attention), 'hca' (heavily compressed attention) or 'lid' (the
+   * lightning indexer).
+   */
+  group: string
+  /** 'cache' (compressed K rows) or 'compressor' (the running state that pools the next rows). */
+  kind: string
+  /** Positions pooled into one row (4 or 128). */
+  ratio: number
+  /** Streams written (one per sequence for a whole state, one for a sequence's). */
+  nStream: number
+  /**
+   * Rows per stream and layer: a cache's rows in use (a sequence's) or all of them (a whole
+   * state); a compressor's state rows.
+   */
+  nRows: number
+  /** Elements per row. */
+  rowWidth: number
+  /** The rows' type ('f32' for a compressor). */
+  rowType: string
+  /** The model layers it holds. */
+  layers: Array<number>
+  /** Bytes of the section. */
+  bytes: number
+}
+
 /** Options of `convertStateFile`. */
 export interface ConvertFileOptions {
   /** Output payload layout: 'streams' (default), 'seed' or 'streams-rot' (versions 11 / 4). */
@@ -539,6 +580,12 @@ export interface ConvertFileOptions {
   asSeqId?: number
   /** Session output: the architecture when the input has none. Default 'llama'. */
   arch?: string
+  /**
+   * A sequence file's window cache (iSWA, hybrid-iSWA, dsv4) as llama.cpp 0.1.161 saves one:
+   * only its last `swaWindow` positions, the cells its next token sees through the model's
+   * sliding window (which a file does not record). Default: every cell the input has.
+   */
+  swaWindow?: number
   /**
    * Of an iSWA or hybrid file, write only this part ('base', 'swa', 'attention',
    * 'recurrent') as a file of a single memory. Default: every part.
@@ -695,7 +742,8 @@ export interface Inspection {
   /**
    * The memory that wrote the payload: 'unified', 'recurrent' (a stream-less payload of a
    * version whose KV caches all have a stream prefix), 'iswa', 'hybrid' (also hybrid-iSWA:
-   * base, swa, recurrent), or with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx' (an
+   * base, swa, recurrent), with an indexer cache 'dsa', 'dsa-iswa' or 'hybrid-idx', or 'dsv4'
+   * (DeepSeek V4: a raw cache, then `compressed`) (an
    * 'msa' state reads as 'iswa': its bytes do not tell them apart).
    */
   memory: string
@@ -710,6 +758,11 @@ export interface Inspection {
    * a single memory.
    */
   parts?: Array<PartInfo>
+  /**
+   * dsv4 (DeepSeek V4): its compressed caches and compressor states, after the raw cache's
+   * parts ('base', 'swa'; 'swa' only when partial).
+   */
+  compressed?: CompressedInfo
   /** File size in bytes. */
   bytes: number
   /** Where the bytes go. */
