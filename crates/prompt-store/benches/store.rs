@@ -322,6 +322,7 @@ fn main() {
         }),
         swa: None,
         recurrent: None,
+        window: None,
     }
     .fingerprint("bench", "");
     let t_chain = time(|| {

@@ -281,6 +281,7 @@ pub(crate) fn unified_shape(cache: &KvCache) -> StoreResult<Shape> {
         }),
         swa: None,
         recurrent: None,
+        window: None,
     })
 }
 
@@ -289,8 +290,10 @@ pub(crate) struct Capture<'a> {
     pub shape: Shape,
     /// The part kept per position: rows of positions `0..len`.
     pub main: Option<KvRows<'a>>,
-    /// iSWA: the sliding-window rows the state holds.
+    /// iSWA: the sliding-window rows the state holds; dsa, hybrid-idx: the indexer's rows.
     pub swa: Option<KvRows<'a>>,
+    /// dsa-iswa: the sliding-window rows the state holds (its indexer's are in `swa`).
+    pub window: Option<KvRows<'a>>,
     /// The recurrent part, as llama.cpp writes it for one sequence (no seq ids in its cell).
     pub recurrent: Vec<u8>,
     /// Tokens the state covers.
@@ -354,9 +357,11 @@ impl<'a> Capture<'a> {
                     main: None,
                     swa: None,
                     recurrent: Some(recurrent.len() as u64),
+                    window: None,
                 },
                 main: None,
                 swa: None,
+                window: None,
                 recurrent,
                 len: tokens,
                 recurrent_end: Some((pos + 1) as usize),
@@ -368,6 +373,7 @@ impl<'a> Capture<'a> {
             shape: unified_shape(cache)?,
             main: Some(main),
             swa: None,
+            window: None,
             recurrent: Vec::new(),
             len: n.min(tokens),
             recurrent_end: None,
@@ -415,28 +421,30 @@ impl<'a> Capture<'a> {
             Memory::Iswa(_) => MemoryKind::Iswa,
             _ => MemoryKind::Hybrid,
         };
-        Capture::of_parts(memory, main, swa, (recurrent, recurrent_end), len)
+        Capture::of_parts(memory, [main, swa, None], (recurrent, recurrent_end), len)
     }
 
     /// A capture of these parts (`recurrent`: its state and end, when the memory has one),
     /// with the shape they make.
     fn of_parts(
         memory: MemoryKind,
-        main: Option<KvRows<'a>>,
-        swa: Option<KvRows<'a>>,
+        [main, swa, window]: [Option<KvRows<'a>>; 3],
         (recurrent, recurrent_end): (Vec<u8>, Option<usize>),
         len: usize,
     ) -> StoreResult<Capture<'a>> {
+        let shape_of = |rows: &Option<KvRows<'a>>| rows.as_ref().map(KvRows::shape).transpose();
         let shape = Shape {
             memory,
-            main: main.as_ref().map(KvRows::shape).transpose()?,
-            swa: swa.as_ref().map(KvRows::shape).transpose()?,
+            main: shape_of(&main)?,
+            swa: shape_of(&swa)?,
             recurrent: recurrent_end.map(|_| recurrent.len() as u64),
+            window: shape_of(&window)?,
         };
         Ok(Capture {
             shape,
             main,
             swa,
+            window,
             recurrent,
             len,
             recurrent_end,
@@ -479,20 +487,12 @@ impl<'a> Capture<'a> {
             flash_attn: v_trans == Some(false),
             arch: ins.arch.clone(),
         };
-        // the store keeps at most two KV parts (main, then a window or an indexer) and a
-        // recurrent state: dsa-iswa's three KV parts do not fit that, nor dsv4's compressed
-        // caches and compressor states beside its raw cache
-        let not_kept = match ins.memory {
-            MemoryKind::DsaIswa => Some("an indexer cache beside the attention and window parts"),
-            MemoryKind::Dsv4 => {
-                Some("compressed caches and compressor states beside a raw window cache")
-            }
-            _ => None,
-        };
-        if let Some(why) = not_kept {
+        // the store keeps KV parts and a recurrent state: not dsv4's compressed caches and
+        // compressor states beside its raw cache
+        if ins.memory == MemoryKind::Dsv4 {
             return Err(StoreError::Cache(KvError::Unsupported(format!(
-                "the prompt store does not keep '{}' states ({why}); inspectState and \
-                 convertStateFile read them",
+                "the prompt store does not keep '{}' states (compressed caches and compressor \
+                 states beside a raw window cache); inspectState and convertStateFile read them",
                 ins.memory.name()
             ))));
         }
@@ -514,10 +514,13 @@ impl<'a> Capture<'a> {
         };
         let mut main = None;
         let mut swa = None;
+        let mut window = None;
         for part in kv_parts {
             let base = ins.payload_offset + part.range.start;
             let rows = KvRows::of_part(bytes, base, part, seq)?;
             match part.role {
+                // dsa-iswa's window, after its indexer
+                PartRole::Swa if ins.memory == MemoryKind::DsaIswa => window = Some(rows),
                 // the second KV part: a window, or a dsa memory's indexer
                 PartRole::Swa | PartRole::Indexer => swa = Some(rows),
                 _ => main = Some(rows),
@@ -539,7 +542,8 @@ impl<'a> Capture<'a> {
         } else {
             ins.memory
         };
-        let capture = Capture::of_parts(memory, main, swa, (recurrent, recurrent_end), len)?;
+        let capture =
+            Capture::of_parts(memory, [main, swa, window], (recurrent, recurrent_end), len)?;
         Ok((capture, format))
     }
 }

@@ -6,9 +6,11 @@
 //! "KVPC"  u32 version  [32] fingerprint  [32] key  u32 P  u32 n_tail  i32 tail[n_tail]
 //! u32 swa_mode (0 none, 1 tail rows, 2 window)  u32 n_win  i32 window positions[n_win]
 //! u64 n_recurrent
+//! dsa-iswa only: u32 n_win3  i32 window positions[n_win3] (its window cache's)
 //! main rows: per layer K rows then V rows of the tail (n_tail rows, untransposed), then the
 //!   tail's cell extensions when the geometry has one (as in a block)
 //! swa rows: the same for the SWA layers, n_tail rows (mode 1) or n_win rows (mode 2)
+//! dsa-iswa only: window rows, n_win3 rows of its window cache's layers
 //! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes)
 //! trailer (see [`crate::seal`])
 //! ```
@@ -66,6 +68,27 @@ impl SwaRows {
     }
 }
 
+/// Which rows of a checkpoint: the main tail, the SWA (or indexer) rows, dsa-iswa's window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// The main part's tail rows.
+    Main,
+    /// The SWA part's rows (tail or window), or the indexer's tail.
+    Swa,
+    /// dsa-iswa's window cache rows.
+    Window,
+}
+
+impl Slot {
+    fn name(self) -> &'static str {
+        match self {
+            Slot::Main => "main",
+            Slot::Swa => "SWA",
+            Slot::Window => "window",
+        }
+    }
+}
+
 /// A verified checkpoint, borrowed from its value.
 pub struct CheckpointView<'a> {
     /// Tail rows of the main part.
@@ -74,6 +97,8 @@ pub struct CheckpointView<'a> {
     pub swa_mode: SwaRows,
     /// The SWA rows (tail or window).
     pub swa: Option<BlockRows<'a>>,
+    /// dsa-iswa: its window cache's positions and rows.
+    pub window: Option<(Vec<i32>, BlockRows<'a>)>,
     /// The recurrent part's bytes (empty when the memory has none).
     pub recurrent: &'a [u8],
 }
@@ -82,28 +107,36 @@ fn rows_len(g: Option<&Geometry>, n: usize) -> usize {
     g.map_or(0, |g| n * g.stored_bytes_per_token() as usize)
 }
 
-/// Encodes a checkpoint. `rows(out, is_swa)` appends the main tail rows (`is_swa` false), then
-/// the SWA rows, laid out as in a block; the encoder checks their lengths.
+/// Encodes a checkpoint. `rows(out, slot)` appends the main tail rows, then the SWA rows, then
+/// (dsa-iswa, whose window cache is at `window`) the window rows, laid out as in a block; the
+/// encoder checks their lengths.
 pub fn encode(
     id: &CheckpointId<'_>,
     sealer: &Sealer,
     shape: &Shape,
-    swa: &SwaRows,
+    (swa, window): (&SwaRows, &[i32]),
     recurrent: &[u8],
-    mut rows: impl FnMut(&mut Vec<u8>, bool) -> StoreResult<()>,
+    mut rows: impl FnMut(&mut Vec<u8>, Slot) -> StoreResult<()>,
 ) -> StoreResult<Vec<u8>> {
     let main_g = shape.main.as_ref().map(|m| &m.layers);
     let swa_g = shape.swa.as_ref().map(|m| &m.layers);
+    let window_g = shape.window.as_ref().map(|m| &m.layers);
+    if window_g.is_none() && !window.is_empty() {
+        return Err(StoreError::InvalidArg(
+            "checkpoint: window rows for a memory without a window cache".into(),
+        ));
+    }
     let n_tail = id.tail.len();
     let n_swa = match swa {
         SwaRows::None => 0,
         SwaRows::Tail => n_tail,
         SwaRows::Window(p) => p.len(),
     };
-    let window: &[i32] = match swa {
+    let swa_window: &[i32] = match swa {
         SwaRows::Window(p) => p,
         _ => &[],
     };
+    let window_header = window_g.map_or(0, |_| 4 + 4 * window.len());
     let total = 4
         + 4
         + 32
@@ -112,10 +145,12 @@ pub fn encode(
         + 4
         + 4 * n_tail
         + 8
-        + 4 * window.len()
+        + 4 * swa_window.len()
         + 8
+        + window_header
         + rows_len(main_g, n_tail)
         + rows_len(swa_g, n_swa)
+        + rows_len(window_g, window.len())
         + recurrent.len()
         + TRAILER;
     let mut out = Vec::new();
@@ -132,21 +167,26 @@ pub fn encode(
     out.put_u32(n_tail as u32);
     out.put_i32s(id.tail);
     out.put_u32(swa.mode());
-    out.put_u32(window.len() as u32);
-    out.put_i32s(window);
+    out.put_u32(swa_window.len() as u32);
+    out.put_i32s(swa_window);
     out.put_u64(recurrent.len() as u64);
-    for (is_swa, want) in [
-        (false, rows_len(main_g, n_tail)),
-        (true, rows_len(swa_g, n_swa)),
+    if window_g.is_some() {
+        out.put_u32(window.len() as u32);
+        out.put_i32s(window);
+    }
+    for (slot, want) in [
+        (Slot::Main, rows_len(main_g, n_tail)),
+        (Slot::Swa, rows_len(swa_g, n_swa)),
+        (Slot::Window, rows_len(window_g, window.len())),
     ] {
         let start = out.len();
         if want > 0 {
-            rows(&mut out, is_swa)?;
+            rows(&mut out, slot)?;
         }
         if out.len() - start != want {
             return Err(StoreError::InvalidArg(format!(
                 "checkpoint {} rows: {} bytes, expected {want}",
-                if is_swa { "SWA" } else { "main" },
+                slot.name(),
                 out.len() - start
             )));
         }
@@ -185,6 +225,14 @@ pub fn decode<'a>(
     let Some((magic, version, fp, key, len, tail, mode, window, n_rec)) = parsed else {
         return bad("truncated header");
     };
+    let window_g = shape.window.as_ref().map(|m| &m.layers);
+    let third = match window_g {
+        Some(_) => match f.u32().and_then(|n| f.i32s(n as usize)) {
+            Some(p) => p,
+            None => return bad("truncated header"),
+        },
+        None => Vec::new(),
+    };
     if magic != MAGIC || version != FORMAT_VERSION {
         return bad("not a checkpoint of this format");
     }
@@ -213,18 +261,26 @@ pub fn decode<'a>(
         SwaRows::Window(p) => p.len(),
     };
     let (main_len, swa_len) = (rows_len(main_g, tail.len()), rows_len(swa_g, n_swa));
-    if f.bytes.len() - f.at != main_len + swa_len + n_rec {
+    let window_len = rows_len(window_g, third.len());
+    if f.bytes.len() - f.at != main_len + swa_len + window_len + n_rec {
         return bad("rows of the wrong length");
     }
     let at = f.at;
     let main = main_g.map(|g| BlockRows::new(&body[at..at + main_len], g, tail.len()));
     let swa =
         swa_g.map(|g| BlockRows::new(&body[at + main_len..at + main_len + swa_len], g, n_swa));
+    let at_window = at + main_len + swa_len;
+    let n_third = third.len();
+    let window = window_g.map(|g| {
+        let rows = BlockRows::new(&body[at_window..at_window + window_len], g, n_third);
+        (third, rows)
+    });
     Ok(CheckpointView {
         main,
         swa_mode,
         swa,
-        recurrent: &body[at + main_len + swa_len..],
+        window,
+        recurrent: &body[at_window + window_len..],
     })
 }
 
@@ -283,6 +339,7 @@ mod tests {
                 rot: (0, 0),
             }),
             recurrent: None,
+            window: None,
         }
     }
 
@@ -298,9 +355,9 @@ mod tests {
         };
         let swa = SwaRows::Window(vec![15, 16, 17]);
         let sealer = Sealer::new(Some(b"k"));
-        let v = encode(&id, &sealer, &s, &swa, &[], |out, is_swa| {
-            let n = if is_swa { 3 } else { 2 };
-            out.extend(std::iter::repeat_n(is_swa as u8 + 1, n * 6));
+        let v = encode(&id, &sealer, &s, (&swa, &[]), &[], |out, slot| {
+            let n = if slot == Slot::Swa { 3 } else { 2 };
+            out.extend(std::iter::repeat_n((slot == Slot::Swa) as u8 + 1, n * 6));
             Ok(())
         })
         .unwrap();
@@ -315,6 +372,54 @@ mod tests {
         }
         let other = CheckpointId { len: 19, ..id };
         assert!(decode(&v, &other, &sealer, &s).is_err());
+    }
+
+    #[test]
+    fn a_dsa_iswa_checkpoint_carries_its_window_cache_after_the_indexer_tail() {
+        let s = Shape {
+            memory: MemoryKind::DsaIswa,
+            window: shape().main,
+            ..shape()
+        };
+        let (fp, key) = (Key([1; 32]), Key([2; 32]));
+        let id = CheckpointId {
+            fingerprint: &fp,
+            key: &key,
+            len: 18,
+            tail: &[7, 8],
+        };
+        let sealer = Sealer::new(None);
+        let v = encode(
+            &id,
+            &sealer,
+            &s,
+            (&SwaRows::Tail, &[14, 16, 17]),
+            &[],
+            |out, slot| {
+                let n = if slot == Slot::Window { 3 } else { 2 };
+                out.extend(std::iter::repeat_n(slot as u8 + 1, n * 6));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let got = decode(&v, &id, &sealer, &s).unwrap();
+        assert_eq!(got.swa_mode, SwaRows::Tail);
+        assert_eq!(got.swa.as_ref().unwrap().k(0), &[2; 8]);
+        let (positions, rows) = got.window.as_ref().unwrap();
+        assert_eq!(positions, &[14, 16, 17]);
+        assert_eq!(rows.k(0), &[3; 12]);
+        // a window for a memory without one is refused before anything is written
+        let e = encode(
+            &id,
+            &sealer,
+            &shape(),
+            (&SwaRows::Tail, &[1]),
+            &[],
+            |_, _| Ok(()),
+        );
+        assert!(e.is_err());
+        // and the shape decides whether the window header is there
+        assert!(decode(&v, &id, &sealer, &shape()).is_err());
     }
 
     #[test]

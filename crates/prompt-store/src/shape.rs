@@ -9,7 +9,9 @@
 //! - `swa` (iSWA's sliding-window cache): the window before P, or rows for [0, P) when the
 //!   state held the whole range (`swa_full`), then kept in blocks of their own;
 //! - `recurrent` (recurrent memory, hybrid's recurrent part): the state after exactly P tokens,
-//!   kept in a checkpoint.
+//!   kept in a checkpoint;
+//! - `window` (dsa-iswa's sliding-window cache, its third KV part after the latent cache in
+//!   `main` and the indexer in `swa`): the window before P, kept in a checkpoint.
 
 use llama_kv_cache::model::MemoryKind;
 use llama_kv_cache::state::files::FileKind;
@@ -43,6 +45,9 @@ pub struct Shape {
     pub swa: Option<KvShape>,
     /// Recurrent and hybrid memories: bytes of one sequence's recurrent state.
     pub recurrent: Option<u64>,
+    /// dsa-iswa: its sliding-window cache, the third KV part (after the indexer in `swa`),
+    /// kept as the window before P in checkpoints.
+    pub window: Option<KvShape>,
 }
 
 /// What the files a store ingested were: the defaults of `write_file`.
@@ -181,6 +186,14 @@ impl Shape {
         if let Some(r) = self.recurrent {
             out.put_u64(r);
         }
+        // the third KV part exists in dsa-iswa's shape only: the other shapes' bytes (and so
+        // their fingerprints) are those of the stores that came before it
+        if self.memory == MemoryKind::DsaIswa {
+            out.put_u32(self.window.is_some() as u32);
+            if let Some(w) = &self.window {
+                w.encode(out);
+            }
+        }
     }
 
     pub(crate) fn decode(f: &mut Fields<'_>) -> Option<Shape> {
@@ -197,11 +210,16 @@ impl Shape {
             1 => Some(f.u64()?),
             _ => return None,
         };
+        let window = match memory {
+            MemoryKind::DsaIswa => part(f)?,
+            _ => None,
+        };
         Some(Shape {
             memory,
             main,
             swa,
             recurrent,
+            window,
         })
     }
 
@@ -224,7 +242,7 @@ impl Shape {
 
     /// The cell extension its KV parts keep (M-RoPE / PLE models), if any.
     pub fn cell_ext(&self) -> Option<CellExt> {
-        [&self.main, &self.swa]
+        [&self.main, &self.swa, &self.window]
             .into_iter()
             .flatten()
             .map(|kv| kv.layers.ext)
@@ -232,9 +250,10 @@ impl Shape {
     }
 
     /// Whether every block boundary of the chain is a restore point by itself: nothing outside
-    /// the blocks is needed (no recurrent state; an SWA part only when kept in blocks too).
+    /// the blocks is needed (no recurrent state, no window kept in checkpoints only; an SWA
+    /// part only when kept in blocks too).
     pub fn blocks_restore(&self) -> bool {
-        self.recurrent.is_none()
+        self.recurrent.is_none() && self.window.is_none()
     }
 
     /// A one-line description for messages.
@@ -244,12 +263,18 @@ impl Shape {
             s += &format!(", {}", m.describe());
         }
         if let Some(w) = &self.swa {
-            let what = if matches!(self.memory, MemoryKind::Dsa | MemoryKind::HybridIdx) {
+            let what = if matches!(
+                self.memory,
+                MemoryKind::Dsa | MemoryKind::DsaIswa | MemoryKind::HybridIdx
+            ) {
                 "indexer"
             } else {
                 "sliding window"
             };
             s += &format!(", {what}: {}", w.describe());
+        }
+        if let Some(w) = &self.window {
+            s += &format!(", sliding window: {}", w.describe());
         }
         if let Some(r) = self.recurrent {
             s += &format!(", recurrent state of {r} bytes");
@@ -331,6 +356,12 @@ mod tests {
             main: Some(kv(64, (0, 0))),
             swa: Some(kv(32, (0, 0))),
             recurrent: None,
+            window: None,
+        };
+        let dsa_iswa = Shape {
+            memory: MemoryKind::DsaIswa,
+            window: Some(kv(48, (0, 0))),
+            ..base.clone()
         };
         let variants = [
             Shape {
@@ -348,6 +379,12 @@ mod tests {
                 swa: None,
                 ..base.clone()
             },
+            // dsa-iswa's window is part of its shape
+            Shape {
+                window: Some(kv(16, (0, 0))),
+                ..dsa_iswa.clone()
+            },
+            dsa_iswa,
         ];
         assert_ne!(base.fingerprint("m", ""), base.fingerprint("m", "tenant"));
         assert_ne!(base.fingerprint("m", "ab"), base.fingerprint("ma", "b"));

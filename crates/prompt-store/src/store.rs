@@ -27,7 +27,7 @@ use sha2::{Digest, Sha256};
 use crate::backend::{Backend, Key, TierHealth};
 use crate::block::{self, BlockId, BlockRows};
 use crate::capture::{unified_shape, Capture, KvRows};
-use crate::checkpoint::{self, CheckpointId, CheckpointView, SwaRows};
+use crate::checkpoint::{self, CheckpointId, CheckpointView, Slot, SwaRows};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
@@ -487,13 +487,15 @@ impl PromptStore {
         // a checkpoint where the blocks alone do not restore the whole state: it must end
         // exactly where the tokens do
         let n_full = keys.len();
+        let ends_at_len =
+            |rows: &KvRows<'_>| rows.positions.last().is_none_or(|&p| p as usize + 1 == len);
         let ends_here = c.recurrent_end.is_none_or(|e| e == len)
-            && c.swa
-                .as_ref()
-                .is_none_or(|s| s.positions.last().is_none_or(|&p| p as usize + 1 == len));
+            && c.swa.as_ref().is_none_or(ends_at_len)
+            && c.window.as_ref().is_none_or(ends_at_len);
         let needs = !len.is_multiple_of(bt)
             || !c.recurrent.is_empty()
-            || (c.swa.is_some() && swa_full.is_none());
+            || (c.swa.is_some() && swa_full.is_none())
+            || c.window.is_some();
         report.tokens = if !needs {
             len as u64
         } else if ends_here && len > 0 {
@@ -625,19 +627,21 @@ impl PromptStore {
                 len: tokens.len() as u32,
                 tail,
             };
+            let window = c.window.as_ref().map_or(&[][..], |w| &w.positions[..]);
             let value = checkpoint::encode(
                 &id,
                 &self.sealer,
                 &c.shape,
-                &swa,
+                (&swa, window),
                 &c.recurrent,
-                |out, is_swa| {
-                    let (rows, cells) = match (is_swa, &c.swa, &c.main) {
-                        (false, _, Some(m)) => (m, &m.cells[n_full * bt..tokens.len()]),
-                        (true, Some(s), _) if swa_in_blocks => {
+                |out, slot| {
+                    let (rows, cells) = match (slot, &c.main, &c.swa, &c.window) {
+                        (Slot::Main, Some(m), _, _) => (m, &m.cells[n_full * bt..tokens.len()]),
+                        (Slot::Swa, _, Some(s), _) if swa_in_blocks => {
                             (s, &s.cells[n_full * bt..tokens.len()])
                         }
-                        (true, Some(s), _) => (s, &s.cells[..]),
+                        (Slot::Swa, _, Some(s), _) => (s, &s.cells[..]),
+                        (Slot::Window, _, _, Some(w)) => (w, &w.cells[..]),
                         _ => return Ok(()),
                     };
                     let geometry = rows.source.geometry()?;
@@ -1060,6 +1064,14 @@ impl PromptStore {
                         }
                     }
                 }
+            }
+            // dsa-iswa's window cache, after its indexer: in the checkpoint only
+            if let Some(window) = &shape.window {
+                let Some((p, rows)) = ckpt.as_ref().and_then(|c| c.window.as_ref()) else {
+                    return Ok(false);
+                };
+                let w = KvPartWriter::begin(out, &window.layers, ext, p, seq, v_trans, window.rot)?;
+                w.put(out, 0, rows)?;
             }
             if let Some(c) = ckpt.as_ref().filter(|_| !recurrent_first) {
                 out.append(c.recurrent)?;

@@ -288,7 +288,7 @@ fn sequence_payload(name: &str) -> Vec<u8> {
 }
 
 #[test]
-fn dsa_iswa_and_hybrid_idx_payloads_read_part_by_part_convert_back_and_hybrid_idx_is_stored() {
+fn dsa_iswa_and_hybrid_idx_payloads_read_part_by_part_convert_back_and_are_stored() {
     use llama_kv_cache::state::files::{header_bytes, FileKind};
     use llama_kv_cache::{convert_bytes, ConvertOptions, MemoryKind, WriteOptions};
     // no tiny model of these exists for 0.1.161 (dots3note, glm5-next): their payloads are
@@ -337,41 +337,56 @@ fn dsa_iswa_and_hybrid_idx_payloads_read_part_by_part_convert_back_and_hybrid_id
         let again =
             convert_bytes(&file, &opts).unwrap_or_else(|e| panic!("{}: {e}", memory.name()));
         assert!(again == file, "{}: converted differently", memory.name());
-        // the prompt store keeps two KV parts at most (and a recurrent state): dsa-iswa is
-        // refused by name; hybrid-idx's indexer is kept as dsa's is, and a file the store
-        // writes for the same tokens is the ingested one, byte for byte
-        let store = prompt_store::PromptStore::new(
-            std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
-            "indexed",
-            16,
-        )
-        .unwrap();
-        let put = store.put_bytes(&file, None);
+        // the prompt store keeps the indexer as dsa's (in blocks of its own), dsa-iswa's
+        // window after it in checkpoints (as iSWA's window) and hybrid-idx's recurrent state in
+        // checkpoints; a file the store writes for the same tokens is the ingested one, byte
+        // for byte. dsa-iswa twice: its window cache whole, and only its last 4 positions (as
+        // 0.1.161 saves a sequence of a window of 4)
+        let mut stored = vec![file.clone()];
         if memory == MemoryKind::DsaIswa {
-            let e = put.unwrap_err();
-            assert!(
-                matches!(&e, prompt_store::StoreError::Cache(llama_kv_cache::KvError::Unsupported(m)) if m.contains(memory.name())),
-                "{e:?}"
+            let windowed = ConvertOptions {
+                swa_window: Some(4),
+                ..opts.clone()
+            };
+            let windowed = convert_bytes(&file, &windowed).unwrap();
+            let w = inspect_bytes(&windowed).unwrap();
+            assert_eq!(
+                w.parts[2].payload.streams[0].cells.positions(),
+                [6, 7, 8, 9]
             );
-            continue;
+            stored.push(windowed);
         }
-        assert_eq!(put.unwrap().tokens, tokens.len() as u64);
-        let out = std::env::temp_dir().join(format!("hybrid-idx-{}.ggsq", std::process::id()));
-        let n = store
-            .write_file(
-                &tokens,
-                &out,
-                &prompt_store::WriteFileOptions::default(),
-                None,
+        for file in stored {
+            let store = prompt_store::PromptStore::new(
+                std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
+                "indexed",
+                16,
             )
             .unwrap();
-        assert_eq!(n, tokens.len() as u64);
-        let written = std::fs::read(&out).unwrap();
-        let _ = std::fs::remove_file(&out);
-        assert!(written == file, "hybrid-idx: the store wrote another file");
-        // a shorter prefix needs the recurrent state at its end, which only the ingested
-        // length's checkpoint has
-        assert_eq!(store.lookup(&tokens[..8]).unwrap(), 0);
+            let put = store.put_bytes(&file, None).unwrap();
+            assert_eq!(put.tokens, tokens.len() as u64, "{}", memory.name());
+            let out =
+                std::env::temp_dir().join(format!("{}-{}.ggsq", memory.name(), std::process::id()));
+            let n = store
+                .write_file(
+                    &tokens,
+                    &out,
+                    &prompt_store::WriteFileOptions::default(),
+                    None,
+                )
+                .unwrap();
+            assert_eq!(n, tokens.len() as u64);
+            let written = std::fs::read(&out).unwrap();
+            let _ = std::fs::remove_file(&out);
+            assert!(
+                written == file,
+                "{}: the store wrote another file",
+                memory.name()
+            );
+            // a shorter prefix needs the recurrent state (the window) at its end, which only
+            // the ingested length's checkpoint has
+            assert_eq!(store.lookup(&tokens[..8]).unwrap(), 0);
+        }
     }
 }
 

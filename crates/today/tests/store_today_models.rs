@@ -484,3 +484,67 @@ fn hybrid_idx_turns_go_through_the_store_and_come_back_byte_for_byte() {
     assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A sparse-attention memory with a window (`dsa-iswa`: latent cache, indexer, window cache)
+/// has no tiny 0.1.161 model either; its files are built of deepseek32's real turns (latent and
+/// indexer caches) with deepseek2's latent cache of the same conversation as the window, cut to
+/// its last 4 positions as 0.1.161 saves a sequence's window cache. The store keeps the latent
+/// and indexer caches in blocks and the window in each turn's checkpoint: a file it writes for a
+/// stored turn is that turn's file byte for byte, and a block boundary restores only where a
+/// turn's checkpoint holds the window.
+#[test]
+fn dsa_iswa_turns_go_through_the_store_and_come_back_byte_for_byte() {
+    use llama_kv_cache::state::files::{header_bytes, inspect_bytes};
+    use llama_kv_cache::{convert_bytes, ConvertOptions};
+    let named = |name: &str| cases().into_iter().find(|c| c.name == name).unwrap();
+    let a = conversation(300, 3);
+    let dir = scratch("dsa-iswa");
+    let (dsa, window) = (dir.join("dsa"), dir.join("window"));
+    named("deepseek32-dsa").turns(&a, &TURNS, &dsa);
+    named("deepseek2-mla").turns(&a, &TURNS, &window);
+    let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "dsa-iswa", BT).unwrap();
+    let mut files = Vec::new();
+    for turn in TURNS {
+        let payload = |prefix: &Path| {
+            let bytes = std::fs::read(format!("{}-{turn}.ggsq", prefix.display())).unwrap();
+            let at = inspect_bytes(&bytes).unwrap().payload_offset;
+            bytes[at..].to_vec()
+        };
+        let whole = [
+            header_bytes(FileKind::Sequence, 4, &a[..turn]),
+            payload(&dsa),
+            payload(&window),
+        ]
+        .concat();
+        let mut cut = ConvertOptions {
+            swa_window: Some(4),
+            ..ConvertOptions::default()
+        };
+        cut.write.version = Some(4);
+        let file = convert_bytes(&whole, &cut).unwrap();
+        let ins = inspect_bytes(&file).unwrap();
+        assert_eq!(ins.memory.name(), "dsa-iswa");
+        let last = turn as i32 - 1;
+        assert_eq!(
+            ins.parts[2].payload.streams[0].cells.positions(),
+            [last - 3, last - 2, last - 1, last]
+        );
+        let r = store.put_bytes(&file, None).unwrap();
+        assert_eq!(r.tokens, turn as u64);
+        files.push(file);
+    }
+    for (turn, file) in TURNS.iter().zip(&files) {
+        let out = dir.join(format!("stored-{turn}.ggsq"));
+        let n = store
+            .write_file(&a[..*turn], &out, &WriteFileOptions::default(), None)
+            .unwrap();
+        assert_eq!(n, *turn as u64);
+        assert!(
+            std::fs::read(&out).unwrap() == *file,
+            "dsa-iswa turn {turn}: the store wrote another file"
+        );
+    }
+    // 256 tokens end a block of both caches, but the window there is kept only at 200
+    assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
