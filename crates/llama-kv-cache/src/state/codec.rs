@@ -302,12 +302,7 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
     blocks: Option<u32>,
 ) -> Result<StreamBlock> {
     let StreamHead { cells, data } = parse_stream_head(c, s, f)?;
-    let Some(DataHeader {
-        v_trans,
-        n_layer,
-        n_rot,
-    }) = data
-    else {
+    let Some(data) = data else {
         return Ok(StreamBlock {
             cells,
             v_trans: None,
@@ -316,6 +311,52 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
             n_layer_declared: 0,
         });
     };
+    let layers = parse_layer_blocks(c, cells.len(), &data, f, blocks)?;
+    Ok(StreamBlock {
+        cells,
+        v_trans: Some(data.v_trans),
+        layers,
+        n_rot: data.n_rot,
+        n_layer_declared: data.n_layer,
+    })
+}
+
+/// Where each of up to `max` consecutive row blocks of `n` cells ends, from the cursor: a K
+/// block and an untransposed V block are both a type, a row size and the rows, so one walk
+/// gives every layer count's end. Stops at the first block that does not parse (its error).
+pub(crate) fn row_block_ends<S: ByteSource + ?Sized>(
+    c: &mut Cursor<'_, S>,
+    n: usize,
+    max: usize,
+) -> (Vec<usize>, Option<KvError>) {
+    let mut ends = Vec::new();
+    while ends.len() < max {
+        let il = (ends.len() / 2) as u32;
+        let block = read_k_header(c, il)
+            .and_then(|(_, row)| block_len(row, n, il, "rows"))
+            .and_then(|len| c.range(len, format_args!("layer {il} rows")));
+        match block {
+            Ok(_) => ends.push(c.pos),
+            Err(e) => return (ends, Some(e)),
+        }
+    }
+    (ends, None)
+}
+
+/// The layer blocks after a stream's data header `data`, for `n` cells: `blocks` of them
+/// (default: the `n_layer` it declares). Reads only the block headers and steps over the rows,
+/// so the block counts a hybrid's recurrent part may have are tried without parsing its cells
+/// again for each.
+pub(crate) fn parse_layer_blocks<S: ByteSource + ?Sized>(
+    c: &mut Cursor<'_, S>,
+    n: usize,
+    data: &DataHeader,
+    f: StreamFormat,
+    blocks: Option<u32>,
+) -> Result<Vec<LayerBlock>> {
+    let DataHeader {
+        v_trans, n_layer, ..
+    } = *data;
     let n_blocks = match blocks {
         Some(b) if b <= n_layer => b,
         Some(b) => {
@@ -325,7 +366,6 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
         }
         None => n_layer,
     };
-    let n = cells.len();
     let mut k_blocks = Vec::with_capacity(n_blocks as usize);
     for il in 0..n_blocks {
         let (ty, row) = read_k_header(c, il)?;
@@ -371,13 +411,7 @@ pub(crate) fn parse_stream_with<S: ByteSource + ?Sized>(
             v,
         });
     }
-    Ok(StreamBlock {
-        cells,
-        v_trans: Some(v_trans),
-        layers,
-        n_rot,
-        n_layer_declared: n_layer,
-    })
+    Ok(layers)
 }
 
 /// The payload's `n_stream` prefix as written (layouts with [`Layout::has_stream_prefix`]).

@@ -16,8 +16,8 @@ use crate::state::codec::parse_layerless_payload;
 use crate::state::dsv4::{self, Compressed};
 use crate::state::source::{ByteSource, Sub};
 use crate::state::{
-    parse_payload_form, parse_stream_head, parse_stream_with, Cursor, Layout, ParsedPayload,
-    StreamFormat,
+    parse_layer_blocks, parse_payload_form, parse_stream_head, parse_stream_with, row_block_ends,
+    Cursor, Layout, ParsedPayload, StreamBlock, StreamFormat,
 };
 
 /// What kind of memory a part is.
@@ -175,36 +175,76 @@ pub(crate) fn recurrent_payload<S: ByteSource + ?Sized>(
 
 /// The recurrent memory of a hybrid at `start`, and what `then` makes of the bytes after it.
 /// Its data header declares every model layer but it writes blocks only for the recurrent
-/// ones, so the block count is the one after which `then` succeeds (largest first).
+/// ones, so the block count is the one after which `then` succeeds (largest first). Its cells
+/// are parsed once: each count only walks the block headers (a damaged header declaring
+/// thousands of layers must not parse thousands of cells thousands of times).
 fn recurrent_then<S: ByteSource + ?Sized, T>(
     bytes: &S,
     start: usize,
     then: impl Fn(usize) -> Result<T>,
 ) -> Result<(Part, T)> {
     let body = &Sub::new(bytes, start..bytes.len());
-    let declared = {
-        // peek at n_layer: cell_count, cells, s_trans, n_layer
-        let mut c = Cursor::new(body);
-        let head = parse_stream_head(&mut c, 0, StreamFormat::recurrent())?;
-        head.data.map_or(0, |d| d.n_layer)
+    let f = StreamFormat::recurrent();
+    let mut c = Cursor::new(body);
+    let head = parse_stream_head(&mut c, 0, f)?;
+    let data_at = c.pos;
+    let Some(data) = head.data else {
+        return Err(KvError::InvalidState(
+            "recurrent part: n_layer 0 declares no layer".into(),
+        ));
     };
-    let mut last_err = None;
-    for blocks in (1..=declared).rev() {
-        let payload = match recurrent_payload(body, Some(blocks)) {
-            Ok(payload) => payload,
-            Err(e) => {
+    // the chain of row blocks after the data header, walked once: with V untransposed (as
+    // llama.cpp writes recurrent states) the K and V blocks of `b` layers end where its 2b-th
+    // block does; a transposed V is walked per count, only for counts whose K blocks parse
+    let n = head.cells.len();
+    let n_layer = data.n_layer as usize;
+    let mut chain = Cursor::new(body);
+    chain.pos = data_at;
+    let (ends, mut last_err) = row_block_ends(
+        &mut chain,
+        n,
+        if data.v_trans { n_layer } else { 2 * n_layer },
+    );
+    for blocks in (1..=data.n_layer).rev() {
+        let b = blocks as usize;
+        let walked = if data.v_trans { b } else { 2 * b };
+        if ends.len() < walked {
+            continue;
+        }
+        let mut c = Cursor::new(body);
+        c.pos = data_at;
+        if data.v_trans {
+            if let Err(e) = parse_layer_blocks(&mut c, n, &data, f, Some(blocks)) {
                 last_err = Some(e);
                 continue;
             }
-        };
-        let end = start + payload.len;
+        } else {
+            c.pos = ends[walked - 1];
+        }
+        let end = start + c.pos;
         match then(end) {
             Ok(rest) => {
+                // the one count that fits, parsed whole
+                let mut c = Cursor::new(body);
+                c.pos = data_at;
+                let layers = parse_layer_blocks(&mut c, n, &data, f, Some(blocks))?;
+                let stream = StreamBlock {
+                    cells: head.cells,
+                    v_trans: Some(data.v_trans),
+                    layers,
+                    n_rot: data.n_rot,
+                    n_layer_declared: data.n_layer,
+                };
                 let part = Part {
                     kind: PartKind::Recurrent,
                     role: PartRole::Recurrent,
                     range: start..end,
-                    payload,
+                    payload: ParsedPayload {
+                        layout: Layout::Seed,
+                        streams: vec![stream],
+                        len: c.pos,
+                        ext: CellExt::None,
+                    },
                 };
                 return Ok((part, rest));
             }
@@ -441,5 +481,69 @@ pub fn layouts_for_version(rotation_recorded: bool) -> &'static [Layout] {
         &[Layout::StreamsRot, Layout::Seed]
     } else {
         &[Layout::Seed, Layout::Streams]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::state::files::inspect_bytes;
+
+    /// Bytes that count what the parsers read of them.
+    struct Counted<'a> {
+        bytes: &'a [u8],
+        read: Cell<usize>,
+    }
+
+    impl ByteSource for Counted<'_> {
+        fn len(&self) -> usize {
+            self.bytes.len()
+        }
+        fn read_at(&self, pos: usize, dst: &mut [u8]) -> Result<()> {
+            self.read.set(self.read.get() + dst.len());
+            dst.copy_from_slice(&self.bytes[pos..pos + dst.len()]);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn regression_a_recurrent_part_declaring_thousands_of_layers_was_parsed_again_for_each_count() {
+        // found by the state_reader fuzz target: a hybrid's recurrent part whose data header
+        // declares 4,096 layers, followed by 2,001 empty blocks (an odd count: no layer count
+        // ends there), was parsed once per block count (its cells and every block before the
+        // count): seconds for a 24 KiB state
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../__test__/fixtures/t161/t161-jamba.ggsq"
+        );
+        let file = std::fs::read(path).unwrap();
+        let ins = inspect_bytes(&file).unwrap();
+        let payload = &file[ins.payload_offset..];
+        let mut damaged = payload[ins.parts[0].range.clone()].to_vec();
+        // one state cell at position 9 with no seq id, V not transposed, 4,096 layers
+        for x in [1u32, 9, 0, 0, 4096] {
+            damaged.extend_from_slice(&x.to_le_bytes());
+        }
+        for _ in 0..2001 {
+            damaged.extend_from_slice(&[0; 12]);
+        }
+        let counted = Counted {
+            bytes: &damaged,
+            read: Cell::new(0),
+        };
+        let (fits, errors) = parse_parts(&counted, layouts_for_version(true));
+        assert!(
+            fits.iter().all(|p| p.memory != MemoryKind::Hybrid),
+            "{errors:?}"
+        );
+        // every shape that starts with this attention part walks the recurrent blocks once
+        let read = counted.read.get();
+        assert!(
+            read < 20 * damaged.len(),
+            "{read} bytes read of a {}-byte state",
+            damaged.len()
+        );
     }
 }
