@@ -9,7 +9,7 @@ import { execFileSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, convertStateFile, checkState } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFile, checkState } = require('../index.js')
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 const FIXTURES = path.join(HERE, 'fixtures', 'dsv4')
 const CLI = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
@@ -101,4 +101,19 @@ test('no live cache takes a dsv4 state: fromModel and a load are refused with ER
   t.regex(load.message, /dsv4/)
   t.is(c.usedCells, 0)
   c.dispose()
+})
+
+test('the prompt store keeps a dsv4 state and writes it back with its compressed caches', async (t) => {
+  const dir = tmp()
+  const store = new PromptStore({ model: 'deepseek4', blockTokens: 16, path: dir })
+  await t.throwsAsync(store.putFile(SESSION), { code: 'ERR_KV_STORE_NOT_PREFIX', message: /one sequence/ })
+  const { tokens } = inspectState(SEQUENCE)
+  t.is((await store.putFile(SEQUENCE)).tokens, tokens.length)
+  t.is(await store.lookup(tokens), tokens.length)
+  const out = path.join(dir, 'out.ggsq')
+  t.is(await store.writeFile(tokens, out), tokens.length)
+  const [ours, peer] = [inspectState(out), inspectState(SEQUENCE)]
+  t.is(ours.memory, 'dsv4')
+  t.deepEqual(ours.compressed, peer.compressed)
+  fs.rmSync(dir, { recursive: true })
 })

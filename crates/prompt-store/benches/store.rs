@@ -323,6 +323,7 @@ fn main() {
         swa: None,
         recurrent: None,
         window: None,
+        dsv4: None,
     }
     .fingerprint("bench", "");
     let t_chain = time(|| {

@@ -3,6 +3,7 @@
 //! structural parse gives every layer's data range), so ingesting a file copies each row once,
 //! into its block; a recurrent part is kept as llama.cpp's own bytes.
 
+use llama_kv_cache::state::dsv4::{Compressed, Piece};
 use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
 use llama_kv_cache::state::{StreamBlock, VBlock};
@@ -11,7 +12,7 @@ use llama_kv_cache::{KvCache, KvError, Layout, Memory, MemoryKind, Tensor, Windo
 
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{put_exts, Geometry};
-use crate::shape::{FileFormat, KvShape, Shape};
+use crate::shape::{Dsv4Shape, FileFormat, KvShape, Shape};
 
 /// Where a capture's rows are: a live cache, or one KV part of a file's bytes.
 pub(crate) enum RowSource<'a> {
@@ -282,6 +283,7 @@ pub(crate) fn unified_shape(cache: &KvCache) -> StoreResult<Shape> {
         swa: None,
         recurrent: None,
         window: None,
+        dsv4: None,
     })
 }
 
@@ -358,6 +360,7 @@ impl<'a> Capture<'a> {
                     swa: None,
                     recurrent: Some(recurrent.len() as u64),
                     window: None,
+                    dsv4: None,
                 },
                 main: None,
                 swa: None,
@@ -439,6 +442,7 @@ impl<'a> Capture<'a> {
             swa: shape_of(&swa)?,
             recurrent: recurrent_end.map(|_| recurrent.len() as u64),
             window: shape_of(&window)?,
+            dsv4: None,
         };
         Ok(Capture {
             shape,
@@ -487,14 +491,12 @@ impl<'a> Capture<'a> {
             flash_attn: v_trans == Some(false),
             arch: ins.arch.clone(),
         };
-        // the store keeps KV parts and a recurrent state: not dsv4's compressed caches and
-        // compressor states beside its raw cache
-        if ins.memory == MemoryKind::Dsv4 {
-            return Err(StoreError::Cache(KvError::Unsupported(format!(
-                "the prompt store does not keep '{}' states (compressed caches and compressor \
-                 states beside a raw window cache); inspectState and convertStateFile read them",
-                ins.memory.name()
-            ))));
+        // a partial dsv4 state (llama-server's checkpoint) lacks the compressed caches
+        if ins.compressed.as_ref().is_some_and(|c| c.partial) {
+            return Err(StoreError::Cache(KvError::Unsupported(
+                "a partial dsv4 state holds no compressed caches: the store ingests whole states"
+                    .into(),
+            )));
         }
         let kv_parts: Vec<&Part> = ins
             .parts
@@ -526,12 +528,17 @@ impl<'a> Capture<'a> {
                 _ => main = Some(rows),
             }
         }
-        let (recurrent, recurrent_end) = match recurrent_part {
-            Some(part) => {
+        let (recurrent, recurrent_end) = match (&ins.compressed, recurrent_part) {
+            (Some(c), _) => {
+                let last = swa.as_ref().and_then(|s| s.positions.last()).copied();
+                let (r, pos) = dsv4_one_sequence(bytes, ins, c, seq, last.unwrap_or(-1))?;
+                (r, Some((pos + 1) as usize))
+            }
+            (None, Some(part)) => {
                 let (r, pos) = recurrent_one_sequence(part, seq)?;
                 (r, Some((pos + 1) as usize))
             }
-            None => (Vec::new(), None),
+            (None, None) => (Vec::new(), None),
         };
         let len = match &main {
             Some(m) => m.prefix_len(seq.unwrap_or(0))?.min(tokens.len()),
@@ -542,10 +549,58 @@ impl<'a> Capture<'a> {
         } else {
             ins.memory
         };
-        let capture =
+        let mut capture =
             Capture::of_parts(memory, [main, swa, window], (recurrent, recurrent_end), len)?;
+        if let Some(c) = &ins.compressed {
+            // its sections grow with P: kept whole per checkpoint, their geometry in the shape
+            capture.shape.recurrent = None;
+            let n_stream = ins.parts[0].payload.streams.len() as u32;
+            capture.shape.dsv4 = Some(Dsv4Shape::of(c, n_stream));
+        }
         Ok((capture, format))
     }
+}
+
+/// A dsv4 state's compressed caches and compressor states of its one sequence (`seq` of a
+/// session, whose stream holds it; a sequence file's are one stream already), as llama.cpp
+/// writes them for one sequence whose last position is `last` (its window cache's). Returns
+/// them and that position.
+fn dsv4_one_sequence(
+    bytes: &[u8],
+    ins: &Inspection,
+    c: &Compressed,
+    seq: Option<i32>,
+    last: i32,
+) -> StoreResult<(Vec<u8>, i32)> {
+    let at = ins.payload_offset;
+    let pieces: Vec<Piece> = match seq {
+        None => {
+            let (first, end) = (
+                &c.sections[0].range,
+                &c.sections[c.sections.len() - 1].range,
+            );
+            vec![Piece::Input(first.start..end.end)]
+        }
+        Some(s) => {
+            let mut pieces = Vec::new();
+            for section in &c.sections {
+                pieces.extend(section.one_stream(s as u32, last)?);
+            }
+            pieces
+        }
+    };
+    let mut out = Vec::new();
+    crate::payload::grow(&mut out, pieces.iter().map(Piece::len).sum())?;
+    let mut o = 0;
+    for p in &pieces {
+        let src = match p {
+            Piece::Bytes(b) => &b[..],
+            Piece::Input(r) => &bytes[at + r.start..at + r.end],
+        };
+        out[o..o + src.len()].copy_from_slice(src);
+        o += src.len();
+    }
+    Ok((out, last))
 }
 
 /// Whether a single stream-less payload holds one cell at the last token's position: a

@@ -11,7 +11,8 @@
 //!   tail's cell extensions when the geometry has one (as in a block)
 //! swa rows: the same for the SWA layers, n_tail rows (mode 1) or n_win rows (mode 2)
 //! dsa-iswa only: window rows, n_win3 rows of its window cache's layers
-//! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes)
+//! recurrent: n_recurrent bytes, the recurrent part of a one-sequence state (llama.cpp's bytes;
+//!   dsv4: its compressed caches and compressor states of that sequence)
 //! trailer (see [`crate::seal`])
 //! ```
 //!
@@ -248,7 +249,8 @@ pub fn decode<'a>(
         (2, true) => SwaRows::Window(window),
         _ => return bad("SWA rows that do not fit the memory"),
     };
-    if (n_rec > 0) != shape.recurrent.is_some()
+    // a recurrent state has the size of the shape's; dsv4's sections grow with P
+    if (n_rec > 0) != (shape.recurrent.is_some() || shape.dsv4.is_some())
         || shape.recurrent.is_some_and(|r| r != n_rec as u64)
     {
         return bad("recurrent state that does not fit the memory");
@@ -340,6 +342,7 @@ mod tests {
             }),
             recurrent: None,
             window: None,
+            dsv4: None,
         }
     }
 

@@ -1,5 +1,5 @@
-//! One KV part of a one-sequence state payload in today's layout (`n_stream` 1, the rotation
-//! recorded), written in place from verified rows: the bytes the core's transactional
+//! One KV part of a one-sequence state payload in today's layout (`n_stream` 1, or one stream
+//! per sequence of which only the sequence's has cells; the rotation recorded), written in place from verified rows: the bytes the core's transactional
 //! `state_read` loads, and the parts of the files `write_file` writes. A payload is built in a
 //! [`PayloadSink`]: a buffer in memory, or the file being written, at offsets ([`FileSink`]), so
 //! that a file needs no buffer of its size.
@@ -15,6 +15,41 @@ use llama_kv_cache::KvError;
 use crate::block::BlockRows;
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::Geometry;
+
+/// Which sequence a part's cells hold, in which of how many streams: a unified context's one
+/// stream, or (a context with one stream per sequence) stream `seq` of `n_stream`, the others
+/// empty, as llama.cpp writes one sequence of such a context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamAt {
+    /// The sequence every cell holds.
+    pub seq: i32,
+    /// Streams of the payload (1: unified).
+    pub n_stream: u32,
+}
+
+impl StreamAt {
+    /// Sequence `seq` of a unified context.
+    pub fn unified(seq: i32) -> StreamAt {
+        StreamAt { seq, n_stream: 1 }
+    }
+
+    /// The empty streams before and after the sequence's.
+    fn empty_around(self) -> StoreResult<(u32, u32)> {
+        if self.n_stream <= 1 {
+            return Ok((0, 0));
+        }
+        let at = u32::try_from(self.seq)
+            .ok()
+            .filter(|&s| s < self.n_stream)
+            .ok_or_else(|| {
+                StoreError::InvalidArg(format!(
+                    "sequence {} has no stream of its own among {}",
+                    self.seq, self.n_stream
+                ))
+            })?;
+        Ok((at, self.n_stream - at - 1))
+    }
+}
 
 /// Where the rows of one KV part go inside a payload buffer.
 pub struct KvPartWriter<'g> {
@@ -149,7 +184,7 @@ impl PayloadSink for FileSink<'_> {
 }
 
 impl<'g> KvPartWriter<'g> {
-    /// Appends a part of `positions.len()` cells of sequence `seq` to `out` (headers written,
+    /// Appends a part of `positions.len()` cells of sequence `at.seq` to `out` (headers written,
     /// rows to come and cell extensions llama.cpp's default until [`KvPartWriter::put`] fills
     /// them). The cells carry `ext`: none, or the form the payload's reader expects of the
     /// extensions the rows keep.
@@ -158,24 +193,32 @@ impl<'g> KvPartWriter<'g> {
         geometry: &'g Geometry,
         ext: CellExt,
         positions: &[i32],
-        seq: i32,
+        at: StreamAt,
         v_trans: bool,
         rot: (u32, u32),
     ) -> StoreResult<Self> {
-        let n = positions.len();
+        let (seq, n) = (at.seq, positions.len());
+        let (before, after) = at.empty_around()?;
         let cell = cell_len(1, ext);
-        let mut head = Vec::new();
-        grow(&mut head, 8 + cell * n)?;
-        head[..4].copy_from_slice(&n_stream_header(1));
-        head[4..8].copy_from_slice(&cell_count_header(n as u32));
-        for (p, dst) in positions.iter().zip(head[8..].chunks_exact_mut(cell)) {
+        let mut head = n_stream_header(at.n_stream).to_vec();
+        // an empty stream is its cell count 0
+        for _ in 0..before {
+            head.extend_from_slice(&cell_count_header(0));
+        }
+        let cells_from = head.len() + 4;
+        grow(&mut head, 4 + cell * n)?;
+        head[cells_from - 4..cells_from].copy_from_slice(&cell_count_header(n as u32));
+        for (p, dst) in positions
+            .iter()
+            .zip(head[cells_from..].chunks_exact_mut(cell))
+        {
             if ext.is_none() {
                 put_cell_one_id(dst.try_into().expect("one-id cells are 12 bytes"), *p, seq);
             } else {
                 put_cell(dst, *p, ext, None, std::iter::once(seq));
             }
         }
-        let cells_at = out.len() + 8;
+        let cells_at = out.len() + cells_from;
         out.append(&head)?;
         let (header, len) = data_header(v_trans, geometry.layers.len() as u32, Some(rot));
         out.append(&header[..len])?;
@@ -193,6 +236,9 @@ impl<'g> KvPartWriter<'g> {
             }
             v_at.push(out.len());
             out.reserve(n * l.v_row as usize)?;
+        }
+        for _ in 0..after {
+            out.append(&cell_count_header(0))?;
         }
         Ok(KvPartWriter {
             geometry,

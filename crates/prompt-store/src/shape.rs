@@ -11,9 +11,13 @@
 //! - `recurrent` (recurrent memory, hybrid's recurrent part): the state after exactly P tokens,
 //!   kept in a checkpoint;
 //! - `window` (dsa-iswa's sliding-window cache, its third KV part after the latent cache in
-//!   `main` and the indexer in `swa`): the window before P, kept in a checkpoint.
+//!   `main` and the indexer in `swa`): the window before P, kept in a checkpoint;
+//! - `dsv4` (DeepSeek V4, whose raw cache's base and window caches are `main` and `swa`): its
+//!   compressed caches and compressor states after exactly P tokens, kept whole in a checkpoint
+//!   as a recurrent state is.
 
 use llama_kv_cache::model::MemoryKind;
+use llama_kv_cache::state::dsv4::{Compressed, SectionKind};
 use llama_kv_cache::state::files::FileKind;
 use llama_kv_cache::{CellExt, Layout};
 use sha2::{Digest, Sha256};
@@ -48,6 +52,63 @@ pub struct Shape {
     /// dsa-iswa: its sliding-window cache, the third KV part (after the indexer in `swa`),
     /// kept as the window before P in checkpoints.
     pub window: Option<KvShape>,
+    /// dsv4: its raw cache's streams and the geometry of its compressed caches and compressor
+    /// states (the raw cache's base and window caches are `main` and `swa`).
+    pub dsv4: Option<Dsv4Shape>,
+}
+
+/// What a dsv4 state holds besides its raw cache's parts. Its compressed caches (a row per 4
+/// or 128 positions) and compressor states (the positions not yet pooled) are kept whole, as
+/// llama.cpp writes them for one sequence, in the checkpoint of each restore point, as a
+/// recurrent state is; their size grows with P, so a checkpoint says it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dsv4Shape {
+    /// Streams of the raw cache (one per sequence of the context, whatever `kv_unified`): a
+    /// file loads only into a context of as many.
+    pub n_stream: u32,
+    /// Canonical bytes of the sections' geometry: per section its group, kind, version or
+    /// ratio and state size, layers and each tensor's type, width and row size (not its row
+    /// count, which depends on P).
+    pub sections: Vec<u8>,
+}
+
+impl Dsv4Shape {
+    /// The shape of the sections `c` of a state whose raw cache has `n_stream` streams.
+    pub fn of(c: &Compressed, n_stream: u32) -> Dsv4Shape {
+        let mut b = Vec::new();
+        for s in &c.sections {
+            b.put_u32(s.group as u32);
+            match s.kind {
+                SectionKind::Compressed { version, .. } => {
+                    b.put_u32(0);
+                    b.put_u32(version);
+                }
+                SectionKind::Compressor {
+                    ratio,
+                    state_size,
+                    n_embd_state,
+                } => {
+                    b.put_u32(1);
+                    for x in [ratio, state_size, n_embd_state] {
+                        b.put_u32(x);
+                    }
+                }
+            }
+            b.put_u32(s.layers.len() as u32);
+            for l in &s.layers {
+                b.put_u32(l.il);
+                for t in &l.tensors {
+                    b.put_u32(t.type_id as u32);
+                    b.put_u64(t.ne0);
+                    b.put_u64(t.row_size);
+                }
+            }
+        }
+        Dsv4Shape {
+            n_stream,
+            sections: b,
+        }
+    }
 }
 
 /// What the files a store ingested were: the defaults of `write_file`.
@@ -186,12 +247,20 @@ impl Shape {
         if let Some(r) = self.recurrent {
             out.put_u64(r);
         }
-        // the third KV part exists in dsa-iswa's shape only: the other shapes' bytes (and so
-        // their fingerprints) are those of the stores that came before it
+        // the third KV part exists in dsa-iswa's shape only, the sections in dsv4's: the other
+        // shapes' bytes (and so their fingerprints) are those of the stores that came before
         if self.memory == MemoryKind::DsaIswa {
             out.put_u32(self.window.is_some() as u32);
             if let Some(w) = &self.window {
                 w.encode(out);
+            }
+        }
+        if self.memory == MemoryKind::Dsv4 {
+            out.put_u32(self.dsv4.is_some() as u32);
+            if let Some(d) = &self.dsv4 {
+                out.put_u32(d.n_stream);
+                out.put_u32(d.sections.len() as u32);
+                out.extend_from_slice(&d.sections);
             }
         }
     }
@@ -214,12 +283,24 @@ impl Shape {
             MemoryKind::DsaIswa => part(f)?,
             _ => None,
         };
+        let dsv4 = match (memory, memory == MemoryKind::Dsv4 && f.u32()? == 1) {
+            (MemoryKind::Dsv4, true) => {
+                let n_stream = f.u32()?;
+                let n = f.u32()? as usize;
+                Some(Dsv4Shape {
+                    n_stream,
+                    sections: f.take(n)?.to_vec(),
+                })
+            }
+            _ => None,
+        };
         Some(Shape {
             memory,
             main,
             swa,
             recurrent,
             window,
+            dsv4,
         })
     }
 
@@ -253,7 +334,7 @@ impl Shape {
     /// the blocks is needed (no recurrent state, no window kept in checkpoints only; an SWA
     /// part only when kept in blocks too).
     pub fn blocks_restore(&self) -> bool {
-        self.recurrent.is_none() && self.window.is_none()
+        self.recurrent.is_none() && self.window.is_none() && self.dsv4.is_none()
     }
 
     /// A one-line description for messages.
@@ -278,6 +359,12 @@ impl Shape {
         }
         if let Some(r) = self.recurrent {
             s += &format!(", recurrent state of {r} bytes");
+        }
+        if let Some(d) = &self.dsv4 {
+            s += &format!(
+                ", {} raw streams, compressed caches and compressor states",
+                d.n_stream
+            );
         }
         s
     }
@@ -357,10 +444,12 @@ mod tests {
             swa: Some(kv(32, (0, 0))),
             recurrent: None,
             window: None,
+            dsv4: None,
         };
         let dsa_iswa = Shape {
             memory: MemoryKind::DsaIswa,
             window: Some(kv(48, (0, 0))),
+            dsv4: None,
             ..base.clone()
         };
         let variants = [
@@ -385,6 +474,23 @@ mod tests {
                 ..dsa_iswa.clone()
             },
             dsa_iswa,
+            // and dsv4's raw streams and sections
+            Shape {
+                memory: MemoryKind::Dsv4,
+                dsv4: Some(Dsv4Shape {
+                    n_stream: 2,
+                    sections: vec![1, 2, 3],
+                }),
+                ..base.clone()
+            },
+            Shape {
+                memory: MemoryKind::Dsv4,
+                dsv4: Some(Dsv4Shape {
+                    n_stream: 1,
+                    sections: vec![1, 2, 3],
+                }),
+                ..base.clone()
+            },
         ];
         assert_ne!(base.fingerprint("m", ""), base.fingerprint("m", "tenant"));
         assert_ne!(base.fingerprint("m", "ab"), base.fingerprint("ma", "b"));

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::ScopedJoinHandle;
 
 use llama_kv_cache::cache::io::Progress;
+use llama_kv_cache::state::dsv4;
 use llama_kv_cache::state::files::{
     header_bytes, inspect_bytes, write_atomic, write_atomic_file, FileKind,
 };
@@ -33,7 +34,7 @@ use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
 };
 use crate::metrics::{render, Latencies, Metered, Snapshot};
-use crate::payload::{FileSink, KvPartWriter, PayloadSink};
+use crate::payload::{FileSink, KvPartWriter, PayloadSink, StreamAt};
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
 
@@ -992,16 +993,23 @@ impl PromptStore {
             // llama.cpp's order: main, window or indexer, recurrent state; a hybrid with an
             // indexer writes its recurrent state before the indexer's cache
             let recurrent_first = shape.memory == MemoryKind::HybridIdx;
+            // a dsv4 state: its envelope (full mode), then its raw cache of one stream per
+            // sequence, the compressed caches and compressor states last (in the checkpoint)
+            let at = match &shape.dsv4 {
+                Some(d) => {
+                    for x in [dsv4::MAGIC, dsv4::VERSION, 0] {
+                        out.append(&x.to_le_bytes())?;
+                    }
+                    StreamAt {
+                        seq,
+                        n_stream: d.n_stream,
+                    }
+                }
+                None => StreamAt::unified(seq),
+            };
             if let Some(main) = &shape.main {
-                let w = KvPartWriter::begin(
-                    out,
-                    &main.layers,
-                    ext,
-                    &positions,
-                    seq,
-                    v_trans,
-                    main.rot,
-                )?;
+                let w =
+                    KvPartWriter::begin(out, &main.layers, ext, &positions, at, v_trans, main.rot)?;
                 let complete = self.read_blocks(
                     bound,
                     &main.layers,
@@ -1027,7 +1035,7 @@ impl PromptStore {
                 match window {
                     Some(p) => {
                         let w =
-                            KvPartWriter::begin(out, &swa.layers, ext, &p, seq, v_trans, swa.rot)?;
+                            KvPartWriter::begin(out, &swa.layers, ext, &p, at, v_trans, swa.rot)?;
                         if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
                             w.put(out, 0, rows)?;
                         }
@@ -1042,7 +1050,7 @@ impl PromptStore {
                             &swa.layers,
                             ext,
                             &positions[from..],
-                            seq,
+                            at,
                             v_trans,
                             swa.rot,
                         )?;
@@ -1070,7 +1078,7 @@ impl PromptStore {
                 let Some((p, rows)) = ckpt.as_ref().and_then(|c| c.window.as_ref()) else {
                     return Ok(false);
                 };
-                let w = KvPartWriter::begin(out, &window.layers, ext, p, seq, v_trans, window.rot)?;
+                let w = KvPartWriter::begin(out, &window.layers, ext, p, at, v_trans, window.rot)?;
                 w.put(out, 0, rows)?;
             }
             if let Some(c) = ckpt.as_ref().filter(|_| !recurrent_first) {
@@ -1286,10 +1294,13 @@ impl PromptStore {
                 FileKind::Sequence.cell_exts(canonical_version)[0]
             }),
         };
-        let kind = opts.kind.unwrap_or(d.kind);
-        let version = opts
-            .version
-            .or((opts.kind.is_none() || opts.kind == Some(d.kind)).then_some(d.version));
+        // a dsv4 store writes sequence files: a session holds every row of every sequence's
+        // compressed caches, which no stored sequence has
+        let kind = opts.kind.unwrap_or(match bound.shape.dsv4 {
+            Some(_) => FileKind::Sequence,
+            None => d.kind,
+        });
+        let version = opts.version.or((kind == d.kind).then_some(d.version));
         let rotation = version.is_none_or(|v| kind.records_rotation(v));
         let layout = match opts.layout {
             Some(l) => l,

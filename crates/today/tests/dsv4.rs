@@ -275,23 +275,53 @@ fn damaged_dsv4_states_are_refused_by_name_and_no_live_cache_loads_one() {
 
 #[test]
 fn regression_the_prompt_store_kept_a_dsv4_state_as_its_raw_cache_alone() {
-    // the store keeps KV parts and recurrent states; a dsv4 state's compressed caches and
-    // compressor states are neither, and storing its raw cache without them would restore a
-    // state 0.1.161 cannot continue: refused by name
-    let (session, sequence) = fixture(&dsv4_spec());
+    // once dsv4 states parsed, the store would have kept their raw cache and dropped the
+    // compressed caches and compressor states, restoring a state 0.1.161 cannot continue. It
+    // keeps them now: a file it writes holds the sequence's sections byte for byte, its raw
+    // cache one stream per sequence of the context (two here), the sequence in its own
+    let spec = dsv4_spec();
+    let (session, sequence) = fixture(&spec);
     let store = prompt_store::PromptStore::new(
         std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
         "dsv4",
         16,
     )
     .unwrap();
-    for file in [&session, &sequence] {
-        match store.put_bytes(file, None) {
-            Err(prompt_store::StoreError::Cache(KvError::Unsupported(m))) => {
-                assert!(m.contains("'dsv4'"), "{m}")
-            }
-            other => panic!("the store took a dsv4 state: {other:?}"),
-        }
+    // the session holds two sequences: the store ingests one
+    match store.put_bytes(&session, None) {
+        Err(prompt_store::StoreError::NotPrefix(m)) => assert!(m.contains("[0, 1]"), "{m}"),
+        other => panic!("the store took a session of two sequences: {other:?}"),
     }
-    assert_eq!(store.lookup(&dsv4_spec().prompts[1]).unwrap(), 0);
+    let tokens = &spec.prompts[1];
+    assert_eq!(
+        store.put_bytes(&sequence, None).unwrap().tokens,
+        tokens.len() as u64
+    );
+    let out = std::env::temp_dir().join(format!("kvc-dsv4-store-{}.ggsq", std::process::id()));
+    let n = store
+        .write_file(tokens, &out, &Default::default(), None)
+        .unwrap();
+    assert_eq!(n, tokens.len() as u64);
+    let written = std::fs::read(&out).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let (ins, peer) = (
+        inspect_bytes(&written).unwrap(),
+        inspect_bytes(&sequence).unwrap(),
+    );
+    assert_eq!(ins.memory, MemoryKind::Dsv4);
+    for i in 0..6 {
+        assert_eq!(
+            section_bytes(&written, &ins, i),
+            section_bytes(&sequence, &peer, i),
+            "section {i}"
+        );
+    }
+    // the store writes sequence 0 (in stream 0 of 2), the peer's file held sequence 1
+    let cells: Vec<usize> = ins.parts[1]
+        .payload
+        .streams
+        .iter()
+        .map(|s| s.cells.len())
+        .collect();
+    assert_eq!(cells, [8, 0]);
 }

@@ -548,3 +548,62 @@ fn dsa_iswa_turns_go_through_the_store_and_come_back_byte_for_byte() {
     assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// DeepSeek V4 (`dsv4`): the raw cache's base and window caches go through the store as
+/// iSWA's do, its compressed caches and compressor states (a row per 4 or 128 positions, and
+/// the positions not yet pooled) whole in each turn's checkpoint. The store writes sequence
+/// files: for a stored turn, that turn's file byte for byte; for a conversation that goes on
+/// (or diverges after the first turn), a file 0.1.161 loads, evaluating only the tokens after
+/// it, with a cold run's logits. Sessions of the same turns go in alike.
+#[test]
+fn deepseek4_turns_go_through_the_store_and_0_1_161_continues_them_exactly() {
+    let case = Case {
+        name: "deepseek4",
+        model: "deepseek4.gguf",
+        fa: false,
+        types: (1, 1),
+        swa_full: false,
+        ubatch: 512,
+        blocks_restore: false,
+    };
+    let a = conversation(300, 4);
+    let plus = [a.as_slice(), &conversation(40, 5)].concat();
+    let diverged = [&a[..200], &conversation(140, 6)[..]].concat();
+    let dir = scratch("deepseek4");
+    let prefix = dir.join("turn");
+    case.turns(&a, &TURNS, &prefix);
+    for ext in ["ggsq", "ggsn"] {
+        let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "dsv4", BT).unwrap();
+        for turn in TURNS {
+            let file = PathBuf::from(format!("{}-{turn}.{ext}", prefix.display()));
+            let r = store.put_file(&file, None).unwrap();
+            assert_eq!(r.tokens, turn as u64, "{}", file.display());
+        }
+        // no block boundary restores by itself: the compressors' state is in checkpoints
+        assert_eq!(store.lookup(&a[..256]).unwrap(), 200, "{ext}");
+        for turn in TURNS {
+            let out = dir.join(format!("stored-{turn}-{ext}.ggsq"));
+            let n = store
+                .write_file(&a[..turn], &out, &WriteFileOptions::default(), None)
+                .unwrap();
+            assert_eq!(n, turn as u64);
+            if ext == "ggsq" {
+                let own = std::fs::read(format!("{}-{turn}.ggsq", prefix.display())).unwrap();
+                assert!(
+                    std::fs::read(&out).unwrap() == own,
+                    "deepseek4 turn {turn}: the store wrote another file"
+                );
+            }
+        }
+        for (what, tokens, restored) in [("plus 40", &plus, 300), ("diverged", &diverged, 200)] {
+            let out = dir.join(format!("stored-{what}-{ext}.ggsq"));
+            let n = store
+                .write_file(tokens, &out, &WriteFileOptions::default(), None)
+                .unwrap();
+            assert_eq!(n, restored, "{ext} {what}");
+            assert_eq!(inspect_file(&out).unwrap().memory.name(), "dsv4");
+            resume_matches_cold(&case, FileKind::Sequence, &out, tokens, restored);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
