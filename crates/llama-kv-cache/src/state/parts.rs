@@ -193,41 +193,30 @@ fn recurrent_then<S: ByteSource + ?Sized, T>(
             "recurrent part: n_layer 0 declares no layer".into(),
         ));
     };
-    // the chain of row blocks after the data header, walked once: with V untransposed (as
-    // llama.cpp writes recurrent states) the K and V blocks of `b` layers end where its 2b-th
-    // block does; a transposed V is walked per count, only for counts whose K blocks parse
+    // llama.cpp never transposes a recurrent state's S rows (0.1.161 refuses s_trans 1)
+    if data.v_trans {
+        return Err(KvError::InvalidState(
+            "recurrent part: s_trans 1 (a recurrent state's S rows are never transposed)".into(),
+        ));
+    }
+    // the chain of row blocks after the data header, walked once: K and (untransposed) S
+    // blocks alike, so the blocks of `b` layers end where its 2b-th block does
     let n = head.cells.len();
-    let n_layer = data.n_layer as usize;
     let mut chain = Cursor::new(body);
     chain.pos = data_at;
-    let (ends, mut last_err) = row_block_ends(
-        &mut chain,
-        n,
-        if data.v_trans { n_layer } else { 2 * n_layer },
-    );
+    let (ends, mut last_err) = row_block_ends(&mut chain, n, 2 * data.n_layer as usize);
     for blocks in (1..=data.n_layer).rev() {
-        let b = blocks as usize;
-        let walked = if data.v_trans { b } else { 2 * b };
-        if ends.len() < walked {
+        let Some(&end) = ends.get(2 * blocks as usize - 1) else {
             continue;
-        }
-        let mut c = Cursor::new(body);
-        c.pos = data_at;
-        if data.v_trans {
-            if let Err(e) = parse_layer_blocks(&mut c, n, &data, f, Some(blocks)) {
-                last_err = Some(e);
-                continue;
-            }
-        } else {
-            c.pos = ends[walked - 1];
-        }
-        let end = start + c.pos;
+        };
+        let end = start + end;
         match then(end) {
             Ok(rest) => {
                 // the one count that fits, parsed whole
                 let mut c = Cursor::new(body);
                 c.pos = data_at;
                 let layers = parse_layer_blocks(&mut c, n, &data, f, Some(blocks))?;
+                debug_assert_eq!(start + c.pos, end);
                 let stream = StreamBlock {
                     cells: head.cells,
                     v_trans: Some(data.v_trans),
@@ -521,29 +510,35 @@ mod tests {
         let file = std::fs::read(path).unwrap();
         let ins = inspect_bytes(&file).unwrap();
         let payload = &file[ins.payload_offset..];
-        let mut damaged = payload[ins.parts[0].range.clone()].to_vec();
-        // one state cell at position 9 with no seq id, V not transposed, 4,096 layers
-        for x in [1u32, 9, 0, 0, 4096] {
-            damaged.extend_from_slice(&x.to_le_bytes());
+        // s_trans 0, and 1 (which llama.cpp never writes: its S blocks were walked per count)
+        for s_trans in [0u32, 1] {
+            let mut damaged = payload[ins.parts[0].range.clone()].to_vec();
+            // one state cell at position 9 with no seq id, then s_trans and 4,096 layers
+            for x in [1u32, 9, 0, s_trans, 4096] {
+                damaged.extend_from_slice(&x.to_le_bytes());
+            }
+            for _ in 0..2001 {
+                damaged.extend_from_slice(&[0; 12]);
+            }
+            let counted = Counted {
+                bytes: &damaged,
+                read: Cell::new(0),
+            };
+            let (fits, errors) = parse_parts(&counted, layouts_for_version(true));
+            assert!(
+                fits.iter().all(|p| p.memory != MemoryKind::Hybrid),
+                "{errors:?}"
+            );
+            if s_trans == 1 {
+                assert!(errors.iter().any(|e| e.contains("s_trans 1")), "{errors:?}");
+            }
+            // every shape that starts with this attention part walks the recurrent blocks once
+            let read = counted.read.get();
+            assert!(
+                read < 20 * damaged.len(),
+                "s_trans {s_trans}: {read} bytes read of a {}-byte state",
+                damaged.len()
+            );
         }
-        for _ in 0..2001 {
-            damaged.extend_from_slice(&[0; 12]);
-        }
-        let counted = Counted {
-            bytes: &damaged,
-            read: Cell::new(0),
-        };
-        let (fits, errors) = parse_parts(&counted, layouts_for_version(true));
-        assert!(
-            fits.iter().all(|p| p.memory != MemoryKind::Hybrid),
-            "{errors:?}"
-        );
-        // every shape that starts with this attention part walks the recurrent blocks once
-        let read = counted.read.get();
-        assert!(
-            read < 20 * damaged.len(),
-            "{read} bytes read of a {}-byte state",
-            damaged.len()
-        );
     }
 }
