@@ -346,16 +346,23 @@ mod tests {
         }
     }
 
+    const FP: Key = Key([1; 32]);
+    const KEY: Key = Key([2; 32]);
+
+    /// A checkpoint of 18 tokens whose last block holds 2.
+    fn id() -> CheckpointId<'static> {
+        CheckpointId {
+            fingerprint: &FP,
+            key: &KEY,
+            len: 18,
+            tail: &[7, 8],
+        }
+    }
+
     #[test]
     fn a_checkpoint_round_trips_and_every_flip_is_corrupt() {
         let s = shape();
-        let (fp, key) = (Key([1; 32]), Key([2; 32]));
-        let id = CheckpointId {
-            fingerprint: &fp,
-            key: &key,
-            len: 18,
-            tail: &[7, 8],
-        };
+        let id = id();
         let swa = SwaRows::Window(vec![15, 16, 17]);
         let sealer = Sealer::new(Some(b"k"));
         let v = encode(&id, &sealer, &s, (&swa, &[]), &[], |out, slot| {
@@ -384,13 +391,7 @@ mod tests {
             window: shape().main,
             ..shape()
         };
-        let (fp, key) = (Key([1; 32]), Key([2; 32]));
-        let id = CheckpointId {
-            fingerprint: &fp,
-            key: &key,
-            len: 18,
-            tail: &[7, 8],
-        };
+        let id = id();
         let sealer = Sealer::new(None);
         let v = encode(
             &id,

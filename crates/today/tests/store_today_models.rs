@@ -469,20 +469,33 @@ fn hybrid_idx_turns_go_through_the_store_and_come_back_byte_for_byte() {
         assert_eq!(r.tokens, turn as u64);
         files.push(file);
     }
-    for (turn, file) in TURNS.iter().zip(&files) {
+    // 256 tokens end a block, but the recurrent state there is kept only at 200
+    stored_turns_come_back(&store, &dir, &a, &files, "hybrid-idx");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Has `store` write a file for each turn of `a` (`TURNS`) and checks it is that turn's
+/// ingested file (`files`) byte for byte, and that the block boundary at 256 tokens restores
+/// only from the first turn's checkpoint (what the store keeps outside its blocks is there).
+fn stored_turns_come_back(
+    store: &PromptStore,
+    dir: &Path,
+    a: &[i32],
+    files: &[Vec<u8>],
+    name: &str,
+) {
+    for (turn, file) in TURNS.iter().zip(files) {
         let out = dir.join(format!("stored-{turn}.ggsq"));
         let n = store
             .write_file(&a[..*turn], &out, &WriteFileOptions::default(), None)
             .unwrap();
-        assert_eq!(n, *turn as u64);
+        assert_eq!(n, *turn as u64, "{name}");
         assert!(
             std::fs::read(&out).unwrap() == *file,
-            "hybrid-idx turn {turn}: the store wrote another file"
+            "{name} turn {turn}: the store wrote another file"
         );
     }
-    // 256 tokens end a block, but the recurrent state there is kept only at 200
-    assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
-    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(store.lookup(&a[..256]).unwrap(), 200, "{name}");
 }
 
 /// A sparse-attention memory with a window (`dsa-iswa`: latent cache, indexer, window cache)
@@ -533,19 +546,8 @@ fn dsa_iswa_turns_go_through_the_store_and_come_back_byte_for_byte() {
         assert_eq!(r.tokens, turn as u64);
         files.push(file);
     }
-    for (turn, file) in TURNS.iter().zip(&files) {
-        let out = dir.join(format!("stored-{turn}.ggsq"));
-        let n = store
-            .write_file(&a[..*turn], &out, &WriteFileOptions::default(), None)
-            .unwrap();
-        assert_eq!(n, *turn as u64);
-        assert!(
-            std::fs::read(&out).unwrap() == *file,
-            "dsa-iswa turn {turn}: the store wrote another file"
-        );
-    }
     // 256 tokens end a block of both caches, but the window there is kept only at 200
-    assert_eq!(store.lookup(&a[..256]).unwrap(), 200);
+    stored_turns_come_back(&store, &dir, &a, &files, "dsa-iswa");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -580,20 +582,14 @@ fn deepseek4_turns_go_through_the_store_and_0_1_161_continues_them_exactly() {
             assert_eq!(r.tokens, turn as u64, "{}", file.display());
         }
         // no block boundary restores by itself: the compressors' state is in checkpoints
-        assert_eq!(store.lookup(&a[..256]).unwrap(), 200, "{ext}");
-        for turn in TURNS {
-            let out = dir.join(format!("stored-{turn}-{ext}.ggsq"));
-            let n = store
-                .write_file(&a[..turn], &out, &WriteFileOptions::default(), None)
-                .unwrap();
-            assert_eq!(n, turn as u64);
-            if ext == "ggsq" {
-                let own = std::fs::read(format!("{}-{turn}.ggsq", prefix.display())).unwrap();
-                assert!(
-                    std::fs::read(&out).unwrap() == own,
-                    "deepseek4 turn {turn}: the store wrote another file"
-                );
-            }
+        if ext == "ggsq" {
+            let own: Vec<Vec<u8>> = TURNS
+                .iter()
+                .map(|t| std::fs::read(format!("{}-{t}.ggsq", prefix.display())).unwrap())
+                .collect();
+            stored_turns_come_back(&store, &dir, &a, &own, "deepseek4");
+        } else {
+            assert_eq!(store.lookup(&a[..256]).unwrap(), 200, "{ext}");
         }
         for (what, tokens, restored) in [("plus 40", &plus, 300), ("diverged", &diverged, 200)] {
             let out = dir.join(format!("stored-{what}-{ext}.ggsq"));
