@@ -109,10 +109,17 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
     let dir = std::env::temp_dir().join(format!("kvc-dsv4-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let peer_seq = inspect_bytes(&sequence).unwrap();
-    for (seq, swa_window) in [(0, None), (1, None), (1, Some(8))] {
+    // sequence 1 also renamed 0: its raw cells go into stream 0, where 0.1.161 loads it
+    for (seq, swa_window, as_seq) in [
+        (0, None, None),
+        (1, None, None),
+        (1, Some(8), None),
+        (1, Some(8), Some(0)),
+    ] {
         let opts = ConvertOptions {
             extract_seq: Some(seq),
             swa_window,
+            as_seq,
             ..Default::default()
         };
         let ours = convert_bytes(&session, &opts).unwrap();
@@ -128,7 +135,7 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
                 );
             }
         }
-        if swa_window.is_some() {
+        if swa_window.is_some() && as_seq.is_none() {
             // and with the model's window (8), so is the whole payload (the session's tokens
             // are both prompts', the peer's file holds its sequence's)
             assert!(
@@ -139,9 +146,10 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
         let path = dir.join(format!("seq{seq}.ggsq"));
         std::fs::write(&path, &ours).unwrap();
         let pos = spec.prompts[seq as usize].len();
+        let dest = as_seq.unwrap_or(seq);
         let next = spec
-            .continue_file(&path, Some(seq), token("next", seq as usize), pos)
-            .unwrap_or_else(|e| panic!("sequence {seq}: {e}"));
+            .continue_file(&path, Some(dest), token("next", seq as usize), pos)
+            .unwrap_or_else(|e| panic!("sequence {seq} as {dest}: {e}"));
         assert_eq!(next, token("next2", seq as usize), "sequence {seq}");
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -170,6 +178,22 @@ fn dsv4_conversions_that_would_lose_the_compressed_caches_are_refused_by_name() 
         },
     );
     assert!(e.contains("session") && e.contains("dsv4"), "{e}");
+    let e = refused(
+        &session,
+        ConvertOptions {
+            as_seq: Some(0),
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("renaming") && e.contains("dsv4"), "{e}");
+    let e = refused(
+        &session,
+        ConvertOptions {
+            extract_seq: Some(-1),
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("-1"), "{e}");
     let mut v2 = ConvertOptions::default();
     v2.write.version = Some(2);
     let e = refused(&session, v2);

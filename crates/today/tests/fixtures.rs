@@ -424,3 +424,27 @@ fn a_sequence_taken_out_of_a_session_with_the_models_window_is_the_peers_own_fil
         );
     }
 }
+
+#[test]
+fn regression_a_sequence_taken_out_of_a_session_and_renamed_kept_the_cells_of_its_new_id() {
+    use llama_kv_cache::{convert_bytes, ConvertOptions};
+    // sequence 1 of a session of two, written as sequence 0: the session's own sequence 0
+    // must not come along (the file held both, with positions twice, and 0.1.161 refused it)
+    let spec = specs()
+        .into_iter()
+        .find(|s| s.name == "h16-f16-par2")
+        .unwrap();
+    let session = read(&spec.session_path());
+    let mut opts = ConvertOptions {
+        extract_seq: Some(1),
+        as_seq: Some(0),
+        ..ConvertOptions::default()
+    };
+    opts.write.version = Some(4);
+    let ours = inspect_bytes(&convert_bytes(&session, &opts).unwrap()).unwrap();
+    let stream = &ours.payload.streams[0];
+    let n = spec.prompts[1].len();
+    assert_eq!(stream.cells.len(), n);
+    assert_eq!(stream.cells.positions(), (0..n as i32).collect::<Vec<_>>());
+    assert!((0..n).all(|i| stream.cells.seq_ids(i) == [0]));
+}

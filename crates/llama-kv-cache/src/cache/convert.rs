@@ -383,6 +383,14 @@ fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOption
     if ins.header.kind == FileKind::Sequence && opts.to == Some(FileKind::Session) {
         return refuse("a session made of a sequence file");
     }
+    // a session keeps each sequence's sections in that sequence's stream
+    let to_session = opts.to.unwrap_or(match opts.extract_seq {
+        Some(_) => FileKind::Sequence,
+        None => ins.header.kind,
+    }) == FileKind::Session;
+    if to_session && opts.as_seq.is_some() {
+        return refuse("renaming a sequence in a session");
+    }
     let mut out = opts.clone();
     let today = [FileKind::Session, FileKind::Sequence].map(FileKind::rotation_version);
     match out.write.version {
@@ -426,13 +434,11 @@ fn dsv4_tail(
         .map(|c| c.pos)
         .max()
         .unwrap_or(-1);
+    let stream = u32::try_from(seq)
+        .map_err(|_| KvError::InvalidArg(format!("seq id {seq} names no stream")))?;
     let mut pieces = Vec::new();
     for s in &c.sections {
-        pieces.extend(
-            s.one_stream(seq as u32, pos_max)?
-                .into_iter()
-                .map(|p| (p, at)),
-        );
+        pieces.extend(s.one_stream(stream, pos_max)?.into_iter().map(|p| (p, at)));
     }
     Ok(pieces)
 }
@@ -506,6 +512,8 @@ impl PartJob<'_> {
         cache.take_cells_of(cells);
         let source = opts.extract_seq.or(loaded_seq).unwrap_or(seq_in_file);
         if source != seq {
+            // the renamed sequence replaces whatever the input held under its new id
+            cache.seq_rm(seq, -1, -1)?;
             cache.seq_cp(source, seq, -1, -1)?;
             cache.seq_rm(source, -1, -1)?;
         }
