@@ -838,9 +838,15 @@ impl ModelInfo {
     /// memories with an indexer cache (their state files still inspect and convert).
     pub fn check_live(&self) -> Result<()> {
         if self.memory.has_indexer() {
+            let what = match self.memory {
+                MemoryKind::Dsv4 => {
+                    "compressed caches and compressor states beside a raw window cache"
+                }
+                _ => "an indexer cache beside K and V",
+            };
             return Err(KvError::Unsupported(format!(
-                "{} ({}): llama.cpp 0.1.161 gives it a '{}' memory (an indexer cache beside \
-                 K and V), which this library does not hold live",
+                "{} ({}): llama.cpp 0.1.161 gives it a '{}' memory ({what}), which this library \
+                 does not hold live (its state files inspect, convert and go into the prompt store)",
                 self.display_name(),
                 self.arch,
                 self.memory.name()
