@@ -40,15 +40,16 @@ pub fn dsv4_fixtures_dir() -> PathBuf {
     repo_root().join("__test__/fixtures/dsv4")
 }
 
-/// DeepSeek V4's fixture: two sequences long enough to fill rows of both compressed caches
-/// (ratio 4 and 128) in a context of one raw stream per sequence.
-pub fn dsv4_spec() -> Spec {
+/// DeepSeek V4's fixtures: two sequences long enough to fill rows of both compressed caches
+/// (ratio 4 and 128) in a context of one raw stream per sequence (f16, V transposed), and one
+/// sequence of q8_0 K with flash attention.
+pub fn dsv4_specs() -> Vec<Spec> {
     let prompt = |n: usize, first: i32, step: usize| -> Vec<i32> {
         std::iter::once(1)
             .chain((0..n - 1).map(|i| first + ((i * step) % 59) as i32))
             .collect()
     };
-    Spec {
+    let par2 = Spec {
         name: "deepseek4-par2",
         model: "deepseek4.gguf",
         fa: false,
@@ -60,7 +61,23 @@ pub fn dsv4_spec() -> Spec {
         memory: "dsv4",
         n_rot: (0, 0),
         shift: None,
-    }
+    };
+    vec![
+        Spec {
+            name: "deepseek4-q8_0-fa",
+            fa: true,
+            types: (Q8_0, Q8_0),
+            prompts: vec![prompt(140, 260, 13)],
+            seq: 0,
+            ..par2.clone()
+        },
+        par2,
+    ]
+}
+
+/// The dsv4 fixture of two sequences.
+pub fn dsv4_spec() -> Spec {
+    find(dsv4_specs(), "deepseek4-par2")
 }
 
 /// Where `interop/make_models.py` writes the tiny models.

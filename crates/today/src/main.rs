@@ -10,7 +10,7 @@ fn main() {
     for spec in today_peer::specs()
         .into_iter()
         .chain(today_peer::kshift_specs())
-        .chain([today_peer::dsv4_spec()])
+        .chain(today_peer::dsv4_specs())
         .filter(|s| only.is_empty() || only.iter().any(|n| n == s.name))
     {
         match spec.generate() {

@@ -12,7 +12,7 @@ use llama_kv_cache::state::fit::check_state;
 use llama_kv_cache::{
     convert_bytes, CacheParams, ConvertOptions, FileKind, GgmlType, KvCache, KvError, PartRole,
 };
-use today_peer::{dsv4_spec, models_dir, Spec};
+use today_peer::{dsv4_spec, dsv4_specs, models_dir, Spec};
 
 fn fixture(spec: &Spec) -> (Vec<u8>, Vec<u8>) {
     let read = |p: std::path::PathBuf| {
@@ -34,10 +34,20 @@ fn section_bytes<'a>(bytes: &'a [u8], ins: &Inspection, i: usize) -> &'a [u8] {
 
 #[test]
 fn dsv4_states_of_0_1_161_read_part_by_part_and_fit_their_model() {
-    let spec = dsv4_spec();
-    let (session, sequence) = fixture(&spec);
-    let last = (spec.prompts[1].len() - 1) as i32;
-    for (bytes, n_stream) in [(&session, 2), (&sequence, 1)] {
+    for spec in dsv4_specs() {
+        read_part_by_part(&spec);
+    }
+    // 135 positions: 33 rows of 4, one of 128
+    assert_eq!(dsv4::used_rows(134, 4, 256), 33);
+    assert_eq!(dsv4::used_rows(134, 128, 256), 1);
+}
+
+fn read_part_by_part(spec: &Spec) {
+    let (session, sequence) = fixture(spec);
+    let seqs = spec.prompts.len() as u32;
+    let last = (spec.prompts[spec.seq as usize].len() - 1) as i32;
+    let k_type = GgmlType::from_id(spec.types.0).unwrap();
+    for (bytes, n_stream, whole) in [(&session, seqs, true), (&sequence, 1, false)] {
         let ins = inspect_bytes(bytes).unwrap();
         assert_eq!(ins.memory, MemoryKind::Dsv4);
         let roles: Vec<PartRole> = ins.parts.iter().map(|p| p.role).collect();
@@ -46,8 +56,10 @@ fn dsv4_states_of_0_1_161_read_part_by_part_and_fit_their_model() {
         // cache K rows only (K is V), one stream per sequence whatever the context
         let [base, swa] = [&ins.parts[0].payload, &ins.parts[1].payload];
         assert!(base.streams.iter().all(|s| s.layers.is_empty()));
-        assert_eq!(swa.streams.len(), 2);
+        assert_eq!(swa.streams.len(), seqs as usize);
         assert!(swa.no_v());
+        let window = swa.streams.iter().find(|s| !s.layers.is_empty()).unwrap();
+        assert_eq!(window.v_trans, Some(!spec.fa), "{}", spec.name);
         let c = ins.compressed.as_ref().unwrap();
         assert!(!c.partial);
         let shape: Vec<(Group, bool, Vec<u32>)> = c
@@ -74,13 +86,15 @@ fn dsv4_states_of_0_1_161_read_part_by_part_and_fit_their_model() {
         for s in &c.sections {
             assert_eq!(s.n_stream, n_stream, "{:?}", s.group);
             if let SectionKind::Compressed { n_rows, .. } = s.kind {
-                // a session writes every row, a sequence the rows its positions filled
-                let want = if n_stream == 2 {
+                // a session writes every row, a sequence the rows its positions filled, of the
+                // cache's K type
+                let want = if whole {
                     256
                 } else {
                     dsv4::used_rows(last, s.group.ratio(), 256)
                 };
                 assert_eq!(n_rows, want, "{:?}", s.group);
+                assert_eq!(s.layers[0].tensors[0].type_id, k_type.id());
             }
         }
         let model = ModelInfo::from_file(&models_dir().join(spec.model), false).unwrap();
@@ -90,15 +104,17 @@ fn dsv4_states_of_0_1_161_read_part_by_part_and_fit_their_model() {
         let fit = check_state(&ins, &other);
         assert!(fit.reasons.iter().any(|r| r.field == "memory"), "{fit:?}");
     }
-    // 135 positions: 33 rows of 4, one of 128
-    assert_eq!(dsv4::used_rows(last, 4, 256), 33);
-    assert_eq!(dsv4::used_rows(last, 128, 256), 1);
 }
 
 #[test]
 fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_the_peer() {
-    let spec = dsv4_spec();
-    let (session, sequence) = fixture(&spec);
+    for spec in dsv4_specs() {
+        convert_back_and_take_out(&spec);
+    }
+}
+
+fn convert_back_and_take_out(spec: &Spec) {
+    let (session, sequence) = fixture(spec);
     let sidecar = spec.sidecar().unwrap();
     let token = |key: &str, s: usize| sidecar[key][s].as_i64().unwrap();
     // today's versions are the default of a dsv4 state: the only ones that have it
@@ -109,13 +125,16 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
     let dir = std::env::temp_dir().join(format!("kvc-dsv4-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let peer_seq = inspect_bytes(&sequence).unwrap();
-    // sequence 1 also renamed 0: its raw cells go into stream 0, where 0.1.161 loads it
-    for (seq, swa_window, as_seq) in [
-        (0, None, None),
-        (1, None, None),
-        (1, Some(8), None),
-        (1, Some(8), Some(0)),
-    ] {
+    // every sequence, the saved one with the model's window too, and (two sequences) that one
+    // renamed 0: its raw cells go into stream 0, where 0.1.161 loads it
+    let mut cases: Vec<(i32, Option<u32>, Option<i32>)> = (0..spec.prompts.len() as i32)
+        .map(|s| (s, None, None))
+        .collect();
+    cases.push((spec.seq, Some(8), None));
+    if spec.seq != 0 {
+        cases.push((spec.seq, Some(8), Some(0)));
+    }
+    for (seq, swa_window, as_seq) in cases {
         let opts = ConvertOptions {
             extract_seq: Some(seq),
             swa_window,
@@ -143,7 +162,7 @@ fn dsv4_states_convert_back_byte_for_byte_and_a_sequence_taken_out_continues_in_
                 "the payload of sequence {seq} differs from the peer's"
             );
         }
-        let path = dir.join(format!("seq{seq}.ggsq"));
+        let path = dir.join(format!("{}-seq{seq}.ggsq", spec.name));
         std::fs::write(&path, &ours).unwrap();
         let pos = spec.prompts[seq as usize].len();
         let dest = as_seq.unwrap_or(seq);
