@@ -553,6 +553,46 @@ impl Rng {
     }
 }
 
+/// One damaged copy of `good`, as the robustness tests make them: bits flipped, cut short, a
+/// field near the front (counts, headers) set to an extreme, a span zeroed, a span repeated, or
+/// bytes appended.
+pub fn damaged(rng: &mut Rng, good: &[u8]) -> Vec<u8> {
+    let mut bad = good.to_vec();
+    let n = bad.len().max(1) as u32;
+    match rng.below(6) {
+        0 => {
+            for _ in 0..1 + rng.below(4) {
+                let i = rng.below(n) as usize % bad.len().max(1);
+                if let Some(b) = bad.get_mut(i) {
+                    *b ^= 1 << rng.below(8);
+                }
+            }
+        }
+        1 => bad.truncate(rng.below(n) as usize),
+        2 => {
+            // a field near the front (counts, headers) set to an extreme
+            let at = (rng.below(64) as usize * 4).min(bad.len().saturating_sub(4));
+            let v = [0u32, 1, 0xffff_ffff, 0x7fff_ffff, 256, 65_536][rng.below(6) as usize];
+            if bad.len() >= 4 {
+                bad[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        3 => {
+            let (a, b) = (rng.below(n) as usize, rng.below(n) as usize);
+            let (a, b) = (a.min(b), a.max(b).min(bad.len()));
+            bad[a..b].fill(0);
+        }
+        4 => {
+            let cut = rng.below(n) as usize;
+            let tail = bad.split_off(cut.min(bad.len()));
+            bad.extend_from_slice(&tail[..tail.len() / 2]);
+            bad.extend_from_slice(&tail);
+        }
+        _ => bad.extend((0..rng.below(64)).map(|k| k as u8)),
+    }
+    bad
+}
+
 /// The next op of a trace, given what the memory shows now (positions per sequence), for a
 /// context of `cfg`. Decodes continue every sequence at its next position, as 0.1.161
 /// requires; shifts only where the memory can shift; copies across streams only whole;

@@ -368,3 +368,67 @@ fn regression_the_prompt_store_kept_a_dsv4_state_as_its_raw_cache_alone() {
         .collect();
     assert_eq!(cells, [8, 0]);
 }
+
+/// Rounds of [`damaged_dsv4_states_inspect_convert_and_store_or_are_refused`]:
+/// `DSV4_READER_ROUNDS` (default 4,000).
+fn damage_rounds() -> u32 {
+    std::env::var("DSV4_READER_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4_000)
+}
+
+#[test]
+fn damaged_dsv4_states_inspect_convert_and_store_or_are_refused() {
+    use today_peer::trace::{damaged, Rng};
+    // the payloads of both fixtures' sessions and sequence files, damaged (bits flipped, cut,
+    // counts set to extremes, spans zeroed or repeated, bytes appended) behind their own
+    // header: each is read, converted and put into a store, or refused, never a panic
+    let mut good = Vec::new();
+    for spec in dsv4_specs() {
+        let (session, sequence) = fixture(&spec);
+        for file in [session, sequence] {
+            let at = inspect_bytes(&file).unwrap().payload_offset;
+            good.push((file[..at].to_vec(), file[at..].to_vec()));
+        }
+    }
+    let mut rng = Rng::new(4444);
+    let (mut refused, mut read) = (0u32, 0u32);
+    for round in 0..damage_rounds() {
+        let (head, payload) = &good[rng.below(good.len() as u32) as usize];
+        let bad = [head.clone(), damaged(&mut rng, payload)].concat();
+        let Ok(ins) = inspect_bytes(&bad) else {
+            refused += 1;
+            continue;
+        };
+        read += 1;
+        if ins.memory == MemoryKind::Dsv4 {
+            // what converts is a dsv4 state the converter keeps as it is (a damaged sequence
+            // file's stray seq ids become its sequence's)
+            if let Ok(out) = convert_bytes(&bad, &ConvertOptions::default()) {
+                assert_eq!(inspect_bytes(&out).unwrap().memory, MemoryKind::Dsv4);
+                let again = convert_bytes(&out, &ConvertOptions::default()).unwrap();
+                assert!(
+                    again == out,
+                    "round {round}: a converted dsv4 state converts otherwise"
+                );
+            }
+        }
+        for seq in [0, 1] {
+            let opts = ConvertOptions {
+                extract_seq: Some(seq),
+                ..Default::default()
+            };
+            let _ = convert_bytes(&bad, &opts);
+        }
+        let store = prompt_store::PromptStore::new(
+            std::sync::Arc::new(prompt_store::MemoryBackend::new(None)),
+            "dsv4",
+            16,
+        )
+        .unwrap();
+        let _ = store.put_bytes(&bad, None);
+    }
+    eprintln!("damaged dsv4 states: {refused} refused, {read} read");
+    assert!(refused > 0 && read > 0);
+}

@@ -448,3 +448,20 @@ fn regression_a_sequence_taken_out_of_a_session_and_renamed_kept_the_cells_of_it
     assert_eq!(stream.cells.positions(), (0..n as i32).collect::<Vec<_>>());
     assert!((0..n).all(|i| stream.cells.seq_ids(i) == [0]));
 }
+
+#[test]
+fn regression_a_cell_naming_seq_id_i32_max_overflowed_the_sequence_count_of_a_conversion() {
+    use llama_kv_cache::{convert_bytes, ConvertOptions};
+    // found by the damaged-dsv4 test: the sequence count derived from a file's seq ids added 1
+    // to i32::MAX (a panic in debug builds, a wrap to one sequence in release)
+    let spec = specs().into_iter().find(|s| s.name == "h16-f16").unwrap();
+    let (mut bytes, ins) = inspect(&spec, false);
+    // streams layout: n_stream, cell_count, then cells of pos, n_seq_id (1), seq id: the
+    // second cell's (the first names the file's sequence, which is checked first)
+    let at = ins.payload_offset + 8 + 12 + 8;
+    bytes[at..at + 4].copy_from_slice(&i32::MAX.to_le_bytes());
+    // a sequence file's cells are its sequence's: the stray id is written as that one
+    let out = convert_bytes(&bytes, &ConvertOptions::default()).unwrap();
+    let cells = &inspect_bytes(&out).unwrap().payload.streams[0].cells;
+    assert!((0..cells.len()).all(|i| cells.seq_ids(i) == [spec.seq]));
+}

@@ -9,7 +9,7 @@ use llama_kv_cache::{
     ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo, Result, UBatch,
 };
 use today_peer::models_dir;
-use today_peer::trace::Rng;
+use today_peer::trace::{damaged, Rng};
 
 fn context(n_seq: u32) -> ContextParams {
     ContextParams {
@@ -53,44 +53,6 @@ impl Reads for HybridCache {
     }
 }
 
-/// One damaged copy of `good`.
-fn mutate(rng: &mut Rng, good: &[u8]) -> Vec<u8> {
-    let mut bad = good.to_vec();
-    let n = bad.len().max(1) as u32;
-    match rng.below(6) {
-        0 => {
-            for _ in 0..1 + rng.below(4) {
-                let i = rng.below(n) as usize % bad.len().max(1);
-                if let Some(b) = bad.get_mut(i) {
-                    *b ^= 1 << rng.below(8);
-                }
-            }
-        }
-        1 => bad.truncate(rng.below(n) as usize),
-        2 => {
-            // a field near the front (counts, headers) set to an extreme
-            let at = (rng.below(64) as usize * 4).min(bad.len().saturating_sub(4));
-            let v = [0u32, 1, 0xffff_ffff, 0x7fff_ffff, 256, 65_536][rng.below(6) as usize];
-            if bad.len() >= 4 {
-                bad[at..at + 4].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        3 => {
-            let (a, b) = (rng.below(n) as usize, rng.below(n) as usize);
-            let (a, b) = (a.min(b), a.max(b).min(bad.len()));
-            bad[a..b].fill(0);
-        }
-        4 => {
-            let cut = rng.below(n) as usize;
-            let tail = bad.split_off(cut.min(bad.len()));
-            bad.extend_from_slice(&tail[..tail.len() / 2]);
-            bad.extend_from_slice(&tail);
-        }
-        _ => bad.extend((0..rng.below(64)).map(|k| k as u8)),
-    }
-    bad
-}
-
 fn hammer<M: Reads>(what: &str, m: &mut M, seqs: &[i32], rounds: u32, seed: u64) -> (u32, u32) {
     let mut rng = Rng::new(seed);
     let layouts = [Layout::StreamsRot, Layout::Streams];
@@ -105,7 +67,7 @@ fn hammer<M: Reads>(what: &str, m: &mut M, seqs: &[i32], rounds: u32, seed: u64)
     let (mut refused, mut read) = (0, 0);
     for round in 0..rounds {
         let (payload, seq) = &good[rng.below(good.len() as u32) as usize];
-        let bad = mutate(&mut rng, payload);
+        let bad = damaged(&mut rng, payload);
         let dest = if *seq == -1 {
             -1
         } else {

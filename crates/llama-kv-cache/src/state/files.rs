@@ -681,7 +681,8 @@ pub fn params_for_payload(
         .max()
         .unwrap_or(0)
         .max(payload.streams.len() as i32 - 1);
-    let n_seq_max = (max_seq + 1).clamp(1, crate::MAX_SEQ as i32) as u32;
+    // a seq id comes from the file: i32::MAX must not overflow the count
+    let n_seq_max = max_seq.saturating_add(1).clamp(1, crate::MAX_SEQ as i32) as u32;
     let size = if recurrent {
         n_seq_max.max(cells as u32)
     } else {
