@@ -407,7 +407,9 @@ fn damaged_dsv4_states_inspect_convert_and_store_or_are_refused() {
             // file's stray seq ids become its sequence's)
             if let Ok(out) = convert_bytes(&bad, &ConvertOptions::default()) {
                 assert_eq!(inspect_bytes(&out).unwrap().memory, MemoryKind::Dsv4);
-                let again = convert_bytes(&out, &ConvertOptions::default()).unwrap();
+                let again = convert_bytes(&out, &ConvertOptions::default()).unwrap_or_else(|e| {
+                    panic!("round {round}: what we wrote does not convert: {e}")
+                });
                 assert!(
                     again == out,
                     "round {round}: a converted dsv4 state converts otherwise"

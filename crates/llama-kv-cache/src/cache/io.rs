@@ -102,6 +102,18 @@ impl KvCache {
                 )));
             }
         }
+        // stream s holds sequence s: a sequence past the last stream would be written nowhere
+        let beyond = match seq {
+            -1 => (n_stream as usize..self.params.n_seq_max as usize)
+                .find(|&s| self.cells.seq_pos_max(s).is_some()),
+            s => (s as u32 >= n_stream).then_some(s as usize),
+        };
+        if let Some(s) = beyond {
+            return Err(KvError::InvalidArg(format!(
+                "sequence {s} has no stream of its own among nStream {n_stream}: its cells would \
+                 be written nowhere"
+            )));
+        }
         Ok((0..n_stream as i32)
             .map(|s| {
                 if seq == -1 || seq == s {
@@ -1005,6 +1017,23 @@ mod tests {
         parse_payload(data, layout, true)
             .and_then(|p| c.check_payload(&p, None))
             .is_ok()
+    }
+
+    #[test]
+    fn regression_a_sequence_past_the_last_stream_was_written_nowhere() {
+        // found by the damaged-dsv4 test: a conversion wrote a sequence file's sequence 3 in a
+        // payload of 2 streams, which held no cell at all; a whole state lost sequence 3 alike
+        let mut p = CacheParams::new(32, 2, 64, 64);
+        p.n_seq_max = 4;
+        let mut c = KvCache::new(p).unwrap();
+        c.find_slot(&UBatch::sequence(1, 0, 2)).unwrap();
+        c.find_slot(&UBatch::sequence(3, 0, 3)).unwrap();
+        for seq in [3, -1] {
+            let e = c.state_write(seq, Layout::Streams, 2, None).unwrap_err();
+            assert!(e.to_string().contains("sequence 3 has no stream"), "{e}");
+        }
+        assert!(c.state_write(1, Layout::Streams, 2, None).is_ok());
+        assert!(c.state_write(-1, Layout::Streams, 4, None).is_ok());
     }
 
     #[test]
