@@ -274,6 +274,12 @@ test('convert writes other stream counts, renames sequences, turns sequences int
   t.is(info.streams.length, 2)
   t.is(info.streams[0].cellCount, 0)
   t.deepEqual(info.streams[1].seqs['1'], { cells: 7, posMin: 0, posMax: 6 })
+  // a sequence past the last stream would be written nowhere: refused, no file left
+  const nowhere = path.join(dir, 'nowhere.ggsq')
+  const past = t.throws(() => convertStateFile(path.join(FIXTURES, 'ln-h16-f16.ggsn'), nowhere, { seqId: 0, asSeqId: 2, nStream: 2, version: 3 }))
+  t.is(past.code, 'ERR_KV_INVALID_ARG')
+  t.regex(past.message, /sequence 2 has no stream of its own among nStream 2/)
+  t.false(fs.existsSync(nowhere))
   const session = path.join(dir, 's.ggsn')
   convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), session, { to: 'session', arch: 'llama' })
   t.is(inspectState(session).format, 'session')
