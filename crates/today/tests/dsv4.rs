@@ -231,6 +231,15 @@ fn dsv4_conversions_that_would_lose_the_compressed_caches_are_refused_by_name() 
         (ins.memory, ins.compressed.is_none()),
         (MemoryKind::Unified, true)
     );
+    // its base cache holds cells but no layer: alone, a file no reader would take
+    let e = refused(
+        &sequence,
+        ConvertOptions {
+            part: Some(PartRole::Base),
+            ..Default::default()
+        },
+    );
+    assert!(e.contains("part 'base' holds no layer"), "{e}");
 }
 
 #[test]

@@ -216,6 +216,19 @@ impl Plan {
                 ))
             })?],
         };
+        // a cache of no layer (the base cache of LFM2 with a window, of DeepSeek V4) is only
+        // cells: alone in a file it would hold no rows, and no reader takes a payload of none
+        if let (Some(want), [part]) = (opts.part, parts.as_slice()) {
+            let streams = &part.payload.streams;
+            if streams.iter().all(|s| s.layers.is_empty())
+                && streams.iter().any(|s| s.v_trans.is_some())
+            {
+                return Err(KvError::InvalidArg(format!(
+                    "part '{want}' holds no layer (every attention layer of this model is in \
+                     another part): a file of it alone would hold no rows"
+                )));
+            }
+        }
         let to = opts
             .to
             .unwrap_or(match (ins.header.kind, opts.extract_seq) {
