@@ -550,7 +550,10 @@ export interface ConvertFileOptions {
    * ggsq 4 / ggsn 11, llama.cpp 0.1.161).
    */
   version?: number
-  /** Streams to write (today's layout): 1 (default) or one per sequence. */
+  /**
+   * Streams to write (today's layout): 1 (default) or one per sequence. A DeepSeek V4
+   * state keeps the streams its raw cache has (one per sequence of its context).
+   */
   nStream?: number
   /** Extract this sequence into a sequence file. */
   seqId?: number

@@ -441,7 +441,8 @@ pub struct ConvertFileOptions<'a> {
     /// Output file version (default: ggsq 2 / ggsn 9, what today's llama.node reads; 'streams-rot':
     /// ggsq 4 / ggsn 11, llama.cpp 0.1.161).
     pub version: Option<f64>,
-    /// Streams to write (today's layout): 1 (default) or one per sequence.
+    /// Streams to write (today's layout): 1 (default) or one per sequence. A DeepSeek V4
+    /// state keeps the streams its raw cache has (one per sequence of its context).
     pub n_stream: Option<f64>,
     /// Extract this sequence into a sequence file.
     pub seq_id: Option<f64>,
