@@ -235,7 +235,7 @@ export declare class KvCache {
   get residentBytes(): number
   /**
    * What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-   * for Mamba-style models), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
+   * for Mamba-style models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
    * cache for full-attention layers and a window cache for the others) or `'hybrid'`
    * (0.1.161's attention cache and recurrent memory side by side).
    */

@@ -447,6 +447,33 @@ mtest('fromModel gives a sliding-window model an iSWA memory sized as llama.cpp 
   t.is(KvCache.fromModel(model('mamba.gguf')).kind, 'recurrent')
 })
 
+mtest('fromModel of Mamba removes as llama.cpp 0.1.161 does, a recurrent cache of the seed as the seed does', (t) => {
+  const info = modelInfo(model('mamba.gguf'))
+  const today = KvCache.fromModel(model('mamba.gguf'), { nSeqMax: 2, typeK: 'f32', typeV: 'f32' })
+  const { nEmbdKS, nEmbdVS } = info.recurrent
+  const seed = new KvCache({ size: 2, nLayer: info.nLayer, nEmbdKGqa: 0, nEmbdVGqa: 0, nEmbdKS, nEmbdVS, recurrent: true, nSeqMax: 2, typeK: 'f32', typeV: 'f32' })
+  const pos = Array.from({ length: 11 }, (_, i) => i)
+  // one group of 11 tokens of sequence 0: its state cell at position 10
+  for (const c of [today, seed]) t.truthy(c.findSlot({ pos, seqIds: [0], nSeqTokens: 11 }))
+  // from inside the state to its end: both refuse (no rollback snapshots)
+  t.false(today.seqRm(0, 5, -1))
+  t.false(seed.seqRm(0, 5, -1))
+  // a range the state's position (10) is not in: 0.1.161 removes nothing and says so, the seed refuses
+  t.true(today.seqRm(0, 0, 5))
+  t.false(seed.seqRm(0, 0, 5))
+  t.is(today.seqPosMax(0), 10)
+  // an empty sequence: 0.1.161 starts its maximum at -1, the seed at 0
+  t.is(today.seqPosMax(1), -1)
+  t.is(seed.seqPosMax(1), 0)
+  // -1: 0.1.161 compares it unsigned with the sequence count and refuses; the seed removes everything
+  t.false(today.seqRm(-1, -1, -1))
+  t.is(today.usedCells, 1)
+  t.true(seed.seqRm(-1, -1, -1))
+  t.is(seed.usedCells, 0)
+  today.dispose()
+  seed.dispose()
+})
+
 mtest('an iSWA memory places ubatches cell by cell, routes rows by model layer and drops what the window no longer sees', (t) => {
   const c = gemma()
   const placed = c.place([ubatch(0, 0, 8), ubatch(1, 0, 3)])

@@ -202,6 +202,8 @@ impl KvCache {
                 cell_ext: convert::cell_ext("cellExt", options.cell_ext)?,
                 mrope: options.mrope.unwrap_or(false),
                 no_v: options.no_v.unwrap_or(false),
+                // the constructor's recurrent cache is the seed's; fromModel builds 0.1.161's
+                recurrent_rules: core::RecurrentRules::Seed,
             };
             let cache = KvCache::from_params(&env, params, &options.device, None)?;
             if let Some(on) = options.release_memory {
@@ -265,7 +267,7 @@ impl KvCache {
     }
 
     /// What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-    /// for Mamba-style models), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
+    /// for Mamba-style models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
     /// cache for full-attention layers and a window cache for the others) or `'hybrid'`
     /// (0.1.161's attention cache and recurrent memory side by side).
     #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid'")]

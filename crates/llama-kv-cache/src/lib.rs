@@ -62,7 +62,7 @@ pub use memory::kinds::{LayerRows, Memory, PartInfo};
 pub use memory::recurrent::RecurrentMemory;
 pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};
-pub use params::{CacheParams, MAX_SEQ};
+pub use params::{CacheParams, RecurrentRules, MAX_SEQ};
 pub use state::files::{FileKind, Outputs, WriteOptions};
 pub use state::fit::{check_state, Fit, Mismatch};
 pub use state::parts::{PartKind, PartRole};

@@ -54,6 +54,23 @@ pub struct CacheParams {
     /// DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash keep only the latent K): every V width is 0 and
     /// its state payloads have no V block at all.
     pub no_v: bool,
+    /// Whose rules a recurrent cache's `seq_rm` and `seq_pos_max` follow (ignored by a
+    /// transformer cache).
+    pub recurrent_rules: RecurrentRules,
+}
+
+/// Whose sequence rules a recurrent cache follows. The cells, placement and state format are
+/// the same; llama.cpp 0.1.161's `llama_memory_recurrent` changed which removals it accepts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RecurrentRules {
+    /// The seed's (b4944): a removal touching the state's position partly is refused, and -1
+    /// removes every sequence.
+    #[default]
+    Seed,
+    /// 0.1.161's: only a removal from inside the state to past its end is refused, a range the
+    /// state's position is not in removes nothing and succeeds, a sequence id outside
+    /// `[0, n_seq_max)` (-1 included) is refused, and `seq_pos_max` of an empty sequence is -1.
+    V0_1_161,
 }
 
 impl CacheParams {
@@ -77,6 +94,7 @@ impl CacheParams {
             cell_ext: CellExt::None,
             mrope: false,
             no_v: false,
+            recurrent_rules: RecurrentRules::Seed,
         }
     }
 

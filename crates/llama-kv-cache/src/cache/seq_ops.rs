@@ -7,6 +7,7 @@
 use crate::cache::KvCache;
 use crate::cells::{Cell, Freed, SeqSet};
 use crate::error::{KvError, Result};
+use crate::params::RecurrentRules;
 
 fn open_range(p0: i32, p1: i32) -> (i32, i32) {
     (p0.max(0), if p1 < 0 { i32::MAX } else { p1 })
@@ -18,6 +19,9 @@ impl KvCache {
     /// when that is worth it (`release`). Returns false, changing nothing, when a recurrent
     /// cache is asked to erase part of a sequence's state.
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        if self.params.recurrent && self.params.recurrent_rules == RecurrentRules::V0_1_161 {
+            return Ok(self.seq_rm_recurrent_0_1_161(seq, p0, p1));
+        }
         let Some(freed) = self.seq_rm_keeping_data(seq, p0, p1)? else {
             return Ok(false);
         };
@@ -25,6 +29,48 @@ impl KvCache {
             self.release_freed(first..last + 1, freed.with_pos as usize)?;
         }
         Ok(true)
+    }
+
+    /// 0.1.161's `llama_memory_recurrent::seq_rm`: false, changing nothing, for a removal that
+    /// would cut a state (from inside a sequence to its end: the rollback snapshots that would
+    /// allow it are not kept), for a sequence id out of range, and for -1 (0.1.161 compares the
+    /// id unsigned with the sequence count, so every negative id is out of range).
+    fn seq_rm_recurrent_0_1_161(&mut self, seq: i32, p0: i32, p1: i32) -> bool {
+        let (p0, p1) = open_range(p0, p1);
+        if seq < 0 || seq as u32 >= self.params.n_seq_max || seq as u32 >= self.params.size {
+            return false;
+        }
+        let s = seq as usize;
+        let tail = self.cells.tail(s);
+        if tail >= 0 {
+            let pos = self.cells.pos(tail as usize);
+            if 0 < p0 && p0 <= pos && p1 > pos {
+                return false;
+            }
+            if p0 <= pos && pos < p1 {
+                self.cells.set_tail(s, -1);
+            }
+        }
+        let size = self.cells.len();
+        let mut new_head = size;
+        for i in 0..size {
+            let pos = self.cells.pos(i);
+            if pos < p0 || pos >= p1 || !self.cells.seqs(i).contains(s) {
+                continue;
+            }
+            self.cells.remove_seq(i, s);
+            if self.cells.is_empty_cell(i) {
+                self.cells.used = self.cells.used.wrapping_sub(1);
+                self.cells.set_pos(i, -1);
+                self.cells.set_src(i, -1);
+                new_head = new_head.min(i);
+            }
+        }
+        self.cells.settle();
+        if new_head != size && (new_head as u32) < self.head {
+            self.head = new_head as u32;
+        }
+        true
     }
 
     /// [`KvCache::seq_rm`] that leaves the freed cells' rows in memory, for a caller that may
@@ -262,7 +308,12 @@ impl KvCache {
     /// (use [`KvCache::seq_cell_count`] to tell an empty sequence apart). O(1).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         let s = self.check_seq("seqPosMax", seq)?;
-        Ok(self.cells.seq_pos_max(s).unwrap_or(0).max(0))
+        let max = self.cells.seq_pos_max(s);
+        if self.params.recurrent && self.params.recurrent_rules == RecurrentRules::V0_1_161 {
+            // 0.1.161 starts its maximum at -1: an empty sequence, or a state moved below 0
+            return Ok(max.unwrap_or(-1).max(-1));
+        }
+        Ok(max.unwrap_or(0).max(0))
     }
 
     /// Number of cells holding `seq`. O(1).

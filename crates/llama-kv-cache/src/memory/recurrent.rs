@@ -1,9 +1,10 @@
 //! llama.cpp 0.1.161's recurrent memory (`llama_memory_recurrent`): one state cell per
 //! sequence, R and S rows per recurrent layer. The cells, placement and state codec are the
-//! seed's recurrent mode of [`KvCache`], which 0.1.161 kept; what changed is `seq_rm`, done
-//! here as 0.1.161 does it. 0.1.161's per-token rollback snapshots (`n_rs_seq`, off unless a
-//! context asks for them) are not kept: a removal of the end of a state is refused, as
-//! 0.1.161 refuses it without them.
+//! seed's recurrent mode of [`KvCache`], which 0.1.161 kept; what changed is `seq_rm` (and an
+//! empty sequence's `seq_pos_max`), which its cache does by 0.1.161's rules
+//! ([`RecurrentRules::V0_1_161`], as `KvCache.fromModel` of a recurrent model does too).
+//! 0.1.161's per-token rollback snapshots (`n_rs_seq`, off unless a context asks for them) are
+//! not kept: a removal of the end of a state is refused, as 0.1.161 refuses it without them.
 
 use crate::cache::convert::patch_declared_layers;
 use crate::cache::io::{ReadOptions, ReadSummary};
@@ -11,7 +12,7 @@ use crate::cache::KvCache;
 use crate::cell_ext::CellExt;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
-use crate::params::CacheParams;
+use crate::params::{CacheParams, RecurrentRules};
 use crate::state::codec::ParsedPayload;
 use crate::state::parts::recurrent_payload;
 use crate::state::Layout;
@@ -37,6 +38,7 @@ impl RecurrentMemory {
     /// only).
     pub fn new(mut params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
         params.recurrent = true;
+        params.recurrent_rules = RecurrentRules::V0_1_161;
         params.can_shift = false;
         // a cell is a sequence's state, not a token: no cell extension (M-RoPE's belongs to a
         // hybrid's attention cells, as Qwen3.5's), and its S rows whatever the attention keeps
@@ -79,46 +81,9 @@ impl RecurrentMemory {
         Ok(true)
     }
 
-    /// 0.1.161's `seq_rm`: false, changing nothing, for a removal that would cut a state
-    /// (from inside a sequence to its end), for a sequence id out of range, and for -1 (0.1.161
-    /// compares the id unsigned with the sequence count, so every negative id is out of range).
+    /// 0.1.161's `seq_rm` (the cache follows its rules, [`RecurrentRules::V0_1_161`]).
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        let c = &mut self.cache;
-        let (p0, p1) = (p0.max(0), if p1 < 0 { i32::MAX } else { p1 });
-        if seq < 0 || seq as u32 >= c.params.n_seq_max || seq as u32 >= c.params.size {
-            return Ok(false);
-        }
-        let s = seq as usize;
-        let tail = c.cells.tail(s);
-        if tail >= 0 {
-            let pos = c.cells.pos(tail as usize);
-            if 0 < p0 && p0 <= pos && p1 > pos {
-                return Ok(false);
-            }
-            if p0 <= pos && pos < p1 {
-                c.cells.set_tail(s, -1);
-            }
-        }
-        let size = c.cells.len();
-        let mut new_head = size;
-        for i in 0..size {
-            let pos = c.cells.pos(i);
-            if pos < p0 || pos >= p1 || !c.cells.seqs(i).contains(s) {
-                continue;
-            }
-            c.cells.remove_seq(i, s);
-            if c.cells.is_empty_cell(i) {
-                c.cells.used = c.cells.used.wrapping_sub(1);
-                c.cells.set_pos(i, -1);
-                c.cells.set_src(i, -1);
-                new_head = new_head.min(i);
-            }
-        }
-        c.cells.settle();
-        if new_head != size && (new_head as u32) < c.head {
-            c.head = new_head as u32;
-        }
-        Ok(true)
+        self.cache.seq_rm(seq, p0, p1)
     }
 
     /// `seq_cp`: the destination shares the source's state cell.
@@ -150,8 +115,7 @@ impl RecurrentMemory {
     /// Largest position of the cells holding `seq`, -1 when none does; never below -1 (a
     /// state moved below 0 by `seq_add` reads -1, as 0.1.161 starts its maximum there).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        let s = self.cache.check_seq("seqPosMax", seq)?;
-        Ok(self.cache.cells.seq_pos_max(s).unwrap_or(-1).max(-1))
+        self.cache.seq_pos_max(seq)
     }
 
     /// Frees every cell and zeroes the rows.

@@ -903,6 +903,11 @@ impl ModelInfo {
                 .checked_next_multiple_of(p.padding())
                 .ok_or_else(|| KvError::OutOfRange(format!("nCtx {n_ctx} is too large")))?
         };
+        if recurrent {
+            // today's llama.cpp builds `llama_memory_recurrent`, whose removals differ from
+            // the seed's
+            p.recurrent_rules = crate::params::RecurrentRules::V0_1_161;
+        }
         p.validate()?;
         Ok(p)
     }
