@@ -84,10 +84,14 @@ impl KvCache {
     }
 
     /// Runs a synchronous call that needs the seed's unified cache (`kv` and `recurrent`
-    /// kinds; other kinds refuse with `ERR_KV_UNSUPPORTED`, naming theirs).
-    fn with<T>(&self, f: impl FnOnce(&mut core::KvCache) -> JsResult<T>) -> JsResult<T> {
-        self.shared
-            .with(|m| f(m.kv("this method").map_err(from_core)?))
+    /// kinds; other kinds refuse with `ERR_KV_UNSUPPORTED`, naming the method `what` and their
+    /// kind).
+    fn with<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut core::KvCache) -> JsResult<T>,
+    ) -> JsResult<T> {
+        self.shared.with(|m| f(m.kv(what).map_err(from_core)?))
     }
 
     /// Runs a synchronous call on a memory of any kind.
@@ -207,7 +211,7 @@ impl KvCache {
             };
             let cache = KvCache::from_params(&env, params, &options.device, None)?;
             if let Some(on) = options.release_memory {
-                cache.with(|c| {
+                cache.with("releaseMemory", |c| {
                     c.set_release_memory(on);
                     Ok(())
                 })?;
@@ -255,7 +259,7 @@ impl KvCache {
     /// OS (the `releaseMemory` option).
     #[napi(getter)]
     pub fn release_memory(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.release_memory()))
+        self.with("releaseMemory", |c| Ok(c.release_memory()))
     }
 
     /// Host tensor bytes the cache holds in memory now: tensors are mapped lazily by the OS, so
@@ -285,7 +289,7 @@ impl KvCache {
     /// Tensor bytes per device.
     #[napi(getter)]
     pub fn bytes_per_device(&self) -> Result<Vec<DeviceBytes>, Code> {
-        self.with(|c| {
+        self.with("bytesPerDevice", |c| {
             Ok(c.bytes_per_device()
                 .into_iter()
                 .map(|(d, b)| DeviceBytes {
@@ -308,7 +312,7 @@ impl KvCache {
     /// Number of cells.
     #[napi(getter)]
     pub fn size(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.size()))
+        self.with("size", |c| Ok(c.size()))
     }
 
     /// Number of layers.
@@ -320,37 +324,37 @@ impl KvCache {
     /// Where the next slot search starts.
     #[napi(getter)]
     pub fn head(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.head()))
+        self.with("head", |c| Ok(c.head()))
     }
 
     /// Cells the attention looks at (set by slot placement).
     #[napi(getter)]
     pub fn n(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.n()))
+        self.with("n", |c| Ok(c.n()))
     }
 
     /// llama.cpp's `used` counter.
     #[napi(getter)]
     pub fn used_cells(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.used_cells()))
+        self.with("usedCells", |c| Ok(c.used_cells()))
     }
 
     /// Sum over cells of the number of owning sequences (`llama_kv_self_n_tokens`).
     #[napi(getter)]
     pub fn n_tokens(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.n_tokens() as f64))
+        self.with("nTokens", |c| Ok(c.n_tokens() as f64))
     }
 
     /// Largest position in the cache, -1 when empty.
     #[napi(getter)]
     pub fn pos_max(&self) -> Result<i32, Code> {
-        self.with(|c| Ok(c.pos_max()))
+        self.with("posMax", |c| Ok(c.pos_max()))
     }
 
     /// One past the last occupied cell.
     #[napi]
     pub fn cell_max(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.cell_max()))
+        self.with("cellMax", |c| Ok(c.cell_max()))
     }
 
     /// Whether a K-shift is possible.
@@ -368,32 +372,32 @@ impl KvCache {
     /// Whether a defrag is scheduled for the next `update`.
     #[napi(getter)]
     pub fn defrag_pending(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.defrag_pending()))
+        self.with("defragPending", |c| Ok(c.defrag_pending()))
     }
 
     /// Whether V is stored transposed (flash attention off, not recurrent).
     #[napi(getter)]
     pub fn v_trans(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.v_trans()))
+        self.with("vTrans", |c| Ok(c.v_trans()))
     }
 
     /// Whether the cache is recurrent.
     #[napi(getter)]
     pub fn recurrent(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.recurrent()))
+        self.with("recurrent", |c| Ok(c.recurrent()))
     }
 
     /// Padding of `n`: 256 with flash attention, else 32.
     #[napi(getter)]
     pub fn padding(&self) -> Result<u32, Code> {
-        self.with(|c| Ok(c.padding()))
+        self.with("padding", |c| Ok(c.padding()))
     }
 
     /// What each cell keeps beside its position: 'none', 'pos2' or 'pos2-tok' (M-RoPE and
     /// PLE models; saved in state files after each cell's seq id count).
     #[napi(getter)]
     pub fn cell_ext(&self) -> Result<String, Code> {
-        self.with(|c| Ok(c.params().cell_ext.name().to_string()))
+        self.with("cellExt", |c| Ok(c.params().cell_ext.name().to_string()))
     }
 
     /// Number of sequences the cache tracks (seq ids `0..nSeqMax`).
@@ -405,44 +409,44 @@ impl KvCache {
     /// Whether the cache holds M-RoPE positions (seqAdd / seqDiv are refused).
     #[napi(getter)]
     pub fn mrope(&self) -> Result<bool, Code> {
-        self.with(|c| Ok(c.params().mrope))
+        self.with("mrope", |c| Ok(c.params().mrope))
     }
 
     /// K type name.
     #[napi(getter)]
     pub fn type_k(&self) -> Result<String, Code> {
-        self.with(|c| Ok(c.type_k().name().to_string()))
+        self.with("typeK", |c| Ok(c.type_k().name().to_string()))
     }
 
     /// V type name.
     #[napi(getter)]
     pub fn type_v(&self) -> Result<String, Code> {
-        self.with(|c| Ok(c.type_v().name().to_string()))
+        self.with("typeV", |c| Ok(c.type_v().name().to_string()))
     }
 
     /// Bytes of all K and V tensors.
     #[napi(getter)]
     pub fn total_size(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.total_size() as f64))
+        self.with("totalSize", |c| Ok(c.total_size() as f64))
     }
 
     /// Bytes of all K tensors.
     #[napi(getter)]
     pub fn size_k_bytes(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.size_k_bytes() as f64))
+        self.with("sizeKBytes", |c| Ok(c.size_k_bytes() as f64))
     }
 
     /// Bytes of all V tensors.
     #[napi(getter)]
     pub fn size_v_bytes(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.size_v_bytes() as f64))
+        self.with("sizeVBytes", |c| Ok(c.size_v_bytes() as f64))
     }
 
     /// Metadata of cell `index`.
     #[napi]
     pub fn cell(&self, #[napi(ts_arg_type = "number")] index: Num) -> Result<CellInfo, Code> {
         let i = u32v("index", index)?;
-        self.with(|c| {
+        self.with("cell", |c| {
             let cell = c.cell(i).map_err(from_core)?;
             Ok(CellInfo {
                 pos: cell.pos,
@@ -457,7 +461,7 @@ impl KvCache {
     /// Every cell's metadata (pos, delta, src, tail, sequence sets) as typed arrays, in one call.
     #[napi]
     pub fn cells(&self) -> Result<CellColumns, Code> {
-        self.with(|c| {
+        self.with("cells", |c| {
             let cols = c.cell_columns().map_err(from_core)?;
             Ok(CellColumns {
                 pos: Int32Array::new(cols.pos),
@@ -478,7 +482,7 @@ impl KvCache {
         #[napi(ts_arg_type = "number")] n_seq_max: Option<Num>,
     ) -> Result<CacheView, Code> {
         let limit = n_seq_max.map_or(Ok(4), |n| u32v("nSeqMax", n))? as usize;
-        self.with(|c| {
+        self.with("view", |c| {
             let v = c.view(limit);
             Ok(CacheView {
                 pos: Int32Array::new(v.pos),

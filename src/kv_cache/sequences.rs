@@ -100,7 +100,7 @@ impl KvCache {
     #[napi]
     pub fn seq_cell_count(&self, #[napi(ts_arg_type = "number")] seq_id: Num) -> Result<u32, Code> {
         let s = i32v("seqId", seq_id)?;
-        self.with(|c| c.seq_cell_count(s).map_err(from_core))
+        self.with("seqCellCount", |c| c.seq_cell_count(s).map_err(from_core))
     }
 
     /// Frees every cell and zeroes the tensors.
@@ -120,7 +120,9 @@ impl KvCache {
         #[napi(ts_arg_type = "UBatchInput")] ubatch: Obj<UBatchInput>,
     ) -> Result<Option<Slot>, Code> {
         let ub = to_ubatch(ubatch.0)?;
-        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(slot)))
+        self.with("findSlot", |c| {
+            Ok(c.find_slot(&ub).map_err(from_core)?.map(slot))
+        })
     }
 
     /// `findSlot` for a ubatch in llama_batch's packed form, without building a JS object: the
@@ -141,7 +143,9 @@ impl KvCache {
         #[napi(ts_arg_type = "Int32Array | null")] ext: Option<I32s>,
     ) -> Result<Option<u32>, Code> {
         let ub = packed(&pos, &seq_ids, n_seq_ids, n_seq_tokens, ext)?;
-        self.with(|c| Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head)))
+        self.with("findSlotPacked", |c| {
+            Ok(c.find_slot(&ub).map_err(from_core)?.map(|s| s.head))
+        })
     }
 
     /// The cache-side steps of llama.cpp's decode for one ubatch: head reset heuristic,
@@ -156,7 +160,9 @@ impl KvCache {
         let opts = PrepareOptions {
             advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
         };
-        self.with(|c| Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot)))
+        self.with("prepareBatch", |c| {
+            Ok(c.prepare_batch(&ub, opts).map_err(from_core)?.map(slot))
+        })
     }
 
     /// `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
@@ -178,7 +184,7 @@ impl KvCache {
             advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
         };
         let ub = packed(&pos, &seq_ids, n_seq_ids, n_seq_tokens, ext)?;
-        self.with(|c| {
+        self.with("prepareBatchPacked", |c| {
             Ok(c.prepare_batch(&ub, opts)
                 .map_err(from_core)?
                 .map(|s| s.head))
@@ -284,7 +290,7 @@ impl KvCache {
     /// on a failed ubatch to roll them all back as the seed does.
     #[napi]
     pub fn slot_restorer(&self) -> Result<SlotRestorer, Code> {
-        let inner = self.with(|c| Ok(c.slot_restorer()))?;
+        let inner = self.with("slotRestorer", |c| Ok(c.slot_restorer()))?;
         Ok(SlotRestorer::new(self.shared.clone(), inner))
     }
 }

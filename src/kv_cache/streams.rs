@@ -56,7 +56,11 @@ impl KvCache {
     ) -> JsResult<RawValue> {
         guard(|| {
             if !self.shared.queue.is_pending() {
-                self.with(|c| work.start(c))?;
+                let what = match work {
+                    Work::Out { .. } => "createStateReadStream",
+                    Work::In { .. } => "createStateWriteStream",
+                };
+                self.with(what, |c| work.start(c))?;
             }
             state_stream::open(env, &self.shared, work, kind, chunk, signal)
         })

@@ -31,19 +31,28 @@ pub struct UpdateOptions {
     pub signal: Option<Signal>,
 }
 
+/// The JS name of a K/V rows method (`readK`, `writeVF32`, ...), for its refusals.
+fn rows_method(verb: &str, v: bool, suffix: &str) -> String {
+    format!("{verb}{}{suffix}", if v { "V" } else { "K" })
+}
+
 impl KvCache {
     fn read(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Buffer, Code> {
+        let what = rows_method("read", v, "");
         let (il, which) = layer_and_tensor(layer, v)?;
         let (first, n) = (u32v("firstCell", first)?, u32v("nCells", n)?);
-        self.with(|c| Ok(c.read_rows(il, which, first, n).map_err(from_core)?.into()))
+        self.with(&what, |c| {
+            Ok(c.read_rows(il, which, first, n).map_err(from_core)?.into())
+        })
     }
 
     fn write(&self, layer: Num, v: bool, first: Num, data: &Bytes) -> Result<(), Code> {
+        let what = rows_method("write", v, "");
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
         // SAFETY: every argument is converted; only the core runs while the rows are read
         let data = unsafe { data.borrow("data")? };
-        self.with(|c| {
+        self.with(&what, |c| {
             let written = c.write_rows(il, which, first, data).map_err(from_core);
             self.shared.handle.account_kv(c);
             written
@@ -51,9 +60,10 @@ impl KvCache {
     }
 
     fn read_f32(&self, layer: Num, v: bool, first: Num, n: Num) -> Result<Float32Array, Code> {
+        let what = rows_method("read", v, "F32");
         let (il, which) = layer_and_tensor(layer, v)?;
         let (first, n) = (u32v("firstCell", first)?, u32v("nCells", n)?);
-        self.with(|c| {
+        self.with(&what, |c| {
             Ok(Float32Array::new(
                 c.read_rows_f32(il, which, first, n).map_err(from_core)?,
             ))
@@ -61,11 +71,12 @@ impl KvCache {
     }
 
     fn write_f32(&self, layer: Num, v: bool, first: Num, values: &Floats) -> Result<(), Code> {
+        let what = rows_method("write", v, "F32");
         let (il, which) = layer_and_tensor(layer, v)?;
         let first = u32v("firstCell", first)?;
         // SAFETY: every argument is converted; only the core runs while the values are read
         let values = unsafe { values.borrow("values")? };
-        self.with(|c| {
+        self.with(&what, |c| {
             let written = c
                 .write_rows_f32(il, which, first, values)
                 .map_err(from_core);
@@ -171,7 +182,9 @@ impl KvCache {
             }
         };
         let il = u32v("layer", layer)?;
-        self.with(|c| Ok(c.row_size(il, which).map_err(from_core)? as u32))
+        self.with("rowSize", |c| {
+            Ok(c.row_size(il, which).map_err(from_core)? as u32)
+        })
     }
 
     /// Raw K rows of cells `[firstCell, firstCell + nCells)` in the cache's type.
@@ -265,7 +278,7 @@ impl KvCache {
     /// Schedules a defrag for the next `update`.
     #[napi]
     pub fn defrag(&self) -> Result<(), Code> {
-        self.with(|c| {
+        self.with("defrag", |c| {
             c.defrag();
             Ok(())
         })
@@ -274,7 +287,7 @@ impl KvCache {
     /// Fragmentation as llama.cpp measures it (0 when n < 2048).
     #[napi]
     pub fn fragmentation(&self) -> Result<f64, Code> {
-        self.with(|c| Ok(c.fragmentation() as f64))
+        self.with("fragmentation", |c| Ok(c.fragmentation() as f64))
     }
 
     /// Schedules a defrag when fragmentation exceeds `threshold`; returns whether it did.
@@ -290,7 +303,10 @@ impl KvCache {
                 format!("threshold must be a finite number, got {threshold}"),
             ));
         }
-        self.with(|c| Ok(c.schedule_defrag(threshold as f32)))
+        self.with(
+            "scheduleDefrag",
+            |c| Ok(c.schedule_defrag(threshold as f32)),
+        )
     }
 
     /// Applies a pending K-shift (given `rope`, or the model's RoPE for a cache made by
