@@ -290,11 +290,11 @@ export declare class KvCache {
   get typeK(): string
   /** V type name. */
   get typeV(): string
-  /** Bytes of all K and V tensors. */
+  /** Bytes of all K and V tensors, over every part (a recurrent part's R and S included). */
   get totalSize(): number
-  /** Bytes of all K tensors. */
+  /** Bytes of all K tensors (a recurrent part's R), over every part. */
   get sizeKBytes(): number
-  /** Bytes of all V tensors. */
+  /** Bytes of all V tensors (a recurrent part's S), over every part. */
   get sizeVBytes(): number
   /** Metadata of cell `index`. */
   cell(index: number): CellInfo

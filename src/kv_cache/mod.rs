@@ -424,22 +424,22 @@ impl KvCache {
         self.with("typeV", |c| Ok(c.type_v().name().to_string()))
     }
 
-    /// Bytes of all K and V tensors.
+    /// Bytes of all K and V tensors, over every part (a recurrent part's R and S included).
     #[napi(getter)]
     pub fn total_size(&self) -> Result<f64, Code> {
-        self.with("totalSize", |c| Ok(c.total_size() as f64))
+        self.with_memory(|c| Ok(c.total_size() as f64))
     }
 
-    /// Bytes of all K tensors.
+    /// Bytes of all K tensors (a recurrent part's R), over every part.
     #[napi(getter)]
     pub fn size_k_bytes(&self) -> Result<f64, Code> {
-        self.with("sizeKBytes", |c| Ok(c.size_k_bytes() as f64))
+        self.with_memory(|c| Ok(c.size_k_bytes() as f64))
     }
 
-    /// Bytes of all V tensors.
+    /// Bytes of all V tensors (a recurrent part's S), over every part.
     #[napi(getter)]
     pub fn size_v_bytes(&self) -> Result<f64, Code> {
-        self.with("sizeVBytes", |c| Ok(c.size_v_bytes() as f64))
+        self.with_memory(|c| Ok(c.size_v_bytes() as f64))
     }
 
     /// Metadata of cell `index`.

@@ -247,24 +247,46 @@ impl Memory {
         self.parts().iter().map(|p| p.layers.len() as u32).sum()
     }
 
-    /// Host tensor bytes in memory.
-    pub fn host_resident_bytes(&self) -> usize {
-        let streams = |c: &AttentionCache| -> usize {
-            (0..c.n_stream())
-                .filter_map(|s| c.stream(s).ok())
-                .map(KvCache::host_resident_bytes)
-                .sum()
-        };
+    /// Every cache of the memory: each stream of each attention part, and a hybrid's
+    /// recurrent memory.
+    fn caches(&self) -> Vec<&KvCache> {
+        fn streams(c: &AttentionCache) -> Vec<&KvCache> {
+            (0..c.n_stream()).filter_map(|s| c.stream(s).ok()).collect()
+        }
         match self {
-            Memory::Kv(c) => c.host_resident_bytes(),
-            Memory::Iswa(c) => streams(&c.base().cache) + streams(&c.swa().cache),
+            Memory::Kv(c) => vec![c.as_ref()],
+            Memory::Iswa(c) => [streams(&c.base().cache), streams(&c.swa().cache)].concat(),
             Memory::Hybrid(c) => {
-                let attn: usize = (c.attention().cache.caches().iter())
-                    .map(|(_, part, _)| streams(part))
-                    .sum();
-                attn + c.recurrent().memory.cache().host_resident_bytes()
+                let mut all: Vec<&KvCache> = (c.attention().cache.caches().into_iter())
+                    .flat_map(|(_, part, _)| streams(part))
+                    .collect();
+                all.push(c.recurrent().memory.cache());
+                all
             }
         }
+    }
+
+    /// Host tensor bytes in memory.
+    pub fn host_resident_bytes(&self) -> usize {
+        self.caches()
+            .into_iter()
+            .map(KvCache::host_resident_bytes)
+            .sum()
+    }
+
+    /// Bytes of all K tensors (a recurrent part's R), over every part.
+    pub fn size_k_bytes(&self) -> usize {
+        self.caches().into_iter().map(KvCache::size_k_bytes).sum()
+    }
+
+    /// Bytes of all V tensors (a recurrent part's S), over every part.
+    pub fn size_v_bytes(&self) -> usize {
+        self.caches().into_iter().map(KvCache::size_v_bytes).sum()
+    }
+
+    /// Bytes of all tensors, over every part.
+    pub fn total_size(&self) -> usize {
+        self.size_k_bytes() + self.size_v_bytes()
     }
 
     /// `seq_rm`: false when a recurrent cache refuses a partial removal.
