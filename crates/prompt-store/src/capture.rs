@@ -581,13 +581,7 @@ fn dsv4_one_sequence(
             );
             vec![Piece::Input(first.start..end.end)]
         }
-        Some(s) => {
-            let mut pieces = Vec::new();
-            for section in &c.sections {
-                pieces.extend(section.one_stream(s as u32, last)?);
-            }
-            pieces
-        }
+        Some(s) => c.one_sequence(s, last)?,
     };
     let mut out = Vec::new();
     crate::payload::grow(&mut out, pieces.iter().map(Piece::len).sum())?;

@@ -1,8 +1,9 @@
 //! One KV part of a one-sequence state payload in today's layout (`n_stream` 1, or one stream
-//! per sequence of which only the sequence's has cells; the rotation recorded), written in place from verified rows: the bytes the core's transactional
-//! `state_read` loads, and the parts of the files `write_file` writes. A payload is built in a
-//! [`PayloadSink`]: a buffer in memory, or the file being written, at offsets ([`FileSink`]), so
-//! that a file needs no buffer of its size.
+//! per sequence of which only the sequence's has cells; the rotation recorded), written in
+//! place from verified rows: the bytes the core's transactional `state_read` loads, and the
+//! parts of the files `write_file` writes. A payload is built in a [`PayloadSink`]: a buffer
+//! in memory, or the file being written, at offsets ([`FileSink`]), so that a file needs no
+//! buffer of its size.
 
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};

@@ -184,8 +184,8 @@ struct Plan {
     outputs: Option<(u64, u64)>,
     parts: Vec<PartPlan>,
     /// What follows the parts: a dsv4 state's compressed caches and compressor states, as
-    /// bytes of the plan's own and ranges of the input.
-    tail: Vec<(Piece, u64)>,
+    /// bytes of the plan's own and ranges of the input file.
+    tail: Vec<Piece>,
     layout: Layout,
     n_stream: u32,
 }
@@ -195,10 +195,16 @@ impl Plan {
         // a dsv4 state converts whole (the raw cache's parts, then its sections) unless one
         // part of the raw cache is asked for
         let dsv4 = ins.compressed.as_ref().filter(|_| opts.part.is_none());
+        let to = opts
+            .to
+            .unwrap_or(match (ins.header.kind, opts.extract_seq) {
+                (_, Some(_)) => FileKind::Sequence,
+                (kind, None) => kind,
+            });
         let adjusted;
         let opts = match dsv4 {
             Some(_) => {
-                adjusted = dsv4_options(ins, opts)?;
+                adjusted = dsv4_options(ins, opts, to)?;
                 &adjusted
             }
             None => opts,
@@ -229,12 +235,6 @@ impl Plan {
                 )));
             }
         }
-        let to = opts
-            .to
-            .unwrap_or(match (ins.header.kind, opts.extract_seq) {
-                (_, Some(_)) => FileKind::Sequence,
-                (kind, None) => kind,
-            });
         let (version, layout) = resolve_version(to, &opts.write)?;
         // the sequence a sequence file holds: from the first part whose cells name it
         let seq_in_file = parts
@@ -323,7 +323,7 @@ impl Plan {
         self.head.len()
             + self.outputs.map_or(0, |o| o.1 as usize)
             + self.parts.iter().map(|p| p.size).sum::<usize>()
-            + self.tail.iter().map(|(p, _)| p.len()).sum::<usize>()
+            + self.tail.iter().map(Piece::len).sum::<usize>()
     }
 
     fn write(&self, w: &mut dyn Write, progress: Option<Progress<'_>>) -> Result<()> {
@@ -363,10 +363,10 @@ impl Plan {
             }
             done += part.size as u64;
         }
-        for (piece, at) in &self.tail {
+        for piece in &self.tail {
             match piece {
                 Piece::Bytes(b) => w.write_all(b).map_err(io)?,
-                Piece::Input(r) => self.input.copy_to(at + r.start as u64, r.len() as u64, w)?,
+                Piece::Input(r) => self.input.copy_to(r.start as u64, r.len() as u64, w)?,
             }
         }
         if let (Some(p), false) = (progress.as_mut(), self.tail.is_empty()) {
@@ -381,7 +381,7 @@ impl Plan {
 /// it) unless another is asked for, which is refused; the raw cache's streams as the input has
 /// them (one per sequence whatever the context); no re-typing (the compressed caches would need
 /// it too).
-fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOptions> {
+fn dsv4_options(ins: &Inspection, opts: &ConvertOptions, to: FileKind) -> Result<ConvertOptions> {
     let refuse = |what: &str| {
         Err(KvError::Unsupported(format!(
             "{what} of a dsv4 state (DeepSeek V4's compressed caches) is not supported; \
@@ -397,11 +397,7 @@ fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOption
         return refuse("a session made of a sequence file");
     }
     // a session keeps each sequence's sections in that sequence's stream
-    let to_session = opts.to.unwrap_or(match opts.extract_seq {
-        Some(_) => FileKind::Sequence,
-        None => ins.header.kind,
-    }) == FileKind::Session;
-    if to_session && opts.as_seq.is_some() {
+    if to == FileKind::Session && opts.as_seq.is_some() {
         return refuse("renaming a sequence in a session");
     }
     let mut out = opts.clone();
@@ -420,21 +416,20 @@ fn dsv4_options(ins: &Inspection, opts: &ConvertOptions) -> Result<ConvertOption
     Ok(out)
 }
 
-/// The sections of a dsv4 state as the output holds them, each piece with the input offset of
-/// its ranges: as they are, or (a sequence taken out of a whole-memory save) the stream of
-/// `seq` with the compressed rows its positions filled, as 0.1.161 saves one sequence.
-fn dsv4_tail(
-    ins: &Inspection,
-    c: &Compressed,
-    to: FileKind,
-    seq: i32,
-) -> Result<Vec<(Piece, u64)>> {
-    let at = ins.payload_offset as u64;
+/// The sections of a dsv4 state as the output holds them, their input ranges in the file: as
+/// they are, or (a sequence taken out of a whole-memory save) the stream of `seq` with the
+/// compressed rows its positions filled, as 0.1.161 saves one sequence.
+fn dsv4_tail(ins: &Inspection, c: &Compressed, to: FileKind, seq: i32) -> Result<Vec<Piece>> {
+    let at = ins.payload_offset;
+    let in_file = |p: Piece| match p {
+        Piece::Input(r) => Piece::Input(at + r.start..at + r.end),
+        bytes => bytes,
+    };
     if ins.header.kind == to {
         return Ok(c
             .sections
             .iter()
-            .map(|s| (Piece::Input(s.range.clone()), at))
+            .map(|s| in_file(Piece::Input(s.range.clone())))
             .collect());
     }
     // 0.1.161 takes the last position from the raw window cache
@@ -447,13 +442,10 @@ fn dsv4_tail(
         .map(|c| c.pos)
         .max()
         .unwrap_or(-1);
-    let stream = u32::try_from(seq)
-        .map_err(|_| KvError::InvalidArg(format!("seq id {seq} names no stream")))?;
-    let mut pieces = Vec::new();
-    for s in &c.sections {
-        pieces.extend(s.one_stream(stream, pos_max)?.into_iter().map(|p| (p, at)));
-    }
-    Ok(pieces)
+    Ok(c.one_sequence(seq, pos_max)?
+        .into_iter()
+        .map(in_file)
+        .collect())
 }
 
 /// One part of the input and what to make of it.

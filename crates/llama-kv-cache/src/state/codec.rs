@@ -344,10 +344,8 @@ pub(crate) fn row_block_ends<S: ByteSource + ?Sized>(
 }
 
 /// The layer blocks after a stream's data header `data`, for `n` cells: `blocks` of them
-/// (default: the `n_layer` it declares). Reads only the block headers and steps over the rows,
-/// so the block counts a hybrid's recurrent part may have are tried without parsing its cells
-/// again for each.
-pub(crate) fn parse_layer_blocks<S: ByteSource + ?Sized>(
+/// (default: the `n_layer` it declares). Reads only the block headers and steps over the rows.
+fn parse_layer_blocks<S: ByteSource + ?Sized>(
     c: &mut Cursor<'_, S>,
     n: usize,
     data: &DataHeader,

@@ -399,6 +399,21 @@ pub fn used_rows(pos_max: i32, ratio: u32, kv_size: u32) -> u32 {
     ((pos_max as u64 + 1) / u64::from(ratio)).min(u64::from(kv_size)) as u32
 }
 
+impl Compressed {
+    /// Every section as 0.1.161 writes it when saving sequence `seq` of a whole-memory save
+    /// (held in stream `seq`), the sequence's last position being `pos_max`: see
+    /// [`Section::one_stream`]. Ranges of the pieces are relative to the payload.
+    pub fn one_sequence(&self, seq: i32, pos_max: i32) -> Result<Vec<Piece>> {
+        let stream = u32::try_from(seq)
+            .map_err(|_| KvError::InvalidArg(format!("seq id {seq} names no stream")))?;
+        let mut pieces = Vec::new();
+        for s in &self.sections {
+            pieces.extend(s.one_stream(stream, pos_max)?);
+        }
+        Ok(pieces)
+    }
+}
+
 impl Section {
     /// The section as 0.1.161 writes it when saving one sequence held in stream `stream` of a
     /// whole-memory save, the sequence's last position being `pos_max`: one stream, and of a

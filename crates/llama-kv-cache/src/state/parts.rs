@@ -16,8 +16,8 @@ use crate::state::codec::parse_layerless_payload;
 use crate::state::dsv4::{self, Compressed};
 use crate::state::source::{ByteSource, Sub};
 use crate::state::{
-    parse_layer_blocks, parse_payload_form, parse_stream_head, parse_stream_with, row_block_ends,
-    Cursor, Layout, ParsedPayload, StreamBlock, StreamFormat,
+    parse_payload_form, parse_stream_head, parse_stream_with, row_block_ends, Cursor, Layout,
+    ParsedPayload, StreamFormat,
 };
 
 /// What kind of memory a part is.
@@ -213,27 +213,13 @@ fn recurrent_then<S: ByteSource + ?Sized, T>(
         match then(end) {
             Ok(rest) => {
                 // the one count that fits, parsed whole
-                let mut c = Cursor::new(body);
-                c.pos = data_at;
-                let layers = parse_layer_blocks(&mut c, n, &data, f, Some(blocks))?;
-                debug_assert_eq!(start + c.pos, end);
-                let stream = StreamBlock {
-                    cells: head.cells,
-                    v_trans: Some(data.v_trans),
-                    layers,
-                    n_rot: data.n_rot,
-                    n_layer_declared: data.n_layer,
-                };
+                let payload = recurrent_payload(body, Some(blocks))?;
+                debug_assert_eq!(start + payload.len, end);
                 let part = Part {
                     kind: PartKind::Recurrent,
                     role: PartRole::Recurrent,
                     range: start..end,
-                    payload: ParsedPayload {
-                        layout: Layout::Seed,
-                        streams: vec![stream],
-                        len: c.pos,
-                        ext: CellExt::None,
-                    },
+                    payload,
                 };
                 return Ok((part, rest));
             }
