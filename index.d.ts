@@ -308,9 +308,17 @@ export declare class KvCache {
    * option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
    * llama.cpp 0.1.161's iSWA memory (kind 'iswa'), a hybrid model (Jamba, Granite 4,
    * Qwen3-Next, ...) its hybrid memory (kind 'hybrid'), each sized as llama.cpp sizes it
-   * (see `kvUnified`, `swaFull`, `nUbatch`).
+   * (see `kvUnified`, `swaFull`, `nUbatch`). K/V types a 0.1.161 context refuses for the
+   * model are refused (`ERR_KV_INVALID_ARG`).
    */
   static fromModel(ggufPath: string | Uint8Array, options?: FromModelOptions): KvCache
+  /**
+   * The memory `fromModel` builds for the model and options, without building it: its
+   * kind, its parts (cells, streams, types, window) and the bytes of its tensors, so that an
+   * app can size a context before it reserves anything (the GGUF's header is read, no
+   * tensor). Refused as `fromModel` refuses (`device` plays no part in the sizes).
+   */
+  static planMemory(ggufPath: string | Uint8Array, options?: FromModelOptions): MemoryPlan
 }
 
 /**
@@ -675,7 +683,10 @@ export interface FromModelOptions {
   nCtx?: number
   /** Number of sequences. Default 1. */
   nSeqMax?: number
-  /** K type. Default 'f16'. */
+  /**
+   * K type. Default 'f16'. A recurrent state is kept in f32 whatever the types say, as
+   * llama.cpp keeps it.
+   */
   typeK?: string
   /** V type (quantized V needs `flashAttn`). Default 'f16'. */
   typeV?: string
@@ -948,6 +959,21 @@ export interface MemoryPart {
   nRotK: number
   /** Hadamard rotation of quantized V (0: none). */
   nRotV: number
+  /** Bytes of its K and V tensors, over all streams. */
+  bytes: number
+}
+
+/**
+ * The memory `KvCache.fromModel` builds for a model and options, before it is built
+ * (`KvCache.planMemory`).
+ */
+export interface MemoryPlan {
+  /** The kind the cache will report: 'kv', 'recurrent', 'iswa' or 'hybrid'. */
+  kind: string
+  /** Bytes of every K and V tensor of every part: what the cache's `totalSize` will be. */
+  bytes: number
+  /** Its parts, as the cache's `parts` will list them (no cell used yet). */
+  parts: Array<MemoryPart>
 }
 
 /**

@@ -400,7 +400,23 @@ mtest('CLI model: geometry and a KV memory table at 4k/8k/32k/128k and the train
   t.is(json.memory, 'recurrent')
   t.is(json.nSeqMax, 4)
   const row = json.kvMemory.find((x) => x.nCtx === 131072)
-  t.deepEqual(row.f16, { one: json.bytesPerCell.f16, all: 4 * json.bytesPerCell.f16 }, 'a recurrent state does not grow with the context')
+  const state = KvCache.planMemory(model('mamba.gguf')).bytes
+  t.deepEqual(row.f16, { one: state, all: 4 * state }, 'a recurrent state does not grow with the context')
+  t.deepEqual(row.q4_0, row.f16, 'and is f32 whatever the K/V types')
+})
+
+mtest('regression: CLI model printed a unified cache\'s bytes for every model (an iSWA window cache as large as the context, a hybrid without its recurrent state, V of latent attention)', (t) => {
+  for (const name of ['gemma3-swa.gguf', 'jamba.gguf', 'deepseek2-mla.gguf', 'lfm2-swa.gguf']) {
+    const json = JSON.parse(execFileSync(process.execPath, [CLI, 'model', model(name), '--json', '--n-seq-max', '3'], { encoding: 'utf8' }))
+    for (const row of json.kvMemory) {
+      const plan = (nCtx, nSeqMax) => KvCache.planMemory(model(name), { nCtx, nSeqMax, flashAttn: true }).bytes
+      t.deepEqual(row.f16, { one: plan(row.nCtx, 1), all: plan(3 * row.nCtx, 3) }, `${name} ${row.nCtx}`)
+    }
+  }
+  // gemma3's window cache is the window and a ubatch, not the context: 1 MiB base + 192 KiB window at 4,096
+  t.regex(cli('model', model('gemma3-swa.gguf')).stdout, /4096 +1\.19 MiB/)
+  // heads of 16 take no q8_0 with flash attention: n/a, as llama.cpp 0.1.161 refuses that context
+  t.regex(cli('model', model('jamba.gguf')).stdout, /4096 +522 KiB \/ [\d.]+ MiB +n\/a +n\/a/)
 })
 
 mtest('CLI inspect --model adds the fit verdict and exits 3 when the state does not fit', (t) => {
@@ -668,6 +684,64 @@ mtest('the 0.1.161 peer\'s hybrid files load into a live hybrid memory and save 
   const c = KvCache.fromModel(model('jamba.gguf'), { nCtx: 32 })
   t.throws(() => c.loadSessionFileSync(path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')), code('ERR_KV_INVALID_STATE', /hybrid/))
   t.is(c.seqPosMax(0), -1)
+})
+
+mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model and context, and refused as fromModel refuses', (t) => {
+  const contexts = [
+    { nCtx: 4096 },
+    { nCtx: 8192, nSeqMax: 3, kvUnified: false, typeK: 'q8_0', typeV: 'q8_0', flashAttn: true },
+    { nCtx: 1000, nSeqMax: 2, swaFull: true, nUbatch: 64 },
+  ]
+  let planned = 0
+  let refused = 0
+  for (const name of fs.readdirSync(MODELS).filter((n) => n.endsWith('.gguf')).sort()) {
+    for (const options of contexts) {
+      let plan
+      try {
+        plan = KvCache.planMemory(model(name), options)
+      } catch (e) {
+        // the same code and message from fromModel
+        t.throws(() => KvCache.fromModel(model(name), options), code(e.code, e.message), `${name} ${JSON.stringify(options)}`)
+        t.true(['ERR_KV_UNSUPPORTED', 'ERR_KV_INVALID_ARG'].includes(e.code), e.message)
+        refused++
+        continue
+      }
+      const c = KvCache.fromModel(model(name), options)
+      t.is(plan.kind, c.kind, name)
+      t.deepEqual(plan.parts, c.parts, `${name} ${JSON.stringify(options)}`)
+      t.is(plan.bytes, c.totalSize, name)
+      t.is(plan.bytes, plan.parts.reduce((sum, p) => sum + p.bytes, 0))
+      c.dispose()
+      planned++
+    }
+  }
+  t.true(planned >= 40 && refused >= 6, `${planned} planned, ${refused} refused`)
+  // the options are checked as fromModel checks them
+  t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))
+  t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
+  t.throws(() => KvCache.planMemory(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
+  t.throws(() => KvCache.planMemory(42), code('ERR_KV_INVALID_ARG', /ggufPath/))
+})
+
+mtest('regression: fromModel of a Mamba model kept its state in f16, where llama.cpp 0.1.161 keeps f32, and could not load 0.1.161\'s own session', (t) => {
+  const peer = path.join(FIXTURES, 't161', 't161-mamba.ggsn')
+  const c = KvCache.fromModel(model('mamba.gguf'))
+  t.deepEqual(c.parts.map((p) => [p.role, p.typeK, p.typeV]), [['whole', 'f32', 'f32']])
+  const loaded = c.loadSessionFileSync(peer)
+  t.like(loaded, { format: 'session', version: 11, arch: 'mamba', cells: 1 })
+  c.saveSessionFileSync(tmp('mamba-again.ggsn'), loaded.tokens, { arch: 'mamba', version: 11 })
+  t.deepEqual(fs.readFileSync(tmp('mamba-again.ggsn')), fs.readFileSync(peer))
+  // whatever K/V types the options name: 0.1.161 ignores them for a recurrent state
+  t.is(KvCache.fromModel(model('mamba.gguf'), { typeK: 'q8_0', typeV: 'q8_0', flashAttn: true }).parts[0].typeK, 'f32')
+})
+
+mtest('regression: fromModel built K/V types llama.cpp 0.1.161 refuses for the model (a block that does not divide the head, K and V apart under latent attention)', (t) => {
+  // Jamba's heads are 16 wide: q8_0's block of 32 does not divide them
+  t.throws(() => KvCache.fromModel(model('jamba.gguf'), { typeK: 'q8_0', flashAttn: true }), code('ERR_KV_INVALID_ARG', /typeK q8_0 .* head size .* got 16/))
+  t.throws(() => KvCache.fromModel(model('jamba.gguf'), { typeV: 'q8_0', flashAttn: true }), code('ERR_KV_INVALID_ARG', /typeV q8_0 .* got 16/))
+  t.throws(() => KvCache.fromModel(model('deepseek2-mla.gguf'), { typeK: 'f16', typeV: 'f32' }), code('ERR_KV_INVALID_ARG', /one type.*typeK f16 and typeV f32/))
+  // without flash attention a quantized K is not checked against the head (0.1.161 neither)
+  t.is(KvCache.fromModel(model('jamba.gguf'), { typeK: 'q8_0' }).parts[0].typeK, 'q8_0')
 })
 
 mtest('an LFM2 model with a window gets a hybrid-iSWA memory: a base cache without layers, a window cache and the recurrent state', (t) => {

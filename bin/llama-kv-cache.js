@@ -5,7 +5,7 @@
 
 const path = require('node:path')
 const fs = require('node:fs')
-const { inspectState, convertStateFile, modelInfo, checkState, PromptStore } = require('..')
+const { inspectState, convertStateFile, modelInfo, checkState, PromptStore, KvCache } = require('..')
 
 const SAMPLE = path.join(__dirname, '..', 'samples', 'llama-node-session.ggsn')
 const USAGE = `usage:
@@ -140,17 +140,28 @@ function bytes(n) {
 
 const TABLE_TYPES = ['f16', 'q8_0', 'q4_0']
 
-/** KV bytes at common context sizes for one sequence and `nSeq` sequences (each with that context). */
-function memoryTable(info, nSeq) {
-  const recurrent = info.memory === 'recurrent'
+/**
+ * Tensor bytes of the memory `KvCache.fromModel` builds (flash attention, K and V of one type)
+ * at common context sizes, for one sequence and for `nSeq` sequences each with that context;
+ * null where that context is refused (a type the model's heads do not allow) or the model has
+ * no live memory.
+ */
+function memoryTable(file, info, nSeq) {
   const ctxs = [...new Set([4096, 8192, 32768, 131072, info.nCtxTrain])].sort((a, b) => a - b)
+  const bytes = (nCtx, nSeqMax, type) => {
+    if (info.unsupported) return null
+    try {
+      return KvCache.planMemory(file, { nCtx, nSeqMax, typeK: type, typeV: type, flashAttn: true }).bytes
+    } catch (e) {
+      if (e.code === 'ERR_KV_INVALID_ARG') return null
+      throw e
+    }
+  }
   return ctxs.map((ctx) => {
     const row = { nCtx: ctx, trained: ctx === info.nCtxTrain }
     for (const t of TABLE_TYPES) {
-      const cell = info.bytesPerCell[t]
-      // a recurrent state holds one cell per sequence, whatever the context
-      const cells = (seqs) => (recurrent ? seqs : ctx * seqs)
-      row[t] = cell === null ? null : { one: cell * cells(1), all: cell * cells(nSeq) }
+      const one = bytes(ctx, 1, t)
+      row[t] = one === null ? null : { one, all: bytes(ctx * nSeq, nSeq, t) }
     }
     return row
   })
@@ -174,9 +185,10 @@ function humanModel(file, info, nSeq) {
     lines.push(`  state    ${x.wkvHeadSize ? `rwkv wkv head ${x.wkvHeadSize}, token shift ${x.tokenShiftCount}` : `ssm conv ${x.ssmDConv}, inner ${x.ssmDInner}, state ${x.ssmDState}, dt rank ${x.ssmDtRank}`}; widths K+${x.nEmbdKS} V+${x.nEmbdVS}`)
   }
   lines.push(`  file     ${bytes(info.fileSize)} (${info.nTensors} tensors, header ${bytes(info.headerSize)}), fingerprint ${info.fingerprint}`)
-  lines.push(`  KV memory (K and V of the same type; ${info.memory === 'recurrent' ? 'one state per sequence' : `1 sequence / ${nSeq} sequences of that context`})`)
+  const what = info.memory === 'recurrent' ? 'one f32 state per sequence' : `1 sequence / ${nSeq} sequences of that context`
+  lines.push(`  KV memory (KvCache.fromModel's, flash attention, K and V of the same type; ${what})`)
   lines.push(`    ${'n_ctx'.padStart(8)}  ${TABLE_TYPES.map((t) => t.padStart(21)).join('  ')}`)
-  for (const row of memoryTable(info, nSeq)) {
+  for (const row of memoryTable(file, info, nSeq)) {
     const cells = TABLE_TYPES.map((t) => (row[t] ? `${bytes(row[t].one)} / ${bytes(row[t].all)}` : 'n/a').padStart(21))
     lines.push(`    ${String(row.nCtx).padStart(8)}  ${cells.join('  ')}${row.trained ? '  (trained)' : ''}`)
   }
@@ -227,7 +239,7 @@ function main(argv) {
       const nSeq = flags['n-seq-max'] ?? 4
       if (nSeq < 1) fail(`--n-seq-max must be at least 1, got ${nSeq}`)
       const info = modelInfo(file, { hashFile: flags['hash-file'] === true })
-      const json = { ...info, nSeqMax: nSeq, kvMemory: memoryTable(info, nSeq) }
+      const json = { ...info, nSeqMax: nSeq, kvMemory: memoryTable(file, info, nSeq) }
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${humanModel(file, info, nSeq)}\n`)
     } else if (command === 'convert') {
       const flags = parseFlags(rest, {

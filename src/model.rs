@@ -15,8 +15,8 @@ use crate::args::{self, u32v, Obj};
 use crate::convert;
 use crate::error::{err, from_core, guard, Code, JsResult};
 use crate::kv_cache::tensors::{rope_layers_to_js, rope_to_js};
-use crate::kv_cache::KvCache;
-use crate::types::{LayerRope, RopeOptions};
+use crate::kv_cache::{memory_part, KvCache};
+use crate::types::{LayerRope, MemoryPlan, RopeOptions};
 
 /// Geometry of one layer of a model.
 #[napi(object)]
@@ -425,7 +425,8 @@ pub struct FromModelOptions {
     pub n_ctx: Option<f64>,
     /// Number of sequences. Default 1.
     pub n_seq_max: Option<f64>,
-    /// K type. Default 'f16'.
+    /// K type. Default 'f16'. A recurrent state is kept in f32 whatever the types say, as
+    /// llama.cpp keeps it.
     pub type_k: Option<String>,
     /// V type (quantized V needs `flashAttn`). Default 'f16'.
     pub type_v: Option<String>,
@@ -446,6 +447,22 @@ pub struct FromModelOptions {
     pub device: Option<Either<String, Vec<String>>>,
 }
 
+/// The context `options` describe, as llama.cpp 0.1.161's `llama_context_params`.
+fn context_of(o: Option<&FromModelOptions>) -> Result<core::ContextParams, Code> {
+    let get = |f: fn(&FromModelOptions) -> Option<f64>| o.and_then(f);
+    let ty = |name, v: Option<&String>| convert::ggml_type(name, v.cloned(), GgmlType::F16);
+    Ok(core::ContextParams {
+        n_ctx: get(|o| o.n_ctx).map_or(Ok(0), |n| u32v("nCtx", n))?,
+        n_seq_max: get(|o| o.n_seq_max).map_or(Ok(1), |n| u32v("nSeqMax", n))?,
+        n_ubatch: get(|o| o.n_ubatch).map_or(Ok(512), |n| u32v("nUbatch", n))?,
+        unified: o.and_then(|o| o.kv_unified).unwrap_or(true),
+        swa_full: o.and_then(|o| o.swa_full).unwrap_or(false),
+        type_k: ty("typeK", o.and_then(|o| o.type_k.as_ref()))?,
+        type_v: ty("typeV", o.and_then(|o| o.type_v.as_ref()))?,
+        flash_attn: o.and_then(|o| o.flash_attn).unwrap_or(false),
+    })
+}
+
 #[napi]
 impl KvCache {
     /// Creates a cache shaped for a GGUF model (layers, per-layer K/V widths, recurrent state)
@@ -453,7 +470,8 @@ impl KvCache {
     /// option. A model with sliding-window layers (gemma2/3, gpt-oss, Cohere2, ...) gets
     /// llama.cpp 0.1.161's iSWA memory (kind 'iswa'), a hybrid model (Jamba, Granite 4,
     /// Qwen3-Next, ...) its hybrid memory (kind 'hybrid'), each sized as llama.cpp sizes it
-    /// (see `kvUnified`, `swaFull`, `nUbatch`).
+    /// (see `kvUnified`, `swaFull`, `nUbatch`). K/V types a 0.1.161 context refuses for the
+    /// model are refused (`ERR_KV_INVALID_ARG`).
     #[napi(factory)]
     pub fn from_model(
         env: Env,
@@ -463,16 +481,7 @@ impl KvCache {
         guard(|| {
             let path = args::path("ggufPath", &gguf_path)?;
             let o = options.map(|o| o.0);
-            let get = |f: fn(&FromModelOptions) -> Option<f64>| o.as_ref().and_then(f);
-            let n_ctx = get(|o| o.n_ctx).map_or(Ok(0), |n| u32v("nCtx", n))?;
-            let n_seq_max = get(|o| o.n_seq_max).map_or(Ok(1), |n| u32v("nSeqMax", n))?;
-            let ty = |name, v: Option<String>| convert::ggml_type(name, v, GgmlType::F16);
-            let type_k = ty("typeK", o.as_ref().and_then(|o| o.type_k.clone()))?;
-            let type_v = ty("typeV", o.as_ref().and_then(|o| o.type_v.clone()))?;
-            let flash_attn = o.as_ref().and_then(|o| o.flash_attn).unwrap_or(false);
-            let n_ubatch = get(|o| o.n_ubatch).map_or(Ok(512), |n| u32v("nUbatch", n))?;
-            let unified = o.as_ref().and_then(|o| o.kv_unified).unwrap_or(true);
-            let swa_full = o.as_ref().and_then(|o| o.swa_full).unwrap_or(false);
+            let ctx = context_of(o.as_ref())?;
             let device = o.and_then(|o| o.device);
 
             let read = gguf::read_file(&path, false).map_err(from_core)?;
@@ -495,26 +504,46 @@ impl KvCache {
                         "device: iSWA and hybrid memories live in host memory for now",
                     ));
                 }
-                let ctx = core::ContextParams {
-                    n_ctx,
-                    n_seq_max,
-                    n_ubatch,
-                    unified,
-                    swa_full,
-                    type_k,
-                    type_v,
-                    flash_attn,
-                };
                 let memory = core::Memory::for_model(&model, &ctx).map_err(from_core)?;
                 let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
                 let shift = model.shift_params(factors(size)?);
                 return Ok(KvCache::from_memory(&env, memory, shift));
             }
             let params = model
-                .cache_params(n_ctx, n_seq_max, type_k, type_v, flash_attn)
+                .cache_params(
+                    ctx.n_ctx,
+                    ctx.n_seq_max,
+                    ctx.type_k,
+                    ctx.type_v,
+                    ctx.flash_attn,
+                )
                 .map_err(from_core)?;
-            let shift = model.shift_params(factors(params.size / n_seq_max.max(1))?);
+            let per_seq = params.size / ctx.n_seq_max.max(1);
+            let shift = model.shift_params(factors(per_seq)?);
             KvCache::from_params(&env, params, &device, shift)
+        })
+    }
+
+    /// The memory `fromModel` builds for the model and options, without building it: its
+    /// kind, its parts (cells, streams, types, window) and the bytes of its tensors, so that an
+    /// app can size a context before it reserves anything (the GGUF's header is read, no
+    /// tensor). Refused as `fromModel` refuses (`device` plays no part in the sizes).
+    #[napi]
+    pub fn plan_memory(
+        #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
+        #[napi(ts_arg_type = "FromModelOptions")] options: Option<Obj<FromModelOptions>>,
+    ) -> Result<MemoryPlan, Code> {
+        guard(|| {
+            let path = args::path("ggufPath", &gguf_path)?;
+            let ctx = context_of(options.as_ref().map(|o| &o.0))?;
+            let read = gguf::read_file(&path, false).map_err(from_core)?;
+            let model = core::ModelInfo::from_header(&read.header).map_err(from_core)?;
+            let plan = core::MemoryPlan::for_model(&model, &ctx).map_err(from_core)?;
+            Ok(MemoryPlan {
+                kind: plan.kind.into(),
+                bytes: plan.bytes() as f64,
+                parts: plan.parts.iter().map(memory_part).collect(),
+            })
         })
     }
 }

@@ -115,6 +115,20 @@ pub struct MemoryPart {
     pub n_rot_k: u32,
     /// Hadamard rotation of quantized V (0: none).
     pub n_rot_v: u32,
+    /// Bytes of its K and V tensors, over all streams.
+    pub bytes: f64,
+}
+
+/// The memory `KvCache.fromModel` builds for a model and options, before it is built
+/// (`KvCache.planMemory`).
+#[napi(object)]
+pub struct MemoryPlan {
+    /// The kind the cache will report: 'kv', 'recurrent', 'iswa' or 'hybrid'.
+    pub kind: String,
+    /// Bytes of every K and V tensor of every part: what the cache's `totalSize` will be.
+    pub bytes: f64,
+    /// Its parts, as the cache's `parts` will list them (no cell used yet).
+    pub parts: Vec<MemoryPart>,
 }
 
 /// Tensor bytes on one device.

@@ -497,7 +497,7 @@ impl KvCache {
 }
 
 /// A part of a memory for JS.
-fn memory_part(p: &core::PartInfo) -> MemoryPart {
+pub(crate) fn memory_part(p: &core::PartInfo) -> MemoryPart {
     MemoryPart {
         role: p.role.name().into(),
         layers: p.layers.clone(),
@@ -510,5 +510,6 @@ fn memory_part(p: &core::PartInfo) -> MemoryPart {
         type_v: p.type_v.map_or("none", |t| t.name()).into(),
         n_rot_k: p.n_rot.0,
         n_rot_v: p.n_rot.1,
+        bytes: p.bytes as f64,
     }
 }

@@ -125,6 +125,20 @@ impl CacheParams {
         per_layer(&self.n_embd_v_gqa, il) as usize + self.n_embd_v_s as usize
     }
 
+    /// Bytes of the K and V tensors of one stream of these parameters, as a cache allocates
+    /// them (a cache without V keeps none).
+    pub fn tensor_bytes(&self) -> Result<u64> {
+        let too_big =
+            || KvError::OutOfRange(format!("{} cells: the tensors' size overflows", self.size));
+        let mut row = 0u64;
+        for il in 0..self.n_layer as usize {
+            let k = self.type_k.row_size(self.n_embd_k(il))? as u64;
+            let v = self.type_v.row_size(self.n_embd_v(il))? as u64;
+            row = row.checked_add(k + v).ok_or_else(too_big)?;
+        }
+        row.checked_mul(u64::from(self.size)).ok_or_else(too_big)
+    }
+
     /// Checks every rule; the error names the offending value.
     pub fn validate(&self) -> Result<()> {
         if self.n_layer == 0 {

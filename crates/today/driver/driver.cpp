@@ -47,6 +47,11 @@
 //       the hyper-parameters llama.cpp derives from the GGUF (`llama_model::hparams`, read
 //       through the internal headers), per layer where they can differ; no context is made.
 //
+//   today-driver memory model=M [context options]
+//       makes the context and reports the line llama.cpp logs for each cache it builds
+//       ("llama_kv_cache: size = ... MiB (N cells, L layers, S/T seqs), K (...)", and
+//       "llama_memory_recurrent: size = ..."), in the order they are built: {"lines": [...]}.
+//
 // context options: ctx=N ubatch=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
 // Failures print {"error": "..."} and exit 1.
 
@@ -81,6 +86,20 @@ static void quiet_log(ggml_log_level level, const char * text, void *) {
     if (getenv("TODAY_DRIVER_VERBOSE") || level == GGML_LOG_LEVEL_ERROR) {
         fputs(text, stderr);
     }
+}
+
+// the lines in which llama.cpp reports each memory it builds ("llama_kv_cache: size = ...")
+static std::vector<std::string> g_memory_lines;
+
+static void memory_log(ggml_log_level level, const char * text, void *) {
+    if (strstr(text, ": size = ")) {
+        std::string line(text);
+        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+            line.pop_back();
+        }
+        g_memory_lines.push_back(line);
+    }
+    quiet_log(level, text, nullptr);
 }
 
 [[noreturn]] static void die(const std::string & msg) {
@@ -646,7 +665,7 @@ static void bench(llama_context * ctx) {
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        die("usage: today-driver gen|cont key=value...");
+        die("usage: today-driver gen|cont|turns|branches|resume|trace|bench|hparams|memory key=value...");
     }
     for (int i = 2; i < argc; i++) {
         const char * eq = strchr(argv[i], '=');
@@ -667,6 +686,21 @@ int main(int argc, char ** argv) {
     if (action == "hparams") {
         print_hparams(model);
         fflush(stdout);
+        llama_model_free(model);
+        return 0;
+    }
+    if (action == "memory") {
+        // the memory the context builds, as llama.cpp's own log lines report it (one per
+        // cache, in the order they are built); the lines hold no quote or backslash
+        llama_log_set(memory_log, nullptr);
+        llama_context * ctx = make_context(model);
+        printf("{\"lines\":[");
+        for (size_t i = 0; i < g_memory_lines.size(); i++) {
+            printf("%s\"%s\"", i ? "," : "", g_memory_lines[i].c_str());
+        }
+        printf("]}\n");
+        fflush(stdout);
+        llama_free(ctx);
         llama_model_free(model);
         return 0;
     }

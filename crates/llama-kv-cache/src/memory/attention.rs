@@ -123,7 +123,7 @@ impl AttentionCache {
                     .into(),
             ));
         }
-        let n_stream = if unified { 1 } else { params.n_seq_max };
+        let n_stream = stream_count(&params, unified);
         let mut streams = crate::alloc::with_capacity(n_stream as usize, "the streams")?;
         for _ in 0..n_stream {
             streams.push(KvCache::new_part(params.clone())?);
@@ -178,6 +178,11 @@ impl AttentionCache {
     /// Cells with a position, over all streams.
     pub fn used_cells(&self) -> u32 {
         self.streams.iter().map(|s| s.cells.occupied_count()).sum()
+    }
+
+    /// Bytes of the K and V tensors of every stream.
+    pub fn total_size(&self) -> usize {
+        self.streams.iter().map(KvCache::total_size).sum()
     }
 
     /// Whether a K-shift is pending in some stream.
@@ -856,6 +861,15 @@ fn find_cells(
         if tested >= size {
             return None;
         }
+    }
+}
+
+/// Streams of an attention cache of `params`: one when unified, else one per sequence.
+pub(crate) fn stream_count(params: &CacheParams, unified: bool) -> u32 {
+    if unified {
+        1
+    } else {
+        params.n_seq_max
     }
 }
 

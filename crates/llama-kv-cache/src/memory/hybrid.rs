@@ -11,8 +11,8 @@ use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
+use crate::memory::part::{planned, PartInfo, PartPlan};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
-use crate::memory::SwaType;
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;
 use crate::state::parts::PartRole;
@@ -190,10 +190,28 @@ pub struct HybridCache {
     rope: bool,
 }
 
-impl HybridCache {
+/// A hybrid memory before it is built: what 0.1.161 makes of a hybrid model in a context.
+pub(crate) struct HybridPlan {
+    attn_layers: Vec<u32>,
+    attn: AttentionPlan,
+    recr_layers: Vec<u32>,
+    /// The recurrent memory's parameters, as it keeps them.
+    recr: CacheParams,
+    /// The layer count its state declares (`hparams.n_layer()`: without the MTP layers).
+    declared: u32,
+    rope: bool,
+}
+
+/// The attention part of a [`HybridPlan`].
+enum AttentionPlan {
+    Full(PartPlan),
+    Window(IswaParams),
+}
+
+impl HybridPlan {
     /// The memory 0.1.161 builds for a hybrid `model` in `ctx`: an attention cache of
     /// `n_ctx_seq` cells per stream, and one state cell per sequence.
-    pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<HybridCache> {
+    pub(crate) fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<HybridPlan> {
         if model.memory != MemoryKind::Hybrid {
             return Err(KvError::Unsupported(format!(
                 "the model ({}) is not a hybrid model: its memory is {}",
@@ -202,6 +220,7 @@ impl HybridCache {
             )));
         }
         model.check_live()?;
+        model.check_cache_types(ctx.type_k, ctx.type_v, ctx.flash_attn)?;
         let r = model.recurrent.clone().unwrap_or_default();
         // 0.1.161's layer filters: a layer may be in neither part (Nemotron-H's MLP layers)
         let pick = |holds: fn(LayerMemory) -> bool| -> Vec<u32> {
@@ -231,38 +250,76 @@ impl HybridCache {
             .iter()
             .map(|&il| model.layers[il as usize].swa)
             .collect();
-        let cache = match &model.swa {
+        let attn = match &model.swa {
             Some(swa) if windowed.iter().any(|&w| w) => {
-                AttentionPart::Window(IswaCache::new(IswaParams {
-                    params: attn,
-                    swa_layers: windowed,
-                    window: Window {
-                        n_swa: swa.window,
-                        swa_type: if swa.chunked {
-                            SwaType::Chunked
-                        } else {
-                            SwaType::Standard
-                        },
-                    },
-                    unified: ctx.unified,
-                    swa_full: ctx.swa_full,
-                    n_ubatch: ctx.n_ubatch,
-                })?)
+                AttentionPlan::Window(IswaParams::in_context(attn, windowed, swa, ctx))
             }
-            _ => AttentionPart::Full(AttentionCache::new(attn, ctx.unified, Window::FULL)?),
+            _ => AttentionPlan::Full(PartPlan {
+                role: PartRole::Attention,
+                layers: (0..attn.n_layer).collect(),
+                params: attn,
+                unified: ctx.unified,
+                window: Window::FULL,
+            }),
+        };
+        Ok(HybridPlan {
+            attn_layers,
+            attn,
+            recr_layers,
+            recr: RecurrentMemory::params(recr),
+            // its state declares `hparams.n_layer()`: the model's layers less the MTP ones
+            declared: model.n_layer - model.n_layer_nextn,
+            rope: model.rope.kind != RopeKind::None,
+        })
+    }
+
+    /// Its parts, in state order, as [`Memory::parts`](crate::Memory::parts) will list them.
+    pub(crate) fn parts(&self) -> Result<Vec<PartInfo>> {
+        let model_layer = |k: u32| self.attn_layers[k as usize];
+        let mut parts = match &self.attn {
+            AttentionPlan::Full(p) => vec![p.info(model_layer)?],
+            AttentionPlan::Window(p) => p
+                .plans()?
+                .iter()
+                .map(|p| p.info(model_layer))
+                .collect::<Result<_>>()?,
+        };
+        self.recr.validate()?;
+        parts.push(planned(
+            PartRole::Recurrent,
+            self.recr_layers.clone(),
+            &self.recr,
+            1,
+            Window::FULL,
+        )?);
+        Ok(parts)
+    }
+
+    /// Builds the memory.
+    pub(crate) fn build(self) -> Result<HybridCache> {
+        let cache = match self.attn {
+            AttentionPlan::Window(p) => AttentionPart::Window(IswaCache::new(p)?),
+            AttentionPlan::Full(p) => AttentionPart::Full(p.build()?),
         };
         Ok(HybridCache {
             attn: HybridAttention {
-                layers: attn_layers,
+                layers: self.attn_layers,
                 cache,
             },
             recr: HybridRecurrent {
-                layers: recr_layers,
-                // its state declares `hparams.n_layer()`: the model's layers less the MTP ones
-                memory: RecurrentMemory::new(recr, model.n_layer - model.n_layer_nextn)?,
+                layers: self.recr_layers,
+                memory: RecurrentMemory::new(self.recr, self.declared)?,
             },
-            rope: model.rope.kind != RopeKind::None,
+            rope: self.rope,
         })
+    }
+}
+
+impl HybridCache {
+    /// The memory 0.1.161 builds for a hybrid `model` in `ctx`: an attention cache of
+    /// `n_ctx_seq` cells per stream, and one state cell per sequence.
+    pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<HybridCache> {
+        HybridPlan::for_model(model, ctx)?.build()
     }
 
     /// The attention part.

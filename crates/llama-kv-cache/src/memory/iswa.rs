@@ -8,9 +8,11 @@ use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
+use crate::memory::part::PartPlan;
 use crate::memory::SwaType;
-use crate::model::{MemoryKind, ModelInfo};
+use crate::model::{MemoryKind, ModelInfo, SwaInfo};
 use crate::params::CacheParams;
+use crate::state::parts::PartRole;
 use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
 
@@ -93,13 +95,26 @@ impl IswaParams {
                 model.memory.name()
             )));
         };
+        model.check_cache_types(ctx.type_k, ctx.type_v, ctx.flash_attn)?;
         let size = ctx.cells_per_stream(model.n_ctx_train)?;
         let mut params =
             model.layer_params(size, ctx.n_seq_max, ctx.type_k, ctx.type_v, ctx.flash_attn)?;
         (params.n_rot_k, params.n_rot_v) = model.rotation(ctx.type_k, ctx.type_v);
-        Ok(IswaParams {
+        let swa_layers = model.layers.iter().map(|l| l.swa).collect();
+        Ok(IswaParams::in_context(params, swa_layers, swa, ctx))
+    }
+
+    /// The memory of the layers of `params`, those flagged in `swa_layers` in the model's
+    /// window `swa`, in `ctx` (also a hybrid's attention layers).
+    pub(crate) fn in_context(
+        params: CacheParams,
+        swa_layers: Vec<bool>,
+        swa: &SwaInfo,
+        ctx: &ContextParams,
+    ) -> IswaParams {
+        IswaParams {
             params,
-            swa_layers: model.layers.iter().map(|l| l.swa).collect(),
+            swa_layers,
             window: Window {
                 n_swa: swa.window,
                 swa_type: if swa.chunked {
@@ -111,7 +126,35 @@ impl IswaParams {
             unified: ctx.unified,
             swa_full: ctx.swa_full,
             n_ubatch: ctx.n_ubatch,
-        })
+        }
+    }
+
+    /// The base cache of the layers without the window, then the window cache, before they
+    /// are built.
+    pub(crate) fn plans(&self) -> Result<[PartPlan; 2]> {
+        if self.swa_layers.len() != self.params.n_layer as usize {
+            return Err(KvError::InvalidArg(format!(
+                "swa layers: {} flags for {} layers",
+                self.swa_layers.len(),
+                self.params.n_layer
+            )));
+        }
+        let plan = |role, swa: bool, size, window| {
+            let layers: Vec<u32> = (0..self.params.n_layer)
+                .filter(|&il| self.swa_layers[il as usize] == swa)
+                .collect();
+            PartPlan {
+                role,
+                params: part_params(&self.params, &layers, size),
+                layers,
+                unified: self.unified,
+                window,
+            }
+        };
+        Ok([
+            plan(PartRole::Base, false, self.params.size, Window::FULL),
+            plan(PartRole::Swa, true, self.swa_size(), self.window),
+        ])
     }
 
     /// Cells of the window cache, as 0.1.161 sizes it: the window (per sequence when
@@ -178,38 +221,16 @@ fn part_params(all: &CacheParams, layers: &[u32], size: u32) -> CacheParams {
 impl IswaCache {
     /// Builds both caches.
     pub fn new(p: IswaParams) -> Result<IswaCache> {
-        if p.swa_layers.len() != p.params.n_layer as usize {
-            return Err(KvError::InvalidArg(format!(
-                "swa layers: {} flags for {} layers",
-                p.swa_layers.len(),
-                p.params.n_layer
-            )));
-        }
-        let pick = |swa: bool| -> Vec<u32> {
-            (0..p.params.n_layer)
-                .filter(|&il| p.swa_layers[il as usize] == swa)
-                .collect()
+        let [base, swa] = p.plans()?;
+        let part = |plan: PartPlan| -> Result<IswaPart> {
+            Ok(IswaPart {
+                cache: plan.build()?,
+                layers: plan.layers,
+            })
         };
-        let (base_layers, swa_layers) = (pick(false), pick(true));
-        let base = AttentionCache::new(
-            part_params(&p.params, &base_layers, p.params.size),
-            p.unified,
-            Window::FULL,
-        )?;
-        let swa = AttentionCache::new(
-            part_params(&p.params, &swa_layers, p.swa_size()),
-            p.unified,
-            p.window,
-        )?;
         Ok(IswaCache {
-            base: IswaPart {
-                layers: base_layers,
-                cache: base,
-            },
-            swa: IswaPart {
-                layers: swa_layers,
-                cache: swa,
-            },
+            base: part(base)?,
+            swa: part(swa)?,
         })
     }
 

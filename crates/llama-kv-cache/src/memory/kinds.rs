@@ -10,11 +10,11 @@ use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
 use crate::error::{KvError, Result};
-use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, Window};
 use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
+use crate::memory::part::PartInfo;
 use crate::memory::recurrent::no_recurrent_state;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::state::files::{seq_data_payload, WriteOptions};
@@ -34,42 +34,30 @@ pub enum Memory {
     Hybrid(Box<HybridCache>),
 }
 
-/// What one part of a memory is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PartInfo {
-    /// Its role: `whole` for a memory of one part, `base` / `swa` for iSWA.
-    pub role: PartRole,
-    /// The model layers it holds, ascending.
-    pub layers: Vec<u32>,
-    /// Cells per stream.
-    pub size: u32,
-    /// Streams (1 when unified).
-    pub n_stream: u32,
-    /// Cells with a position, over all streams.
-    pub used_cells: u32,
-    /// The sliding window (none for a full-attention part).
-    pub window: Window,
-    /// K type.
-    pub type_k: GgmlType,
-    /// V type; `None` for a cache that keeps no V (multi-head latent attention).
-    pub type_v: Option<GgmlType>,
-    /// Hadamard rotation of K and V (0: none).
-    pub n_rot: (u32, u32),
+fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInfo {
+    PartInfo::of(
+        role,
+        layers.to_vec(),
+        c.params(),
+        c.n_stream(),
+        c.window(),
+        c.used_cells(),
+        c.total_size() as u64,
+    )
 }
 
-fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInfo {
+/// The one part of the seed's cache.
+fn whole_part(c: &KvCache) -> PartInfo {
     let p = c.params();
-    PartInfo {
-        role,
-        layers: layers.to_vec(),
-        size: c.size(),
-        n_stream: c.n_stream(),
-        used_cells: c.used_cells(),
-        window: c.window(),
-        type_k: p.type_k,
-        type_v: (!p.no_v).then_some(p.type_v),
-        n_rot: (p.n_rot_k, p.n_rot_v),
-    }
+    PartInfo::of(
+        PartRole::Whole,
+        (0..p.n_layer).collect(),
+        p,
+        1,
+        Window::FULL,
+        c.used_cells(),
+        c.total_size() as u64,
+    )
 }
 
 /// The stream of `part` that holds `seq`, with the part's role and window.
@@ -144,20 +132,7 @@ impl Memory {
     /// Its parts, in state order.
     pub fn parts(&self) -> Vec<PartInfo> {
         match self {
-            Memory::Kv(c) => {
-                let p = c.params();
-                vec![PartInfo {
-                    role: PartRole::Whole,
-                    layers: (0..p.n_layer).collect(),
-                    size: p.size,
-                    n_stream: 1,
-                    used_cells: c.used_cells(),
-                    window: Window::FULL,
-                    type_k: p.type_k,
-                    type_v: (!p.no_v).then_some(p.type_v),
-                    n_rot: (p.n_rot_k, p.n_rot_v),
-                }]
-            }
+            Memory::Kv(c) => vec![whole_part(c)],
             Memory::Iswa(c) => vec![
                 attention_part(PartRole::Base, &c.base().layers, &c.base().cache),
                 attention_part(PartRole::Swa, &c.swa().layers, &c.swa().cache),
@@ -175,17 +150,15 @@ impl Memory {
                         attention_part(role, &layers, part)
                     })
                     .collect();
-                parts.push(PartInfo {
-                    role: PartRole::Recurrent,
-                    layers: r.layers.clone(),
-                    size: cache.size(),
-                    n_stream: 1,
-                    used_cells: cache.used_cells(),
-                    window: Window::FULL,
-                    type_k: cache.type_k(),
-                    type_v: Some(cache.type_v()),
-                    n_rot: (0, 0),
-                });
+                parts.push(PartInfo::of(
+                    PartRole::Recurrent,
+                    r.layers.clone(),
+                    cache.params(),
+                    1,
+                    Window::FULL,
+                    cache.used_cells(),
+                    cache.total_size() as u64,
+                ));
                 parts
             }
         }

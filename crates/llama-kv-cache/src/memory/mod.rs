@@ -1,7 +1,8 @@
 //! Layer 5, today's memories as live caches: llama.cpp 0.1.161's attention cache
 //! (`llama_kv_cache`, [`attention`]) with its streams and its sliding window, and the
-//! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]), and one face
-//! for every kind of live memory ([`kinds`]).
+//! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]), one face
+//! for every kind of live memory ([`kinds`]) and its parts ([`part`]), and what a model's
+//! memory is before it is built ([`plan`]).
 //!
 //! Each stream of an attention cache is a [`KvCache`](crate::KvCache) of the layer below,
 //! which owns its cells, tensors, K-shift and state codec; this layer adds what 0.1.161 does
@@ -16,6 +17,8 @@ pub mod files;
 pub mod hybrid;
 pub mod iswa;
 pub mod kinds;
+pub mod part;
+pub mod plan;
 pub mod recurrent;
 
 /// The window rule of a sliding-window cache (`llama_swa_type`).

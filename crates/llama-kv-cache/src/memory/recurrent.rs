@@ -36,7 +36,15 @@ impl RecurrentMemory {
     /// A memory of `params.size` state cells (0.1.161: one per sequence, at least 1) whose
     /// state declares `declared` layers (`params.n_layer` for a model of recurrent layers
     /// only).
-    pub fn new(mut params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
+    pub fn new(params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
+        Ok(RecurrentMemory {
+            cache: KvCache::new(RecurrentMemory::params(params))?,
+            declared,
+        })
+    }
+
+    /// The parameters it keeps for a cache of `params`: recurrent, by 0.1.161's rules.
+    pub(crate) fn params(mut params: CacheParams) -> CacheParams {
         params.recurrent = true;
         params.recurrent_rules = RecurrentRules::V0_1_161;
         params.can_shift = false;
@@ -44,10 +52,7 @@ impl RecurrentMemory {
         // hybrid's attention cells, as Qwen3.5's), and its S rows whatever the attention keeps
         params.cell_ext = CellExt::None;
         params.no_v = false;
-        Ok(RecurrentMemory {
-            cache: KvCache::new(params)?,
-            declared,
-        })
+        params
     }
 
     /// The layer count its state declares (the model's `hparams.n_layer()`).

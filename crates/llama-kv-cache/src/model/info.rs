@@ -855,13 +855,57 @@ impl ModelInfo {
         Ok(())
     }
 
+    /// Refuses the K/V types a context of llama.cpp 0.1.161 refuses for this model
+    /// (`llama_init_from_model`): K and V of different types for multi-head latent attention
+    /// and DeepSeek V4, quantized V without flash attention, and with flash attention a
+    /// quantized type whose block does not divide the head size.
+    pub fn check_cache_types(
+        &self,
+        type_k: GgmlType,
+        type_v: GgmlType,
+        flash_attn: bool,
+    ) -> Result<()> {
+        let refuse = |m: String| {
+            Err(KvError::InvalidArg(format!(
+                "{} ({}): {m}",
+                self.display_name(),
+                self.arch
+            )))
+        };
+        if (self.mla || self.memory == MemoryKind::Dsv4) && type_k != type_v {
+            return refuse(format!(
+                "K and V must be of one type, as llama.cpp 0.1.161 keeps them for this model, \
+                 got typeK {type_k} and typeV {type_v}"
+            ));
+        }
+        if type_v.is_quantized() && !flash_attn {
+            return refuse(format!(
+                "quantized V ({type_v}) needs flash attention (V is transposed without it)"
+            ));
+        }
+        for (name, t, head) in [
+            ("typeK", type_k, self.n_embd_head_k),
+            ("typeV", type_v, self.n_embd_head_v),
+        ] {
+            if flash_attn && t.is_quantized() && !(head as usize).is_multiple_of(t.block_size()) {
+                return refuse(format!(
+                    "{name} {t} with flash attention needs a head size its block of {} divides, \
+                     got {head}",
+                    t.block_size()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn display_name(&self) -> &str {
         self.name.as_deref().unwrap_or("the model")
     }
 
     /// Parameters of a cache for this model, as llama.cpp builds it for `n_ctx` (padded to
     /// 256 with flash attention, else 32; 0 = the trained context) and `n_seq_max`; a recurrent
-    /// model gets one cell per sequence.
+    /// model gets one cell per sequence, of f32 rows whatever `type_k` and `type_v` say. The
+    /// types are refused where a 0.1.161 context refuses them ([`ModelInfo::check_cache_types`]).
     pub fn cache_params(
         &self,
         n_ctx: u32,
@@ -893,6 +937,7 @@ impl ModelInfo {
                 s.1
             )));
         }
+        self.check_cache_types(type_k, type_v, flash_attn)?;
         let recurrent = self.memory == MemoryKind::Recurrent;
         let mut p = self.params_of_layers(1, n_seq_max, type_k, type_v, flash_attn);
         let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
@@ -905,8 +950,9 @@ impl ModelInfo {
         };
         if recurrent {
             // today's llama.cpp builds `llama_memory_recurrent`, whose removals differ from
-            // the seed's
+            // the seed's, and whose R and S rows are f32 whatever the context's K/V types
             p.recurrent_rules = crate::params::RecurrentRules::V0_1_161;
+            (p.type_k, p.type_v) = (GgmlType::F32, GgmlType::F32);
         }
         p.validate()?;
         Ok(p)
@@ -1088,15 +1134,12 @@ impl ModelInfo {
         }
     }
 
-    /// Bytes of K and V for `cells` cells with the given types: `None` when a width is not a
-    /// whole number of the type's blocks.
+    /// Bytes of K and V for `cells` cells with the given types, over every layer, as this
+    /// model's caches keep them (no V for multi-head latent attention, the state widths for a
+    /// recurrent model): `None` when a width is not a whole number of the type's blocks.
     pub fn kv_bytes(&self, cells: u64, type_k: GgmlType, type_v: GgmlType) -> Option<u64> {
-        let mut row = 0u64;
-        for il in 0..self.n_layer as usize {
-            row += type_k.row_size(self.cache_k_width(il) as usize).ok()? as u64;
-            row += type_v.row_size(self.cache_v_width(il) as usize).ok()? as u64;
-        }
-        row.checked_mul(cells)
+        let one_cell = self.params_of_layers(1, 1, type_k, type_v, true);
+        one_cell.tensor_bytes().ok()?.checked_mul(cells)
     }
 }
 
