@@ -735,6 +735,18 @@ mtest('regression: fromModel of a Mamba model kept its state in f16, where llama
   t.is(KvCache.fromModel(model('mamba.gguf'), { typeK: 'q8_0', typeV: 'q8_0', flashAttn: true }).parts[0].typeK, 'f32')
 })
 
+mtest('regression: fromModel of a llama with quantized K/V kept them unrotated, where llama.cpp 0.1.161 rotates them (Hadamard, heads of 64), and could not load 0.1.161\'s own file', (t) => {
+  const peer = path.join(FIXTURES, 't161', 't161-h64-q8_0-fa-shift.ggsn')
+  const c = KvCache.fromModel(model('llama-h64.gguf'), { nCtx: 32, typeK: 'q8_0', typeV: 'q8_0', flashAttn: true })
+  t.deepEqual(c.parts.map((p) => [p.nRotK, p.nRotV]), [[64, 64]])
+  const loaded = c.loadSessionFileSync(peer)
+  t.like(loaded, { format: 'session', version: 11, layout: 'streams-rot' })
+  c.saveSessionFileSync(tmp('h64-q8-again.ggsn'), loaded.tokens, { arch: 'llama', version: 11 })
+  t.deepEqual(fs.readFileSync(tmp('h64-q8-again.ggsn')), fs.readFileSync(peer))
+  // f16 is never rotated
+  t.deepEqual(KvCache.fromModel(model('llama-h64.gguf'), { nCtx: 32 }).parts.map((p) => [p.nRotK, p.nRotV]), [[0, 0]])
+})
+
 mtest('regression: fromModel built K/V types llama.cpp 0.1.161 refuses for the model (a block that does not divide the head, K and V apart under latent attention)', (t) => {
   // Jamba's heads are 16 wide: q8_0's block of 32 does not divide them
   t.throws(() => KvCache.fromModel(model('jamba.gguf'), { typeK: 'q8_0', flashAttn: true }), code('ERR_KV_INVALID_ARG', /typeK q8_0 .* head size .* got 16/))

@@ -50,7 +50,9 @@
 //   today-driver memory model=M [context options]
 //       makes the context and reports the line llama.cpp logs for each cache it builds
 //       ("llama_kv_cache: size = ... MiB (N cells, L layers, S/T seqs), K (...)", and
-//       "llama_memory_recurrent: size = ..."), in the order they are built: {"lines": [...]}.
+//       "llama_memory_recurrent: size = ..."), each attention cache's rotation after it
+//       ("llama_kv_cache: n_rot_k = 64, n_embd_head_k_all = 64", n_rot_v alike), in the order
+//       they are built: {"lines": [...]}.
 //
 // context options: ctx=N ubatch=N seqs=N fa=0|1 type_k=ID type_v=ID unified=0|1 swa_full=0|1
 // Failures print {"error": "..."} and exit 1.
@@ -88,11 +90,12 @@ static void quiet_log(ggml_log_level level, const char * text, void *) {
     }
 }
 
-// the lines in which llama.cpp reports each memory it builds ("llama_kv_cache: size = ...")
+// the lines in which llama.cpp reports each memory it builds ("llama_kv_cache: size = ...",
+// and an attention cache's rotation: "llama_kv_cache: n_rot_k = 64, ...")
 static std::vector<std::string> g_memory_lines;
 
 static void memory_log(ggml_log_level level, const char * text, void *) {
-    if (strstr(text, ": size = ")) {
+    if (strstr(text, ": size = ") || strstr(text, ": n_rot_k = ") || strstr(text, ": n_rot_v = ")) {
         std::string line(text);
         while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
             line.pop_back();

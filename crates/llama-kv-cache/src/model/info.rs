@@ -954,6 +954,7 @@ impl ModelInfo {
             p.recurrent_rules = crate::params::RecurrentRules::V0_1_161;
             (p.type_k, p.type_v) = (GgmlType::F32, GgmlType::F32);
         }
+        (p.n_rot_k, p.n_rot_v) = self.rotation(p.type_k, p.type_v);
         p.validate()?;
         Ok(p)
     }
@@ -985,7 +986,8 @@ impl ModelInfo {
                 n_rot_k *= 2;
             }
         }
-        let n_rot_v = if type_v.is_quantized() && hv > 0 && hv % 64 == 0 {
+        // a cache without V (latent attention) rotates none
+        let n_rot_v = if type_v.is_quantized() && !self.mla && hv > 0 && hv % 64 == 0 {
             64
         } else {
             0
