@@ -5,9 +5,7 @@
 //! 0.1.161 prints it).
 
 use llama_kv_cache::state::parts::PartRole;
-use llama_kv_cache::{
-    ContextParams, GgmlType, KvCache, KvError, Memory, MemoryKind, MemoryPlan, ModelInfo, PartInfo,
-};
+use llama_kv_cache::{ContextParams, GgmlType, KvError, Memory, MemoryPlan, ModelInfo, PartInfo};
 use today_peer::{models_dir, run};
 
 /// Large enough that the tiny models' caches are whole hundredths of a MiB apart.
@@ -33,17 +31,7 @@ fn contexts() -> Vec<ContextParams> {
 
 /// The parts of the memory built for `model` in `ctx`, as `KvCache.fromModel` builds it.
 fn built(model: &ModelInfo, ctx: &ContextParams) -> Result<Vec<PartInfo>, KvError> {
-    let memory = match model.memory {
-        MemoryKind::Iswa | MemoryKind::Hybrid => Memory::for_model(model, ctx)?,
-        _ => Memory::Kv(Box::new(KvCache::new(model.cache_params(
-            ctx.n_ctx,
-            ctx.n_seq_max,
-            ctx.type_k,
-            ctx.type_v,
-            ctx.flash_attn,
-        )?)?)),
-    };
-    Ok(memory.parts())
+    Ok(Memory::for_model(model, ctx)?.parts())
 }
 
 /// The driver's context options for `ctx`.

@@ -71,13 +71,12 @@ fn stream_holding(
 }
 
 impl Memory {
-    /// The memory llama.cpp 0.1.161 builds for one of today's models (`model.memory` iSWA or
-    /// hybrid, a hybrid's attention part iSWA where its layers use a window) in `ctx`.
-    /// Unified and recurrent models get the seed's cache from their [`CacheParams`]
-    /// (`ModelInfo::cache_params`) instead, which this refuses by name.
-    ///
-    /// [`CacheParams`]: crate::params::CacheParams
+    /// The memory `KvCache.fromModel` builds in host memory for `model` in `ctx`: llama.cpp
+    /// 0.1.161's iSWA or hybrid memory (a hybrid's attention part iSWA where its layers use a
+    /// window), and for a unified or recurrent model the seed's cache of
+    /// [`ModelInfo::cache_params`]. Refused for the memories with an indexer cache.
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<Memory> {
+        model.check_live()?;
         match model.memory {
             MemoryKind::Iswa => Ok(Memory::Iswa(IswaCache::new(IswaParams::for_model(
                 model, ctx,
@@ -85,12 +84,13 @@ impl Memory {
             MemoryKind::Hybrid => Ok(Memory::Hybrid(Box::new(HybridCache::for_model(
                 model, ctx,
             )?))),
-            other => Err(KvError::Unsupported(format!(
-                "the model ({}) has a {} memory: build it as the seed's cache from its cache \
-                 parameters",
-                model.arch,
-                other.name()
-            ))),
+            _ => Ok(Memory::Kv(Box::new(KvCache::new(model.cache_params(
+                ctx.n_ctx,
+                ctx.n_seq_max,
+                ctx.type_k,
+                ctx.type_v,
+                ctx.flash_attn,
+            )?)?))),
         }
     }
 

@@ -1,8 +1,7 @@
 //! What the memory of a model is before it is built: its parts, their cells and the bytes of
 //! their tensors, from the same parameters the builders take, so that an app can size a
-//! context (and the CLI print its table) without reserving anything. The builders of the iSWA
-//! and hybrid memories build from these plans, so a plan is what `Memory::for_model` and
-//! `ModelInfo::cache_params` give, by construction.
+//! context (and the CLI print its table) without reserving anything. The iSWA and hybrid
+//! memories are built from the same part plans.
 
 use crate::error::Result;
 use crate::memory::attention::Window;
@@ -22,9 +21,8 @@ pub struct MemoryPlan {
 }
 
 impl MemoryPlan {
-    /// The memory `KvCache.fromModel` builds for `model` in `ctx`: an iSWA or hybrid memory
-    /// as `Memory::for_model`, the seed's cache of `ModelInfo::cache_params` for a unified or
-    /// recurrent model. Refused where building it is (an indexer memory, a bad context).
+    /// What [`Memory::for_model`](crate::Memory::for_model) builds for `model` in `ctx`,
+    /// refused where building it is (an indexer memory, a bad context).
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<MemoryPlan> {
         model.check_live()?;
         let (kind, parts) = match model.memory {
