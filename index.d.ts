@@ -73,14 +73,15 @@ export declare class KvCache {
    */
   prepareBatchPacked(pos: Int32Array, seqIds: Int32Array, nSeqIds?: Int32Array | null, nSeqTokens?: number, options?: PrepareBatchOptions, ext?: Int32Array | null): number | null
   /**
-   * Places the ubatches of one decode in a memory of today's llama.cpp (kinds 'iswa' and
-   * 'hybrid'), as llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell
-   * from the head, reusing the cells a sequence's window no longer sees (and purging its
-   * older positions); a hybrid's recurrent part takes each group's sequence into its state
-   * cell (give a hybrid each sequence's tokens as one group, `nSeqTokens`). Returns, per
-   * ubatch, where its tokens went in each part and stream (for the recurrent part: each
-   * group's state cell, and the group's first token); or null, with the memory unchanged,
-   * when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+   * Places the ubatches of one decode, all or none, on every kind. In a memory of today's
+   * llama.cpp (kinds 'iswa' and 'hybrid') as llama.cpp 0.1.161's `prepare` and `apply` do
+   * in each part: cell by cell from the head, reusing the cells a sequence's window no
+   * longer sees (and purging its older positions); a recurrent part takes each group's
+   * sequence into its state cell (give it each sequence's tokens as one group,
+   * `nSeqTokens`). A 'kv' or 'recurrent' cache places each ubatch with the seed's
+   * `findSlot` (part 'whole'). Returns, per ubatch, where its tokens went in each part and
+   * stream (for a recurrent state: each group's state cell, and the group's first token);
+   * or null, with the memory unchanged, when some ubatch does not fit.
    */
   place(ubatches: UBatchInput[]): Array<Array<PlacedCells>> | null
   /**

@@ -594,7 +594,7 @@ mtest('an iSWA memory shifts positions only with swaFull, as llama.cpp 0.1.161 a
   t.throws(() => c.readRows(0, 'q', [0]), code('ERR_KV_INVALID_ARG', /tensor must be 'k', 'v', 'r' or 's', got "q"/))
   t.throws(() => c.writeRows(0, 'k', [0, 1], Buffer.alloc(5)), code('ERR_KV_INVALID_ARG', /5 bytes for 2 cells/))
   t.throws(() => c.readRows(0, 'k', [0], 1), code('ERR_KV_OUT_OF_RANGE', /stream 1/))
-  t.throws(() => KvCache.fromModel(model('llama-h16.gguf')).place([ubatch(0, 0, 1)]), code('ERR_KV_UNSUPPORTED', /findSlot/))
+  t.is(KvCache.fromModel(model('llama-h16.gguf')).place([ubatch(0, 0, 1)])[0][0].part, 'whole', 'place works on the seed\'s cache too')
 
   const f = gemma({ swaFull: true })
   f.place([ubatch(0, 0, 8)])
@@ -721,6 +721,28 @@ mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model a
   t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.planMemory(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
   t.throws(() => KvCache.planMemory(42), code('ERR_KV_INVALID_ARG', /ggufPath/))
+})
+
+mtest('place works on every kind: a kv or recurrent cache places each ubatch as findSlot does, all or none', (t) => {
+  const ub = (seq, p0, n) => ({ pos: Array.from({ length: n }, (_, i) => p0 + i), seqIds: Array(n).fill(seq) })
+  const c = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 32, nSeqMax: 2 })
+  const byFindSlot = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 32, nSeqMax: 2 })
+  const placed = c.place([ub(0, 0, 5), ub(1, 0, 3)])
+  const slots = [byFindSlot.findSlot(ub(0, 0, 5)), byFindSlot.findSlot(ub(1, 0, 3))]
+  t.deepEqual(placed.map(([p]) => [p.part, p.stream, [...p.cells], [...p.tokens]]), slots.map((s) => ['whole', 0, Array.from({ length: s.len }, (_, i) => s.head + i), Array.from({ length: s.len }, (_, i) => i)]))
+  t.deepEqual(c.stateWriteSync(), byFindSlot.stateWriteSync())
+  // 40 more tokens do not fit in 32 cells: nothing placed, the first ubatch's cells included
+  const before = c.stateWriteSync()
+  t.is(c.place([ub(0, 5, 8), ub(0, 13, 40)]), null)
+  t.deepEqual(c.stateWriteSync(), before)
+  t.throws(() => c.place([ub(0, 5, 1), ub(9, 0, 1)]), code('ERR_KV_OUT_OF_RANGE'))
+  t.deepEqual(c.stateWriteSync(), before)
+  // a recurrent cache: each sequence's tokens as one group, in its state cell
+  const m = KvCache.fromModel(model('mamba.gguf'), { nSeqMax: 2 })
+  const [[a], [b]] = m.place([{ pos: [0, 1, 2], seqIds: [0], nSeqTokens: 3 }, { pos: [0, 1], seqIds: [1], nSeqTokens: 2 }])
+  t.deepEqual([a.part, [...a.tokens], b.part, [...b.tokens]], ['whole', [0], 'whole', [0]])
+  t.not(a.cells[0], b.cells[0])
+  t.deepEqual([m.seqPosMax(0), m.seqPosMax(1)], [2, 1])
 })
 
 mtest('regression: fromModel of a Mamba model kept its state in f16, where llama.cpp 0.1.161 keeps f32, and could not load 0.1.161\'s own session', (t) => {

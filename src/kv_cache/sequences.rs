@@ -191,14 +191,15 @@ impl KvCache {
         })
     }
 
-    /// Places the ubatches of one decode in a memory of today's llama.cpp (kinds 'iswa' and
-    /// 'hybrid'), as llama.cpp 0.1.161's `prepare` and `apply` do in each part: cell by cell
-    /// from the head, reusing the cells a sequence's window no longer sees (and purging its
-    /// older positions); a hybrid's recurrent part takes each group's sequence into its state
-    /// cell (give a hybrid each sequence's tokens as one group, `nSeqTokens`). Returns, per
-    /// ubatch, where its tokens went in each part and stream (for the recurrent part: each
-    /// group's state cell, and the group's first token); or null, with the memory unchanged,
-    /// when some ubatch does not fit. For a 'kv' cache use `findSlot`.
+    /// Places the ubatches of one decode, all or none, on every kind. In a memory of today's
+    /// llama.cpp (kinds 'iswa' and 'hybrid') as llama.cpp 0.1.161's `prepare` and `apply` do
+    /// in each part: cell by cell from the head, reusing the cells a sequence's window no
+    /// longer sees (and purging its older positions); a recurrent part takes each group's
+    /// sequence into its state cell (give it each sequence's tokens as one group,
+    /// `nSeqTokens`). A 'kv' or 'recurrent' cache places each ubatch with the seed's
+    /// `findSlot` (part 'whole'). Returns, per ubatch, where its tokens went in each part and
+    /// stream (for a recurrent state: each group's state cell, and the group's first token);
+    /// or null, with the memory unchanged, when some ubatch does not fit.
     #[napi]
     pub fn place(
         &self,
@@ -246,41 +247,45 @@ impl KvCache {
                             .flat_map(|(role, s)| js(role.name(), vec![s]))
                             .collect::<Vec<PlacedCells>>()
                     };
-                    // each group's sequence has its state cell: where its R and S rows go
                     let cells = c.recurrent().memory.cache().cells();
                     Ok(Some(
                         attn.into_iter()
                             .zip(&ubs)
                             .map(|(a, ub)| {
                                 let mut v = js_tagged(a);
-                                v.push(PlacedCells {
-                                    part: "recurrent".into(),
-                                    stream: 0,
-                                    cells: Uint32Array::new(
-                                        ub.seq_ids
-                                            .iter()
-                                            .map(|ids| cells.tail(ids[0] as usize) as u32)
-                                            .collect(),
-                                    ),
-                                    tokens: Uint32Array::new(
-                                        (0..ub.seq_ids.len() as u32)
-                                            .map(|g| g * ub.n_seq_tokens)
-                                            .collect(),
-                                    ),
-                                });
+                                v.push(state_cells("recurrent", cells, ub));
                                 v
                             })
                             .collect(),
                     ))
                 }
-                core::Memory::Kv(_) => Err(err(
-                    Code::Unsupported,
-                    format!(
-                        "place is for today's memories (kinds 'iswa' and 'hybrid'); this cache \
-                         is of kind '{}': use findSlot or prepareBatch",
-                        m.kind()
-                    ),
-                )),
+                // the seed's cache: a ubatch's tokens in a run of cells from the slot's head,
+                // or a recurrent ubatch's groups in their sequences' state cells
+                core::Memory::Kv(c) => {
+                    let Some(slots) = c.place(&ubs).map_err(from_core)? else {
+                        return Ok(None);
+                    };
+                    Ok(Some(
+                        slots
+                            .iter()
+                            .zip(&ubs)
+                            .map(|(slot, ub)| {
+                                vec![if c.recurrent() {
+                                    state_cells("whole", c.cells(), ub)
+                                } else {
+                                    PlacedCells {
+                                        part: "whole".into(),
+                                        stream: 0,
+                                        cells: Uint32Array::new(
+                                            (slot.head..slot.head + slot.len).collect(),
+                                        ),
+                                        tokens: Uint32Array::new((0..slot.len).collect()),
+                                    }
+                                }]
+                            })
+                            .collect(),
+                    ))
+                }
             }
         })
     }
@@ -383,4 +388,24 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
         seq_ids,
         ext,
     })
+}
+
+/// Where a recurrent ubatch went: each group's sequence has its state cell (where its R and S
+/// rows go), written from the group's first token.
+fn state_cells(part: &str, cells: &core::cells::Cells, ub: &UBatch) -> PlacedCells {
+    PlacedCells {
+        part: part.into(),
+        stream: 0,
+        cells: Uint32Array::new(
+            ub.seq_ids
+                .iter()
+                .map(|ids| cells.tail(ids[0] as usize) as u32)
+                .collect(),
+        ),
+        tokens: Uint32Array::new(
+            (0..ub.seq_ids.len() as u32)
+                .map(|g| g * ub.n_seq_tokens)
+                .collect(),
+        ),
+    }
 }

@@ -53,6 +53,47 @@ fn find_slot_fails_without_a_contiguous_run_and_leaves_cells_alone() {
 }
 
 #[test]
+fn place_is_find_slot_for_each_ubatch_all_or_none() {
+    let ubs = [
+        UBatch::sequence(0, 0, 3),
+        UBatch::sequence(1, 0, 2),
+        UBatch::sequence(0, 3, 2),
+    ];
+    // the slots find_slot gives one after the other
+    let mut one_by_one = cache(8, 2);
+    let slots: Vec<_> = ubs
+        .iter()
+        .map(|ub| one_by_one.find_slot(ub).unwrap().unwrap())
+        .collect();
+    let mut c = cache(8, 2);
+    assert_eq!(c.place(&ubs).unwrap(), Some(slots));
+    assert_eq!(c.cells(), one_by_one.cells());
+    assert_eq!((c.head(), c.n()), (one_by_one.head(), one_by_one.n()));
+    // a decode whose last ubatch does not fit places nothing, and neither does a malformed one
+    let before = (c.cells().clone(), c.head(), c.n());
+    let too_long = [UBatch::sequence(1, 2, 2), UBatch::sequence(1, 4, 4)];
+    assert_eq!(c.place(&too_long).unwrap(), None);
+    assert_eq!((c.cells().clone(), c.head(), c.n()), before);
+    let malformed = [UBatch::sequence(1, 2, 1), UBatch::sequence(7, 0, 1)];
+    assert!(matches!(c.place(&malformed), Err(KvError::OutOfRange(_))));
+    assert_eq!((c.cells().clone(), c.head(), c.n()), before);
+    // a recurrent cache: each sequence's tokens as one group, in its state cell
+    let group = |seq: i32, n: i32| UBatch {
+        pos: (0..n).collect(),
+        n_seq_tokens: n as u32,
+        seq_ids: vec![vec![seq]],
+        ext: Vec::new(),
+    };
+    let mut r = recurrent_cache(2, 2);
+    let placed = r.place(&[group(0, 4), group(1, 2)]);
+    assert_eq!(placed.unwrap().map(|s| s.len()), Some(2));
+    assert_eq!(
+        (r.seq_pos_max(0).unwrap(), r.seq_pos_max(1).unwrap()),
+        (3, 1)
+    );
+}
+
+#[test]
 fn a_token_can_belong_to_several_sequences() {
     let mut c = cache(8, 3);
     let ub = UBatch::per_token(vec![0, 1], vec![vec![0, 2], vec![1]]);

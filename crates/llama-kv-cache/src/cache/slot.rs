@@ -48,6 +48,26 @@ fn pad(x: u32, p: u32) -> u32 {
 }
 
 impl KvCache {
+    /// Places the ubatches of one decode with [`KvCache::find_slot`], all or none (the `place`
+    /// of today's memories, for the seed's cache): the slot of each, or `None` (an ordinary
+    /// outcome) with the cells, `head` and `n` as before when one does not fit. Its undo
+    /// record is a copy of the cell table, a pass over the cells per call; the seed's own
+    /// decode path is `find_slot` per ubatch with its slot restorer.
+    pub fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Vec<Slot>>> {
+        let kept = (self.cells.clone(), self.head, self.n);
+        let mut slots = Vec::with_capacity(ubatches.len());
+        for ub in ubatches {
+            match self.find_slot(ub) {
+                Ok(Some(slot)) => slots.push(slot),
+                other => {
+                    (self.cells, self.head, self.n) = kept;
+                    return other.map(|_| None);
+                }
+            }
+        }
+        Ok(Some(slots))
+    }
+
     /// The seed's `find_slot`: places the ubatch and returns where, or `None` when it does not
     /// fit (an ordinary outcome, not an error). Errors only for malformed ubatches, in which
     /// case the cache is unchanged.

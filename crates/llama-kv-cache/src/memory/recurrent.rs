@@ -73,17 +73,7 @@ impl RecurrentMemory {
     /// Places the ubatches of one decode (each sequence's tokens one group, as
     /// `split_equal` makes them): all, or (false) none, with the cells as before.
     pub fn place(&mut self, ubatches: &[UBatch]) -> Result<bool> {
-        let kept = (self.cache.cells.clone(), self.cache.head, self.cache.n);
-        for ub in ubatches {
-            match self.cache.find_slot(ub) {
-                Ok(Some(_)) => {}
-                other => {
-                    (self.cache.cells, self.cache.head, self.cache.n) = kept;
-                    return other.map(|_| false);
-                }
-            }
-        }
-        Ok(true)
+        Ok(self.cache.place(ubatches)?.is_some())
     }
 
     /// 0.1.161's `seq_rm` (the cache follows its rules, [`RecurrentRules::V0_1_161`]).
