@@ -678,7 +678,7 @@ export interface FitResult {
 /** Options of `KvCache.fromModel`. */
 export interface FromModelOptions {
   /**
-   * Context length in cells, padded like llama.cpp (to 256 with flash attention, else 32).
+   * Context length in cells, padded to 256 as llama.cpp 0.1.161 pads it.
    * Default: the model's trained context. Ignored for recurrent models (one cell per sequence).
    */
   nCtx?: number

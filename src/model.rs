@@ -420,7 +420,7 @@ pub fn check_state(
 /// Options of `KvCache.fromModel`.
 #[napi(object, object_to_js = false)]
 pub struct FromModelOptions {
-    /// Context length in cells, padded like llama.cpp (to 256 with flash attention, else 32).
+    /// Context length in cells, padded to 256 as llama.cpp 0.1.161 pads it.
     /// Default: the model's trained context. Ignored for recurrent models (one cell per sequence).
     pub n_ctx: Option<f64>,
     /// Number of sequences. Default 1.

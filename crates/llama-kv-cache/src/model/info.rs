@@ -902,8 +902,8 @@ impl ModelInfo {
         self.name.as_deref().unwrap_or("the model")
     }
 
-    /// Parameters of a cache for this model, as llama.cpp builds it for `n_ctx` (padded to
-    /// 256 with flash attention, else 32; 0 = the trained context) and `n_seq_max`; a recurrent
+    /// Parameters of a cache for this model, as llama.cpp 0.1.161 builds it for `n_ctx`
+    /// (padded to 256; 0 = the trained context) and `n_seq_max`; a recurrent
     /// model gets one cell per sequence, of f32 rows whatever `type_k` and `type_v` say. The
     /// types are refused where a 0.1.161 context refuses them ([`ModelInfo::check_cache_types`]).
     pub fn cache_params(
@@ -941,11 +941,13 @@ impl ModelInfo {
         let recurrent = self.memory == MemoryKind::Recurrent;
         let mut p = self.params_of_layers(1, n_seq_max, type_k, type_v, flash_attn);
         let n_ctx = if n_ctx == 0 { self.n_ctx_train } else { n_ctx };
+        // 0.1.161 pads every context to 256 cells (the seed padded to 32 without flash
+        // attention)
         p.size = if recurrent {
             n_seq_max.max(1)
         } else {
             n_ctx
-                .checked_next_multiple_of(p.padding())
+                .checked_next_multiple_of(256)
                 .ok_or_else(|| KvError::OutOfRange(format!("nCtx {n_ctx} is too large")))?
         };
         if recurrent {
@@ -1246,7 +1248,7 @@ mod tests {
         let p = m
             .cache_params(100, 2, GgmlType::F16, GgmlType::F16, false)
             .unwrap();
-        assert_eq!((p.size, p.n_embd_k_gqa.clone()), (128, vec![16, 32, 64]));
+        assert_eq!((p.size, p.n_embd_k_gqa.clone()), (256, vec![16, 32, 64]));
     }
 
     #[test]
