@@ -696,7 +696,9 @@ export interface FromModelOptions {
   /**
    * Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
    * `kv_unified`).
-   * Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
+   * Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true. A unified
+   * model's cache (kind 'kv') is the seed's one stream whatever this says: it reads files of
+   * per-sequence streams, and writes them with the save options' `nStream`.
    */
   kvUnified?: boolean
   /**

@@ -434,7 +434,9 @@ pub struct FromModelOptions {
     pub flash_attn: Option<bool>,
     /// Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
     /// `kv_unified`).
-    /// Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true.
+    /// Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true. A unified
+    /// model's cache (kind 'kv') is the seed's one stream whatever this says: it reads files of
+    /// per-sequence streams, and writes them with the save options' `nStream`.
     pub kv_unified: Option<bool>,
     /// Sliding-window models: a window cache as large as the base cache (llama.cpp's
     /// `swa_full`), which keeps every position and allows `seqAdd` / `seqDiv`. Default false.
