@@ -954,6 +954,28 @@ for (const [name, make] of [
   })
 }
 
+mtest('regression: PromptStore.restore into a live memory with a stream per sequence (kvUnified: false) assembled a one-stream payload, which the memory refused', async (t) => {
+  for (const name of ['gemma3-swa.gguf', 'jamba.gguf', 'lfm2-swa.gguf']) {
+    const make = (kvUnified) => KvCache.fromModel(model(name), { nCtx: 768, nSeqMax: 3, kvUnified, nUbatch: 64 })
+    const c = make(false)
+    fillGroup(c, 1, 40, 9)
+    const tokens = Array.from({ length: 40 }, (_, i) => 3 + i)
+    const store = new PromptStore({ model: `split-${name.replace('.gguf', '')}`, blockTokens: 16 })
+    await store.put(c, 1, tokens)
+    // into sequence 1 (its own stream) and 2 of a split memory, and into a unified one: the same state
+    const d = make(false)
+    t.is(await store.restore(d, 1, tokens), 40, name)
+    t.deepEqual(d.stateWriteSync(1), c.stateWriteSync(1), name)
+    t.is(store.restoreSync(d, 2, tokens), 40, name)
+    t.deepEqual([d.seqPosMax(2), d.seqPosMax(0)], [39, -1], name)
+    const u = make(true)
+    t.is(store.restoreSync(u, 1, tokens), 40, name)
+    const filled = make(true)
+    fillGroup(filled, 1, 40, 9)
+    t.deepEqual(u.stateWriteSync(1), filled.stateWriteSync(1), name)
+  }
+})
+
 mtest('PromptStore.restore into a live cache of another kind or shape is ERR_KV_STORE_GEOMETRY and changes nothing', async (t) => {
   const c = gemma()
   fillGroup(c, 0, 20, 1)

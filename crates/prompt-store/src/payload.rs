@@ -29,11 +29,6 @@ pub struct StreamAt {
 }
 
 impl StreamAt {
-    /// Sequence `seq` of a unified context.
-    pub fn unified(seq: i32) -> StreamAt {
-        StreamAt { seq, n_stream: 1 }
-    }
-
     /// The empty streams before and after the sequence's.
     fn empty_around(self) -> StoreResult<(u32, u32)> {
         if self.n_stream <= 1 {

@@ -175,6 +175,10 @@ struct Plan {
 #[derive(Clone, Copy)]
 struct Target {
     seq: i32,
+    /// Streams of the payload's KV parts: 1, or a live memory's stream per sequence (the
+    /// sequence's stream holding its cells, the others empty); a dsv4 state's raw cache has
+    /// its own.
+    n_stream: u32,
     v_trans: bool,
     swa_window: Option<u32>,
     /// The cell extension the payload's cells carry: the live cache's, or the canonical
@@ -983,6 +987,7 @@ impl PromptStore {
         let assembled = self.with_checkpoint(bound, tokens, keys, plan, |ckpt| {
             let Target {
                 seq,
+                n_stream,
                 v_trans,
                 swa_window,
                 ext,
@@ -1005,7 +1010,7 @@ impl PromptStore {
                         n_stream: d.n_stream,
                     }
                 }
-                None => StreamAt::unified(seq),
+                None => StreamAt { seq, n_stream },
             };
             if let Some(main) = &shape.main {
                 let w =
@@ -1184,6 +1189,7 @@ impl PromptStore {
             tokens,
             Target {
                 seq,
+                n_stream: 1,
                 v_trans: cache.v_trans(),
                 swa_window: None,
                 ext: cache.params().cell_ext,
@@ -1288,6 +1294,7 @@ impl PromptStore {
         let canonical_version = FileKind::Sequence.rotation_version();
         let target = Target {
             seq: 0,
+            n_stream: 1,
             v_trans: !flash_attn,
             swa_window: opts.swa_window,
             ext: bound.shape.cell_ext().map_or(CellExt::None, |_| {

@@ -134,6 +134,8 @@ impl PromptStore {
         let (_, _, first) = parts[0];
         Ok(Target {
             seq,
+            // every attention part of a memory has as many streams
+            n_stream: memory.parts()[0].n_stream,
             v_trans: first.v_trans(),
             swa_window,
             ext: first.params().cell_ext,
