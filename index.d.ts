@@ -694,11 +694,11 @@ export interface FromModelOptions {
   /** Flash attention. Default false. */
   flashAttn?: boolean
   /**
-   * Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
-   * `kv_unified`).
-   * Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true. A unified
-   * model's cache (kind 'kv') is the seed's one stream whatever this says: it reads files of
-   * per-sequence streams, and writes them with the save options' `nStream`.
+   * One stream for all sequences (llama.cpp's `kv_unified`). Otherwise each sequence gets
+   * a stream of `nCtx / nSeqMax` cells (padded to 256), as in llama.cpp 0.1.161, whose
+   * default that is; a unified model then gets 0.1.161's `llama_kv_cache` of those streams
+   * (kind 'kv', without the seed's own calls such as `findSlot`). Default true; ignored by
+   * a recurrent model.
    */
   kvUnified?: boolean
   /**

@@ -303,7 +303,7 @@ mtest('checkState: a state that does not parse is ERR_KV_INVALID_STATE, a bad mo
 })
 
 mtest('fromModel refuses bad options with coded errors', (t) => {
-  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /iSWA and hybrid memories live in host memory/))
+  t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /iSWA and hybrid memories, and a cache of a stream per sequence, live in host memory/))
   t.throws(() => KvCache.fromModel(model('gemma3-swa.gguf'), { nUbatch: -1 }), code('ERR_KV_OUT_OF_RANGE', /nUbatch/))
   t.throws(() => KvCache.fromModel(model('jamba.gguf'), { device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /host memory/))
   t.throws(() => KvCache.fromModel(model('llama-h16.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
@@ -552,7 +552,7 @@ mtest('an iSWA memory writes and reads its state transactionally, in llama.cpp 0
   // refusals leave the memory as it was
   const before = e.stateWriteSync()
   t.throws(() => e.stateReadSync(new Uint8Array([1, 2, 3])), code('ERR_KV_INVALID_STATE'))
-  t.throws(() => e.stateReadSync(whole, 0, { part: 'base' }), code('ERR_KV_INVALID_ARG', /both parts/))
+  t.throws(() => e.stateReadSync(whole, 0, { part: 'base' }), code('ERR_KV_INVALID_ARG', /reads all its parts at once/))
   const small = KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 256, nSeqMax: 2, nUbatch: 16 })
   small.place([ubatch(0, 0, 250)].map((u) => u))
   const big = gemma()
@@ -577,7 +577,7 @@ mtest('an iSWA memory shifts positions only with swaFull, as llama.cpp 0.1.161 a
   const c = gemma()
   c.place([ubatch(0, 0, 8)])
   t.throws(() => c.seqAdd(0, 4, -1, -2), code('ERR_KV_UNSUPPORTED', /swaFull/))
-  t.throws(() => c.findSlot(ubatch(0, 8, 1)), code('ERR_KV_UNSUPPORTED', /^findSlot is an operation of the seed's unified cache; this cache is of kind 'iswa'/))
+  t.throws(() => c.findSlot(ubatch(0, 8, 1)), code('ERR_KV_UNSUPPORTED', /^findSlot is an operation of the seed's one-stream cache; this cache is of kind 'iswa'/))
   t.throws(() => c.defrag(), code('ERR_KV_UNSUPPORTED', /^defrag .*kind 'iswa'/))
   // every such refusal names the call, getters and the rows methods included
   t.throws(() => c.padding, code('ERR_KV_UNSUPPORTED', /^padding is an operation/))
@@ -630,7 +630,7 @@ mtest('an iSWA memory saves and loads llama.cpp\'s session and sequence files, t
   const before = e.stateWriteSync()
   t.throws(() => e.loadSessionFileSync(tmp('seq1.ggsq')), code('ERR_KV_INVALID_STATE', /expected a session file/))
   t.throws(() => e.loadSessionFileSync(path.join(FIXTURES, 't161', 't161-h16-f16.ggsn')), code('ERR_KV_INVALID_STATE', /not a state of this iSWA memory/))
-  t.throws(() => e.loadSequenceFileSync(seqPeer, 0, { part: 'swa' }), code('ERR_KV_INVALID_ARG', /both parts/))
+  t.throws(() => e.loadSequenceFileSync(seqPeer, 0, { part: 'swa' }), code('ERR_KV_INVALID_ARG', /reads every part of its file/))
   t.throws(() => e.saveSequenceFileSync(tmp('bad.ggsq'), 0, [1], { version: 7 }), code('ERR_KV_INVALID_ARG', /versions/))
   t.false(fs.existsSync(tmp('bad.ggsq')))
   t.deepEqual(e.stateWriteSync(), before)
@@ -722,6 +722,49 @@ mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model a
   t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.planMemory(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
   t.throws(() => KvCache.planMemory(42), code('ERR_KV_INVALID_ARG', /ggufPath/))
+})
+
+mtest('fromModel of a unified model with kvUnified: false builds llama.cpp 0.1.161\'s cache of a stream per sequence, and reads and writes its split files byte for byte', async (t) => {
+  const make = (options) => KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 32, nSeqMax: 2, kvUnified: false, ...options })
+  const c = make()
+  t.is(c.kind, 'kv')
+  t.deepEqual(c.parts.map((p) => [p.role, p.size, p.nStream]), [['whole', 256, 2]])
+  // 0.1.161's own session and sequence files of a split context (its default kv_unified)
+  const peer = path.join(FIXTURES, 't161', 't161-h16-f16-par2-split.ggsn')
+  const loaded = c.loadSessionFileSync(peer)
+  t.like(loaded, { cells: 16, layout: 'streams-rot' })
+  c.saveSessionFileSync(tmp('split-again.ggsn'), loaded.tokens, { arch: 'llama', version: 11 })
+  t.deepEqual(fs.readFileSync(tmp('split-again.ggsn')), fs.readFileSync(peer))
+  const seqPeer = path.join(FIXTURES, 't161', 't161-h16-f16-par2-split.ggsq')
+  const d = make()
+  const seq = d.loadSequenceFileSync(seqPeer, 1)
+  d.saveSequenceFileSync(tmp('split-again.ggsq'), 1, seq.tokens, { version: 4 })
+  t.deepEqual(fs.readFileSync(tmp('split-again.ggsq')), fs.readFileSync(seqPeer))
+  // each sequence in its own stream: placement, removal and copies stay there
+  const [[where]] = c.place([{ pos: [20, 21], seqIds: [1, 1] }])
+  t.is(where.stream, 1)
+  t.true(c.seqRm(1, 21, -1))
+  t.deepEqual([c.seqPosMax(1), c.seqPosMax(0)], [20, 9])
+  // a copy into another sequence's stream copies the stream, as 0.1.161 does: sequence 1 becomes 0's
+  c.seqCp(0, 1, -1, -1)
+  t.deepEqual([c.seqPosMin(1), c.seqPosMax(1), c.parts[0].usedCells], [0, 9, 20])
+  // the seed's own calls are refused by name, as on the other kinds of today
+  t.throws(() => c.findSlot({ pos: [0], seqIds: [0] }), code('ERR_KV_UNSUPPORTED', /^findSlot is an operation of the seed's one-stream cache; this cache is llama\.cpp 0\.1\.161's cache of a stream per sequence \(2 streams/))
+  t.throws(() => make({ device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /stream per sequence/))
+  // one sequence: a stream either way, the seed's cache
+  t.like(make({ nSeqMax: 1 }), { kind: 'kv', size: 256 })
+  // the prompt store takes it both ways with a one-stream cache of the same model
+  const tokens = Array.from({ length: 40 }, (_, i) => 3 + i)
+  const e = make({ nCtx: 512 })
+  fillGroup(e, 1, 40, 4)
+  const store = new PromptStore({ model: 'split-llama', blockTokens: 16 })
+  t.like(await store.put(e, 1, tokens), { tokens: 40 })
+  const unified = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 512, nSeqMax: 2 })
+  t.is(await store.restore(unified, 0, tokens), 40)
+  const f = make({ nCtx: 512 })
+  t.is(await store.restore(f, 0, tokens), 40)
+  t.deepEqual(f.readRows(0, 'v', [...Array(40).keys()], 0), e.readRows(0, 'v', [...Array(40).keys()], 1))
+  t.deepEqual(unified.readRows(1, 'k', [...Array(40).keys()]), e.readRows(1, 'k', [...Array(40).keys()], 1))
 })
 
 mtest('place works on every kind: a kv or recurrent cache places each ubatch as findSlot does, all or none', (t) => {

@@ -432,11 +432,11 @@ pub struct FromModelOptions {
     pub type_v: Option<String>,
     /// Flash attention. Default false.
     pub flash_attn: Option<bool>,
-    /// Sliding-window and hybrid models: one stream for all sequences (llama.cpp's
-    /// `kv_unified`).
-    /// Otherwise each sequence gets a stream of `nCtx / nSeqMax` cells. Default true. A unified
-    /// model's cache (kind 'kv') is the seed's one stream whatever this says: it reads files of
-    /// per-sequence streams, and writes them with the save options' `nStream`.
+    /// One stream for all sequences (llama.cpp's `kv_unified`). Otherwise each sequence gets
+    /// a stream of `nCtx / nSeqMax` cells (padded to 256), as in llama.cpp 0.1.161, whose
+    /// default that is; a unified model then gets 0.1.161's `llama_kv_cache` of those streams
+    /// (kind 'kv', without the seed's own calls such as `findSlot`). Default true; ignored by
+    /// a recurrent model.
     pub kv_unified: Option<bool>,
     /// Sliding-window models: a window cache as large as the base cache (llama.cpp's
     /// `swa_full`), which keeps every position and allows `seqAdd` / `seqDiv`. Default false.
@@ -496,14 +496,12 @@ impl KvCache {
                 None => Ok(None),
             };
             // today's memories: built as llama.cpp 0.1.161 builds them for the context
-            if matches!(
-                model.memory,
-                core::MemoryKind::Iswa | core::MemoryKind::Hybrid
-            ) {
+            if !core::Memory::is_seed_cache(&model, &ctx).map_err(from_core)? {
                 if device.is_some() {
                     return Err(err(
                         Code::Unsupported,
-                        "device: iSWA and hybrid memories live in host memory for now",
+                        "device: iSWA and hybrid memories, and a cache of a stream per \
+                         sequence, live in host memory for now",
                     ));
                 }
                 let memory = core::Memory::for_model(&model, &ctx).map_err(from_core)?;

@@ -222,6 +222,10 @@ impl KvCache {
                     .collect()
             };
             match m {
+                core::Memory::Streams(c) => Ok(c
+                    .place(&ubs)
+                    .map_err(from_core)?
+                    .map(|all| all.into_iter().map(|slots| js("whole", slots)).collect())),
                 core::Memory::Iswa(c) => {
                     let Some((base, swa)) = c.place(&ubs).map_err(from_core)? else {
                         return Ok(None);

@@ -422,7 +422,8 @@ impl<'a> Capture<'a> {
         });
         let memory = match memory {
             Memory::Iswa(_) => MemoryKind::Iswa,
-            _ => MemoryKind::Hybrid,
+            Memory::Kv(_) | Memory::Streams(_) => MemoryKind::Unified,
+            Memory::Hybrid(_) => MemoryKind::Hybrid,
         };
         Capture::of_parts(memory, [main, swa, None], (recurrent, recurrent_end), len)
     }

@@ -274,14 +274,7 @@ fn every_t161_file_of_a_live_memory_loads_into_what_from_model_builds_and_writes
             memory
                 .state_read(payload, seq, opts, None)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let again = match &memory {
-                // the seed's cache is one stream whatever `kv_unified` says: a split context's
-                // files are written back in its streams
-                Memory::Kv(c) if !spec.unified => c
-                    .state_write(seq, Layout::StreamsRot, spec.prompts.len() as u32, None)
-                    .unwrap(),
-                _ => memory.state_write(seq, Layout::StreamsRot).unwrap(),
-            };
+            let again = memory.state_write(seq, Layout::StreamsRot).unwrap();
             assert!(again == payload, "{what}: written back differently");
             assert_eq!(memory.parts().len(), ins.parts.len().max(1), "{what}");
         }

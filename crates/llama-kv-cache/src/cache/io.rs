@@ -52,6 +52,20 @@ pub struct ReadSummary {
     pub placed: Vec<u32>,
 }
 
+impl ReadSummary {
+    /// The reads of the parts of one payload as one: the first part's layout, every cell.
+    pub(crate) fn together(parts: [ReadSummary; 2]) -> ReadSummary {
+        let [a, b] = parts;
+        let mut placed = a.placed;
+        placed.extend(b.placed);
+        ReadSummary {
+            layout: a.layout,
+            cells: a.cells + b.cells,
+            placed,
+        }
+    }
+}
+
 /// What a state write carries, fixed before its first byte: the layout, each stream's cell
 /// ranges and sizes. Valid while the cache does not change.
 pub(crate) struct WritePlan {

@@ -1,13 +1,15 @@
-//! State payloads and files of today's memories of two parts (iSWA: base and window caches;
-//! hybrid: attention cache and recurrent memory): reading a payload whose layout is not
-//! given, and llama.cpp's session and sequence files. A read checks both parts before either
-//! changes, so trying a layout that does not fit changes nothing.
+//! State payloads and files of today's memories, written part by part (iSWA: base and window
+//! caches; hybrid: attention cache and recurrent memory; a unified model's cache of a stream
+//! per sequence: one part): reading a payload whose layout is not given, and llama.cpp's
+//! session and sequence files. A read checks every part before any changes, so trying a
+//! layout that does not fit changes nothing.
 
 use std::path::Path;
 
 use crate::cache::files::LoadedFile;
 use crate::cache::io::{ReadOptions, ReadSummary};
 use crate::error::{KvError, Result};
+use crate::memory::attention::AttentionCache;
 use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::IswaCache;
 use crate::state::files::{
@@ -16,32 +18,45 @@ use crate::state::files::{
 };
 use crate::state::Layout;
 
-/// A memory whose payload is two parts, written and read together.
-pub trait TwoParts {
-    /// What it is, for messages: `"iSWA"` or `"hybrid"`.
+/// A memory whose payload is written part by part, and read whole.
+pub trait PartsPayload {
+    /// What it is, for messages: `"iSWA"`, `"hybrid"` or `"per-sequence-stream"`.
     const NAME: &'static str;
     /// The payload of `seq` (-1: everything) in `layout`.
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>>;
-    /// Reads a payload into `seq` (-1: everything), both parts checked before either changes.
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<[ReadSummary; 2]>;
+    /// Reads a payload into `seq` (-1: everything), every part checked before any changes;
+    /// what the parts read, together.
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary>;
 }
 
-impl TwoParts for IswaCache {
+impl PartsPayload for IswaCache {
     const NAME: &'static str = "iSWA";
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         self.state_write(seq, layout)
     }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<[ReadSummary; 2]> {
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
         self.state_read(data, seq, layout)
+            .map(ReadSummary::together)
     }
 }
 
-impl TwoParts for HybridCache {
+impl PartsPayload for HybridCache {
     const NAME: &'static str = "hybrid";
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         self.state_write(seq, layout)
     }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<[ReadSummary; 2]> {
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        self.state_read(data, seq, layout)
+            .map(ReadSummary::together)
+    }
+}
+
+impl PartsPayload for AttentionCache {
+    const NAME: &'static str = "per-sequence-stream";
+    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        self.state_write(seq, layout)
+    }
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
         self.state_read(data, seq, layout)
     }
 }
@@ -49,7 +64,7 @@ impl TwoParts for HybridCache {
 /// Reads `data` into `seq` under each of `layouts` in turn (0.1.161's first), keeping the
 /// first that fits; a read that finds no room stops there (room does not depend on the
 /// layout). The reasons of the others name them.
-pub fn read_any<M: TwoParts>(
+pub fn read_any<M: PartsPayload>(
     m: &mut M,
     data: &[u8],
     seq: i32,
@@ -58,15 +73,7 @@ pub fn read_any<M: TwoParts>(
     let mut why = Vec::new();
     for &layout in layouts {
         match m.read_parts(data, seq, layout) {
-            Ok([a, b]) => {
-                let mut placed = a.placed;
-                placed.extend(b.placed);
-                return Ok(ReadSummary {
-                    layout,
-                    cells: a.cells + b.cells,
-                    placed,
-                });
-            }
+            Ok(summary) => return Ok(summary),
             Err(e @ KvError::NoSpace(_)) => return Err(e),
             Err(e) => why.push(format!("{layout}: {e}")),
         }
@@ -90,7 +97,7 @@ pub fn payload_layouts(forced: Option<Layout>) -> Vec<Layout> {
 /// Saves `seq` (`None`: every sequence, as a session file with `arch`) with its prompt
 /// `tokens` at `path`, atomically: the payload is written before the file is created, so a
 /// refusal leaves nothing behind.
-pub fn save_file<M: TwoParts>(
+pub fn save_file<M: PartsPayload>(
     m: &M,
     path: &Path,
     seq: Option<i32>,
@@ -118,7 +125,7 @@ pub fn save_file<M: TwoParts>(
 /// Loads the file at `path`: a sequence file into `dest`, a session file (`dest` `None`)
 /// into the whole memory. Each body and layout the file's version allows is tried, as
 /// [`read_any`] does.
-pub fn load_file<M: TwoParts>(
+pub fn load_file<M: PartsPayload>(
     m: &mut M,
     path: &Path,
     dest: Option<i32>,
@@ -126,7 +133,7 @@ pub fn load_file<M: TwoParts>(
 ) -> Result<LoadedFile> {
     if opts.part.is_some() {
         return Err(KvError::InvalidArg(format!(
-            "part: this {} memory reads both parts of its file",
+            "part: this {} memory reads every part of its file",
             M::NAME
         )));
     }

@@ -160,14 +160,7 @@ impl AttentionPart {
         match (self, checked) {
             (AttentionPart::Full(c), AttentionChecked::Full(k)) => c.apply_read(data, k, seq),
             (AttentionPart::Window(c), AttentionChecked::Window(k)) => {
-                let [a, b] = c.apply_parts(data, k, seq)?;
-                let mut placed = a.placed;
-                placed.extend(b.placed);
-                Ok(ReadSummary {
-                    layout: a.layout,
-                    cells: a.cells + b.cells,
-                    placed,
-                })
+                c.apply_parts(data, k, seq).map(ReadSummary::together)
             }
             _ => unreachable!("a read is applied to the part that checked it"),
         }

@@ -1,5 +1,6 @@
 //! One face for every live memory: the seed's unified cache (`kv`, or `recurrent` for a
-//! Mamba-style model) and today's sliding-window memory (`iswa`). Sequence operations, state
+//! Mamba-style model), llama.cpp 0.1.161's cache of a stream per sequence (`kv` too) and
+//! today's sliding-window and hybrid memories (`iswa`, `hybrid`). Sequence operations, state
 //! I/O and K/V rows addressed by the model's layer index work on every kind; what only one
 //! kind has is reached through [`Memory::kv`] or the kind's own type.
 
@@ -15,6 +16,7 @@ use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
 use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
 use crate::memory::part::PartInfo;
+use crate::memory::plan::streams_plan;
 use crate::memory::recurrent::no_recurrent_state;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::state::files::{seq_data_payload, WriteOptions};
@@ -32,6 +34,9 @@ pub enum Memory {
     Iswa(IswaCache),
     /// llama.cpp 0.1.161's hybrid memory (attention and recurrent layers), boxed as `Kv` is.
     Hybrid(Box<HybridCache>),
+    /// llama.cpp 0.1.161's `llama_kv_cache` of a unified model with a stream per sequence
+    /// (`kv_unified` false), kind `kv` as the seed's one-stream cache.
+    Streams(AttentionCache),
 }
 
 fn attention_part(role: PartRole, layers: &[u32], c: &AttentionCache) -> PartInfo {
@@ -73,10 +78,15 @@ fn stream_holding(
 impl Memory {
     /// The memory `KvCache.fromModel` builds in host memory for `model` in `ctx`: llama.cpp
     /// 0.1.161's iSWA or hybrid memory (a hybrid's attention part iSWA where its layers use a
-    /// window), and for a unified or recurrent model the seed's cache of
-    /// [`ModelInfo::cache_params`]. Refused for the memories with an indexer cache.
+    /// window), for a unified model in a context of a stream per sequence 0.1.161's
+    /// `llama_kv_cache` of those streams, and otherwise for a unified or recurrent model the
+    /// seed's cache of [`ModelInfo::cache_params`]. Refused for the memories with an indexer
+    /// cache.
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<Memory> {
         model.check_live()?;
+        if let Some(plan) = streams_plan(model, ctx)? {
+            return Ok(Memory::Streams(plan.build()?));
+        }
         match model.memory {
             MemoryKind::Iswa => Ok(Memory::Iswa(IswaCache::new(IswaParams::for_model(
                 model, ctx,
@@ -94,11 +104,20 @@ impl Memory {
         }
     }
 
+    /// Whether [`Memory::for_model`] gives `model` in `ctx` the seed's cache (`Memory::Kv`),
+    /// which can also be built on a device from [`ModelInfo::cache_params`].
+    pub fn is_seed_cache(model: &ModelInfo, ctx: &ContextParams) -> Result<bool> {
+        Ok(
+            !matches!(model.memory, MemoryKind::Iswa | MemoryKind::Hybrid)
+                && streams_plan(model, ctx)?.is_none(),
+        )
+    }
+
     /// `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Memory::Kv(c) if c.recurrent() => "recurrent",
-            Memory::Kv(_) => "kv",
+            Memory::Kv(_) | Memory::Streams(_) => "kv",
             Memory::Iswa(_) => "iswa",
             Memory::Hybrid(_) => "hybrid",
         }
@@ -121,11 +140,18 @@ impl Memory {
     }
 
     fn not_kv(&self, what: &str) -> KvError {
+        let kind = match self {
+            Memory::Streams(c) => format!(
+                "llama.cpp 0.1.161's cache of a stream per sequence ({} streams, kvUnified \
+                 false)",
+                c.n_stream()
+            ),
+            other => format!("of kind '{}'", other.kind()),
+        };
         KvError::Unsupported(format!(
-            "{what} is an operation of the seed's unified cache; this cache is of kind '{}' \
+            "{what} is an operation of the seed's one-stream cache; this cache is {kind} \
              (sequence operations, place, readRows/writeRows, state I/O and update work on \
-             every kind)",
-            self.kind()
+             every kind)"
         ))
     }
 
@@ -133,6 +159,10 @@ impl Memory {
     pub fn parts(&self) -> Vec<PartInfo> {
         match self {
             Memory::Kv(c) => vec![whole_part(c)],
+            Memory::Streams(c) => {
+                let layers: Vec<u32> = (0..c.params().n_layer).collect();
+                vec![attention_part(PartRole::Whole, &layers, c)]
+            }
             Memory::Iswa(c) => vec![
                 attention_part(PartRole::Base, &c.base().layers, &c.base().cache),
                 attention_part(PartRole::Swa, &c.swa().layers, &c.swa().cache),
@@ -171,6 +201,7 @@ impl Memory {
         match self {
             Memory::Kv(c) if c.recurrent() => Ok(Vec::new()),
             Memory::Kv(c) => Ok(vec![(PartRole::Whole, Window::FULL, c.as_ref())]),
+            Memory::Streams(c) => Ok(vec![stream_holding(PartRole::Whole, c, seq)?]),
             Memory::Iswa(c) => [
                 (PartRole::Base, &c.base().cache),
                 (PartRole::Swa, &c.swa().cache),
@@ -194,6 +225,7 @@ impl Memory {
             Memory::Kv(c) => c.can_shift(),
             Memory::Iswa(c) => c.can_shift(),
             Memory::Hybrid(c) => c.attention().cache.can_shift(),
+            Memory::Streams(c) => c.can_shift(),
         }
     }
 
@@ -203,6 +235,7 @@ impl Memory {
             Memory::Kv(c) => c.has_shift(),
             Memory::Iswa(c) => c.base().cache.has_shift() || c.swa().cache.has_shift(),
             Memory::Hybrid(c) => c.attention().cache.has_shift(),
+            Memory::Streams(c) => c.has_shift(),
         }
     }
 
@@ -212,6 +245,7 @@ impl Memory {
             Memory::Kv(c) => c.params().n_seq_max,
             Memory::Iswa(c) => c.base().cache.params().n_seq_max,
             Memory::Hybrid(c) => c.attention().cache.caches()[0].1.params().n_seq_max,
+            Memory::Streams(c) => c.params().n_seq_max,
         }
     }
 
@@ -236,6 +270,7 @@ impl Memory {
                 all.push(c.recurrent().memory.cache());
                 all
             }
+            Memory::Streams(c) => streams(c),
         }
     }
 
@@ -268,6 +303,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_rm(seq, p0, p1),
             Memory::Iswa(c) => c.seq_rm(seq, p0, p1),
             Memory::Hybrid(c) => c.seq_rm(seq, p0, p1),
+            Memory::Streams(c) => c.seq_rm(seq, p0, p1),
         }
     }
 
@@ -277,6 +313,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_cp(src, dst, p0, p1),
             Memory::Iswa(c) => c.seq_cp(src, dst, p0, p1),
             Memory::Hybrid(c) => c.seq_cp(src, dst, p0, p1),
+            Memory::Streams(c) => c.seq_cp(src, dst, p0, p1),
         }
     }
 
@@ -286,6 +323,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_keep(seq),
             Memory::Iswa(c) => c.seq_keep(seq),
             Memory::Hybrid(c) => c.seq_keep(seq),
+            Memory::Streams(c) => c.seq_keep(seq),
         }
     }
 
@@ -295,6 +333,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_add(seq, p0, p1, delta),
             Memory::Iswa(c) => c.seq_add(seq, p0, p1, delta),
             Memory::Hybrid(c) => c.seq_add(seq, p0, p1, delta),
+            Memory::Streams(c) => c.seq_add(seq, p0, p1, delta),
         }
     }
 
@@ -304,6 +343,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_div(seq, p0, p1, d),
             Memory::Iswa(c) => c.seq_div(seq, p0, p1, d),
             Memory::Hybrid(c) => c.seq_div(seq, p0, p1, d),
+            Memory::Streams(c) => c.seq_div(seq, p0, p1, d),
         }
     }
 
@@ -316,6 +356,7 @@ impl Memory {
             }
             Memory::Iswa(c) => c.seq_pos_min(seq),
             Memory::Hybrid(c) => c.seq_pos_min(seq),
+            Memory::Streams(c) => c.seq_pos_min(seq),
         }
     }
 
@@ -326,6 +367,7 @@ impl Memory {
             Memory::Kv(c) => c.seq_pos_max(seq),
             Memory::Iswa(c) => c.seq_pos_max(seq),
             Memory::Hybrid(c) => c.seq_pos_max(seq),
+            Memory::Streams(c) => c.seq_pos_max(seq),
         }
     }
 
@@ -335,6 +377,7 @@ impl Memory {
             Memory::Kv(c) => c.clear(),
             Memory::Iswa(c) => c.clear(),
             Memory::Hybrid(c) => c.clear(),
+            Memory::Streams(c) => c.clear(),
         }
     }
 
@@ -355,6 +398,8 @@ impl Memory {
                 Ok((part.stream(stream)?, k))
             }
             (Memory::Hybrid(c), LayerRows::Own(_)) => c.route(il, stream),
+            (Memory::Streams(_), LayerRows::State(_)) => Err(no_recurrent_state(il)),
+            (Memory::Streams(c), LayerRows::Own(_)) => Ok((c.stream(stream)?, il)),
             (Memory::Hybrid(c), LayerRows::State(_)) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
@@ -402,6 +447,8 @@ impl Memory {
                 (part.stream_mut(stream)?, k)
             }
             (Memory::Hybrid(c), LayerRows::Own(_)) => c.route_mut(il, stream)?,
+            (Memory::Streams(_), LayerRows::State(_)) => return Err(no_recurrent_state(il)),
+            (Memory::Streams(c), LayerRows::Own(_)) => (c.stream_mut(stream)?, il),
             (Memory::Hybrid(c), LayerRows::State(_)) => {
                 if stream != 0 {
                     return Err(no_stream(stream, 1));
@@ -418,6 +465,7 @@ impl Memory {
             Memory::Kv(c) => c.state_write(seq, layout, 1, None),
             Memory::Iswa(c) => c.state_write(seq, layout),
             Memory::Hybrid(c) => c.state_write(seq, layout),
+            Memory::Streams(c) => c.state_write(seq, layout),
         }
     }
 
@@ -427,7 +475,7 @@ impl Memory {
     /// llama.cpp does.
     pub fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         match self {
-            Memory::Kv(_) => self.state_write(seq, layout),
+            Memory::Kv(_) | Memory::Streams(_) => self.state_write(seq, layout),
             Memory::Iswa(c) => c.state_write_partial(seq, layout),
             Memory::Hybrid(c) => c.state_write_partial(seq, layout),
         }
@@ -440,6 +488,7 @@ impl Memory {
             Memory::Kv(c) => c.state_size(seq, layout, n_stream),
             Memory::Iswa(c) => c.state_size(seq, layout),
             Memory::Hybrid(c) => c.state_size(seq, layout),
+            Memory::Streams(c) => c.state_size(seq, layout),
         }
     }
 
@@ -455,7 +504,7 @@ impl Memory {
         // the in-memory form of llama_state_seq_get_data reads as its payload
         let data = seq_data_payload(data);
         let layouts = payload_layouts(opts.layout);
-        if opts.partial && !matches!(self, Memory::Kv(_)) {
+        if opts.partial && !matches!(self, Memory::Kv(_) | Memory::Streams(_)) {
             if progress.is_some_and(|p| !p(0, data.len() as u64)) {
                 return Err(KvError::Aborted("state read aborted".into()));
             }
@@ -466,7 +515,7 @@ impl Memory {
             other => {
                 if opts.part.is_some() {
                     return Err(KvError::InvalidArg(format!(
-                        "part: a memory of kind '{}' reads both parts of its payload",
+                        "part: a memory of kind '{}' reads all its parts at once",
                         other.kind()
                     )));
                 }
@@ -476,6 +525,7 @@ impl Memory {
                 match other {
                     Memory::Iswa(c) => read_any(c, data, seq, &layouts),
                     Memory::Hybrid(c) => read_any(c.as_mut(), data, seq, &layouts),
+                    Memory::Streams(c) => read_any(c, data, seq, &layouts),
                     Memory::Kv(_) => unreachable!("matched above"),
                 }
             }
@@ -490,7 +540,9 @@ impl Memory {
             let read = match self {
                 Memory::Iswa(c) => c.state_read_partial(data, seq, layout),
                 Memory::Hybrid(c) => c.state_read_partial(data, seq, layout),
-                Memory::Kv(_) => unreachable!("a unified cache reads its whole state"),
+                Memory::Kv(_) | Memory::Streams(_) => {
+                    unreachable!("a unified cache reads its whole state")
+                }
             };
             match read {
                 Ok(r) => return Ok(r),
@@ -518,6 +570,7 @@ impl Memory {
         match self {
             Memory::Iswa(c) => save_file(c, path, seq, tokens, arch, opts),
             Memory::Hybrid(c) => save_file(c.as_ref(), path, seq, tokens, arch, opts),
+            Memory::Streams(c) => save_file(c, path, seq, tokens, arch, opts),
             Memory::Kv(_) => Err(self.not_parts("save_parts_file")),
         }
     }
@@ -532,6 +585,7 @@ impl Memory {
         match self {
             Memory::Iswa(c) => load_file(c, path, dest, opts),
             Memory::Hybrid(c) => load_file(c.as_mut(), path, dest, opts),
+            Memory::Streams(c) => load_file(c, path, dest, opts),
             Memory::Kv(_) => Err(self.not_parts("load_parts_file")),
         }
     }
@@ -554,6 +608,7 @@ impl Memory {
             Memory::Kv(c) => c.update(shift, max_nodes),
             Memory::Iswa(c) => c.update(shift),
             Memory::Hybrid(c) => c.update(shift),
+            Memory::Streams(c) => c.update(shift),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `put` and `restore` of today's live memories (iSWA, hybrid). A put captures the sequence's
+//! `put` and `restore` of today's live memories (iSWA, hybrid, a unified model's cache of a
+//! stream per sequence). A put captures the sequence's
 //! rows from each attention part and a hybrid's recurrent state as llama.cpp 0.1.161 writes
 //! it, the parts a peer's file of the same state holds, so a live memory and a peer's file of
 //! one conversation make the same blocks and checkpoints. A restore assembles the payload
@@ -45,11 +46,17 @@ impl PromptStore {
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        if let Memory::Kv(c) = memory {
-            return self.put(c, seq, tokens, progress);
-        }
+        let capture = match memory {
+            Memory::Kv(c) => return self.put(c, seq, tokens, progress),
+            // a unified model's cache of a stream per sequence: the stream holding `seq` is a
+            // cache of that model, whose blocks a one-stream cache's put makes too
+            Memory::Streams(_) => {
+                let (_, _, stream) = memory.attention_streams(seq)?[0];
+                Capture::of_cache(stream, seq, tokens.len())?
+            }
+            _ => Capture::of_memory(memory, seq, tokens.len())?,
+        };
         let _timer = self.latency.put.start();
-        let capture = Capture::of_memory(memory, seq, tokens.len())?;
         let format = parts_format(memory);
         self.put_capture(&capture, tokens, format, progress)
     }
@@ -114,9 +121,10 @@ impl PromptStore {
         let mut live = bound.shape.clone();
         live.memory = match memory {
             Memory::Iswa(_) => MemoryKind::Iswa,
-            _ => MemoryKind::Hybrid,
+            Memory::Kv(_) | Memory::Streams(_) => MemoryKind::Unified,
+            Memory::Hybrid(_) => MemoryKind::Hybrid,
         };
-        live.main = shape_of(&[PartRole::Base, PartRole::Attention])?;
+        live.main = shape_of(&[PartRole::Base, PartRole::Attention, PartRole::Whole])?;
         live.swa = shape_of(&[PartRole::Swa])?;
         if live != bound.shape {
             return Err(self.refuse(&bound.shape, &live));
