@@ -1,8 +1,9 @@
 //! Fuzzes the readers of today's live memories, as `KvCache.fromModel` builds them for the tiny
 //! models of `interop/make_models.py` (`node scripts/setup.mjs` writes them): the iSWA memory
 //! (gemma3), the hybrid memories (Jamba, LFM2, Qwen3.5 with M-RoPE cells, Nemotron-H,
-//! Falcon-H1) and the hybrid-iSWA one (LFM2 with a window: three parts, the first of no layer).
-//! The first byte picks the memory (bits 0-1 and 6, modulo the seven), the layout
+//! Falcon-H1), the hybrid-iSWA one (LFM2 with a window: three parts, the first of no layer) and
+//! a llama's cache of a stream per sequence (`kvUnified: false`).
+//! The first byte picks the memory (bits 0-1 and 6), the layout
 //! (bit 2), the sequence read into (bits 3-4: every one, 0, or 2, which holds nothing) and a
 //! partial read (bit 5: llama.cpp's `PARTIAL_ONLY` state, a context checkpoint); the rest is
 //! the payload, with or without `llama_state_seq_get_data`'s envelope. A failed read must leave the memory byte for byte as it was; a
@@ -14,7 +15,7 @@ use std::sync::OnceLock;
 use libfuzzer_sys::fuzz_target;
 use llama_kv_cache::{ContextParams, GgmlType, Layout, Memory, ModelInfo, ReadOptions, UBatch};
 
-const MODELS: [&str; 7] = [
+const MODELS: [&str; 8] = [
     "gemma3-swa.gguf",
     "jamba.gguf",
     "lfm2.gguf",
@@ -22,6 +23,8 @@ const MODELS: [&str; 7] = [
     "qwen35.gguf",
     "nemotron-h.gguf",
     "falcon-h1.gguf",
+    // its context has a stream per sequence
+    "llama-h16.gguf",
 ];
 
 fn model(k: usize) -> &'static ModelInfo {
@@ -47,7 +50,7 @@ fn memory(k: usize) -> Memory {
         n_ctx: 256,
         n_seq_max: 3,
         n_ubatch: 16,
-        unified: true,
+        unified: MODELS[k] != "llama-h16.gguf",
         swa_full: false,
         type_k: GgmlType::F16,
         type_v: GgmlType::F16,
@@ -63,6 +66,7 @@ fn memory(k: usize) -> Memory {
     for (seq, n) in [(0, 6), (1, 3)] {
         let placed = match &mut m {
             Memory::Iswa(c) => c.place(&[UBatch::sequence(seq, 0, n as u32)]).unwrap().is_some(),
+            Memory::Streams(c) => c.place(&[UBatch::sequence(seq, 0, n as u32)]).unwrap().is_some(),
             Memory::Hybrid(h) => h.place(&[group(seq, n)]).unwrap().is_some(),
             Memory::Kv(_) => unreachable!("the tiny models of today have iSWA or hybrid memories"),
         };
