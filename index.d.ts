@@ -235,10 +235,13 @@ export declare class KvCache {
    */
   get residentBytes(): number
   /**
-   * What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-   * for Mamba-style models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
-   * cache for full-attention layers and a window cache for the others) or `'hybrid'`
-   * (0.1.161's attention cache and recurrent memory side by side).
+   * What memory this is: `'kv'` (the seed's unified cache, or for `fromModel` with
+   * `kvUnified: false` and several sequences llama.cpp 0.1.161's cache of a stream per
+   * sequence: `parts[0].nStream`), `'recurrent'` (the seed's recurrent mode, for Mamba-style
+   * models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp
+   * 0.1.161's sliding-window memory: a base cache for full-attention layers and a window
+   * cache for the others) or `'hybrid'` (0.1.161's attention cache and recurrent memory side
+   * by side).
    */
   get kind(): 'kv' | 'recurrent' | 'iswa' | 'hybrid'
   /**

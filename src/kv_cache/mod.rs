@@ -270,10 +270,13 @@ impl KvCache {
         self.with_memory(|c| Ok(c.host_resident_bytes() as f64))
     }
 
-    /// What memory this is: `'kv'` (the unified cache), `'recurrent'` (its recurrent mode,
-    /// for Mamba-style models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base
-    /// cache for full-attention layers and a window cache for the others) or `'hybrid'`
-    /// (0.1.161's attention cache and recurrent memory side by side).
+    /// What memory this is: `'kv'` (the seed's unified cache, or for `fromModel` with
+    /// `kvUnified: false` and several sequences llama.cpp 0.1.161's cache of a stream per
+    /// sequence: `parts[0].nStream`), `'recurrent'` (the seed's recurrent mode, for Mamba-style
+    /// models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp
+    /// 0.1.161's sliding-window memory: a base cache for full-attention layers and a window
+    /// cache for the others) or `'hybrid'` (0.1.161's attention cache and recurrent memory side
+    /// by side).
     #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid'")]
     pub fn kind(&self) -> Result<String, Code> {
         self.with_memory(|c| Ok(c.kind().into()))
