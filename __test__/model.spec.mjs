@@ -750,7 +750,8 @@ mtest('fromModel of a unified model with kvUnified: false builds llama.cpp 0.1.1
   t.deepEqual([c.seqPosMin(1), c.seqPosMax(1), c.parts[0].usedCells], [0, 9, 20])
   // the seed's own calls are refused by name, as on the other kinds of today
   t.throws(() => c.findSlot({ pos: [0], seqIds: [0] }), code('ERR_KV_UNSUPPORTED', /^findSlot is an operation of the seed's one-stream cache; this cache is llama\.cpp 0\.1\.161's cache of a stream per sequence \(2 streams/))
-  t.throws(() => make({ device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /stream per sequence/))
+  t.throws(() => make({ device: 'cpu' }), code('ERR_KV_UNSUPPORTED', /stream per sequence.*kvUnified: true can live on a device/))
+  t.is(make({ device: 'cpu', kvUnified: true }).parts[0].nStream, 1)
   // one sequence: a stream either way, the seed's cache
   t.like(make({ nSeqMax: 1 }), { kind: 'kv', size: 256 })
   // the prompt store takes it both ways with a one-stream cache of the same model

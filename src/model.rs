@@ -501,7 +501,8 @@ impl KvCache {
                     return Err(err(
                         Code::Unsupported,
                         "device: iSWA and hybrid memories, and a cache of a stream per \
-                         sequence, live in host memory for now",
+                         sequence, live in host memory for now (a unified model's cache with \
+                         kvUnified: true can live on a device)",
                     ));
                 }
                 let memory = core::Memory::for_model(&model, &ctx).map_err(from_core)?;
