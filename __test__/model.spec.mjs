@@ -721,6 +721,13 @@ mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model a
   t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { nSeqMax: 0 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax/))
   t.throws(() => KvCache.planMemory(model('llama-h32.gguf'), { typeK: 'q9' }), code('ERR_KV_INVALID_ARG', /q9/))
   t.throws(() => KvCache.planMemory(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
+  fs.writeFileSync(tmp('truncated.gguf'), 'GGUF\x03')
+  t.throws(() => KvCache.planMemory(tmp('truncated.gguf')), code('ERR_KV_INVALID_MODEL', /truncated/))
+  t.throws(() => KvCache.planMemory(model('llama-h16.gguf'), { nSeqMax: 257 }), code('ERR_KV_OUT_OF_RANGE', /nSeqMax must be in \[1, 256\], got 257/))
+  // a context whose padding overflows, for the seed's cache and an iSWA memory alike
+  for (const name of ['llama-h16.gguf', 'gemma3-swa.gguf']) {
+    t.throws(() => KvCache.planMemory(model(name), { nCtx: 2 ** 32 - 1 }), code('ERR_KV_OUT_OF_RANGE', /nCtx 4294967295 is too large/))
+  }
   t.throws(() => KvCache.planMemory(42), code('ERR_KV_INVALID_ARG', /ggufPath/))
 })
 
