@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use llama_kv_cache::{
     AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, KvCache, Layout,
-    MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
+    Memory, MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
 };
 use serde_json::Value;
 
@@ -330,6 +330,20 @@ impl OurSide {
                 p.recurrent = true;
                 Ours::Recurrent(RecurrentMemory::new(p, info.n_layer).map_err(err)?)
             }
+            // a stream per sequence: the cache `fromModel` builds for that context
+            MemoryKind::Unified if !cfg.unified && cfg.n_seq > 1 => {
+                match Memory::for_model(&info, &ctx).map_err(err)? {
+                    Memory::Streams(c) => Ours::Attention(c),
+                    other => {
+                        return Err(format!(
+                            "{}: fromModel built a '{}' memory, not one of a stream per sequence",
+                            cfg.model,
+                            other.kind()
+                        ))
+                    }
+                }
+            }
+            // one stream: 0.1.161's cache itself (fromModel gives the seed's cache there)
             MemoryKind::Unified => {
                 let size = ctx.cells_per_stream(info.n_ctx_train).map_err(err)?;
                 let p = info
