@@ -46,8 +46,11 @@ impl PromptStore {
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
+        if let Memory::Kv(c) = memory {
+            return self.put(c, seq, tokens, progress);
+        }
+        let _timer = self.latency.put.start();
         let capture = match memory {
-            Memory::Kv(c) => return self.put(c, seq, tokens, progress),
             // a unified model's cache of a stream per sequence: the stream holding `seq` is a
             // cache of that model, whose blocks a one-stream cache's put makes too
             Memory::Streams(_) => {
@@ -56,7 +59,6 @@ impl PromptStore {
             }
             _ => Capture::of_memory(memory, seq, tokens.len())?,
         };
-        let _timer = self.latency.put.start();
         let format = parts_format(memory);
         self.put_capture(&capture, tokens, format, progress)
     }
