@@ -488,40 +488,32 @@ impl KvCache {
 
             let read = gguf::read_file(&path, false).map_err(from_core)?;
             let model = core::ModelInfo::from_header(&read.header).map_err(from_core)?;
-            model.check_live().map_err(from_core)?;
+            let blueprint = core::MemoryBlueprint::for_model(&model, &ctx).map_err(from_core)?;
             let factors = |per_seq: u32| match model.factor_tensor(per_seq) {
                 Some(name) => gguf::read_f32_tensor(&path, &read.header, name)
                     .map(Some)
                     .map_err(from_core),
                 None => Ok(None),
             };
-            // today's memories: built as llama.cpp 0.1.161 builds them for the context
-            if !core::Memory::is_seed_cache(&model, &ctx).map_err(from_core)? {
-                if device.is_some() {
-                    return Err(err(
-                        Code::Unsupported,
-                        "device: iSWA and hybrid memories, and a cache of a stream per \
-                         sequence, live in host memory for now (a unified model's cache with \
-                         kvUnified: true can live on a device)",
-                    ));
-                }
-                let memory = core::Memory::for_model(&model, &ctx).map_err(from_core)?;
-                let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
-                let shift = model.shift_params(factors(size)?);
-                return Ok(KvCache::from_memory(&env, memory, shift));
+            // the seed's cache, on the devices asked for
+            if let Some(params) = blueprint.seed_params() {
+                let per_seq = params.size / ctx.n_seq_max.max(1);
+                let shift = model.shift_params(factors(per_seq)?);
+                return KvCache::from_params(&env, params.clone(), &device, shift);
             }
-            let params = model
-                .cache_params(
-                    ctx.n_ctx,
-                    ctx.n_seq_max,
-                    ctx.type_k,
-                    ctx.type_v,
-                    ctx.flash_attn,
-                )
-                .map_err(from_core)?;
-            let per_seq = params.size / ctx.n_seq_max.max(1);
-            let shift = model.shift_params(factors(per_seq)?);
-            KvCache::from_params(&env, params, &device, shift)
+            // today's memories: built as llama.cpp 0.1.161 builds them for the context
+            if device.is_some() {
+                return Err(err(
+                    Code::Unsupported,
+                    "device: iSWA and hybrid memories, and a cache of a stream per sequence, \
+                     live in host memory for now (a unified model's cache with kvUnified: true \
+                     can live on a device)",
+                ));
+            }
+            let memory = core::Memory::build(blueprint).map_err(from_core)?;
+            let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
+            let shift = model.shift_params(factors(size)?);
+            Ok(KvCache::from_memory(&env, memory, shift))
         })
     }
 

@@ -60,7 +60,7 @@ pub use memory::hybrid::{HybridAttention, HybridCache, HybridRecurrent};
 pub use memory::iswa::{ContextParams, IswaCache, IswaParams, IswaPart};
 pub use memory::kinds::{LayerRows, Memory};
 pub use memory::part::PartInfo;
-pub use memory::plan::MemoryPlan;
+pub use memory::plan::{MemoryBlueprint, MemoryPlan};
 pub use memory::recurrent::RecurrentMemory;
 pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};

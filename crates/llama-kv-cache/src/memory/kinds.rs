@@ -14,11 +14,11 @@ use crate::error::{KvError, Result};
 use crate::memory::attention::{AttentionCache, Window};
 use crate::memory::files::{load_file, payload_layouts, read_any, save_file};
 use crate::memory::hybrid::HybridCache;
-use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
+use crate::memory::iswa::{ContextParams, IswaCache};
 use crate::memory::part::PartInfo;
-use crate::memory::plan::streams_plan;
+use crate::memory::plan::{Blueprint, MemoryBlueprint};
 use crate::memory::recurrent::no_recurrent_state;
-use crate::model::{MemoryKind, ModelInfo};
+use crate::model::ModelInfo;
 use crate::state::files::{seq_data_payload, WriteOptions};
 use crate::state::parts::PartRole;
 use crate::state::Layout;
@@ -83,34 +83,17 @@ impl Memory {
     /// seed's cache of [`ModelInfo::cache_params`]. Refused for the memories with an indexer
     /// cache.
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<Memory> {
-        model.check_live()?;
-        if let Some(plan) = streams_plan(model, ctx)? {
-            return Ok(Memory::Streams(plan.build()?));
-        }
-        match model.memory {
-            MemoryKind::Iswa => Ok(Memory::Iswa(IswaCache::new(IswaParams::for_model(
-                model, ctx,
-            )?)?)),
-            MemoryKind::Hybrid => Ok(Memory::Hybrid(Box::new(HybridCache::for_model(
-                model, ctx,
-            )?))),
-            _ => Ok(Memory::Kv(Box::new(KvCache::new(model.cache_params(
-                ctx.n_ctx,
-                ctx.n_seq_max,
-                ctx.type_k,
-                ctx.type_v,
-                ctx.flash_attn,
-            )?)?))),
-        }
+        Memory::build(MemoryBlueprint::for_model(model, ctx)?)
     }
 
-    /// Whether [`Memory::for_model`] gives `model` in `ctx` the seed's cache (`Memory::Kv`),
-    /// which can also be built on a device from [`ModelInfo::cache_params`].
-    pub fn is_seed_cache(model: &ModelInfo, ctx: &ContextParams) -> Result<bool> {
-        Ok(
-            !matches!(model.memory, MemoryKind::Iswa | MemoryKind::Hybrid)
-                && streams_plan(model, ctx)?.is_none(),
-        )
+    /// Builds the memory of `blueprint` in host memory.
+    pub fn build(blueprint: MemoryBlueprint) -> Result<Memory> {
+        Ok(match blueprint.0 {
+            Blueprint::Seed(p) => Memory::Kv(Box::new(KvCache::new(p)?)),
+            Blueprint::Streams(p) => Memory::Streams(p.build()?),
+            Blueprint::Iswa(p) => Memory::Iswa(IswaCache::new(p)?),
+            Blueprint::Hybrid(p) => Memory::Hybrid(Box::new(p.build()?)),
+        })
     }
 
     /// `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.

@@ -9,31 +9,90 @@ use crate::memory::hybrid::HybridPlan;
 use crate::memory::iswa::{ContextParams, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
 use crate::model::{MemoryKind, ModelInfo};
+use crate::params::CacheParams;
 use crate::state::parts::PartRole;
 
-/// The cache of a unified model in a context with a stream per sequence (`kv_unified` false
-/// and more than one sequence): llama.cpp 0.1.161's `llama_kv_cache` of `n_ctx / n_seq_max`
-/// cells per stream, where the memory is otherwise the seed's one-stream cache. `None` for
-/// every other model and context.
-pub(crate) fn streams_plan(model: &ModelInfo, ctx: &ContextParams) -> Result<Option<PartPlan>> {
-    if model.memory != MemoryKind::Unified || ctx.unified || ctx.n_seq_max <= 1 {
-        return Ok(None);
+/// Which memory a model gets in a context, before anything is built: the one decision that
+/// [`Memory::for_model`](crate::Memory::for_model) builds from and [`MemoryPlan`] sizes.
+pub struct MemoryBlueprint(pub(crate) Blueprint);
+
+/// The memories a model can get, with what each is built from.
+pub(crate) enum Blueprint {
+    /// The seed's cache of a unified or recurrent model.
+    Seed(CacheParams),
+    /// llama.cpp 0.1.161's `llama_kv_cache` of a unified model in a context with a stream per
+    /// sequence (`kv_unified` false and more than one sequence), `n_ctx / n_seq_max` cells each.
+    Streams(PartPlan),
+    /// 0.1.161's sliding-window memory.
+    Iswa(IswaParams),
+    /// 0.1.161's hybrid memory.
+    Hybrid(HybridPlan),
+}
+
+impl MemoryBlueprint {
+    /// The memory `KvCache.fromModel` builds for `model` in `ctx`, refused where building it
+    /// is (an indexer memory, K/V types the context refuses, a bad context).
+    pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<MemoryBlueprint> {
+        model.check_live()?;
+        let seed = || {
+            model.cache_params(
+                ctx.n_ctx,
+                ctx.n_seq_max,
+                ctx.type_k,
+                ctx.type_v,
+                ctx.flash_attn,
+            )
+        };
+        Ok(MemoryBlueprint(match model.memory {
+            MemoryKind::Iswa => Blueprint::Iswa(IswaParams::for_model(model, ctx)?),
+            MemoryKind::Hybrid => Blueprint::Hybrid(HybridPlan::for_model(model, ctx)?),
+            MemoryKind::Unified if !ctx.unified && ctx.n_seq_max > 1 => {
+                let mut params = seed()?;
+                params.size = ctx.cells_per_stream(model.n_ctx_train)?;
+                Blueprint::Streams(PartPlan {
+                    role: PartRole::Whole,
+                    layers: (0..params.n_layer).collect(),
+                    params,
+                    unified: false,
+                    window: Window::FULL,
+                })
+            }
+            _ => Blueprint::Seed(seed()?),
+        }))
     }
-    let mut params = model.cache_params(
-        ctx.n_ctx,
-        ctx.n_seq_max,
-        ctx.type_k,
-        ctx.type_v,
-        ctx.flash_attn,
-    )?;
-    params.size = ctx.cells_per_stream(model.n_ctx_train)?;
-    Ok(Some(PartPlan {
-        role: PartRole::Whole,
-        layers: (0..params.n_layer).collect(),
-        params,
-        unified: false,
-        window: Window::FULL,
-    }))
+
+    /// The seed cache's parameters when the memory is the seed's cache, which can also be
+    /// built on a device (`KvCache::with_allocator`).
+    pub fn seed_params(&self) -> Option<&CacheParams> {
+        match &self.0 {
+            Blueprint::Seed(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The memory it builds, sized.
+    pub fn plan(&self) -> Result<MemoryPlan> {
+        let (kind, parts) = match &self.0 {
+            Blueprint::Streams(p) => ("kv", vec![p.info(|il| il)?]),
+            Blueprint::Iswa(p) => (
+                "iswa",
+                p.plans()?
+                    .iter()
+                    .map(|p| p.info(|il| il))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            Blueprint::Hybrid(p) => ("hybrid", p.parts()?),
+            Blueprint::Seed(p) => {
+                let kind = if p.recurrent { "recurrent" } else { "kv" };
+                let layers = (0..p.n_layer).collect();
+                (
+                    kind,
+                    vec![planned(PartRole::Whole, layers, p, 1, Window::FULL)?],
+                )
+            }
+        };
+        Ok(MemoryPlan { kind, parts })
+    }
 }
 
 /// The memory llama.cpp 0.1.161 gives a model in a context, before it is built.
@@ -49,38 +108,7 @@ impl MemoryPlan {
     /// What [`Memory::for_model`](crate::Memory::for_model) builds for `model` in `ctx`,
     /// refused where building it is (an indexer memory, a bad context).
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<MemoryPlan> {
-        model.check_live()?;
-        let (kind, parts) = match (model.memory, streams_plan(model, ctx)?) {
-            (_, Some(streams)) => ("kv", vec![streams.info(|il| il)?]),
-            (MemoryKind::Iswa, None) => (
-                "iswa",
-                IswaParams::for_model(model, ctx)?
-                    .plans()?
-                    .iter()
-                    .map(|p| p.info(|il| il))
-                    .collect::<Result<Vec<_>>>()?,
-            ),
-            (MemoryKind::Hybrid, None) => ("hybrid", HybridPlan::for_model(model, ctx)?.parts()?),
-            (memory, None) => {
-                let p = model.cache_params(
-                    ctx.n_ctx,
-                    ctx.n_seq_max,
-                    ctx.type_k,
-                    ctx.type_v,
-                    ctx.flash_attn,
-                )?;
-                let kind = match memory {
-                    MemoryKind::Recurrent => "recurrent",
-                    _ => "kv",
-                };
-                let layers = (0..p.n_layer).collect();
-                (
-                    kind,
-                    vec![planned(PartRole::Whole, layers, &p, 1, Window::FULL)?],
-                )
-            }
-        };
-        Ok(MemoryPlan { kind, parts })
+        MemoryBlueprint::for_model(model, ctx)?.plan()
     }
 
     /// Bytes of every tensor of every part.
