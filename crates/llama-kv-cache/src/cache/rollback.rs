@@ -33,16 +33,11 @@ pub(crate) enum CellsUndo {
         head: u32,
         n: u32,
     },
-    /// The cells a load by today's placement touches (see [`CellsUndo::touched`]): a cell of
-    /// one sequence and no extension as `(cell, pos, delta, seq)`, any other whole; both
-    /// ascending.
-    Touched {
-        single: Vec<(u32, i32, i32, u32)>,
-        whole: Vec<(usize, Cell)>,
-        used: u32,
-        head: u32,
-        n: u32,
-    },
+    /// Nothing: a load that cannot fail once its cells change. A sequence read into a stream
+    /// of today's memories is one: their rows are on the host (a device is refused for them)
+    /// and the payload's blocks and cells were checked against them before the cells changed.
+    /// Recording the cells it touched was a third of a read of 8,192 cells of tiny rows.
+    Unrecorded,
 }
 
 impl CellsUndo {
@@ -52,33 +47,7 @@ impl CellsUndo {
             CellsUndo::All(cells, ..) => !cells.seqs(i).is_empty(),
             // ascending: `cells_of` walks the sequence's bitmap in order
             CellsUndo::Sequence { old, .. } => old.binary_search_by_key(&i, |(c, _)| *c).is_ok(),
-            CellsUndo::Touched { single, whole, .. } => {
-                single.binary_search_by_key(&(i as u32), |c| c.0).is_ok()
-                    || whole.binary_search_by_key(&i, |(c, _)| *c).is_ok()
-            }
-        }
-    }
-
-    /// The record of the cells `touched` (ascending) of `cache`, taken before a load changes
-    /// them. Most are a sequence's own cells, kept in 16 bytes each: a copy of every `Cell`
-    /// was a fifth of a one-sequence read of 8,192 cells.
-    pub(crate) fn touched(cache: &KvCache, touched: &[usize]) -> CellsUndo {
-        let cells = &cache.cells;
-        let (mut single, mut whole) = (Vec::with_capacity(touched.len()), Vec::new());
-        for &i in touched {
-            match cells.seqs(i).only() {
-                Some(seq) if !cells.keeps_ext() => {
-                    single.push((i as u32, cells.pos(i), cells.delta(i), seq as u32))
-                }
-                _ => whole.push((i, cells.get(i))),
-            }
-        }
-        CellsUndo::Touched {
-            single,
-            whole,
-            used: cells.used,
-            head: cache.head,
-            n: cache.n,
+            CellsUndo::Unrecorded => false,
         }
     }
 }
@@ -255,32 +224,7 @@ impl KvCache {
                 self.head = head;
                 self.n = n;
             }
-            CellsUndo::Touched {
-                single,
-                whole,
-                used,
-                head,
-                n,
-            } => {
-                for &i in placed {
-                    self.cells.clear_seqs(i);
-                    self.cells.set_pos(i, -1);
-                }
-                for (i, pos, delta, seq) in single {
-                    let i = i as usize;
-                    self.cells.clear_seqs(i);
-                    self.cells.set_pos(i, pos);
-                    self.cells.set_delta(i, delta);
-                    self.cells.insert_seq(i, seq as usize);
-                }
-                for (i, cell) in whole {
-                    self.cells.set_cell(i, cell);
-                }
-                self.cells.used = used;
-                self.head = head;
-                self.n = n;
-                self.cells.settle();
-            }
+            CellsUndo::Unrecorded => {}
             CellsUndo::Sequence { old, used, head, n } => {
                 // placement sets only pos and seqs, so delta, src and tail are still the old ones
                 for &i in placed {

@@ -232,6 +232,41 @@ impl SeqColumn {
         self.get(i) == SeqSet::single(seq)
     }
 
+    /// The one sequence cell `i` holds, if it holds exactly one.
+    #[inline(always)]
+    pub fn only(&self, i: usize) -> Option<usize> {
+        if self.stride == 1 {
+            let w = self.words[i];
+            return w.is_power_of_two().then(|| w.trailing_zeros() as usize);
+        }
+        self.get(i).only()
+    }
+
+    /// Of the cells of word `w` (cells `64 * w..`, each a bit) in `candidates`, those that
+    /// hold `seq` alone.
+    pub fn holding_only(&self, w: usize, seq: usize, candidates: u64) -> u64 {
+        if self.stride == 1 && seq < 64 {
+            // compared cell by cell without a branch, which the compiler vectorizes
+            let first = w * 64;
+            let cells = &self.words[first..(first + 64).min(self.words.len())];
+            let mut out = 0u64;
+            for (b, &set) in cells.iter().enumerate() {
+                out |= u64::from(set == 1 << seq) << b;
+            }
+            return out & candidates;
+        }
+        let mut out = 0u64;
+        let mut rest = candidates;
+        while rest != 0 {
+            let b = rest.trailing_zeros() as usize;
+            if self.holds_only(w * 64 + b, seq) {
+                out |= 1 << b;
+            }
+            rest &= rest - 1;
+        }
+        out
+    }
+
     /// Whether cell `i` holds no sequence.
     #[inline(always)]
     pub fn is_empty(&self, i: usize) -> bool {

@@ -238,6 +238,18 @@ impl Cells {
         self.seqs.get(i)
     }
 
+    /// The one sequence cell `i` holds, if it holds exactly one (without copying its set).
+    #[inline]
+    pub fn only_seq(&self, i: usize) -> Option<usize> {
+        self.seqs.only(i)
+    }
+
+    /// Whether cell `i` holds `seq` and no other sequence.
+    #[inline]
+    pub fn holds_only(&self, i: usize, seq: usize) -> bool {
+        self.seqs.holds_only(i, seq)
+    }
+
     /// Recurrent tail of cell `i`.
     pub fn tail(&self, i: usize) -> i32 {
         self.tail[i]
@@ -368,6 +380,33 @@ impl Cells {
     /// else `end`.
     fn next_with(&self, from: usize, end: usize, free: bool) -> usize {
         next_bit(self.occupied.words(), from, end, !free)
+    }
+
+    /// The cells of word `w` (cells `64 * w..64 * w + 64`, each a bit) that are free, or held
+    /// by `seq` alone; bits past the last cell are set.
+    pub fn free_or_only_word(&self, w: usize, seq: Option<usize>) -> u64 {
+        let occupied = self.occupied.words()[w];
+        let mut out = !occupied;
+        if let Some(s) = seq {
+            out |= self
+                .seqs
+                .holding_only(w, s, self.seq[s].words()[w] & occupied);
+        }
+        out
+    }
+
+    /// How many cells hold `seq` and no other sequence, a word of cells at a time.
+    pub fn count_held_only(&self, seq: usize) -> usize {
+        let words = self.seq[seq].words().iter().enumerate();
+        words
+            .filter(|(_, &word)| word != 0)
+            .map(|(w, &word)| self.seqs.holding_only(w, seq, word).count_ones() as usize)
+            .sum()
+    }
+
+    /// Sets the deltas of `cells` to 0.
+    pub fn zero_deltas(&mut self, cells: std::ops::Range<usize>) {
+        self.delta[cells].fill(0);
     }
 
     /// The maximal runs `start..end` of free cells (`pos < 0`) that meet `span` and hold at
@@ -926,6 +965,22 @@ impl Cells {
     /// as a ubatch or a payload holds them: a cell of one sequence, the common case, never
     /// builds a set.
     pub fn fill_free<'s>(&mut self, first: usize, pos: &[i32], seqs: impl Fn(usize) -> &'s [i32]) {
+        self.fill_free_with(first, pos, &seqs, false);
+    }
+
+    /// [`Cells::fill_free`] with the same sequence ids `ids` for every cell (a sequence's
+    /// tokens): no cell's ids are compared with the others'.
+    pub fn fill_free_all(&mut self, first: usize, pos: &[i32], ids: &[i32]) {
+        self.fill_free_with(first, pos, &|_| ids, true);
+    }
+
+    fn fill_free_with<'s>(
+        &mut self,
+        first: usize,
+        pos: &[i32],
+        seqs: &impl Fn(usize) -> &'s [i32],
+        uniform: bool,
+    ) {
         let end = first + pos.len();
         let mut at = first;
         while at < end {
@@ -947,7 +1002,7 @@ impl Cells {
             let same = |other: &[i32]| {
                 other.len() == ids.len() && other.iter().zip(ids).all(|(a, b)| a == b)
             };
-            if lo >= 0 && (at + 1..stop).all(|i| same(seqs(i - first))) {
+            if lo >= 0 && (uniform || (at + 1..stop).all(|i| same(seqs(i - first)))) {
                 let set = SeqSet::of(ids);
                 let bits = (u64::MAX >> (64 - (stop - at))) << (at % 64);
                 self.pos[cells.clone()].copy_from_slice(new_pos);
@@ -958,7 +1013,7 @@ impl Cells {
                     self.seq_pos_max[seq] = self.seq_pos_max[seq].max(hi);
                 }
             } else {
-                self.fill_cell_by_cell(at, at - first, new_pos, &seqs);
+                self.fill_cell_by_cell(at, at - first, new_pos, seqs);
             }
             at = stop;
         }

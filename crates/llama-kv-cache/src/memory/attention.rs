@@ -13,6 +13,8 @@
 //!   forgets pending shifts, positions of a sequence without cells read -1, and there is no
 //!   defrag (0.1.161 removed it: placement does not need contiguous runs).
 
+use std::borrow::Cow;
+
 use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::rollback::CellsUndo;
@@ -85,13 +87,17 @@ impl CheckedRead {
 }
 
 /// Stream `k` of `parsed` as a payload of its own.
-fn one_stream(parsed: &ParsedPayload, k: usize) -> ParsedPayload {
-    ParsedPayload {
+fn one_stream(parsed: &ParsedPayload, k: usize) -> Cow<'_, ParsedPayload> {
+    // a payload of one stream is its own (a copy of its cell columns was a tenth of a read)
+    if parsed.streams.len() == 1 {
+        return Cow::Borrowed(parsed);
+    }
+    Cow::Owned(ParsedPayload {
         layout: parsed.layout,
         streams: vec![parsed.streams[k].clone()],
         len: parsed.len,
         ext: parsed.ext,
-    }
+    })
 }
 
 /// The cells a placement changed, as they were (per slot: stream, head, `used`, cells), to put
@@ -292,7 +298,7 @@ impl AttentionCache {
             };
             for slot in &slots {
                 let cache = &self.streams[slot.stream as usize];
-                let touched = touched_by(&cache.cells, &slot.cells, None);
+                let touched = touched_by(&cache.cells, &slot.cells);
                 undo.0.push(SlotUndo {
                     stream: slot.stream as usize,
                     head: cache.head,
@@ -604,7 +610,10 @@ impl AttentionCache {
                 found.take(),
             )?;
             summary.cells += r.cells;
-            summary.placed.extend(r.placed);
+            match summary.placed.is_empty() {
+                true => summary.placed = r.placed,
+                false => summary.placed.extend(r.placed),
+            }
         }
         Ok(summary)
     }
@@ -734,7 +743,8 @@ fn read_sequence(
             ext: cells.exts().to_vec(),
         };
         // the cells the read will take, found as if the sequence were already removed, before
-        // anything changes; the undo record keeps only the cells the read changes
+        // anything changes; nothing fails after they change, so no undo record is kept (see
+        // `CellsUndo::Unrecorded`)
         let gone = seq as usize;
         let found = match found {
             Some(found) => found,
@@ -749,8 +759,6 @@ fn read_sequence(
                 KvError::NoSpace(format!("no {} free cells for sequence {seq}", cells.len()))
             })?,
         };
-        let touched = touched_by(&cache.cells, &found, Some(gone));
-        let undo = CellsUndo::touched(cache, &touched);
         cache.seq_rm_keeping_data(seq, -1, -1)?;
         let slot = StreamSlot {
             stream: 0,
@@ -765,7 +773,8 @@ fn read_sequence(
             }
         }
         cache.head = slot.cells.last().map_or(cache.head, |&c| c + 1);
-        Ok((undo, slot.cells.iter().map(|&c| c as usize).collect()))
+        let placed = slot.cells.iter().map(|&c| c as usize).collect();
+        Ok((CellsUndo::Unrecorded, placed))
     })
 }
 
@@ -774,7 +783,7 @@ fn read_sequence(
 /// sequence's cells before it places its own).
 fn usable(cells: &Cells, i: usize, window: Window, gone: Option<usize>) -> bool {
     let pos = cells.pos(i);
-    if pos < 0 {
+    if pos < 0 || gone.is_some_and(|g| cells.holds_only(i, g)) {
         return true;
     }
     let mut seqs = cells.seqs(i);
@@ -800,7 +809,7 @@ fn usable(cells: &Cells, i: usize, window: Window, gone: Option<usize>) -> bool 
 /// head.
 fn head_after_rm(cache: &KvCache, gone: usize) -> u32 {
     let cells = &cache.cells;
-    let first = cells.cells_of(gone).find(|&i| cells.seqs(i).len() == 1);
+    let first = cells.cells_of(gone).find(|&i| cells.holds_only(i, gone));
     first.map_or(cache.head, |f| cache.head.min(f as u32))
 }
 
@@ -818,16 +827,17 @@ fn find_cells(
     if n > size {
         return None;
     }
-    let mut used = cells.occupied_count() as usize;
-    if let Some(g) = gone {
-        used -= cells
-            .cells_of(g)
-            .filter(|&i| cells.seqs(i).len() == 1)
-            .count();
-    }
+    // 0.1.161 starts over at 0 when the head is past the used cells by more than 2n; the
+    // cells `gone` frees are counted only when the answer depends on them (a read's head is
+    // usually the removed sequence's first cell, well before that)
+    let occupied = cells.occupied_count() as usize;
     let mut head = head as usize;
-    if head > used + 2 * n {
-        head = 0;
+    let at_most_freed = gone.map_or(0, |g| cells.seq_cell_count(g) as usize);
+    if head > occupied.saturating_sub(at_most_freed) + 2 * n {
+        let freed = gone.map_or(0, |g| cells.count_held_only(g));
+        if head > occupied.saturating_sub(freed) + 2 * n {
+            head = 0;
+        }
     }
     // without a window an occupied cell is never usable: runs of them are skipped a word at
     // a time, counted as tested one by one
@@ -849,6 +859,25 @@ fn find_cells(
             if head >= size {
                 continue;
             }
+        }
+        // a whole word of cells free or only the removed sequence's (as a read finds them),
+        // where all of it is wanted and may be tested: taken at once
+        if head.is_multiple_of(64)
+            && head + 64 <= size
+            && size - tested >= 64
+            && n - out.len() >= 64
+            && cells.free_or_only_word(head / 64, gone) == u64::MAX
+        {
+            out.extend(head as u32..head as u32 + 64);
+            head += 64;
+            tested += 64;
+            if out.len() == n {
+                return Some(out);
+            }
+            if tested >= size {
+                return None;
+            }
+            continue;
         }
         if usable(cells, head, window, gone) {
             out.push(head as u32);
@@ -873,36 +902,28 @@ pub(crate) fn stream_count(params: &CacheParams, unified: bool) -> u32 {
     }
 }
 
-/// The cells placing tokens in `at` changes, ascending: those, every cell of a sequence whose
-/// cell there is overwritten up to the overwritten position (the purge), and the cells of
-/// `gone` (a sequence read removes the sequence first). Marked in a bitmap of the stream and
-/// read back in order: sorting and merging the lists cost more than the placement.
-fn touched_by(cells: &Cells, at: &[u32], gone: Option<usize>) -> Vec<usize> {
+/// The cells placing tokens in `at` changes, ascending: those, and every cell of a sequence
+/// whose cell there is overwritten up to the overwritten position (the purge). Marked in a
+/// bitmap of the stream and read back in order: sorting and merging the lists cost more than
+/// the placement.
+fn touched_by(cells: &Cells, at: &[u32]) -> Vec<usize> {
     let mut marks = vec![0u64; cells.len().div_ceil(64)];
-    let mut mark = |i: usize| marks[i / 64] |= 1 << (i % 64);
     let mut purged: Vec<(usize, i32)> = Vec::new();
     for &c in at {
         let i = c as usize;
-        mark(i);
-        let mut seqs = cells.seqs(i);
-        if let Some(g) = gone {
-            seqs.remove(g);
-        }
-        if let (true, Some(seq)) = (cells.pos(i) >= 0, seqs.only()) {
+        marks[i / 64] |= 1 << (i % 64);
+        let pos = cells.pos(i);
+        if let (true, Some(seq)) = (pos >= 0, cells.only_seq(i)) {
             match purged.iter_mut().find(|(s, _)| *s == seq) {
-                Some((_, max)) => *max = (*max).max(cells.pos(i)),
-                None => purged.push((seq, cells.pos(i))),
+                Some((_, max)) => *max = (*max).max(pos),
+                None => purged.push((seq, pos)),
             }
         }
     }
     for (seq, max) in purged {
-        cells
-            .cells_of(seq)
-            .filter(|&i| cells.pos(i) <= max)
-            .for_each(&mut mark);
-    }
-    if let Some(g) = gone {
-        cells.cells_of(g).for_each(&mut mark);
+        for i in cells.cells_of(seq).filter(|&i| cells.pos(i) <= max) {
+            marks[i / 64] |= 1 << (i % 64);
+        }
     }
     let mut out = Vec::with_capacity(at.len());
     for (w, &word) in marks.iter().enumerate() {
@@ -915,6 +936,25 @@ fn touched_by(cells: &Cells, at: &[u32], gone: Option<usize>) -> Vec<usize> {
     out
 }
 
+/// How many of `cells` from the first are consecutive and free: checked up to 64 at a time
+/// against the occupied bitmap, so that a run costs a compare per cell and never more than a
+/// word past its end.
+fn free_run(table: &Cells, cells: &[u32]) -> usize {
+    let first = cells[0] as usize;
+    let mut end = 0;
+    loop {
+        let limit = (end + 64).min(cells.len());
+        let mut k = end;
+        while k < limit && cells[k] as usize == first + k {
+            k += 1;
+        }
+        end = table.next_occupied_before(first + end, first + k) - first;
+        if end < k || k < limit || k == cells.len() {
+            return end;
+        }
+    }
+}
+
 /// Writes the tokens of `slot` into its cells (freeing what they held) and returns, per
 /// sequence whose cell was overwritten, the largest position overwritten.
 fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize, i32)> {
@@ -925,23 +965,26 @@ fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize
     let mut j = 0;
     while j < cells.len() {
         // a run of consecutive free cells, the common case, fills a word of cells at a time
-        let mut end = j;
-        while end < cells.len()
-            && cache.cells.pos(cells[end] as usize) < 0
-            && (end == j || cells[end] == cells[end - 1] + 1)
-        {
-            end += 1;
-        }
+        let first = cells[j] as usize;
+        let end = j + free_run(&cache.cells, &cells[j..]);
         if end > j {
             let run = &tokens[j..end];
-            let pos: Vec<i32> = run.iter().map(|&k| ub.pos[k]).collect();
-            let first = cells[j] as usize;
-            cache
-                .cells
-                .fill_free(first, &pos, |x| &ub.seq_ids[run[x] / per_group]);
-            for (x, &k) in run.iter().enumerate() {
-                cache.cells.set_delta(first + x, 0);
-                if keeps_ext {
+            // consecutive tokens (every token of a sequence read) are the ubatch's own slice;
+            // a slot's tokens ascend, so its ends tell
+            let pos: Cow<[i32]> = match run[run.len() - 1] - run[0] == run.len() - 1 {
+                true => Cow::Borrowed(&ub.pos[run[0]..run[0] + run.len()]),
+                false => Cow::Owned(run.iter().map(|&k| ub.pos[k]).collect()),
+            };
+            // one group (a sequence read's cells) needs no token's group worked out
+            match ub.seq_ids.as_slice() {
+                [ids] => cache.cells.fill_free_all(first, &pos, ids),
+                groups => cache
+                    .cells
+                    .fill_free(first, &pos, |x| &groups[run[x] / per_group]),
+            }
+            cache.cells.zero_deltas(first..first + run.len());
+            if keeps_ext {
+                for (x, &k) in run.iter().enumerate() {
                     let ext = cache.ubatch_ext(ub, k);
                     cache.cells.set_ext(first + x, ext);
                 }
@@ -981,8 +1024,6 @@ fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::cells::CellExt;
-    use crate::state::parse_payload_with;
 
     fn cache(size: u32, n_seq: u32, unified: bool, window: Window) -> AttentionCache {
         let mut p = CacheParams::new(size, 1, 8, 8);
@@ -1024,37 +1065,29 @@ mod tests {
     }
 
     #[test]
-    fn a_rolled_back_read_by_todays_placement_puts_back_every_cell_it_touched() {
-        let mut c = cache(16, 3, true, standard(4));
+    fn a_sequence_read_that_cannot_succeed_fails_before_any_cell_changes() {
+        // nothing is recorded to undo a sequence read (`CellsUndo::Unrecorded`): every way it
+        // can fail must come before the first cell changes
+        let mut c = cache(16, 3, true, Window::FULL);
         c.place(&[UBatch::sequence(0, 0, 6), UBatch::sequence(1, 0, 6)])
             .unwrap()
             .unwrap();
-        c.seq_cp(1, 2, 2, 4).unwrap();
+        c.place(&[UBatch::sequence(2, 0, 4)]).unwrap().unwrap();
         let payload = c.state_write(0, Layout::StreamsRot).unwrap();
         let before = c.stream(0).unwrap().cells.clone();
         let head = c.stream(0).unwrap().head;
-        let cache = &mut c.streams[0];
-        let all: Vec<usize> = (0..16).collect();
-        let undo = CellsUndo::touched(cache, &all);
-        // a read into sequence 1 (shared cells, window reuse, purge), then its undo
-        let read = {
-            let parsed =
-                parse_payload_with(&payload[..], Layout::StreamsRot, CellExt::None, true).unwrap();
-            read_sequence(
-                cache,
-                &payload,
-                &one_stream(&parsed, 0),
-                1,
-                standard(4),
-                None,
-            )
-            .unwrap()
-        };
-        assert_ne!(cache.cells, before);
-        let placed: Vec<usize> = read.placed.iter().map(|&c| c as usize).collect();
-        cache.roll_back(undo, &placed);
-        assert_eq!(cache.cells, before);
-        assert_eq!(cache.head, head);
+        // 6 cells cannot take the place of sequence 2's 4 in a full cache
+        let full = c.state_read(&payload, 2, Layout::StreamsRot).unwrap_err();
+        assert!(matches!(full, KvError::NoSpace(_)), "{full}");
+        // nor can a payload cut short, nor one of another layout
+        let cut = c.state_read(&payload[..payload.len() - 1], 1, Layout::StreamsRot);
+        assert!(cut.is_err());
+        assert!(c.state_read(&payload, 1, Layout::Seed).is_err());
+        assert_eq!(c.stream(0).unwrap().cells, before);
+        assert_eq!(c.stream(0).unwrap().head, head);
+        // the same payload fits in place of sequence 1's 6 cells
+        c.state_read(&payload, 1, Layout::StreamsRot).unwrap();
+        assert_eq!(c.seq_pos_max(1).unwrap(), 5);
     }
 
     #[test]
