@@ -862,28 +862,22 @@ fn find_cells(
         }
         // a whole word of cells free or only the removed sequence's (as a read finds them),
         // where all of it is wanted and may be tested: taken at once
-        if head.is_multiple_of(64)
+        let step = if head.is_multiple_of(64)
             && head + 64 <= size
             && size - tested >= 64
             && n - out.len() >= 64
             && cells.free_or_only_word(head / 64, gone) == u64::MAX
         {
             out.extend(head as u32..head as u32 + 64);
-            head += 64;
-            tested += 64;
-            if out.len() == n {
-                return Some(out);
+            64
+        } else {
+            if usable(cells, head, window, gone) {
+                out.push(head as u32);
             }
-            if tested >= size {
-                return None;
-            }
-            continue;
-        }
-        if usable(cells, head, window, gone) {
-            out.push(head as u32);
-        }
-        head += 1;
-        tested += 1;
+            1
+        };
+        head += step;
+        tested += step;
         if out.len() == n {
             return Some(out);
         }
