@@ -1310,9 +1310,16 @@ mod tests {
             one_by_one.settle();
             let pos: Vec<i32> = cells.iter().map(|c| c.0).collect();
             let ids: Vec<Vec<i32>> = cells.iter().map(|c| c.1.iter().map(|s| s as i32).collect()).collect();
+            // the same sequences for every cell may also come as one list (fill_free_all)
+            let mut filled_all = (one_set.is_some() && !ids.is_empty()).then(|| filled.clone());
             filled.fill_free(first, &pos, |k| &ids[k]);
             filled.settle();
             same_tables(&filled, &one_by_one)?;
+            if let Some(t) = filled_all.as_mut() {
+                t.fill_free_all(first, &pos, &ids[0]);
+                t.settle();
+                same_tables(t, &one_by_one)?;
+            }
         }
     }
 

@@ -1098,4 +1098,112 @@ mod tests {
         d.state_read(&bytes, -1, Layout::StreamsRot).unwrap();
         assert_eq!(d.state_write(-1, Layout::StreamsRot).unwrap(), bytes);
     }
+
+    /// The cells 0.1.161's search finds, tested one cell at a time from first principles: the
+    /// model `find_cells` (which takes whole words of free cells, or of the removed sequence's
+    /// own, at once) must agree with.
+    fn find_cells_one_by_one(
+        cells: &Cells,
+        head: u32,
+        n: usize,
+        window: Window,
+        gone: Option<usize>,
+    ) -> Option<Vec<u32>> {
+        let size = cells.len();
+        if n > size {
+            return None;
+        }
+        let freed = gone.map_or(0, |g| {
+            cells
+                .cells_of(g)
+                .filter(|&i| cells.seqs(i).len() == 1)
+                .count()
+        });
+        let used = (cells.occupied_count() as usize).saturating_sub(freed);
+        let mut head = head as usize;
+        if head > used + 2 * n {
+            head = 0;
+        }
+        let usable = |i: usize| {
+            let pos = cells.pos(i);
+            if pos < 0 {
+                return true;
+            }
+            let mut seqs = cells.seqs(i);
+            if let Some(g) = gone {
+                seqs.remove(g);
+                if seqs.is_empty() {
+                    return true;
+                }
+            }
+            match (window.swa_type, seqs.only()) {
+                (SwaType::None, _) | (_, None) => false,
+                (_, Some(seq)) => window.masks(pos, cells.seq_pos_max(seq).map_or(0, |m| m + 1)),
+            }
+        };
+        let mut out = Vec::new();
+        for tested in 1..=size {
+            if head >= size {
+                head = 0;
+            }
+            if usable(head) {
+                out.push(head as u32);
+            }
+            head += 1;
+            if out.len() == n {
+                return Some(out);
+            }
+            if tested == size {
+                break;
+            }
+        }
+        None
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn finding_cells_a_word_at_a_time_matches_testing_each_cell(
+            table in proptest::collection::vec((-1i32..40, 0u64..16), 1..400),
+            shared in proptest::collection::vec(0usize..400, 0..8),
+            head in 0u32..450,
+            n in 1usize..300,
+            swa in 0usize..4,
+            n_swa in 1u32..12,
+            gone in proptest::option::of(0usize..4),
+            runs in proptest::collection::vec((0usize..400, 1usize..130), 0..4),
+        ) {
+            // cells of 4 sequences (one each, some shared, runs of one sequence across whole
+            // words, free runs), a head anywhere (past the used cells too: the reset), every
+            // window rule, with and without a sequence removed first
+            let size = table.len();
+            let mut cells = Cells::new(size, 4).unwrap();
+            for (i, &(pos, seq)) in table.iter().enumerate() {
+                if pos >= 0 {
+                    cells.set_pos(i, pos);
+                    cells.insert_seq(i, seq as usize % 4);
+                }
+            }
+            for &(start, len) in &runs {
+                for i in (start..start + len).filter(|&i| i < size) {
+                    cells.clear_seqs(i);
+                    cells.set_pos(i, if len % 2 == 0 { -1 } else { i as i32 });
+                    if len % 2 == 1 {
+                        cells.insert_seq(i, len % 4);
+                    }
+                }
+            }
+            for &i in shared.iter().filter(|&&i| i < size) {
+                if cells.pos(i) >= 0 {
+                    cells.insert_seq(i, (i + 1) % 4);
+                }
+            }
+            cells.settle();
+            let swa_type = [SwaType::None, SwaType::Standard, SwaType::Chunked, SwaType::Symmetric][swa];
+            let window = Window { n_swa, swa_type };
+            proptest::prop_assert_eq!(
+                find_cells(&cells, head, n, window, gone),
+                find_cells_one_by_one(&cells, head, n, window, gone)
+            );
+        }
+    }
 }
