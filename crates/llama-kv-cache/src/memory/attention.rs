@@ -930,20 +930,19 @@ fn touched_by(cells: &Cells, at: &[u32]) -> Vec<usize> {
     out
 }
 
-/// How many of `cells` from the first are consecutive and free: checked up to 64 at a time
-/// against the occupied bitmap, so that a run costs a compare per cell and never more than a
-/// word past its end.
+/// How many of `cells` from the first are consecutive and free: up to 64 at a time, the free
+/// ones found on the occupied bitmap first and only those compared, so that a run costs a
+/// compare per cell and an occupied first cell (a window's reused one) one bitmap lookup.
 fn free_run(table: &Cells, cells: &[u32]) -> usize {
     let first = cells[0] as usize;
     let mut end = 0;
     loop {
         let limit = (end + 64).min(cells.len());
-        let mut k = end;
-        while k < limit && cells[k] as usize == first + k {
-            k += 1;
+        let free_to = table.next_occupied_before(first + end, first + limit) - first;
+        while end < free_to && cells[end] as usize == first + end {
+            end += 1;
         }
-        end = table.next_occupied_before(first + end, first + k) - first;
-        if end < k || k < limit || k == cells.len() {
+        if end < limit || end == cells.len() {
             return end;
         }
     }
@@ -1204,6 +1203,39 @@ mod tests {
                 find_cells(&cells, head, n, window, gone),
                 find_cells_one_by_one(&cells, head, n, window, gone)
             );
+        }
+
+        #[test]
+        fn a_free_run_is_the_consecutive_free_cells_counted_one_by_one(
+            occupied in proptest::collection::vec(proptest::bool::weighted(0.2), 1..300),
+            start in 0usize..300,
+            gaps in proptest::collection::vec(proptest::bool::weighted(0.05), 1..200),
+        ) {
+            // a slot's cells from `start`, ascending, mostly consecutive (a gap now and then),
+            // over cells mostly free
+            let size = occupied.len();
+            let mut cells = Cells::new(size, 1).unwrap();
+            for (i, _) in occupied.iter().enumerate().filter(|(_, &o)| o) {
+                cells.set_pos(i, 0);
+                cells.insert_seq(i, 0);
+            }
+            cells.settle();
+            let mut list = Vec::new();
+            let mut at = start % size;
+            for &gap in &gaps {
+                at += 1 + usize::from(gap);
+                if at >= size {
+                    break;
+                }
+                list.push(at as u32);
+            }
+            proptest::prop_assume!(!list.is_empty());
+            let one_by_one = (0..list.len())
+                .take_while(|&k| {
+                    cells.pos(list[k] as usize) < 0 && (k == 0 || list[k] == list[k - 1] + 1)
+                })
+                .count();
+            proptest::prop_assert_eq!(free_run(&cells, &list), one_by_one);
         }
     }
 }
