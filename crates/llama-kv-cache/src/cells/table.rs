@@ -395,6 +395,29 @@ impl Cells {
         out
     }
 
+    /// Sets, in `marks` (a bit per cell), the cells holding `seq` at positions in `[p0, p1)`,
+    /// and returns the first and last word it set bits in: only the words whose position
+    /// bounds meet the range are read.
+    pub fn mark_cells_in(
+        &self,
+        seq: usize,
+        p0: i32,
+        p1: i32,
+        marks: &mut [u64],
+    ) -> Option<(usize, usize)> {
+        let set = &self.seq[seq];
+        let mut cur = set.cursor(p0, p1);
+        let mut span: Option<(usize, usize)> = None;
+        while let Some((w, inside)) = cur.next(set) {
+            let hits = select(&self.pos, set.word(w), w, inside, p0, p1).0;
+            if hits != 0 {
+                marks[w] |= hits;
+                span = Some(span.map_or((w, w), |(a, _)| (a, w)));
+            }
+        }
+        span
+    }
+
     /// How many cells hold `seq` and no other sequence, a word of cells at a time.
     pub fn count_held_only(&self, seq: usize) -> usize {
         let words = self.seq[seq].words().iter().enumerate();

@@ -902,10 +902,15 @@ pub(crate) fn stream_count(params: &CacheParams, unified: bool) -> u32 {
 /// the placement.
 fn touched_by(cells: &Cells, at: &[u32]) -> Vec<usize> {
     let mut marks = vec![0u64; cells.len().div_ceil(64)];
+    // the words marked, so that reading them back does not walk the whole stream (a one-token
+    // placement into a cache of 65,536 cells read 1,024 words)
+    let mut span = (usize::MAX, 0);
+    let mut widen = |(a, b): (usize, usize)| span = (span.0.min(a), span.1.max(b));
     let mut purged: Vec<(usize, i32)> = Vec::new();
     for &c in at {
         let i = c as usize;
         marks[i / 64] |= 1 << (i % 64);
+        widen((i / 64, i / 64));
         let pos = cells.pos(i);
         if let (true, Some(seq)) = (pos >= 0, cells.only_seq(i)) {
             match purged.iter_mut().find(|(s, _)| *s == seq) {
@@ -914,13 +919,16 @@ fn touched_by(cells: &Cells, at: &[u32]) -> Vec<usize> {
             }
         }
     }
+    // the purge's cells, found by position: walking every cell of the sequence was most of a
+    // one-token placement that reuses a window's cell
     for (seq, max) in purged {
-        for i in cells.cells_of(seq).filter(|&i| cells.pos(i) <= max) {
-            marks[i / 64] |= 1 << (i % 64);
+        if let Some(words) = cells.mark_cells_in(seq, i32::MIN, max.saturating_add(1), &mut marks) {
+            widen(words);
         }
     }
     let mut out = Vec::with_capacity(at.len());
-    for (w, &word) in marks.iter().enumerate() {
+    let words = marks.iter().enumerate();
+    for (w, &word) in words.take(span.1 + 1).skip(span.0) {
         let mut bits = word;
         while bits != 0 {
             out.push(w * 64 + bits.trailing_zeros() as usize);
@@ -1159,7 +1167,68 @@ mod tests {
         None
     }
 
+    /// A table of cells of 4 sequences for property tests: `table` gives each cell a position
+    /// (negative: free) and a sequence, `runs` overwrite runs of cells (across whole words) with
+    /// one sequence at ascending positions (odd lengths) or free cells (even ones), and the
+    /// cells of `shared` gain a second sequence.
+    fn random_table(table: &[(i32, u64)], shared: &[usize], runs: &[(usize, usize)]) -> Cells {
+        let size = table.len();
+        let mut cells = Cells::new(size, 4).unwrap();
+        for (i, &(pos, seq)) in table.iter().enumerate() {
+            if pos >= 0 {
+                cells.set_pos(i, pos);
+                cells.insert_seq(i, seq as usize % 4);
+            }
+        }
+        for &(start, len) in runs {
+            for i in (start..start + len).filter(|&i| i < size) {
+                cells.clear_seqs(i);
+                cells.set_pos(i, if len % 2 == 0 { -1 } else { i as i32 });
+                if len % 2 == 1 {
+                    cells.insert_seq(i, len % 4);
+                }
+            }
+        }
+        for &i in shared.iter().filter(|&&i| i < size) {
+            if cells.pos(i) >= 0 {
+                cells.insert_seq(i, (i + 1) % 4);
+            }
+        }
+        cells.settle();
+        cells
+    }
+
     proptest::proptest! {
+        #[test]
+        fn the_cells_a_placement_touches_are_those_and_the_purged_ones_counted_one_by_one(
+            table in proptest::collection::vec((-1i32..40, 0u64..16), 1..400),
+            shared in proptest::collection::vec(0usize..400, 0..8),
+            runs in proptest::collection::vec((0usize..400, 1usize..130), 0..4),
+            at in proptest::collection::btree_set(0usize..400, 0..40),
+        ) {
+            let cells = random_table(&table, &shared, &runs);
+            let at: Vec<u32> = at.into_iter().filter(|&i| i < table.len()).map(|i| i as u32).collect();
+            // every placed cell; for each sequence alone in one of them, its cells up to the
+            // largest position overwritten
+            let mut want: Vec<usize> = at.iter().map(|&c| c as usize).collect();
+            for &c in &at {
+                let i = c as usize;
+                if let (true, Some(seq)) = (cells.pos(i) >= 0, cells.seqs(i).only()) {
+                    let max = at
+                        .iter()
+                        .map(|&d| d as usize)
+                        .filter(|&d| cells.pos(d) >= 0 && cells.seqs(d).only() == Some(seq))
+                        .map(|d| cells.pos(d))
+                        .max()
+                        .unwrap();
+                    want.extend(cells.cells_of(seq).filter(|&j| cells.pos(j) <= max));
+                }
+            }
+            want.sort_unstable();
+            want.dedup();
+            proptest::prop_assert_eq!(touched_by(&cells, &at), want);
+        }
+
         #[test]
         fn finding_cells_a_word_at_a_time_matches_testing_each_cell(
             table in proptest::collection::vec((-1i32..40, 0u64..16), 1..400),
@@ -1171,32 +1240,9 @@ mod tests {
             gone in proptest::option::of(0usize..4),
             runs in proptest::collection::vec((0usize..400, 1usize..130), 0..4),
         ) {
-            // cells of 4 sequences (one each, some shared, runs of one sequence across whole
-            // words, free runs), a head anywhere (past the used cells too: the reset), every
-            // window rule, with and without a sequence removed first
-            let size = table.len();
-            let mut cells = Cells::new(size, 4).unwrap();
-            for (i, &(pos, seq)) in table.iter().enumerate() {
-                if pos >= 0 {
-                    cells.set_pos(i, pos);
-                    cells.insert_seq(i, seq as usize % 4);
-                }
-            }
-            for &(start, len) in &runs {
-                for i in (start..start + len).filter(|&i| i < size) {
-                    cells.clear_seqs(i);
-                    cells.set_pos(i, if len % 2 == 0 { -1 } else { i as i32 });
-                    if len % 2 == 1 {
-                        cells.insert_seq(i, len % 4);
-                    }
-                }
-            }
-            for &i in shared.iter().filter(|&&i| i < size) {
-                if cells.pos(i) >= 0 {
-                    cells.insert_seq(i, (i + 1) % 4);
-                }
-            }
-            cells.settle();
+            // a head anywhere (past the used cells too: the reset), every window rule, with and
+            // without a sequence removed first
+            let cells = random_table(&table, &shared, &runs);
             let swa_type = [SwaType::None, SwaType::Standard, SwaType::Chunked, SwaType::Symmetric][swa];
             let window = Window { n_swa, swa_type };
             proptest::prop_assert_eq!(
