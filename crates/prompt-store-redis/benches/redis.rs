@@ -55,6 +55,25 @@ fn evaluated(params: CacheParams, tokens: &[i32]) -> KvCache {
     cache
 }
 
+/// Puts `source`'s sequence 0 (`tokens`) into an empty database; the Redis keys of its
+/// blocks, for the raw baselines.
+fn stored(
+    backend: &RedisBackend,
+    store: &PromptStore,
+    source: &KvCache,
+    tokens: &[i32],
+) -> Vec<Vec<u8>> {
+    flush(backend.client());
+    store.put(source, 0, tokens, None).unwrap();
+    store
+        .keys(tokens)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|key| backend.redis_key(key))
+        .collect()
+}
+
 fn median(mut samples: Vec<f64>) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
@@ -106,15 +125,7 @@ fn main() {
     let source = evaluated(params(), &tokens);
 
     // the values the store writes, for the raw baselines (same bytes, same client)
-    flush(&client);
-    store.put(&source, 0, &tokens, None).unwrap();
-    let keys: Vec<Vec<u8>> = store
-        .keys(&tokens)
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|key| backend.redis_key(key))
-        .collect();
+    let keys = stored(&backend, &store, &source, &tokens);
     let values: Vec<Vec<u8>> = client
         .get_many(&keys)
         .unwrap()
@@ -327,17 +338,7 @@ fn eight_b_restore(backend: &Arc<RedisBackend>, client: &RedisClient) {
     };
     let tokens: Vec<i32> = (0..2048).collect();
     let store = PromptStore::new(backend.clone(), "bench-8b", BLOCK_TOKENS).unwrap();
-    flush(client);
-    store
-        .put(&evaluated(params(), &tokens), 0, &tokens, None)
-        .unwrap();
-    let keys: Vec<Vec<u8>> = store
-        .keys(&tokens)
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|key| backend.redis_key(key))
-        .collect();
+    let keys = stored(backend, &store, &evaluated(params(), &tokens), &tokens);
     let (mut mgets, mut restores, mut ratios) = (vec![], vec![], vec![]);
     let mut total = 0;
     for rep in 0..=REPS {
