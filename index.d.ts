@@ -354,12 +354,21 @@ export declare class PromptStore {
   /** `put` on the calling thread. */
   putSync(cache: KvCache, seqId: number, tokens: ArrayLike<number> | Int32Array): StorePutResult
   /**
-   * The length in tokens of the longest stored prefix of `tokens` (a multiple of
-   * `blockTokens`), in one pass over the chain without reading blocks.
+   * The length in tokens of the longest restorable prefix of `tokens`: full blocks plus,
+   * where the memory needs one, a checkpoint ending exactly there (so not always a multiple
+   * of `blockTokens`), in one pass over the chain without reading blocks.
    */
   lookup(tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<number>
   /** `lookup` on the calling thread (cheap: no block is read). */
   lookupSync(tokens: ArrayLike<number> | Int32Array): number
+  /**
+   * `lookup`, with what the store holds of the prompt and why the restore point is where it
+   * is: tells "nothing stored" from "blocks stored, but no checkpoint where this memory
+   * needs one".
+   */
+  lookupDetail(tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<StoreLookupDetail>
+  /** `lookupDetail` on the calling thread (cheap: no block is read). */
+  lookupDetailSync(tokens: ArrayLike<number> | Int32Array): StoreLookupDetail
   /**
    * Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and
    * returns its length in tokens. Transactional: on any error the cache is unchanged. When
@@ -1485,6 +1494,27 @@ export interface StoreCallOptions {
   signal?: AbortSignal
 }
 
+/** What `lookupDetail` found. */
+export interface StoreLookupDetail {
+  /** The restore point: tokens a restore (or `writeFile`) of the prompt loads. */
+  tokens: number
+  /**
+   * Leading full blocks of the prompt stored (0 for a recurrent memory, which keeps its
+   * state in checkpoints only).
+   */
+  blocks: number
+  /** Where the checkpoint the restore point uses ends, if it uses one. */
+  checkpointAt?: number
+  /**
+   * Why the restore point is where it is: 'complete' (the whole prompt), 'no-model'
+   * (nothing stored for this model yet), 'no-blocks' (not even the first block),
+   * 'no-checkpoint' (blocks past the restore point are stored, but this memory needs a
+   * checkpoint where they end and there is none: put the state at the end of the prompt or
+   * turn), 'prefix-ends' (the store holds nothing more of this prompt).
+   */
+  reason: 'complete' | 'no-model' | 'no-blocks' | 'no-checkpoint' | 'prefix-ends'
+}
+
 /** What `put` / `putFile` stored. */
 export interface StorePutResult {
   /** The restore point this put gives the prompt: tokens a later restore of it loads. */
@@ -1571,6 +1601,12 @@ export interface StoreWriteFileOptions {
    * sliding-window cache, for a reader whose context keeps only the window.
    */
   swaWindow?: number
+  /**
+   * Whether the file is synced to the disk before it replaces `path`. Default true. Either
+   * way a reader never sees half a file; `false` is for a file a peer loads at once and
+   * removes (what the adapters do), where the sync costs most of the write.
+   */
+  durable?: boolean
   /** Called with `(doneBytes, totalBytes)` while the file is written. */
   onProgress?: (done: number, total: number) => void
   /** Aborts the operation. */

@@ -24,6 +24,15 @@ const tmp = (name) => path.join(tmpDir, name)
 
 const code = (code, message) => ({ code, ...(message ? { message } : {}) })
 
+/**
+ * Waits until `file` last changed more than 100 ms ago: the fingerprint cache remembers only a
+ * version that old, since a rewrite within one tick of the filesystem's clock can keep every stamp.
+ */
+async function settled(file) {
+  const since = () => Date.now() - Math.max(fs.statSync(file).ctimeMs, fs.statSync(file).mtimeMs)
+  while (since() <= 150) await new Promise((resolve) => setTimeout(resolve, 160 - since()))
+}
+
 // ---- input errors that need no model --------------------------------------------------------------------
 
 test('modelInfo: a missing file is ERR_KV_IO naming the path', (t) => {
@@ -159,7 +168,7 @@ mtest('modelInfo().shift is the K-shift of update(): norm, NeoX and YaRN as llam
   t.notDeepEqual(c.readKF32(0, 1, 1), new Float32Array(32).fill(1))
 })
 
-mtest('modelInfo reads the header only, and the fingerprint covers header and data size, or the whole file', (t) => {
+mtest('modelInfo reads the header only, and the fingerprint covers header and data size, or the whole file', async (t) => {
   const file = model('llama-h32.gguf')
   const a = modelInfo(file)
   t.true(a.bytesRead <= 64 * 1024 && a.bytesRead < a.fileSize, `read ${a.bytesRead} of ${a.fileSize}`)
@@ -176,6 +185,9 @@ mtest('modelInfo reads the header only, and the fingerprint covers header and da
   const whole = modelInfo(copy, { hashFile: true }) // a new file version: read whole
   t.regex(whole.fingerprint, /^blake3-file:[0-9a-f]{64}$/)
   t.is(whole.bytesRead >= whole.fileSize, true)
+  t.true(modelInfo(copy, { hashFile: true }).bytesRead >= whole.fileSize, 'a file changed this instant is not remembered')
+  await settled(copy)
+  t.is(modelInfo(copy, { hashFile: true }).bytesRead >= whole.fileSize, true) // hashed once it settled, and remembered
   const again = modelInfo(copy, { hashFile: true }) // remembered for this version
   t.is(again.fingerprint, whole.fingerprint)
   t.true(again.bytesRead < again.fileSize, `read ${again.bytesRead}`)
@@ -380,6 +392,94 @@ test('PromptStore with model: a *.gguf path that cannot be read is ERR_KV_IO, a 
   fs.writeFileSync(tmp('broken.gguf'), 'GGUF\x03')
   t.throws(() => new PromptStore({ model: tmp('broken.gguf') }), code('ERR_KV_INVALID_MODEL'))
   t.is(new PromptStore({ model: 'sha256:abc' }).blockTokens > 0, true, 'other strings are identities as they are')
+})
+
+// A store opened for a GGUF file checks every state put into it against that model (issue 37: an
+// empty store of model B took model A's file, was bound to A's shape, and then refused B's own).
+const WRONG_MODEL_FILES = [
+  ['t161-h16-f16.ggsq', 'llama-h32.gguf', 't161-h32-q8_0-fa.ggsq', /layers\[0\]\.kWidth: the state has 32, the model has 64/],
+  ['t161-gemma3-swa.ggsq', 'jamba.gguf', 't161-jamba.ggsq', /memory: the state has iswa, the model has hybrid/],
+  ['t161-jamba.ggsq', 'mamba.gguf', 't161-mamba.ggsq', /memory: the state has hybrid, the model has recurrent/],
+  ['t161-gemma3-swa.ggsq', 'llama-h64.gguf', 't161-h64-f16-fa.ggsq', /memory: the state has iswa, the model has unified/],
+]
+for (const [file, target, own, reason] of WRONG_MODEL_FILES) {
+  mtest(`putFile_of_another_models_state: ${file} into an empty store of ${target} is refused, and the model's own file is taken`, async (t) => {
+    const dir = tmp(`wrong-${target}-${file}`)
+    const store = new PromptStore({ model: model(target), path: dir, blockTokens: 16 })
+    const e = await t.throwsAsync(store.putFile(path.join(T161, file)), { code: 'ERR_KV_STORE_GEOMETRY' })
+    t.regex(e.message, reason)
+    t.regex(e.message, new RegExp(target.replace('.', '\\.')))
+    t.throws(() => store.putFileSync(path.join(T161, file)), { code: 'ERR_KV_STORE_GEOMETRY' })
+    t.like(store.lookupDetailSync([1, 2, 3]), { tokens: 0, reason: 'no-model' }, 'the refused file bound nothing')
+    const put = await store.putFile(path.join(T161, own))
+    t.true(put.tokens > 0)
+  })
+}
+
+mtest('put_of_a_cache_of_another_model: a live cache that does not fit the store\'s model is refused before it binds the store', async (t) => {
+  const tokens = Array.from({ length: 32 }, (_, i) => 300 + i)
+  const fill = (cache) => cache.place([{ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) }])
+  const h16 = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 64 })
+  fill(h16)
+  const store = new PromptStore({ model: model('llama-h32.gguf'), blockTokens: 16 })
+  const e = await t.throwsAsync(store.put(h16, 0, tokens), { code: 'ERR_KV_STORE_GEOMETRY' })
+  t.regex(e.message, /kWidth: the state has 32, the model has 64/)
+  const gemma = KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 256 })
+  fill(gemma)
+  t.throws(() => store.putSync(gemma, 0, tokens), { code: 'ERR_KV_STORE_GEOMETRY', message: /memory: the state has iswa, the model has unified/ })
+  const h32 = KvCache.fromModel(model('llama-h32.gguf'), { nCtx: 64 })
+  fill(h32)
+  t.like(await store.put(h32, 0, tokens), { tokens: 32, blocksWritten: 2 })
+})
+
+mtest('a_model_swapped_in_place_is_a_miss: rewritten with its old size and mtime put back, the store hashes it again', async (t) => {
+  const file = tmp('swapped.gguf')
+  const original = fs.readFileSync(model('llama-h16.gguf'))
+  fs.writeFileSync(file, original)
+  await settled(file) // old enough for its hash to be remembered, as a model on disk is
+  const dir = tmp('swap-store')
+  const tokens = Array.from({ length: 32 }, (_, i) => 300 + i)
+  const cache = KvCache.fromModel(file, { nCtx: 64 })
+  cache.prepareBatch({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
+  t.like(await new PromptStore({ model: file, path: dir, blockTokens: 16 }).put(cache, 0, tokens), { blocksWritten: 2 })
+  t.is(modelInfo(file, { hashFile: true }).bytesRead < original.length, true, 'the hash is remembered')
+  // another model's weights of the same size, written into the same file, its mtime put back
+  // as `touch -r` does (to the nanosecond)
+  const stamp = tmp('swapped.stamp')
+  execFileSync('touch', ['-r', file, stamp])
+  const swapped = Buffer.from(original)
+  swapped[swapped.length - 3] ^= 1
+  const fd = fs.openSync(file, 'r+')
+  fs.writeSync(fd, swapped, 0, swapped.length, 0)
+  fs.closeSync(fd)
+  execFileSync('touch', ['-r', stamp, file])
+  const [before, after] = [stamp, file].map((f) => fs.statSync(f, { bigint: true }))
+  t.is(after.mtimeNs, before.mtimeNs)
+  t.is(after.size, BigInt(original.length))
+  t.is(new PromptStore({ model: file, path: dir, blockTokens: 16 }).lookupSync(tokens), 0)
+})
+
+mtest('lookupDetail tells nothing stored from blocks without the checkpoint a memory needs', async (t) => {
+  const tokens = Array.from({ length: 40 }, (_, i) => 300 + i)
+  // a plain cache: full blocks restore, and a prompt ending inside a block gets a checkpoint
+  const plain = new PromptStore({ model: model('llama-h32.gguf'), blockTokens: 16 })
+  t.deepEqual(await plain.lookupDetail(tokens), { tokens: 0, blocks: 0, reason: 'no-model' })
+  const h32 = KvCache.fromModel(model('llama-h32.gguf'), { nCtx: 64 })
+  h32.prepareBatch({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
+  t.like(await plain.put(h32, 0, tokens), { tokens: 40, checkpointsWritten: 1 })
+  t.deepEqual(plain.lookupDetailSync(tokens), { tokens: 40, blocks: 2, checkpointAt: 40, reason: 'complete' })
+  t.deepEqual(plain.lookupDetailSync([...tokens.slice(0, 36), 1, 2, 3]), { tokens: 32, blocks: 2, reason: 'prefix-ends' })
+  t.deepEqual(plain.lookupDetailSync([9, ...tokens]), { tokens: 0, blocks: 0, reason: 'no-blocks' })
+  // a hybrid memory needs its recurrent state where the restore point is: the attention blocks
+  // of a prompt diverging inside the third block are there, but no checkpoint at 32
+  const hybrid = new PromptStore({ model: model('jamba.gguf'), blockTokens: 16 })
+  const jamba = KvCache.fromModel(model('jamba.gguf'), { nCtx: 256 })
+  jamba.place([{ pos: tokens.map((_, i) => i), seqIds: [0], nSeqTokens: tokens.length }])
+  t.like(await hybrid.put(jamba, 0, tokens), { tokens: 40, blocksWritten: 2, checkpointsWritten: 1 })
+  t.deepEqual(hybrid.lookupDetailSync(tokens), { tokens: 40, blocks: 2, checkpointAt: 40, reason: 'complete' })
+  const diverged = [...tokens.slice(0, 36), 1, 2, 3]
+  t.deepEqual(hybrid.lookupDetailSync(diverged), { tokens: 0, blocks: 2, reason: 'no-checkpoint' })
+  t.is(hybrid.lookupSync(diverged), 0)
 })
 
 // ---- CLI ----------------------------------------------------------------------------------------------

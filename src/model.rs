@@ -291,8 +291,9 @@ fn to_js(m: &core::ModelInfo) -> ModelInfo {
 
 /// The identity a prompt store keys its blocks by: a GGUF file's fingerprint when `model`
 /// names one (an existing file that starts with the GGUF magic, or any `*.gguf` path, which
-/// must then be readable), else `model` itself (e.g. a sha256 the caller computed).
-pub(crate) fn model_identity(model: &str) -> JsResult<String> {
+/// must then be readable), with the model's description to check states against; else `model`
+/// itself (e.g. a sha256 the caller computed), with nothing to check against.
+pub(crate) fn model_identity(model: &str) -> JsResult<(String, Option<core::ModelInfo>)> {
     let path = Path::new(model);
     let names_gguf = path
         .extension()
@@ -305,9 +306,10 @@ pub(crate) fn model_identity(model: &str) -> JsResult<String> {
     };
     if names_gguf || (path.is_file() && starts_gguf()) {
         // a GGUF file it must be: its header is read (and checked) first
-        Ok(read_model(path, true)?.fingerprint)
+        let info = read_model(path, true)?;
+        Ok((info.fingerprint.clone(), Some(info)))
     } else {
-        Ok(model.to_string())
+        Ok((model.to_string(), None))
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use llama_kv_cache as core;
 use llama_kv_cache::cache::io::Progress;
+use llama_kv_cache::state::files::Durability;
 use llama_kv_cache::FileKind;
 use napi::bindgen_prelude::*;
 use napi::sys;
@@ -52,6 +53,10 @@ pub struct StoreWriteFileOptions {
     /// iSWA states kept whole (`swa_full`): write only the last `swaWindow` positions of the
     /// sliding-window cache, for a reader whose context keeps only the window.
     pub swa_window: Option<f64>,
+    /// Whether the file is synced to the disk before it replaces `path`. Default true. Either
+    /// way a reader never sees half a file; `false` is for a file a peer loads at once and
+    /// removes (what the adapters do), where the sync costs most of the write.
+    pub durable: Option<bool>,
     /// Called with `(doneBytes, totalBytes)` while the file is written.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
@@ -263,6 +268,46 @@ impl StoreJob for LookupJob {
     }
     fn to_js(o: u64) -> f64 {
         o as f64
+    }
+}
+
+/// What `lookupDetail` found.
+#[napi(object)]
+pub struct StoreLookupDetail {
+    /// The restore point: tokens a restore (or `writeFile`) of the prompt loads.
+    pub tokens: f64,
+    /// Leading full blocks of the prompt stored (0 for a recurrent memory, which keeps its
+    /// state in checkpoints only).
+    pub blocks: f64,
+    /// Where the checkpoint the restore point uses ends, if it uses one.
+    pub checkpoint_at: Option<f64>,
+    /// Why the restore point is where it is: 'complete' (the whole prompt), 'no-model'
+    /// (nothing stored for this model yet), 'no-blocks' (not even the first block),
+    /// 'no-checkpoint' (blocks past the restore point are stored, but this memory needs a
+    /// checkpoint where they end and there is none: put the state at the end of the prompt or
+    /// turn), 'prefix-ends' (the store holds nothing more of this prompt).
+    #[napi(ts_type = "'complete' | 'no-model' | 'no-blocks' | 'no-checkpoint' | 'prefix-ends'")]
+    pub reason: String,
+}
+
+/// `lookupDetail`.
+pub struct LookupDetailJob {
+    tokens: Vec<i32>,
+}
+
+impl StoreJob for LookupDetailJob {
+    type Output = store::LookupDetail;
+    type Js = StoreLookupDetail;
+    fn run(&mut self, s: &store::PromptStore, _: Progress<'_>) -> store::StoreResult<Self::Output> {
+        s.lookup_detail(&self.tokens)
+    }
+    fn to_js(o: Self::Output) -> StoreLookupDetail {
+        StoreLookupDetail {
+            tokens: o.tokens as f64,
+            blocks: o.blocks as f64,
+            checkpoint_at: o.checkpoint_at.map(|c| c as f64),
+            reason: o.reason.name().into(),
+        }
     }
 }
 
@@ -481,6 +526,10 @@ fn write_file_job(
         opts.flash_attn = o.flash_attn;
         opts.arch = o.arch;
         opts.swa_window = o.swa_window.map(|v| u32v("swaWindow", v)).transpose()?;
+        opts.durability = o.durable.map(|d| match d {
+            true => Durability::Synced,
+            false => Durability::Unsynced,
+        });
         progress = o.on_progress;
         signal = o.signal;
     }
@@ -507,10 +556,13 @@ impl PromptStore {
                 None => store::DEFAULT_BLOCK_TOKENS,
             };
             let backend = crate::store_backend::open(&o)?;
-            let model = crate::model::model_identity(&o.model)?;
+            let (model, info) = crate::model::model_identity(&o.model)?;
             let mut inner = store::PromptStore::new(backend, &model, block_tokens)
                 .map_err(from_store)?
                 .with_namespace(o.namespace.as_deref().unwrap_or(""));
+            if let Some(info) = info {
+                inner = inner.with_model(info, &o.model);
+            }
             if let Some(secret) = &o.secret {
                 inner = inner
                     .with_secret(crate::args::text_or_bytes(secret))
@@ -556,8 +608,9 @@ impl PromptStore {
         self.seq_sync::<PutJob>(cache, seq_id, tokens)
     }
 
-    /// The length in tokens of the longest stored prefix of `tokens` (a multiple of
-    /// `blockTokens`), in one pass over the chain without reading blocks.
+    /// The length in tokens of the longest restorable prefix of `tokens`: full blocks plus,
+    /// where the memory needs one, a checkpoint ending exactly there (so not always a multiple
+    /// of `blockTokens`), in one pass over the chain without reading blocks.
     #[napi(ts_return_type = "Promise<number>")]
     pub fn lookup(
         &self,
@@ -576,6 +629,30 @@ impl PromptStore {
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
     ) -> Result<f64, Code> {
         self.run_sync(LookupJob { tokens: tokens.0 })
+    }
+
+    /// `lookup`, with what the store holds of the prompt and why the restore point is where it
+    /// is: tells "nothing stored" from "blocks stored, but no checkpoint where this memory
+    /// needs one".
+    #[napi(ts_return_type = "Promise<StoreLookupDetail>")]
+    pub fn lookup_detail(
+        &self,
+        env: Env,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+    ) -> Result<AsyncTask<StoreTask<LookupDetailJob>>, Code> {
+        let (progress, signal) = call_options(options);
+        let job = LookupDetailJob { tokens: tokens.0 };
+        Ok(self.run_async(&env, job, progress, signal))
+    }
+
+    /// `lookupDetail` on the calling thread (cheap: no block is read).
+    #[napi]
+    pub fn lookup_detail_sync(
+        &self,
+        #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+    ) -> Result<StoreLookupDetail, Code> {
+        self.run_sync(LookupDetailJob { tokens: tokens.0 })
     }
 
     /// Loads the longest stored prefix of `tokens` into `seqId` (replacing its cells) and

@@ -66,7 +66,7 @@ pub use memory::SwaType;
 pub use model::{MemoryKind, ModelInfo, RopeKind};
 pub use params::{CacheParams, RecurrentRules, MAX_SEQ};
 pub use state::files::{FileKind, Outputs, WriteOptions};
-pub use state::fit::{check_state, Fit, Mismatch};
+pub use state::fit::{check_memory, check_state, Fit, LayerWidths, Mismatch};
 pub use state::parts::{PartKind, PartRole};
 pub use state::Layout;
 pub use tensors::rope::{RopeParams, RopeTable, RopeType, ShiftParams};

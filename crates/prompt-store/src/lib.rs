@@ -45,7 +45,7 @@ pub use geometry::{
 pub use memory::MemoryBackend;
 pub use shape::{FileFormat, KvShape, Shape};
 pub use store::{
-    is_model_record, PromptStore, PutReport, StoreStats, WriteFileOptions, DEFAULT_BLOCK_TOKENS,
-    MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS,
+    is_model_record, LookupDetail, LookupReason, PromptStore, PutReport, StoreStats,
+    WriteFileOptions, DEFAULT_BLOCK_TOKENS, MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS,
 };
 pub use tiered::TieredBackend;

@@ -19,7 +19,7 @@
 use llama_kv_cache::model::MemoryKind;
 use llama_kv_cache::state::dsv4::{Compressed, SectionKind};
 use llama_kv_cache::state::files::FileKind;
-use llama_kv_cache::{CellExt, Layout};
+use llama_kv_cache::{CellExt, GgmlType, LayerWidths, Layout, PartRole};
 use sha2::{Digest, Sha256};
 
 use crate::backend::Key;
@@ -108,6 +108,46 @@ impl Dsv4Shape {
             n_stream,
             sections: b,
         }
+    }
+}
+
+impl KvShape {
+    /// Each layer's K and V widths in elements.
+    fn widths(&self) -> Vec<LayerWidths> {
+        let elements =
+            |ty: GgmlType, row: u64| Ok(row / ty.type_size() as u64 * ty.block_size() as u64);
+        self.layers
+            .layers
+            .iter()
+            .map(|l| LayerWidths {
+                k: elements(l.k_type, l.k_row),
+                v: (!self.layers.no_v).then(|| elements(l.v_type, l.v_row)),
+            })
+            .collect()
+    }
+}
+
+impl Shape {
+    /// The KV parts with the role each has in the memory's state, and their layers' widths:
+    /// what [`check_memory`](llama_kv_cache::check_memory) compares with a model.
+    pub fn part_widths(&self) -> Vec<(PartRole, Vec<LayerWidths>)> {
+        use MemoryKind::*;
+        let hybrid_swa = self.memory == Hybrid && self.swa.is_some();
+        let (main, swa) = match self.memory {
+            Unified | Recurrent => (PartRole::Whole, PartRole::Swa),
+            Iswa | Dsv4 => (PartRole::Base, PartRole::Swa),
+            Hybrid if hybrid_swa => (PartRole::Base, PartRole::Swa),
+            Hybrid => (PartRole::Attention, PartRole::Swa),
+            Dsa | Msa | DsaIswa | HybridIdx => (PartRole::Attention, PartRole::Indexer),
+        };
+        [
+            (main, &self.main),
+            (swa, &self.swa),
+            (PartRole::Swa, &self.window),
+        ]
+        .into_iter()
+        .filter_map(|(role, part)| part.as_ref().map(|p| (role, p.widths())))
+        .collect()
     }
 }
 

@@ -16,11 +16,12 @@ use std::thread::ScopedJoinHandle;
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::dsv4;
 use llama_kv_cache::state::files::{
-    header_bytes, inspect_bytes, write_atomic, write_atomic_file, FileKind,
+    header_bytes, inspect_bytes, write_replacing, write_replacing_file, Durability, FileKind,
 };
 use llama_kv_cache::{
-    convert_bytes, CellExt, CellExtValue, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
-    ReadOptions, ReadSummary, SequenceLoad, Tensor, WriteOptions,
+    check_memory, check_state, convert_bytes, CellExt, CellExtValue, ConvertOptions, Fit, KvCache,
+    KvError, Layout, MemoryKind, ModelInfo, ReadOptions, ReadSummary, SequenceLoad, Tensor,
+    WriteOptions,
 };
 
 use sha2::{Digest, Sha256};
@@ -110,6 +111,51 @@ pub struct StoreStats {
     pub tiers: Vec<TierHealth>,
 }
 
+/// What [`PromptStore::lookup_detail`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LookupDetail {
+    /// The restore point: tokens a restore of the prompt loads.
+    pub tokens: u64,
+    /// Leading full blocks of the prompt stored for the part kept per position (0 for a
+    /// recurrent memory, which keeps its state in checkpoints only).
+    pub blocks: u64,
+    /// Where the checkpoint the restore point uses ends, if it uses one.
+    pub checkpoint_at: Option<u64>,
+    /// Why the restore point is where it is.
+    pub reason: LookupReason,
+}
+
+/// Why a lookup's restore point is where it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupReason {
+    /// The whole prompt is restorable.
+    Complete,
+    /// Nothing is stored for this model (no put yet, or its record was evicted).
+    NoModel,
+    /// The model is known, but not even the prompt's first block is stored.
+    NoBlocks,
+    /// Blocks past the restore point are stored, but this memory (sliding window, recurrent
+    /// state, or a prompt ending inside a block) needs a checkpoint where they end and there
+    /// is none: a put of the state at the end of the prompt (or of a turn) adds one.
+    NoCheckpoint,
+    /// The store holds nothing more of this prompt: it diverges from what was stored, or goes
+    /// on past it.
+    PrefixEnds,
+}
+
+impl LookupReason {
+    /// `"complete"`, `"no-model"`, `"no-blocks"`, `"no-checkpoint"` or `"prefix-ends"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LookupReason::Complete => "complete",
+            LookupReason::NoModel => "no-model",
+            LookupReason::NoBlocks => "no-blocks",
+            LookupReason::NoCheckpoint => "no-checkpoint",
+            LookupReason::PrefixEnds => "prefix-ends",
+        }
+    }
+}
+
 /// How `write_file` writes a llama.cpp file. Every field left `None` is what the store's first
 /// ingested file was (a store filled by `put` of a live cache: a sequence file of today's
 /// version, V transposed).
@@ -128,6 +174,10 @@ pub struct WriteFileOptions {
     /// iSWA states kept whole (`swa_full`): write only the last `swa_window` positions of the
     /// sliding-window part, for a reader whose context keeps only the window.
     pub swa_window: Option<u32>,
+    /// Whether the file is synced to the disk before it replaces `path` (`None`: synced). A
+    /// file handed to a peer that loads it at once and removes it needs no sync, which costs
+    /// most of the write.
+    pub durability: Option<Durability>,
 }
 
 /// What the store's model is bound to: its shape, the fingerprint made of it, and the format
@@ -201,6 +251,9 @@ pub struct PromptStore {
     latency: Latencies,
     /// The backend is one store, not tiers (its evictions are asked for directly).
     single_backend: bool,
+    /// The model file's description, when the store was opened for one: every state put is
+    /// checked against it before it can bind the store or add a block.
+    model_info: Option<(ModelInfo, String)>,
 }
 
 fn aborted() -> StoreError {
@@ -290,7 +343,35 @@ impl PromptStore {
             block_tokens: block_tokens as usize,
             bound: Mutex::new(None),
             counters: Counters::default(),
+            model_info: None,
         })
+    }
+
+    /// The store checked against the model `info` describes (its GGUF file): a state put by
+    /// `put`, `put_memory`, `put_file` or `put_bytes` whose memory kind, parts, layer counts,
+    /// widths or (files) architecture or rotation differ from the model's is refused with
+    /// [`StoreError::Geometry`] naming the first difference, whether or not the store holds
+    /// anything yet. A state of the same shape from another model of the same architecture
+    /// cannot be told apart by its shape: that takes knowing which model wrote it (the
+    /// adapters take the store's model from the peer that writes the states).
+    /// `name` names the model in messages (its path).
+    pub fn with_model(mut self, info: ModelInfo, name: &str) -> PromptStore {
+        self.model_info = Some((info, name.into()));
+        self
+    }
+
+    /// Refuses a state that does not fit the store's model, naming the first reason.
+    fn check_fit(&self, fit: impl FnOnce(&ModelInfo) -> Fit) -> StoreResult<()> {
+        let Some((info, name)) = &self.model_info else {
+            return Ok(());
+        };
+        match fit(info).reasons.first() {
+            None => Ok(()),
+            Some(first) => Err(StoreError::Geometry(format!(
+                "the state does not fit the store's model {name} ({}): {}",
+                info.arch, first.message
+            ))),
+        }
     }
 
     /// The store in namespace `namespace` (a tenant): mixed into the root of every key, so two
@@ -472,6 +553,7 @@ impl PromptStore {
         format: FileFormat,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
+        self.check_fit(|m| check_memory(c.shape.memory, &c.shape.part_widths(), m))?;
         let bound = self.bind(&c.shape, format)?;
         let bt = self.block_tokens;
         let len = c.len.min(tokens.len());
@@ -756,7 +838,9 @@ impl PromptStore {
     /// present. Two round trips for the blocks, two per batch of index values; no value but
     /// the small index values read.
     /// Returns the chain keys of `tokens` with them (the restore reads those blocks).
-    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<(Vec<Key>, Vec<Plan>)> {
+    /// The chain keys of `tokens`, the restore points the store can serve (longest first), and
+    /// how many leading full blocks of the part kept per position are stored.
+    fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<(Vec<Key>, Vec<Plan>, usize)> {
         let bt = self.block_tokens;
         let shape = &bound.shape;
         let keys = chain_keys(&bound.fingerprint, tokens, bt);
@@ -803,19 +887,54 @@ impl PromptStore {
             });
         }
         plans.sort_by_key(|p| std::cmp::Reverse(p.len));
-        Ok((keys, plans))
+        Ok((keys, plans, n_main))
     }
 
     /// The length in tokens of the longest prefix of `tokens` the store can restore: full
     /// blocks plus, where the memory needs one, a checkpoint at its end. Reads no rows.
     pub fn lookup(&self, tokens: &[i32]) -> StoreResult<u64> {
+        Ok(self.lookup_detail(tokens)?.tokens)
+    }
+
+    /// [`PromptStore::lookup`], with what the store holds of the prompt and why the restore
+    /// point is where it is, so that an app can tell "nothing stored" from "blocks stored, but
+    /// no checkpoint where this memory needs one".
+    pub fn lookup_detail(&self, tokens: &[i32]) -> StoreResult<LookupDetail> {
         let _timer = self.latency.lookup.start();
         let Some(bound) = self.known()? else {
-            return Ok(0);
+            return Ok(LookupDetail {
+                tokens: 0,
+                blocks: 0,
+                checkpoint_at: None,
+                reason: LookupReason::NoModel,
+            });
         };
-        let best = self.plans(&bound, tokens)?.1.first().map_or(0, |p| p.len);
-        self.count(best, tokens.len());
-        Ok(best as u64)
+        let (_, plans, n_main) = self.plans(&bound, tokens)?;
+        let best = plans.first();
+        let len = best.map_or(0, |p| p.len);
+        self.count(len, tokens.len());
+        let blocks = if bound.shape.main.is_some() {
+            n_main
+        } else {
+            0
+        };
+        let reason = if len == tokens.len() && len > 0 {
+            LookupReason::Complete
+        } else if bound.shape.main.is_some() && blocks == 0 {
+            LookupReason::NoBlocks
+        } else if blocks * self.block_tokens > len || (bound.shape.main.is_none() && len == 0) {
+            LookupReason::NoCheckpoint
+        } else {
+            LookupReason::PrefixEnds
+        };
+        Ok(LookupDetail {
+            tokens: len as u64,
+            blocks: blocks as u64,
+            checkpoint_at: best
+                .filter(|p| p.checkpoint.is_some())
+                .map(|p| p.len as u64),
+            reason,
+        })
     }
 
     fn count(&self, found: usize, wanted: usize) {
@@ -1104,7 +1223,7 @@ impl PromptStore {
         attempt: &mut dyn FnMut(&[Key], &Plan) -> StoreResult<bool>,
     ) -> StoreResult<Option<usize>> {
         for _ in 0..MAX_REPLANS {
-            let (keys, plans) = self.plans(bound, tokens)?;
+            let (keys, plans, _) = self.plans(bound, tokens)?;
             let Some(plan) = plans.first() else { break };
             if attempt(&keys, plan)? {
                 self.count(plan.len, tokens.len());
@@ -1270,6 +1389,7 @@ impl PromptStore {
         let known = self.known()?;
         let recurrent = known.map(|b| b.shape.memory == MemoryKind::Recurrent);
         let ins = inspect_bytes(bytes)?;
+        self.check_fit(|m| check_state(&ins, m))?;
         let (capture, format) = Capture::of_file(bytes, &ins, recurrent)?;
         self.put_capture(&capture, &ins.header.tokens, format, progress)
     }
@@ -1397,10 +1517,11 @@ impl PromptStore {
             return Ok(0);
         };
         let (target, convert) = self.file_form(&bound, opts);
+        let durability = opts.durability.unwrap_or(Durability::Synced);
         if convert.is_some() || target.v_trans {
             return match self.assembled_file(&bound, tokens, target, convert, progress)? {
                 Some((n, bytes)) => {
-                    write_atomic(path, &bytes)?;
+                    write_replacing(path, durability, &bytes)?;
                     Ok(n)
                 }
                 None => Ok(0),
@@ -1409,7 +1530,7 @@ impl PromptStore {
         // nothing stored: no file; a store error: the temporary file goes, the old file stays
         let (mut written, mut nothing, mut failed) = (0, false, None);
         let head = |len: usize| Self::file_head(&tokens[..len]);
-        let result = write_atomic_file(path, &mut |file| {
+        let result = write_replacing_file(path, durability, &mut |file| {
             let mut sink = FileSink::new(file);
             let loaded = self
                 .load(&bound, tokens, target, &head, &mut sink)

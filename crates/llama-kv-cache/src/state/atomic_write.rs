@@ -95,8 +95,24 @@ fn create_locked(dir: &Path, name: &str, target: &Path) -> Result<(PathBuf, fs::
 /// and synced, then renamed over the target. On any failure the previous file is left intact
 /// and the temporary file removed; temporary files of writers that died are removed first.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic_with(path, &mut |w| {
-        w.write_all(bytes)
+    write_replacing(path, Durability::Synced, bytes)
+}
+
+/// Whether a file written whole is also flushed to the disk before it replaces the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Synced, then renamed, and the directory synced: survives a power loss.
+    Synced,
+    /// Renamed only: readers never see half a file, but a power loss may lose it. For files a
+    /// reader loads at once and removes (a state handed to a peer that takes only paths),
+    /// where a sync costs most of the write.
+    Unsynced,
+}
+
+/// [`write_atomic`] with a choice of [`Durability`].
+pub fn write_replacing(path: &Path, durability: Durability, bytes: &[u8]) -> Result<()> {
+    write_replacing_file(path, durability, &mut |f| {
+        f.write_all(bytes)
             .map_err(|e| KvError::Io(format!("cannot write {}: {e}", path.display())))
     })
 }
@@ -122,6 +138,15 @@ pub fn write_atomic_file(
     path: &Path,
     fill: &mut dyn FnMut(&mut fs::File) -> Result<()>,
 ) -> Result<()> {
+    write_replacing_file(path, Durability::Synced, fill)
+}
+
+/// [`write_atomic_file`] with a choice of [`Durability`].
+pub fn write_replacing_file(
+    path: &Path,
+    durability: Durability,
+    fill: &mut dyn FnMut(&mut fs::File) -> Result<()>,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -136,9 +161,12 @@ pub fn write_atomic_file(
     let io = |what: &str, e: std::io::Error| KvError::Io(format!("{what} {}: {e}", path.display()));
     let result = (|| -> Result<()> {
         fill(&mut f)?;
-        f.sync_all().map_err(|e| io("cannot sync", e))?;
+        let synced = durability == Durability::Synced;
+        if synced {
+            f.sync_all().map_err(|e| io("cannot sync", e))?;
+        }
         fs::rename(&tmp, path).map_err(|e| io("cannot replace", e))?;
-        if let Ok(d) = fs::File::open(dir) {
+        if let (true, Ok(d)) = (synced, fs::File::open(dir)) {
             let _ = d.sync_all();
         }
         Ok(())

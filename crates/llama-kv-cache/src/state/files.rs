@@ -7,7 +7,10 @@ use std::fs;
 use std::ops::Range;
 use std::path::Path;
 
-pub use crate::state::atomic_write::{write_atomic, write_atomic_file, write_atomic_with};
+pub use crate::state::atomic_write::{
+    write_atomic, write_atomic_file, write_atomic_with, write_replacing, write_replacing_file,
+    Durability,
+};
 
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;

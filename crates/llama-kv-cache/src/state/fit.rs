@@ -117,34 +117,63 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
     if !own_heads {
         return;
     }
+    let widths: Vec<LayerWidths> = stream
+        .layers
+        .iter()
+        .map(|l| LayerWidths {
+            k: width(l.k_type, l.k_row_size)
+                .ok_or_else(|| format!("{} bytes of type {}", l.k_row_size, l.k_type)),
+            v: match &l.v {
+                VBlock::Rows { ty, row_size, .. } => {
+                    Some(width(*ty, *row_size).ok_or_else(|| "an unknown width".into()))
+                }
+                VBlock::Transposed { n_embd, .. } => Some(Ok(*n_embd as u64)),
+                // a cache without V (multi-head latent attention) keeps the latent K only
+                VBlock::Absent => None,
+            },
+        })
+        .collect();
+    check_widths(&prefix, part.kind, &widths, &layers, model, reasons);
+}
+
+/// One layer's K and V widths in elements (R and S for a recurrent part), or what the bytes
+/// say where they name no known type; V is `None` for a cache without V.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerWidths {
+    /// K's width, or a description of its row.
+    pub k: std::result::Result<u64, String>,
+    /// V's width, or a description of its row; `None`: the part keeps no V.
+    pub v: Option<std::result::Result<u64, String>>,
+}
+
+/// Compares each layer's widths of a part with the model's layers `layers` of that part.
+fn check_widths(
+    prefix: &str,
+    kind: PartKind,
+    widths: &[LayerWidths],
+    layers: &[usize],
+    model: &ModelInfo,
+    reasons: &mut Vec<Mismatch>,
+) {
     let mut layer_reasons = Vec::new();
-    for (l, &il) in stream.layers.iter().zip(&layers) {
-        let (want_k, want_v) = widths_of(model, part.kind, il);
-        let k = width(l.k_type, l.k_row_size);
-        if k != Some(want_k) {
+    for (l, &il) in widths.iter().zip(layers) {
+        let (want_k, want_v) = widths_of(model, kind, il);
+        if l.k != Ok(want_k) {
             layer_reasons.push(mismatch(
                 &format!("{prefix}layers[{il}].kWidth"),
-                k.map_or(
-                    format!("{} bytes of type {}", l.k_row_size, l.k_type),
-                    |w| w.to_string(),
-                ),
+                l.k.clone().map_or_else(|d| d, |w| w.to_string()),
                 want_k,
                 "K row widths differ",
             ));
         }
-        let v = match &l.v {
-            VBlock::Rows { ty, row_size, .. } => width(*ty, *row_size),
-            VBlock::Transposed { n_embd, .. } => Some(*n_embd as u64),
-            // a cache without V (multi-head latent attention) keeps the latent K only
-            VBlock::Absent => continue,
-        };
-        if v != Some(want_v) {
-            layer_reasons.push(mismatch(
+        match &l.v {
+            Some(v) if *v != Ok(want_v) => layer_reasons.push(mismatch(
                 &format!("{prefix}layers[{il}].vWidth"),
-                v.map_or("an unknown width".into(), |w| w.to_string()),
+                v.clone().map_or_else(|d| d, |w| w.to_string()),
                 want_v,
                 "V row widths differ",
-            ));
+            )),
+            _ => {}
         }
     }
     if layer_reasons.len() > MAX_LAYER_REASONS {
@@ -158,6 +187,50 @@ fn check_part(part: &Part, model: &ModelInfo, reasons: &mut Vec<Mismatch>) {
         });
     }
     reasons.extend(layer_reasons);
+}
+
+/// Compares a live memory with a model: its kind, and for each of its KV parts (with the role
+/// it has in the state) the layer count and every layer's K and V widths. Recurrent parts are
+/// compared by kind and role only: a live memory's recurrent rows carry no per-layer geometry.
+pub fn check_memory(
+    memory: MemoryKind,
+    parts: &[(PartRole, Vec<LayerWidths>)],
+    model: &ModelInfo,
+) -> Fit {
+    let mut reasons = Vec::new();
+    // the seed's one unified cache also held sliding-window layers and recurrent states
+    let one_cache = memory == MemoryKind::Unified
+        && matches!(model.memory, MemoryKind::Iswa | MemoryKind::Recurrent);
+    if memory != model.memory && !one_cache {
+        reasons.push(mismatch(
+            "memory",
+            memory.name(),
+            model.memory.name(),
+            "the cache is another kind of memory",
+        ));
+    }
+    for (role, widths) in parts {
+        let prefix = match role {
+            PartRole::Whole => String::new(),
+            role => format!("{role}."),
+        };
+        let layers = layers_of(model, *role);
+        if widths.len() != layers.len() {
+            reasons.push(mismatch(
+                &format!("{prefix}nLayer"),
+                widths.len(),
+                layers.len(),
+                "layer counts differ",
+            ));
+        }
+        if *role != PartRole::Indexer {
+            check_widths(&prefix, PartKind::Kv, widths, &layers, model, &mut reasons);
+        }
+    }
+    Fit {
+        fits: reasons.is_empty(),
+        reasons,
+    }
 }
 
 /// The parts of the memory llama.cpp 0.1.161 builds for `model`, in state order: a hybrid
