@@ -67,6 +67,11 @@ test('Sentinel: a store finds the primary, and after the primary dies it reaches
     if (Date.now() > deadline) throw new Error('the sentinel did not see the replica')
     await new Promise((resolve) => setTimeout(resolve, 100))
   }
+  // and the replica has finished its initial sync: until then WAIT counts no replica
+  while (!/^master_link_status:up\r?$/m.test(replica.cli(['INFO', 'replication']))) {
+    if (Date.now() > deadline + 30_000) throw new Error("the replica's link to the primary did not come up")
+    await new Promise((resolve) => setTimeout(resolve, 100))
+  }
   const store = open({ sentinels: [{ host: '127.0.0.1', port: sentinel.port }], name: 'kvjs', timeoutMs: 1000 })
   const { cache, tokens } = promptCache(KvCache, 0)
   await roundTrip(t, store)

@@ -191,6 +191,19 @@ impl SentinelSetup {
                 !replicas.is_empty()
             },
         );
+        // and the replica has finished its initial sync: until then `WAIT` counts no replica
+        // (a loaded machine made this the slow step)
+        setup.wait_until(
+            "the replica's link to the primary",
+            Duration::from_secs(60),
+            |s| {
+                let info: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query(&mut s.replica.connection())
+                    .unwrap_or_default();
+                info.lines().any(|l| l.trim() == "master_link_status:up")
+            },
+        );
         setup
     }
 
