@@ -310,6 +310,59 @@ fn the_store_restores_todays_memories_and_0_1_161_continues_them_exactly() {
     }
 }
 
+/// Issue 37: a gemma3 state that holds every cell (`swa_full`), ingested alone, served a
+/// prompt diverging inside it only at its own end (0 tokens). Its rows restore any block
+/// boundary, as a plain cache's do: a prompt sharing its first 200 tokens gets 192 (blocks of
+/// 16), and 0.1.161 continues the written file like a cold run.
+#[test]
+fn a_swa_full_state_serves_the_last_block_boundary_before_a_divergence() {
+    // a whole batch, and an app's micro-batches (which let a window-only cache prune)
+    for ubatch in [512, 32] {
+        swa_full_boundary(Case {
+            name: "gemma3-swa-full-boundary",
+            model: "gemma3-swa.gguf",
+            swa_full: true,
+            ubatch,
+            ..cases().remove(0)
+        });
+    }
+}
+
+fn swa_full_boundary(case: Case) {
+    let dir = scratch(case.name);
+    let prefix = dir.join("turn");
+    let a = conversation(300, 21);
+    case.turns(&a, &[300], &prefix);
+    let diverged = [&a[..200], &conversation(40, 22)[..]].concat();
+    for kind in [FileKind::Session, FileKind::Sequence] {
+        let ext = match kind {
+            FileKind::Session => "ggsn",
+            FileKind::Sequence => "ggsq",
+        };
+        let file = PathBuf::from(format!("{}-300.{ext}", prefix.display()));
+        let ins = inspect_file(&file).unwrap();
+        let swa_cells = ins.parts[1].payload.streams[0].cells.len();
+        let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), case.name, 16).unwrap();
+        assert_eq!(store.put_file(&file, None).unwrap().tokens, 300);
+        if kind == FileKind::Sequence {
+            // 0.1.161 writes a sequence's unmasked window cells only, even with `swa_full`:
+            // the rows before the window are not in the file, so only its own end restores
+            assert!(swa_cells < 300, "{swa_cells} window cells");
+            assert_eq!(store.lookup(&diverged).unwrap(), 0);
+            continue;
+        }
+        assert_eq!(swa_cells, 300, "a session keeps every window cell");
+        assert_eq!(store.lookup(&diverged).unwrap(), 192);
+        let out = dir.join(format!("boundary.{ext}"));
+        let n = store
+            .write_file(&diverged, &out, &WriteFileOptions::default(), None)
+            .unwrap();
+        assert_eq!(n, 192);
+        resume_matches_cold(&case, kind, &out, &diverged, 192);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn fifty_conversations_sharing_a_2048_token_prefix_on_an_iswa_model_store_it_once() {
     // gemma3 with swa_full, so that removing one conversation's tail leaves the next one's
