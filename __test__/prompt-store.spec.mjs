@@ -255,6 +255,26 @@ test('writeFile writes the stored prefix as a sequence or session file that load
   t.false(fs.existsSync(none))
 })
 
+test('writeFile with durable: false writes the same bytes, replacing the old file whole, and leaves no temporary file', async (t) => {
+  const dir = tmp()
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  const synced = path.join(dir, 'synced.ggsq')
+  const unsynced = path.join(dir, 'unsynced.ggsq')
+  t.is(await store.writeFile(tokens, synced), 96)
+  fs.writeFileSync(unsynced, 'an older file')
+  t.is(await store.writeFile(tokens, unsynced, { durable: false }), 96)
+  t.deepEqual(fs.readFileSync(unsynced), fs.readFileSync(synced))
+  // the assembled path (a conversion) too
+  const session = path.join(dir, 'unsynced.ggsn')
+  t.is(store.writeFileSync(tokens, session, { kind: 'session', version: 9, durable: false }), 96)
+  t.is(store.writeFileSync(tokens, path.join(dir, 'synced.ggsn'), { kind: 'session', version: 9 }), 96)
+  t.deepEqual(fs.readFileSync(session), fs.readFileSync(path.join(dir, 'synced.ggsn')))
+  t.deepEqual(fs.readdirSync(dir).sort(), ['synced.ggsn', 'synced.ggsq', 'unsynced.ggsn', 'unsynced.ggsq'])
+  t.throws(() => store.writeFileSync(tokens, session, { durable: 'no' }), { code: 'ERR_KV_INVALID_ARG', message: /durable/ })
+})
+
 test('a flipped byte in a stored block is a counted miss, never loaded', async (t) => {
   const dir = tmp()
   const store = new PromptStore({ model: 'm', path: dir, blockTokens: 16 })
