@@ -1602,6 +1602,12 @@ export interface StoreWriteFileOptions {
    */
   swaWindow?: number
   /**
+   * Streams of the reader's context. Default 1. A context of a stream per sequence
+   * (llama.cpp's `kv_unified` off: node-llama-cpp's contexts of several sequences) reads only
+   * files of as many streams.
+   */
+  nStream?: number
+  /**
    * Whether the file is synced to the disk before it replaces `path`. Default true. Either
    * way a reader never sees half a file; `false` is for a file a peer loads at once and
    * removes (what the adapters do), where the sync costs most of the write.

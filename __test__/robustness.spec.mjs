@@ -46,6 +46,24 @@ function saturateThreadpool() {
 
 // ---- 2. async calls queue per cache --------------------------------------------------------
 
+test('unknown_options_are_refused_by_name: a misspelled option is ERR_KV_INVALID_ARG, never a default silently taken', async (t) => {
+  const unknown = (name) => ({ code: 'ERR_KV_INVALID_ARG', message: new RegExp(`unknown option '${name}'`) })
+  t.throws(() => new KvCache({ size: 8, nLayer: 1, nEmbdKGqa: 8, typek: 'q8_0' }), unknown('typek'))
+  // a store without its directory would have been an in-process store
+  t.throws(() => new PromptStore({ model: 'm', pth: '/var/cache/prompts' }), unknown('pth'))
+  const c = new KvCache({ size: 8, nLayer: 1, nEmbdKGqa: 8 })
+  t.throws(() => c.stateWriteSync(-1, { layot: 'seed' }), unknown('layot'))
+  t.throws(() => c.saveSequenceFile(path.join(os.tmpdir(), 'never.ggsq'), 0, [], { layot: 'seed' }), unknown('layot'))
+  t.false(fs.existsSync(path.join(os.tmpdir(), 'never.ggsq')))
+  const store = new PromptStore({ model: 'm' })
+  t.throws(() => store.writeFileSync([1], path.join(os.tmpdir(), 'never.ggsq'), { durabel: false }), unknown('durabel'))
+  t.throws(() => c.prepareBatch({ pos: [0], seqIds: [0], seqId: 0 }), unknown('seqId'))
+  // the message lists what is accepted
+  t.throws(() => store.lookup([1], { signl: null }), { message: /the options are onProgress, signal/ })
+  // every documented option is still taken
+  t.notThrows(() => c.stateWriteSync(-1, { layout: 'seed', version: undefined, nStream: 1, partial: false }))
+})
+
 test('back-to-back async calls queue instead of throwing ERR_KV_BUSY (issue 10.2)', async (t) => {
   const c = filled()
   const ps = Array.from({ length: 20 }, () => c.stateWrite())

@@ -290,13 +290,70 @@ impl I32Copy {
     }
 }
 
-/// An options object converted with its field-level message kept and a coded error.
+/// The names an options object may carry: its fields as JS names them. A key outside them is
+/// refused, so a misspelled option is an error and never a default silently taken.
+pub trait OptionNames {
+    /// The options' names.
+    const NAMES: &'static [&'static str];
+}
+
+/// Declares the [`OptionNames`] of an options type: `option_names!(Type: "a", "b")`. A field
+/// left out here is refused as unknown, which every test that passes it catches.
+macro_rules! option_names {
+    ($t:ty: $($name:literal),* $(,)?) => {
+        impl $crate::args::OptionNames for $t {
+            const NAMES: &'static [&'static str] = &[$($name),*];
+        }
+    };
+}
+pub(crate) use option_names;
+
+/// The first own enumerable string key of `object` that is not in `names`.
+///
+/// # Safety
+/// `env` and `object` come straight from napi for this call, and `object` is an object.
+unsafe fn unknown_key(
+    env: sys::napi_env,
+    object: sys::napi_value,
+    names: &[&str],
+) -> Option<String> {
+    let mut keys = std::ptr::null_mut();
+    let status = sys::napi_get_all_property_names(
+        env,
+        object,
+        sys::KeyCollectionMode::own_only,
+        sys::KeyFilter::enumerable | sys::KeyFilter::skip_symbols,
+        sys::KeyConversion::numbers_to_strings,
+        &mut keys,
+    );
+    if status != sys::Status::napi_ok {
+        return None;
+    }
+    let mut len = 0;
+    sys::napi_get_array_length(env, keys, &mut len);
+    (0..len).find_map(|i| {
+        let mut key = std::ptr::null_mut();
+        sys::napi_get_element(env, keys, i, &mut key);
+        let key = String::from_napi_value(env, key).ok()?;
+        (!names.contains(&key.as_str())).then_some(key)
+    })
+}
+
+/// An options object converted with its field-level message kept and a coded error; a key that
+/// is not one of its options is refused, naming it.
 pub struct Obj<T>(pub T);
 
-impl<T: FromNapiValue> FromNapiValue for Obj<T> {
+impl<T: FromNapiValue + OptionNames> FromNapiValue for Obj<T> {
     unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
         if type_of(env, value) != "object" {
             return Err(mismatch(env, value, "an options object"));
+        }
+        if let Some(key) = unknown_key(env, value, T::NAMES) {
+            let message = format!(
+                "unknown option '{key}' (the options are {})",
+                T::NAMES.join(", ")
+            );
+            return Err(coded_error(env, err(Code::InvalidArg, message)));
         }
         T::from_napi_value(env, value)
             .map(Obj)

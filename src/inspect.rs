@@ -480,6 +480,12 @@ pub struct ConvertFileOptions<'a> {
     pub on_progress: Option<Unknown<'a>>,
 }
 
+crate::args::option_names!(
+    ConvertFileOptions<'_>:
+    "layout", "version", "nStream", "seqId", "typeK", "typeV", "nRotK", "nRotV", "recurrent", "to",
+    "asSeqId", "arch", "swaWindow", "part", "onProgress",
+);
+
 /// A JS progress callback, called on this thread.
 type SyncProgress<'a> = Function<'a, FnArgs<(f64, f64)>, Unknown<'a>>;
 

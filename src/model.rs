@@ -189,6 +189,8 @@ pub struct ModelInfoOptions {
     pub hash_file: Option<bool>,
 }
 
+crate::args::option_names!(ModelInfoOptions: "hashFile");
+
 fn to_js(m: &core::ModelInfo) -> ModelInfo {
     let r = &m.rope;
     let bytes_per_cell = GgmlType::ALL
@@ -450,6 +452,11 @@ pub struct FromModelOptions {
     #[napi(ts_type = "string | string[]")]
     pub device: Option<Either<String, Vec<String>>>,
 }
+
+crate::args::option_names!(
+    FromModelOptions:
+    "nCtx", "nSeqMax", "typeK", "typeV", "flashAttn", "kvUnified", "swaFull", "nUbatch", "device",
+);
 
 /// The context `options` describe, as llama.cpp 0.1.161's `llama_context_params`.
 fn context_of(o: Option<&FromModelOptions>) -> Result<core::ContextParams, Code> {

@@ -35,6 +35,8 @@ pub struct StoreCallOptions {
     pub signal: Option<Signal>,
 }
 
+crate::args::option_names!(StoreCallOptions: "onProgress", "signal");
+
 /// Options of `writeFile`. Every option left out is what the store's first ingested file was
 /// (a store filled by `put` of a cache: a sequence file of today's version).
 #[napi(object, object_to_js = false)]
@@ -53,6 +55,10 @@ pub struct StoreWriteFileOptions {
     /// iSWA states kept whole (`swa_full`): write only the last `swaWindow` positions of the
     /// sliding-window cache, for a reader whose context keeps only the window.
     pub swa_window: Option<f64>,
+    /// Streams of the reader's context. Default 1. A context of a stream per sequence
+    /// (llama.cpp's `kv_unified` off: node-llama-cpp's contexts of several sequences) reads only
+    /// files of as many streams.
+    pub n_stream: Option<f64>,
     /// Whether the file is synced to the disk before it replaces `path`. Default true. Either
     /// way a reader never sees half a file; `false` is for a file a peer loads at once and
     /// removes (what the adapters do), where the sync costs most of the write.
@@ -64,6 +70,12 @@ pub struct StoreWriteFileOptions {
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<Signal>,
 }
+
+crate::args::option_names!(
+    StoreWriteFileOptions:
+    "kind", "version", "layout", "flashAttn", "arch", "swaWindow", "nStream", "durable",
+    "onProgress", "signal",
+);
 
 /// What `put` / `putFile` stored.
 #[napi(object)]
@@ -526,6 +538,10 @@ fn write_file_job(
         opts.flash_attn = o.flash_attn;
         opts.arch = o.arch;
         opts.swa_window = o.swa_window.map(|v| u32v("swaWindow", v)).transpose()?;
+        opts.n_stream = match o.n_stream.map(|v| u32v("nStream", v)).transpose()? {
+            Some(0) => return Err(err(Code::InvalidArg, "nStream must be at least 1, got 0")),
+            n => n,
+        };
         opts.durability = o.durable.map(|d| match d {
             true => Durability::Synced,
             false => Durability::Unsynced,

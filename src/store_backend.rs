@@ -89,6 +89,13 @@ pub struct PromptStoreOptions {
     pub secret: Option<napi::Either<String, napi::bindgen_prelude::Uint8Array>>,
 }
 
+crate::args::option_names!(
+    PromptStoreOptions:
+    "model", "path", "url", "sentinels", "name", "db", "cluster", "username", "password",
+    "sentinelPassword", "tls", "prefix", "ttlSeconds", "timeoutMs", "tiers", "blockTokens",
+    "maxBytes", "namespace", "secret",
+);
+
 /// A Redis server's address.
 #[napi(object, object_to_js = false)]
 pub struct RedisNode {

@@ -69,6 +69,13 @@ pub struct KvCacheOptions {
     pub release_memory: Option<bool>,
 }
 
+crate::args::option_names!(
+    KvCacheOptions:
+    "size", "nLayer", "nEmbdKGqa", "nEmbdVGqa", "nEmbdKS", "nEmbdVS", "typeK", "typeV", "flashAttn",
+    "recurrent", "canShift", "nSeqMax", "cellExt", "mrope", "noV", "nRotK", "nRotV", "device",
+    "releaseMemory",
+);
+
 /// A CUDA device.
 #[napi(object)]
 pub struct CudaDevice {
@@ -157,6 +164,8 @@ pub struct UBatchInput {
     pub ext: Option<Either<Vec<f64>, I32Copy>>,
 }
 
+crate::args::option_names!(UBatchInput: "pos", "seqIds", "nSeqTokens", "ext");
+
 /// Where a ubatch was placed.
 #[napi(object)]
 pub struct Slot {
@@ -193,12 +202,16 @@ pub struct SlotInput {
     pub n: Option<f64>,
 }
 
+crate::args::option_names!(SlotInput: "head", "len", "n");
+
 /// Options of `prepareBatch`.
 #[napi(object)]
 pub struct PrepareBatchOptions {
     /// Move `head` past the slot afterwards, as llama.cpp's decode of the seed's era did. Default true.
     pub advance_head: Option<bool>,
 }
+
+crate::args::option_names!(PrepareBatchOptions: "advanceHead");
 
 /// One cell's metadata.
 #[napi(object)]

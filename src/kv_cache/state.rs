@@ -50,6 +50,11 @@ pub struct SaveOptions {
     pub signal: Option<Signal>,
 }
 
+crate::args::option_names!(
+    SaveOptions:
+    "layout", "version", "nStream", "arch", "partial", "envelope", "onProgress", "signal",
+);
+
 /// Options of `stateRead` and the file loaders.
 #[napi(object, object_to_js = false)]
 pub struct LoadOptions {
@@ -75,6 +80,11 @@ pub struct LoadOptions {
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<Signal>,
 }
+
+crate::args::option_names!(
+    LoadOptions:
+    "layout", "part", "allowScattered", "partial", "onProgress", "signal",
+);
 
 #[napi]
 impl KvCache {

@@ -26,6 +26,8 @@ pub struct ReadStreamOptions {
     pub signal: Option<Signal>,
 }
 
+crate::args::option_names!(ReadStreamOptions: "layout", "nStream", "chunkSize", "signal");
+
 /// Options of `createStateWriteStream`.
 #[napi(object, object_to_js = false)]
 pub struct WriteStreamOptions {
@@ -42,6 +44,8 @@ pub struct WriteStreamOptions {
     #[napi(ts_type = "AbortSignal")]
     pub signal: Option<Signal>,
 }
+
+crate::args::option_names!(WriteStreamOptions: "layout", "allowScattered", "chunkSize", "signal");
 
 impl KvCache {
     /// Opens a state stream; on an idle cache its state is made now, so that bad arguments

@@ -31,6 +31,8 @@ pub struct UpdateOptions {
     pub signal: Option<Signal>,
 }
 
+crate::args::option_names!(UpdateOptions: "rope", "ropeLayers", "maxNodes", "signal");
+
 /// The JS name of a K/V rows method (`readK`, `writeVF32`, ...), for its refusals.
 fn rows_method(verb: &str, v: bool, suffix: &str) -> String {
     format!("{verb}{}{suffix}", if v { "V" } else { "K" })

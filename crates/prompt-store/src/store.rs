@@ -174,6 +174,10 @@ pub struct WriteFileOptions {
     /// iSWA states kept whole (`swa_full`): write only the last `swa_window` positions of the
     /// sliding-window part, for a reader whose context keeps only the window.
     pub swa_window: Option<u32>,
+    /// Streams of the reader's context (`None`: 1): a context of a stream per sequence
+    /// (llama.cpp's `kv_unified` off, as node-llama-cpp's contexts of several sequences) reads
+    /// only files of as many streams.
+    pub n_stream: Option<u32>,
     /// Whether the file is synced to the disk before it replaces `path` (`None`: synced). A
     /// file handed to a peer that loads it at once and removes it needs no sync, which costs
     /// most of the write.
@@ -1434,14 +1438,16 @@ impl PromptStore {
             None if !rotation && d.layout == Layout::StreamsRot => Layout::Streams,
             None => d.layout,
         };
+        let n_stream = opts.n_stream.unwrap_or(1);
         let unchanged = kind == FileKind::Sequence
             && version.unwrap_or(canonical_version) == canonical_version
-            && layout != Layout::Seed;
+            && layout != Layout::Seed
+            && n_stream == 1;
         let convert = (!unchanged).then(|| ConvertOptions {
             write: WriteOptions {
                 version,
                 layout,
-                n_stream: 1,
+                n_stream,
             },
             to: Some(kind),
             arch: opts.arch.clone().or_else(|| d.arch.clone()),
