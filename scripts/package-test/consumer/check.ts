@@ -10,6 +10,8 @@ import {
   type UBatchInput,
   type UpdateReport,
 } from 'llama-kv-cache'
+import { reusePrompts, type NodeLlamaCppSequenceLike } from 'llama-kv-cache/node-llama-cpp'
+import { reusePrompts as reuseLlamaNode, type LlamaNodeContextLike } from 'llama-kv-cache/llama.node'
 
 const options: KvCacheOptions = { size: 64, nLayer: 2, nEmbdKGqa: [32, 64], typeK: 'q8_0', typeV: 'f16', nSeqMax: 4 }
 const cache = new KvCache(options)
@@ -47,3 +49,13 @@ cache.seqRm('0')
 
 void [head, removed, positions, owners, k, kf, rowBytes, shift(AbortSignal.timeout(1000)), roundTrip('/tmp/x.ggsq')]
 cache[Symbol.dispose]()
+
+// the adapters' types: store options pass through, the model comes from the peer
+declare const sequence: NodeLlamaCppSequenceLike
+declare const context: LlamaNodeContextLike
+const reuse = reusePrompts(sequence, { path: '/var/cache/prompts', blockTokens: 64 })
+const restored: number | undefined = reuse.lastRestore?.restoredTokens
+const nodeReuse = reuseLlamaNode(context, { modelPath: '/models/x.gguf', url: 'redis://cache:6379' })
+// @ts-expect-error the store's model is the peer's own model file
+reusePrompts(sequence, { model: 'other.gguf' })
+void [restored, nodeReuse.close()]

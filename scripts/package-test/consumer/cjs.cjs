@@ -36,5 +36,12 @@ assert.throws(() => cache.findSlot({ pos: [0], seqIds: [7] }), { code: 'ERR_KV_O
 cache.dispose()
 assert.throws(() => cache.size, { code: 'ERR_KV_DISPOSED' })
 
+// the adapters: subpaths whose peers are optional peer dependencies, not installed here
+for (const sub of ['node-llama-cpp', 'llama.node']) {
+  const { reusePrompts } = require(`llama-kv-cache/${sub}`)
+  assert.equal(typeof reusePrompts, 'function', `llama-kv-cache/${sub} exports reusePrompts`)
+  assert.throws(() => reusePrompts(null), { code: 'ERR_KV_INVALID_ARG' })
+}
+
 const platformPackage = path.dirname(require.resolve(`${process.argv[2]}/package.json`))
 console.log(`loaded from ${path.basename(platformPackage)}`)

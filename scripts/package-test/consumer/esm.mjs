@@ -1,6 +1,8 @@
 // (b) ES module: named import through Node's CommonJS named-export detection, plus the default import.
 import assert from 'node:assert/strict'
 import binding, { KvCache } from 'llama-kv-cache'
+import { reusePrompts } from 'llama-kv-cache/node-llama-cpp'
+import { reusePrompts as reuseLlamaNode } from 'llama-kv-cache/llama.node'
 
 assert.equal(KvCache, binding.KvCache)
 const cache = new KvCache({ size: 16, nLayer: 1, nEmbdKGqa: 8, nSeqMax: 2 })
@@ -12,4 +14,6 @@ cache.seqKeep(1)
 assert.equal(cache.usedCells, 2)
 const report = await cache.update()
 assert.equal(report.shiftPending, false)
+assert.throws(() => reusePrompts({}), { code: 'ERR_KV_INVALID_ARG' })
+assert.throws(() => reuseLlamaNode({}, { modelPath: 'x.gguf' }), { code: 'ERR_KV_INVALID_ARG' })
 console.log(`ESM import ok, ${cache.usedCells} cells in use`)
