@@ -14,6 +14,7 @@ import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
+import { listTree } from './tree.mjs'
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..', '..')
@@ -34,14 +35,6 @@ const GREEDY = { temperature: 0, top_k: 1, seed: 42, n_probs: 1 }
 const errorOf = (e) => (e ? { code: e.code ?? null, name: e.name, message: e.message, field: e.field, cause: e.cause ? String(e.cause.message ?? e.cause) : undefined } : null)
 const summary = (r) => ({ text: r.text, pieces: (r.completion_probabilities ?? []).map((p) => p.content), prompt_n: r.timings?.prompt_n })
 
-function listing(dir) {
-  const out = []
-  for (const e of fs.readdirSync(dir, { withFileTypes: true })) {
-    out.push(e.name + (e.isDirectory() ? '/' : ''))
-    if (e.isDirectory()) for (const f of listing(path.join(dir, e.name))) out.push(`${e.name}/${f}`)
-  }
-  return out
-}
 
 const out = { case: kase, recovered: [] }
 
@@ -83,13 +76,13 @@ if (kase === 'refuse') {
   const reuse = reusePrompts(ctx, { modelPath: model, path: spec.store, blockTokens: 16 })
   const P1 = 'the cat sat on the mat and the dog ran to the red house by the sea'
   const r1 = await reuse.completion({ prompt: P1, n_predict: 4, ...GREEDY })
-  out.turn1 = { ...summary(r1), restore: reuse.lastRestore, tmp: listing(os.tmpdir()) }
+  out.turn1 = { ...summary(r1), restore: reuse.lastRestore, tmp: listTree(os.tmpdir()) }
   // the peer fails the turn (media without a projector): after a restore of turn 1 was possible
   try {
     await reuse.completion({ prompt: `${P1} and then`, media_paths: ['/nonexistent/image.png'], n_predict: 4, ...GREEDY })
     out.failed = { error: null }
   } catch (e) {
-    out.failed = { error: errorOf(e), tmp: listing(os.tmpdir()) }
+    out.failed = { error: errorOf(e), tmp: listTree(os.tmpdir()) }
   }
   // an abort once the completion produces its first token: the state is still checkpointed
   const ac = new AbortController()
@@ -97,16 +90,16 @@ if (kase === 'refuse') {
     await reuse.completion({ prompt: `${P1} but the bird`, n_predict: 8, ...GREEDY, signal: ac.signal }, () => ac.abort())
     out.aborted = { error: null }
   } catch (e) {
-    out.aborted = { error: errorOf(e), checkpoint: reuse.lastCheckpoint, tmp: listing(os.tmpdir()) }
+    out.aborted = { error: errorOf(e), checkpoint: reuse.lastCheckpoint, tmp: listTree(os.tmpdir()) }
   }
   // the adapter still works: a diverging prompt (a restore of turn 1 from the store, or the
   // context's own prefix) continues as a cold run of it would
   const P4 = `${P1} and it rained all day`
   const r4 = await reuse.completion({ prompt: P4, n_predict: 4, ...GREEDY })
   out.after = { ...summary(r4), restore: { ...reuse.lastRestore, error: errorOf(reuse.lastRestore.error) } }
-  out.beforeClose = listing(os.tmpdir())
+  out.beforeClose = listTree(os.tmpdir())
   await reuse.close()
-  out.afterClose = listing(os.tmpdir())
+  out.afterClose = listTree(os.tmpdir())
   try {
     await reuse.completion({ prompt: P4 })
     out.afterCloseCall = null
@@ -148,7 +141,7 @@ if (kase === 'refuse') {
     const ctx = await loadModel(ctxOptions)
     out.cold.push(summary(await ctx.completion({ prompt: p, n_predict: 4, ...GREEDY })))
   }
-  out.tmp = listing(os.tmpdir())
+  out.tmp = listTree(os.tmpdir())
 } else {
   console.error(`unknown case ${kase}`)
   process.exit(2)

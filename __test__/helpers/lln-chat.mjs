@@ -20,6 +20,7 @@ import os from 'node:os'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
+import { listTree } from './tree.mjs'
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..', '..')
@@ -41,15 +42,6 @@ const nPredict = spec.n_predict ?? spec.turn?.n_predict ?? 4
 const input = (p) => (Array.isArray(p) ? { messages: p } : { prompt: p })
 const errorOf = (e) => (e ? { code: e.code ?? null, message: e.message } : null)
 
-/** Files and folders under `dir`, relative. */
-function listing(dir) {
-  const out = []
-  for (const e of fs.readdirSync(dir, { withFileTypes: true })) {
-    out.push(e.name + (e.isDirectory() ? '/' : ''))
-    if (e.isDirectory()) for (const f of listing(path.join(dir, e.name))) out.push(`${e.name}/${f}`)
-  }
-  return out
-}
 
 /** The tokens a context holds: those of its saved session. */
 async function heldTokens(ctx) {
@@ -97,11 +89,11 @@ if (spec.turn) {
       lastRestore: { ...reuse.lastRestore, error: errorOf(reuse.lastRestore.error) },
       lastCheckpoint: reuse.lastCheckpoint,
       lastError: errorOf(reuse.lastError),
-      tmpAfterTurn: listing(os.tmpdir()),
+      tmpAfterTurn: listTree(os.tmpdir()),
     })
   }
   await reuse.close()
-  out.tmpAfterClose = listing(os.tmpdir())
+  out.tmpAfterClose = listTree(os.tmpdir())
 } else {
   out.cold = []
   for (const prompt of spec.cold) {

@@ -1,10 +1,11 @@
 // Shared by the nlc-*.mjs helpers: node-llama-cpp from interop/node_modules (the pinned peer,
 // loaded without downloads or builds), the adapter through the package's own export, and the
 // scratch-folder listing the tests check.
-import fs from 'node:fs'
 import path from 'node:path'
 import { createRequire } from 'node:module'
 import { fileURLToPath, pathToFileURL } from 'node:url'
+
+export { listTree, filesUnder } from './tree.mjs'
 
 export const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..')
 export const MODELS = path.join(ROOT, 'interop', 'models')
@@ -25,21 +26,5 @@ export function loadAdapter() {
   return createRequire(import.meta.url)('llama-kv-cache/node-llama-cpp')
 }
 
-/** Every file and folder under `dir` (relative paths), for the scratch-folder checks. */
-export function listTree(dir) {
-  const out = []
-  const walk = (d, rel) => {
-    for (const e of fs.readdirSync(d, { withFileTypes: true })) {
-      const r = rel ? `${rel}/${e.name}` : e.name
-      out.push(e.isDirectory() ? `${r}/` : r)
-      if (e.isDirectory()) walk(path.join(d, e.name), r)
-    }
-  }
-  if (fs.existsSync(dir)) walk(dir, '')
-  return out.sort()
-}
-
-/** Files (not folders) under `dir`. */
-export const filesUnder = (dir) => listTree(dir).filter((p) => !p.endsWith('/'))
 
 export const errorInfo = (e) => (e ? { code: e.code ?? null, name: e.name, message: String(e.message ?? e) } : null)

@@ -143,12 +143,19 @@ fn remember(dir: &Path, entry: &Path, text: &str) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_cached_hash_is_reused_for_one_version_and_recomputed_for_the_next() {
-        let dir = std::env::temp_dir().join(format!("kv-fingerprint-{}", std::process::id()));
+    /// A fresh scratch folder for one test, with the paths of its model file and hash cache.
+    fn scratch(name: &str) -> (PathBuf, PathBuf, PathBuf) {
+        let dir =
+            std::env::temp_dir().join(format!("kv-fingerprint-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         let (file, cache) = (dir.join("m.gguf"), dir.join("cache"));
+        (dir, file, cache)
+    }
+
+    #[test]
+    fn a_cached_hash_is_reused_for_one_version_and_recomputed_for_the_next() {
+        let (dir, file, cache) = scratch("reuse");
         fs::write(&file, vec![7u8; 3 << 20]).unwrap();
         let (first, read) = remembered_hash(&file, &cache, Duration::ZERO).unwrap();
         assert!(read);
@@ -188,10 +195,7 @@ mod tests {
 
     #[test]
     fn a_model_rewritten_in_place_with_its_old_size_and_mtime_is_hashed_again() {
-        let dir = std::env::temp_dir().join(format!("kv-fingerprint-swap-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        let (file, cache) = (dir.join("m.gguf"), dir.join("cache"));
+        let (dir, file, cache) = scratch("swap");
         fs::write(&file, vec![1u8; 64 << 10]).unwrap();
         let (old, _) = remembered_hash(&file, &cache, Duration::ZERO).unwrap();
         let first = version_of(&file).unwrap();
@@ -218,10 +222,7 @@ mod tests {
 
     #[test]
     fn a_file_changed_too_recently_to_tell_from_a_rewrite_is_hashed_but_not_remembered() {
-        let dir = std::env::temp_dir().join(format!("kv-fingerprint-racy-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        let (file, cache) = (dir.join("m.gguf"), dir.join("cache"));
+        let (dir, file, cache) = scratch("racy");
         fs::write(&file, vec![3u8; 4096]).unwrap();
         let (fingerprint, read) = cached_hash_file(&file, &cache).unwrap();
         assert!(read);
