@@ -9,7 +9,7 @@ import { runScript } from './helpers/run-script.mjs'
 import parsePrometheus from 'parse-prometheus-text-format'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, inspectState } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFile } = require('../index.js')
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-'))
@@ -273,6 +273,38 @@ test('writeFile with durable: false writes the same bytes, replacing the old fil
   t.deepEqual(fs.readFileSync(session), fs.readFileSync(path.join(dir, 'synced.ggsn')))
   t.deepEqual(fs.readdirSync(dir).sort(), ['synced.ggsn', 'synced.ggsq', 'unsynced.ggsn', 'unsynced.ggsq'])
   t.throws(() => store.writeFileSync(tokens, session, { durable: 'no' }), { code: 'ERR_KV_INVALID_ARG', message: /durable/ })
+})
+
+// writeFile writes the sequence files llama.node (2) and node-llama-cpp (3) read straight from the
+// blocks where it converted the store's own form (a whole parse and copy of the file, most of a
+// restore's writeFile): the bytes must be exactly what the conversion gives
+const DIRECT_FORMS = [
+  ['nlc-h32-f16.ggsq', 'unified, node-llama-cpp'],
+  ['ln-h16-f16.ggsn', 'unified, a llama.node session'],
+  [path.join('t161', 't161-h16-f16-fa.ggsq'), 'unified, flash attention'],
+  [path.join('t161', 't161-gemma3-swa.ggsq'), 'iSWA'],
+  [path.join('t161', 't161-jamba.ggsq'), 'hybrid (converted)'],
+  [path.join('t161', 't161-mamba.ggsq'), 'recurrent (converted)'],
+  [path.join('t161', 't161-h32-q8_0-fa.ggsq'), 'q8_0, unrotated', [true]], // quantized V: flash attention only
+]
+test('writeFile of a version 2 or 3 sequence file gives the bytes of converting the store\'s own form', async (t) => {
+  const dir = tmp()
+  for (const [name, what, layouts = [false, true]] of DIRECT_FORMS) {
+    const file = path.join(HERE, 'fixtures', name)
+    const store = new PromptStore({ model: `direct-${name}`, blockTokens: 16 })
+    const { tokens } = await store.putFile(file).then(() => inspectState(file))
+    for (const version of [2, 3]) {
+      for (const flashAttn of layouts) {
+        const own = path.join(dir, 'own.ggsq')
+        const direct = path.join(dir, 'direct.ggsq')
+        const converted = path.join(dir, 'converted.ggsq')
+        const n = store.writeFileSync(tokens, direct, { kind: 'sequence', version, layout: 'streams', flashAttn })
+        t.is(store.writeFileSync(tokens, own, { kind: 'sequence', version: 4, flashAttn }), n)
+        convertStateFile(own, converted, { version, layout: 'streams' })
+        t.deepEqual(fs.readFileSync(direct), fs.readFileSync(converted), `${what}: version ${version}, flashAttn ${flashAttn}`)
+      }
+    }
+  }
 })
 
 test('a flipped byte in a stored block is a counted miss, never loaded', async (t) => {

@@ -191,7 +191,7 @@ impl<'g> KvPartWriter<'g> {
         positions: &[i32],
         at: StreamAt,
         v_trans: bool,
-        rot: (u32, u32),
+        rot: Option<(u32, u32)>,
     ) -> StoreResult<Self> {
         let (seq, n) = (at.seq, positions.len());
         let (before, after) = at.empty_around()?;
@@ -216,7 +216,7 @@ impl<'g> KvPartWriter<'g> {
         }
         let cells_at = out.len() + cells_from;
         out.append(&head)?;
-        let (header, len) = data_header(v_trans, geometry.layers.len() as u32, Some(rot));
+        let (header, len) = data_header(v_trans, geometry.layers.len() as u32, rot);
         out.append(&header[..len])?;
         let mut k_at = Vec::with_capacity(geometry.layers.len());
         for l in &geometry.layers {

@@ -238,6 +238,9 @@ struct Target {
     /// The cell extension the payload's cells carry: the live cache's, or the canonical
     /// file's form (x, y, tok) for a store that keeps extensions.
     ext: CellExt,
+    /// Whether the KV parts record their rotation (today's layout, `streams-rot`) or not (the
+    /// `streams` layout of the files llama.node and node-llama-cpp read).
+    rot_recorded: bool,
 }
 
 /// A prompt store for one model. The model's shape is fixed by the first cache or file it sees
@@ -1114,7 +1117,9 @@ impl PromptStore {
                 v_trans,
                 swa_window,
                 ext,
+                rot_recorded,
             } = target;
+            let rot = |r: (u32, u32)| rot_recorded.then_some(r);
             let bt = self.block_tokens;
             let shape = &bound.shape;
             let positions: Vec<i32> = (0..plan.len as i32).collect();
@@ -1136,8 +1141,15 @@ impl PromptStore {
                 None => StreamAt { seq, n_stream },
             };
             if let Some(main) = &shape.main {
-                let w =
-                    KvPartWriter::begin(out, &main.layers, ext, &positions, at, v_trans, main.rot)?;
+                let w = KvPartWriter::begin(
+                    out,
+                    &main.layers,
+                    ext,
+                    &positions,
+                    at,
+                    v_trans,
+                    rot(main.rot),
+                )?;
                 let complete = self.read_blocks(
                     bound,
                     &main.layers,
@@ -1162,8 +1174,15 @@ impl PromptStore {
                 });
                 match window {
                     Some(p) => {
-                        let w =
-                            KvPartWriter::begin(out, &swa.layers, ext, &p, at, v_trans, swa.rot)?;
+                        let w = KvPartWriter::begin(
+                            out,
+                            &swa.layers,
+                            ext,
+                            &p,
+                            at,
+                            v_trans,
+                            rot(swa.rot),
+                        )?;
                         if let Some(rows) = ckpt.as_ref().and_then(|c| c.swa.as_ref()) {
                             w.put(out, 0, rows)?;
                         }
@@ -1180,7 +1199,7 @@ impl PromptStore {
                             &positions[from..],
                             at,
                             v_trans,
-                            swa.rot,
+                            rot(swa.rot),
                         )?;
                         let swa_keys: Vec<Key> = keys.iter().map(swa_key).collect();
                         let complete = self.read_blocks(
@@ -1206,7 +1225,8 @@ impl PromptStore {
                 let Some((p, rows)) = ckpt.as_ref().and_then(|c| c.window.as_ref()) else {
                     return Ok(false);
                 };
-                let w = KvPartWriter::begin(out, &window.layers, ext, p, at, v_trans, window.rot)?;
+                let w =
+                    KvPartWriter::begin(out, &window.layers, ext, p, at, v_trans, rot(window.rot))?;
                 w.put(out, 0, rows)?;
             }
             if let Some(c) = ckpt.as_ref().filter(|_| !recurrent_first) {
@@ -1316,6 +1336,7 @@ impl PromptStore {
                 v_trans: cache.v_trans(),
                 swa_window: None,
                 ext: cache.params().cell_ext,
+                rot_recorded: true,
             },
             &|_| Vec::new(),
             &mut payload,
@@ -1405,29 +1426,34 @@ impl PromptStore {
         self.put_bytes(&bytes, progress)
     }
 
-    /// How `file_bytes` and `write_file` write a file for `opts`: the store's own form (a
-    /// sequence file of today's version) for the `target` reader, and the conversion of it
-    /// that gives the asked kind, version and layout (`None`: that form as it is).
+    /// How `file_bytes` and `write_file` write a file for `opts`: the payload for the `target`
+    /// reader, the file version of its header, and the conversion that gives the asked kind,
+    /// version and layout (`None`: the payload is written as it is). The store's own form (a
+    /// sequence file of today's version) and the sequence files of the versions before it
+    /// (llama.node's 2, node-llama-cpp's 3: the `streams` layout, no rotation recorded) are
+    /// written straight from the blocks; any other form is converted from the store's own.
     fn file_form(
         &self,
         bound: &Bound,
         opts: &WriteFileOptions,
-    ) -> (Target, Option<ConvertOptions>) {
+    ) -> (Target, u32, Option<ConvertOptions>) {
         let d = &bound.format;
+        let shape = &bound.shape;
         let flash_attn = opts.flash_attn.unwrap_or(d.flash_attn);
         let canonical_version = FileKind::Sequence.rotation_version();
-        let target = Target {
+        let mut target = Target {
             seq: 0,
             n_stream: 1,
             v_trans: !flash_attn,
             swa_window: opts.swa_window,
-            ext: bound.shape.cell_ext().map_or(CellExt::None, |_| {
+            ext: shape.cell_ext().map_or(CellExt::None, |_| {
                 FileKind::Sequence.cell_exts(canonical_version)[0]
             }),
+            rot_recorded: true,
         };
         // a dsv4 store writes sequence files: a session holds every row of every sequence's
         // compressed caches, which no stored sequence has
-        let kind = opts.kind.unwrap_or(match bound.shape.dsv4 {
+        let kind = opts.kind.unwrap_or(match shape.dsv4 {
             Some(_) => FileKind::Sequence,
             None => d.kind,
         });
@@ -1439,31 +1465,53 @@ impl PromptStore {
             None => d.layout,
         };
         let n_stream = opts.n_stream.unwrap_or(1);
-        let unchanged = kind == FileKind::Sequence
+        let sequence_of_one_stream = kind == FileKind::Sequence && n_stream == 1;
+        if sequence_of_one_stream
             && version.unwrap_or(canonical_version) == canonical_version
             && layout != Layout::Seed
-            && n_stream == 1;
-        let convert = (!unchanged).then(|| ConvertOptions {
-            write: WriteOptions {
-                version,
-                layout,
-                n_stream,
-            },
-            to: Some(kind),
-            arch: opts.arch.clone().or_else(|| d.arch.clone()),
-            recurrent: Some(bound.shape.memory == MemoryKind::Recurrent),
-            ..ConvertOptions::default()
-        });
-        (target, convert)
+        {
+            return (target, canonical_version, None);
+        }
+        // an older sequence file differs from the store's own form only in its header's
+        // version and the rotation its KV parts do not record: where nothing is rotated, and
+        // no part is of a kind whose bytes changed between the versions (cell extensions,
+        // recurrent states, dsv4's sections), it is written as directly
+        let unrotated = [&shape.main, &shape.swa, &shape.window]
+            .iter()
+            .all(|p| p.as_ref().is_none_or(|p| p.rot == (0, 0)));
+        match version {
+            Some(v)
+                if sequence_of_one_stream
+                    && layout == Layout::Streams
+                    && !kind.records_rotation(v)
+                    && unrotated
+                    && shape.cell_ext().is_none()
+                    && shape.recurrent.is_none()
+                    && shape.dsv4.is_none() =>
+            {
+                target.rot_recorded = false;
+                (target, v, None)
+            }
+            _ => {
+                let convert = ConvertOptions {
+                    write: WriteOptions {
+                        version,
+                        layout,
+                        n_stream,
+                    },
+                    to: Some(kind),
+                    arch: opts.arch.clone().or_else(|| d.arch.clone()),
+                    recurrent: Some(shape.memory == MemoryKind::Recurrent),
+                    ..ConvertOptions::default()
+                };
+                (target, canonical_version, Some(convert))
+            }
+        }
     }
 
-    /// The header of the store's own form of a file of `tokens`.
-    fn file_head(tokens: &[i32]) -> Vec<u8> {
-        header_bytes(
-            FileKind::Sequence,
-            FileKind::Sequence.rotation_version(),
-            tokens,
-        )
+    /// The header of a sequence file of `version` of `tokens`.
+    fn file_head(version: u32, tokens: &[i32]) -> Vec<u8> {
+        header_bytes(FileKind::Sequence, version, tokens)
     }
 
     /// The longest stored prefix of `tokens` as a llama.cpp file's bytes, with that prefix as
@@ -1478,8 +1526,8 @@ impl PromptStore {
         let Some(bound) = self.known()? else {
             return Ok(None);
         };
-        let (target, convert) = self.file_form(&bound, opts);
-        self.assembled_file(&bound, tokens, target, convert, progress)
+        let (target, version, convert) = self.file_form(&bound, opts);
+        self.assembled_file(&bound, tokens, target, version, convert, progress)
     }
 
     /// [`PromptStore::file_bytes`] once the form is decided: the store's own form assembled
@@ -1489,11 +1537,12 @@ impl PromptStore {
         bound: &Bound,
         tokens: &[i32],
         target: Target,
+        version: u32,
         convert: Option<ConvertOptions>,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<Option<(u64, Vec<u8>)>> {
         let mut file = Vec::new();
-        let head = |len: usize| Self::file_head(&tokens[..len]);
+        let head = |len: usize| Self::file_head(version, &tokens[..len]);
         let Some(len) = self.load(bound, tokens, target, &head, &mut file)? else {
             return Ok(None);
         };
@@ -1522,10 +1571,10 @@ impl PromptStore {
         let Some(bound) = self.known()? else {
             return Ok(0);
         };
-        let (target, convert) = self.file_form(&bound, opts);
+        let (target, version, convert) = self.file_form(&bound, opts);
         let durability = opts.durability.unwrap_or(Durability::Synced);
         if convert.is_some() || target.v_trans {
-            return match self.assembled_file(&bound, tokens, target, convert, progress)? {
+            return match self.assembled_file(&bound, tokens, target, version, convert, progress)? {
                 Some((n, bytes)) => {
                     write_replacing(path, durability, &bytes)?;
                     Ok(n)
@@ -1535,7 +1584,7 @@ impl PromptStore {
         }
         // nothing stored: no file; a store error: the temporary file goes, the old file stays
         let (mut written, mut nothing, mut failed) = (0, false, None);
-        let head = |len: usize| Self::file_head(&tokens[..len]);
+        let head = |len: usize| Self::file_head(version, &tokens[..len]);
         let result = write_replacing_file(path, durability, &mut |file| {
             let mut sink = FileSink::new(file);
             let loaded = self

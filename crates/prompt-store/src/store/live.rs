@@ -149,6 +149,7 @@ impl PromptStore {
             v_trans: first.v_trans(),
             swa_window,
             ext: first.params().cell_ext,
+            rot_recorded: true,
         })
     }
 }
