@@ -1557,9 +1557,11 @@ impl PromptStore {
 
     /// Writes the longest stored prefix of `tokens` to `path` as a llama.cpp file (atomically)
     /// and returns its length in tokens. When nothing is stored, writes nothing and returns 0.
-    /// A file in the store's own form with V rows (the form of files from flash-attention
+    /// A sequence file the blocks give directly (the store's own form, or llama.node's and
+    /// node-llama-cpp's versions of it) with V rows (the form of files from flash-attention
     /// contexts) is written straight from the blocks at their offsets, with no copy of it in
-    /// memory; any other is assembled in memory and converted.
+    /// memory; one with V transposed is assembled in memory first, and any other form is
+    /// assembled and converted.
     pub fn write_file(
         &self,
         tokens: &[i32],
