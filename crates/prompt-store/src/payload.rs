@@ -8,6 +8,8 @@
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};
 
+use memmap2::{MmapMut, MmapOptions};
+
 use llama_kv_cache::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt};
 use llama_kv_cache::state::{cell_count_header, data_header, k_header, n_stream_header, v_header};
 use llama_kv_cache::tensors::transpose::{transpose, Shape};
@@ -121,6 +123,99 @@ impl PayloadSink for Vec<u8> {
 
     fn restart(&mut self) -> StoreResult<()> {
         self.clear();
+        Ok(())
+    }
+}
+
+/// A payload assembled in the file's own pages, mapped: for a transposed V, whose rows land in
+/// every channel's run and so need the bytes in memory, without a buffer of the file's size
+/// beside the file, nor a copy of it into the file. The file grows as the payload does (the
+/// mapping is made again, never its bytes copied) and is cut to the payload's length at the end.
+pub struct MappedFileSink<'f> {
+    file: &'f File,
+    map: Option<MmapMut>,
+    len: usize,
+}
+
+/// The least a mapped file grows by (it doubles beyond that).
+const MAPPED_GROWTH: usize = 1 << 20;
+
+impl<'f> MappedFileSink<'f> {
+    /// A sink assembling `file` (empty, private to the writer: a temporary file no other
+    /// process writes) from its start.
+    pub fn new(file: &'f File) -> Self {
+        MappedFileSink {
+            file,
+            map: None,
+            len: 0,
+        }
+    }
+
+    /// Sets the file's length to what was appended and reserved, writing nothing more.
+    pub fn finish(mut self) -> StoreResult<()> {
+        if let Some(map) = self.map.take() {
+            map.flush_async().map_err(io)?;
+        }
+        self.file.set_len(self.len as u64).map_err(io)
+    }
+
+    /// Makes room for `n` more bytes (zeros, as a file extended by `set_len` reads).
+    fn extend(&mut self, n: usize) -> StoreResult<()> {
+        let need = self.len.checked_add(n).ok_or_else(|| {
+            StoreError::InvalidArg(format!("a payload of {} + {n} bytes", self.len))
+        })?;
+        let cap = self.map.as_ref().map_or(0, |m| m.len());
+        if need > cap {
+            let cap = need.max(cap.saturating_mul(2)).max(MAPPED_GROWTH);
+            // unmapped before the file changes size: Windows cannot resize a mapped file
+            self.map = None;
+            self.file.set_len(cap as u64).map_err(io)?;
+            // SAFETY: the file is the writer's own temporary file (created exclusively and
+            // locked by `write_replacing_file`, removed or renamed only after this sink is
+            // done), so no other process truncates or writes it while it is mapped, and this
+            // sink is its only user in this process
+            let map = unsafe { MmapOptions::new().len(cap).map_mut(self.file) }.map_err(io)?;
+            self.map = Some(map);
+        }
+        self.len = need;
+        Ok(())
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        let len = self.len;
+        self.map.as_mut().map_or(&mut [][..], |m| &mut m[..len])
+    }
+}
+
+impl PayloadSink for MappedFileSink<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn append(&mut self, bytes: &[u8]) -> StoreResult<()> {
+        let at = self.len;
+        self.extend(bytes.len())?;
+        self.bytes()[at..].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn reserve(&mut self, n: usize) -> StoreResult<()> {
+        self.extend(n)
+    }
+
+    fn write_at(&mut self, at: usize, bytes: &[u8]) -> StoreResult<()> {
+        self.bytes()[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.bytes())
+    }
+
+    fn restart(&mut self) -> StoreResult<()> {
+        // reserved bytes read as zeros again, as in a fresh file
+        self.bytes().fill(0);
+        self.len = 0;
         Ok(())
     }
 }

@@ -35,7 +35,7 @@ use crate::geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, FORMAT_VERSION,
 };
 use crate::metrics::{render, Latencies, Metered, Snapshot};
-use crate::payload::{FileSink, KvPartWriter, PayloadSink, StreamAt};
+use crate::payload::{FileSink, KvPartWriter, MappedFileSink, PayloadSink, StreamAt};
 use crate::seal::{Broken, Sealer, TRAILER};
 use crate::shape::{Fields, FileFormat, Shape};
 
@@ -1558,10 +1558,10 @@ impl PromptStore {
     /// Writes the longest stored prefix of `tokens` to `path` as a llama.cpp file (atomically)
     /// and returns its length in tokens. When nothing is stored, writes nothing and returns 0.
     /// A sequence file the blocks give directly (the store's own form, or llama.node's and
-    /// node-llama-cpp's versions of it) with V rows (the form of files from flash-attention
-    /// contexts) is written straight from the blocks at their offsets, with no copy of it in
-    /// memory; one with V transposed is assembled in memory first, and any other form is
-    /// assembled and converted.
+    /// node-llama-cpp's versions of it) is written straight from the blocks into the file, with
+    /// no copy of it in memory: V rows (the form of files from flash-attention contexts) at
+    /// their offsets, a transposed V in the file's mapped pages. Any other form is assembled in
+    /// memory and converted.
     pub fn write_file(
         &self,
         tokens: &[i32],
@@ -1575,7 +1575,7 @@ impl PromptStore {
         };
         let (target, version, convert) = self.file_form(&bound, opts);
         let durability = opts.durability.unwrap_or(Durability::Synced);
-        if convert.is_some() || target.v_trans {
+        if convert.is_some() {
             return match self.assembled_file(&bound, tokens, target, version, convert, progress)? {
                 Some((n, bytes)) => {
                     write_replacing(path, durability, &bytes)?;
@@ -1588,17 +1588,23 @@ impl PromptStore {
         let (mut written, mut nothing, mut failed) = (0, false, None);
         let head = |len: usize| Self::file_head(version, &tokens[..len]);
         let result = write_replacing_file(path, durability, &mut |file| {
-            let mut sink = FileSink::new(file);
-            let loaded = self
-                .load(&bound, tokens, target, &head, &mut sink)
-                .and_then(|len| {
-                    let n = sink.len() as u64;
-                    sink.finish()?;
-                    if len.is_some() {
-                        tick(&mut progress, n, n)?;
-                    }
-                    Ok(len)
-                });
+            // V rows go to their offsets in the file; a transposed V puts each row in every
+            // channel's run, so it is assembled in the file's own pages, mapped
+            let loaded = if target.v_trans {
+                let mut sink = MappedFileSink::new(file);
+                let len = self.load(&bound, tokens, target, &head, &mut sink);
+                len.and_then(|len| Ok((len, sink.len(), sink.finish()?)))
+            } else {
+                let mut sink = FileSink::new(file);
+                let len = self.load(&bound, tokens, target, &head, &mut sink);
+                len.and_then(|len| Ok((len, sink.len(), sink.finish()?)))
+            };
+            let loaded = loaded.and_then(|(len, n, ())| {
+                if len.is_some() {
+                    tick(&mut progress, n as u64, n as u64)?;
+                }
+                Ok(len)
+            });
             match loaded {
                 Ok(Some(len)) => {
                     written = len as u64;

@@ -73,7 +73,9 @@ fn create_locked(dir: &Path, name: &str, target: &Path) -> Result<(PathBuf, fs::
             temp_prefix(name),
             std::process::id()
         ));
+        // readable too: a writer may map the file to assemble it in place
         let file = fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
             .open(&tmp)
