@@ -40,7 +40,7 @@ const contextOptions = {
   batchSize: spec.batchSize,
   sequences: 1,
   threads: 2,
-  flashAttention: false,
+  flashAttention: spec.flashAttn,
 }
 
 /** The items of `controlledEvaluate` for `tokens`, sampling one token after the last. */
@@ -139,10 +139,10 @@ if (spec.mode === 'cold') {
   const context = await model.createContext(contextOptions)
   const sequence = context.getSequence()
   const swa = model.fileInsights.swaSize != null && model.fileInsights.swaSize > 0
-  // the memory node-llama-cpp's context has: its cells, f16 K/V, no flash attention, n_ubatch
+  // the memory node-llama-cpp's context has: its cells, f16 K/V, its flash attention, n_ubatch
   // = its batch size (+1 with a window, as node-llama-cpp sizes it)
   const cache = KvCache.fromModel(spec.model, {
-    nCtx: context.contextSize, typeK: 'f16', typeV: 'f16', flashAttn: false, nUbatch: spec.batchSize + (swa ? 1 : 0),
+    nCtx: context.contextSize, typeK: 'f16', typeV: 'f16', flashAttn: spec.flashAttn, nUbatch: spec.batchSize + (swa ? 1 : 0),
   })
   const store = new PromptStore({ ...spec.store, model: spec.model })
   const tokens = Int32Array.from(prompt)

@@ -4,7 +4,7 @@
 //
 //   npm run bench:ttft                   # = npm run build && node bench/ttft.mjs
 //   node bench/ttft.mjs [--rounds 3] [--tokens 4096] [--kinds kv,iswa,hybrid,recurrent]
-//                       [--tiers dir,redis] [--batch 512] [--json]
+//                       [--tiers dir,redis] [--batch 512] [--flash-attn off|on] [--json]
 //
 // Models: random-weight GGUFs at a realistic small geometry with f16 weights, written by
 // bench/ttft_models.py (interop/.venv's python, gguf + numpy) into bench/models/ when missing or
@@ -51,7 +51,7 @@ const GOAL_SPEEDUP = 25
 const GOAL_OVERHEAD = 1.2
 
 function parseArgs(argv) {
-  const o = { rounds: 3, tokens: 4096, kinds: ALL_KINDS, tiers: ALL_TIERS, batch: 512, json: false }
+  const o = { rounds: 3, tokens: 4096, kinds: ALL_KINDS, tiers: ALL_TIERS, batch: 512, flashAttn: false, json: false }
   const int = (name, v, min) => {
     const n = Number(v)
     if (!Number.isInteger(n) || n < min) throw new Error(`--${name} must be an integer >= ${min}, got ${v}`)
@@ -72,6 +72,11 @@ function parseArgs(argv) {
     else if (flag === '--batch') o.batch = int('batch', value(), 1)
     else if (flag === '--kinds') o.kinds = list('kinds', value(), ALL_KINDS)
     else if (flag === '--tiers') o.tiers = list('tiers', value(), ALL_TIERS)
+    else if (flag === '--flash-attn') {
+      const v = value()
+      if (v !== 'on' && v !== 'off') throw new Error(`--flash-attn takes on or off; got ${v}`)
+      o.flashAttn = v === 'on'
+    }
     else if (flag === '--help' || flag === '-h') {
       process.stdout.write(fs.readFileSync(fileURLToPath(import.meta.url), 'utf8').split('\nimport ')[0].replace(/^\/\/ ?/gm, '') + '\n')
       process.exit(0)
@@ -173,7 +178,7 @@ try {
 
   for (const kind of opts.kinds) {
     const g = { ...meta.models[kind], kind }
-    const base = { kind, model: path.join(ROOT, g.file), promptFile, tokens: opts.tokens, suffix: SUFFIX, batchSize: opts.batch }
+    const base = { kind, model: path.join(ROOT, g.file), promptFile, tokens: opts.tokens, suffix: SUFFIX, batchSize: opts.batch, flashAttn: opts.flashAttn }
     const stateFile = path.join(tmp, `${kind}-prefix.ggsq`)
     log(`${kind}: ${describeModel(g)}`)
     const stored = {}
@@ -240,14 +245,14 @@ try {
 const loadEnd = os.loadavg()
 if (opts.json) {
   process.stdout.write(JSON.stringify(rows.map(({ kind, model, promptTokens, tier, coldMs, restoredMs, readMs, suffixMs }) =>
-    ({ kind, model, promptTokens, tier, coldMs, restoredMs, readMs, suffixMs })), null, 1) + '\n')
+    ({ kind, model, promptTokens, tier, flashAttn: opts.flashAttn, coldMs, restoredMs, readMs, suffixMs })), null, 1) + '\n')
 } else {
   const cpus = os.cpus()
   const pass = (ok) => (ok ? 'pass' : 'FAIL')
   const out = []
   out.push(`# Time to first token after a restart: restored through the prompt store's node-llama-cpp adapter against a cold prefill`)
   out.push('')
-  out.push(`node-llama-cpp 3.22.1 (CPU, 2 threads, no flash attention, f16 K/V, batches of ${opts.batch}); ` +
+  out.push(`node-llama-cpp 3.22.1 (CPU, 2 threads, ${opts.flashAttn ? 'flash attention (V rows)' : 'no flash attention (V transposed)'}, f16 K/V, batches of ${opts.batch}); ` +
     `a ${opts.tokens.toLocaleString('en-US')}-token prompt whose first ${(opts.tokens - SUFFIX).toLocaleString('en-US')} tokens were stored by an earlier turn; ` +
     `medians of ${opts.rounds} interleaved round${opts.rounds === 1 ? '' : 's'}, each measurement in a new process. ` +
     `Machine: ${cpus[0]?.model?.trim() ?? 'unknown CPU'}, ${cpus.length} cores, node ${process.version}; ` +
