@@ -464,7 +464,14 @@ registerPeerSuite(test, 'llama.node adapter', () => {
     t.is(r.after.text, r.cold.text, 'a turn after them equals a cold run')
     t.is(r.after.prompt_n, r.after.restore.promptTokens - Math.max(r.after.restore.reusedTokens, r.after.restore.restoredTokens))
     t.true(r.after.prompt_n < r.cold.prompt_n)
-    t.deepEqual(r.beforeClose, folder)
+    if (r.recovered.length === 0) t.deepEqual(r.beforeClose, folder)
+    else {
+      // llama.node left the context busy: the app's recovery (a new context and adapter)
+      t.log(`llama.node left a context busy; recovered with a new context: ${r.recovered[0]}`)
+      t.false(r.beforeClose.includes(folder[0]), 'closing the first adapter removed its folder')
+      t.is(ownFolders(r.beforeClose).length, 1)
+      t.deepEqual(filesOf(r.beforeClose), [], 'with no file in it')
+    }
     t.deepEqual(r.afterClose, [], 'close() removed the folder')
     t.is(r.afterCloseCall.code, 'ERR_KV_DISPOSED')
   })

@@ -93,15 +93,20 @@ if (kase === 'refuse') {
     out.aborted = { error: errorOf(e), checkpoint: reuse.lastCheckpoint, tmp: listTree(os.tmpdir()) }
   }
   // the adapter still works: a diverging prompt (a restore of turn 1 from the store, or the
-  // context's own prefix) continues as a cold run of it would
+  // context's own prefix) continues as a cold run of it would. llama.node 1.7.15 may leave the
+  // context marked busy after the failed or aborted completion: then, as an app would, a new
+  // context with a new adapter (the old one closed) restores from the store
   const P4 = `${P1} and it rained all day`
-  const r4 = await reuse.completion({ prompt: P4, n_predict: 4, ...GREEDY })
-  out.after = { ...summary(r4), restore: { ...reuse.lastRestore, error: errorOf(reuse.lastRestore.error) } }
+  const state = { context: ctx, reuse }
+  const r4 = await withRecovery(state, P4)
+  if (state.reuse !== reuse) await reuse.close()
+  const last = state.reuse
+  out.after = { ...summary(r4), restore: { ...last.lastRestore, error: errorOf(last.lastRestore.error) } }
   out.beforeClose = listTree(os.tmpdir())
-  await reuse.close()
+  await last.close()
   out.afterClose = listTree(os.tmpdir())
   try {
-    await reuse.completion({ prompt: P4 })
+    await last.completion({ prompt: P4 })
     out.afterCloseCall = null
   } catch (e) {
     out.afterCloseCall = errorOf(e)
