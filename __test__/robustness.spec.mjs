@@ -51,6 +51,12 @@ test('unknown_options_are_refused_by_name: a misspelled option is ERR_KV_INVALID
   t.throws(() => new KvCache({ size: 8, nLayer: 1, nEmbdKGqa: 8, typek: 'q8_0' }), unknown('typek'))
   // a store without its directory would have been an in-process store
   t.throws(() => new PromptStore({ model: 'm', pth: '/var/cache/prompts' }), unknown('pth'))
+  // nested options objects too, named where they are
+  t.throws(() => new PromptStore({ model: 'm', url: 'rediss://127.0.0.1:1', tls: { caa: 'pem' } }), {
+    code: 'ERR_KV_INVALID_ARG', message: /^unknown option 'caa' \(the options are ca, cert, key, servername, rejectUnauthorized\) on PromptStoreOptions\.tls$/,
+  })
+  t.throws(() => new PromptStore({ model: 'm', sentinels: [{ host: '127.0.0.1', port: 26379, hots: 1 }], name: 'kv' }), unknown('hots'))
+  t.throws(() => new PromptStore({ model: 'm', cluster: [{ host: '127.0.0.1', port: 7000 }, 'node'] }), { code: 'ERR_KV_INVALID_ARG', message: /expected an options object, got string/ })
   const c = new KvCache({ size: 8, nLayer: 1, nEmbdKGqa: 8 })
   t.throws(() => c.stateWriteSync(-1, { layot: 'seed' }), unknown('layot'))
   t.throws(() => c.saveSequenceFile(path.join(os.tmpdir(), 'never.ggsq'), 0, [], { layot: 'seed' }), unknown('layot'))

@@ -355,9 +355,11 @@ impl<T: FromNapiValue + OptionNames> FromNapiValue for Obj<T> {
             );
             return Err(coded_error(env, err(Code::InvalidArg, message)));
         }
-        T::from_napi_value(env, value)
-            .map(Obj)
-            .map_err(|e| coded_error(env, err(Code::InvalidArg, e.reason.replace('`', "'"))))
+        T::from_napi_value(env, value).map(Obj).map_err(|e| {
+            // a nested options object's error comes back as the JS error's text
+            let reason = e.reason.strip_prefix("Error: ").unwrap_or(&e.reason);
+            coded_error(env, err(Code::InvalidArg, reason.replace('`', "'")))
+        })
     }
 }
 

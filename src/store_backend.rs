@@ -15,7 +15,7 @@ use prompt_store_redis::{
     DEFAULT_PREFIX, DEFAULT_TIMEOUT,
 };
 
-use crate::args::{int, text_or_bytes};
+use crate::args::{int, text_or_bytes, Obj};
 use crate::error::{err, from_store, Code, JsErr, JsResult};
 
 /// Options of `new PromptStore(options)`.
@@ -39,14 +39,16 @@ pub struct PromptStoreOptions {
     pub url: Option<String>,
     /// Redis through Sentinel (instead of `url`): the Sentinels to ask for the primary named
     /// `name`. After a failover the next call reaches the new primary, with no new store.
-    pub sentinels: Option<Vec<RedisNode>>,
+    #[napi(ts_type = "Array<RedisNode>")]
+    pub sentinels: Option<Vec<Obj<RedisNode>>>,
     /// With `sentinels`: the name the Sentinels monitor the primary under.
     pub name: Option<String>,
     /// With `sentinels`: the database number. Default 0. (A `url` names its own.)
     pub db: Option<f64>,
     /// A Redis Cluster (instead of `url`): any of its nodes; the rest are discovered. Blocks
     /// spread over the primaries by key; each call sends one batch per primary, all at once.
-    pub cluster: Option<Vec<RedisNode>>,
+    #[napi(ts_type = "Array<RedisNode>")]
+    pub cluster: Option<Vec<Obj<RedisNode>>>,
     /// With `sentinels` or `cluster`: the ACL user of the data servers. (A `url` carries its
     /// own.)
     pub username: Option<String>,
@@ -59,7 +61,8 @@ pub struct PromptStoreOptions {
     /// connection of `sentinels` or `cluster`. A failed handshake (an untrusted certificate, a
     /// name it does not carry, a client certificate the server refused) is
     /// `ERR_KV_STORE_TLS`.
-    pub tls: Option<RedisTls>,
+    #[napi(ts_type = "RedisTls")]
+    pub tls: Option<Obj<RedisTls>>,
     /// Redis key namespace, so several apps or models can share one server. Default 'llama-kv:'.
     pub prefix: Option<String>,
     /// Redis: blocks expire this many seconds after their last put or restore. Default: kept
@@ -103,6 +106,8 @@ pub struct RedisNode {
     pub port: u32,
 }
 
+crate::args::option_names!(RedisNode: "host", "port");
+
 /// TLS options of a Redis store (as Node's `tls.connect`).
 #[napi(object, object_to_js = false)]
 pub struct RedisTls {
@@ -122,6 +127,10 @@ pub struct RedisTls {
     /// `false` accepts any certificate: encrypted but not authenticated. Default true.
     pub reject_unauthorized: Option<bool>,
 }
+
+crate::args::option_names!(
+    RedisTls: "ca", "cert", "key", "servername", "rejectUnauthorized",
+);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tier {
@@ -218,12 +227,12 @@ fn invalid(message: String) -> JsErr {
 /// Which servers: exactly one of `url`, `sentinels` (with `name`) and `cluster`, with only
 /// the options that apply to it.
 fn servers(o: &PromptStoreOptions) -> JsResult<Servers> {
-    let nodes = |option: &str, list: &[RedisNode]| -> JsResult<Vec<HostPort>> {
+    let nodes = |option: &str, list: &[Obj<RedisNode>]| -> JsResult<Vec<HostPort>> {
         if list.is_empty() {
             return Err(invalid(format!("{option} must list at least one server")));
         }
         list.iter()
-            .map(|node| {
+            .map(|Obj(node)| {
                 let port = int(
                     format!("{option}: the port of {:?}", node.host),
                     node.port.into(),
@@ -286,7 +295,10 @@ fn servers(o: &PromptStoreOptions) -> JsResult<Servers> {
             "sentinels or cluster (a url carries its credentials)",
         )?;
     }
-    let servername = o.tls.as_ref().is_some_and(|tls| tls.servername.is_some());
+    let servername = o
+        .tls
+        .as_ref()
+        .is_some_and(|Obj(tls)| tls.servername.is_some());
     only_with(servername && !by_url, "tls.servername", "url")?;
     Ok(servers)
 }
@@ -322,7 +334,11 @@ fn redis_options(o: &PromptStoreOptions) -> JsResult<RedisOptions> {
                 password: o.password.clone(),
                 sentinel_password: o.sentinel_password.clone(),
             },
-            tls: o.tls.as_ref().map(tls_options).transpose()?,
+            tls: o
+                .tls
+                .as_ref()
+                .map(|Obj(tls)| tls_options(tls))
+                .transpose()?,
             timeout,
         },
         prefix: o.prefix.clone().unwrap_or_else(|| DEFAULT_PREFIX.into()),
