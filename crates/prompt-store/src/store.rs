@@ -550,7 +550,20 @@ impl PromptStore {
     ) -> StoreResult<PutReport> {
         let _timer = self.latency.put.start();
         let capture = Capture::of_cache(cache, seq, tokens.len())?;
-        self.put_capture(&capture, tokens, live_format(cache), progress)
+        self.put_live_capture(&capture, tokens, live_format(cache), progress)
+    }
+
+    /// [`PromptStore::put_capture`] of a live cache or memory, checked against the store's
+    /// model first (a file is checked as a whole, by `put_bytes`).
+    fn put_live_capture(
+        &self,
+        c: &Capture<'_>,
+        tokens: &[i32],
+        format: FileFormat,
+        progress: Option<Progress<'_>>,
+    ) -> StoreResult<PutReport> {
+        self.check_fit(|m| check_memory(c.shape.memory, &c.shape.part_widths(), m))?;
+        self.put_capture(c, tokens, format, progress)
     }
 
     fn put_capture(
@@ -560,7 +573,6 @@ impl PromptStore {
         format: FileFormat,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        self.check_fit(|m| check_memory(c.shape.memory, &c.shape.part_widths(), m))?;
         let bound = self.bind(&c.shape, format)?;
         let bt = self.block_tokens;
         let len = c.len.min(tokens.len());
@@ -844,9 +856,8 @@ impl PromptStore {
     /// listed checkpoints of the highest chain positions that have any whose blocks are
     /// present. Two round trips for the blocks, two per batch of index values; no value but
     /// the small index values read.
-    /// Returns the chain keys of `tokens` with them (the restore reads those blocks).
-    /// The chain keys of `tokens`, the restore points the store can serve (longest first), and
-    /// how many leading full blocks of the part kept per position are stored.
+    /// Returns the chain keys of `tokens` with them (the restore reads those blocks), and how
+    /// many leading full blocks of the part kept per position are stored.
     fn plans(&self, bound: &Bound, tokens: &[i32]) -> StoreResult<(Vec<Key>, Vec<Plan>, usize)> {
         let bt = self.block_tokens;
         let shape = &bound.shape;

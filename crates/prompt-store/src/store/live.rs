@@ -60,7 +60,7 @@ impl PromptStore {
             _ => Capture::of_memory(memory, seq, tokens.len())?,
         };
         let format = parts_format(memory);
-        self.put_capture(&capture, tokens, format, progress)
+        self.put_live_capture(&capture, tokens, format, progress)
     }
 
     /// [`PromptStore::restore`] into sequence `seq` of a live memory of any kind
