@@ -114,8 +114,11 @@ impl Dsv4Shape {
 impl KvShape {
     /// Each layer's K and V widths in elements.
     fn widths(&self) -> Vec<LayerWidths> {
-        let elements =
-            |ty: GgmlType, row: u64| Ok(row / ty.type_size() as u64 * ty.block_size() as u64);
+        let elements = |ty: GgmlType, row: u64| {
+            ty.row_width(row)
+                .map(u64::from)
+                .ok_or_else(|| format!("{row} bytes of type {}", ty.id()))
+        };
         self.layers
             .layers
             .iter()
