@@ -161,6 +161,20 @@ class ScratchFolder {
   }
 }
 
+/**
+ * Whether a state's V rows are untransposed (the file of a flash-attention context): from the
+ * inspection's first part, or the first part that says when that one is empty (a hybrid-iSWA
+ * memory's base cache of no layer); null when no part says.
+ */
+function flashAttnOf(info) {
+  let vTrans = info.vTrans
+  if (typeof vTrans !== 'boolean' && Array.isArray(info.parts)) {
+    const part = info.parts.find((p) => typeof p.vTrans === 'boolean')
+    vTrans = part ? part.vTrans : undefined
+  }
+  return typeof vTrans === 'boolean' ? !vTrans : null
+}
+
 /** The length of the common prefix of two token lists. */
 function commonPrefix(a, b) {
   const n = Math.min(a.length, b.length)
@@ -169,4 +183,4 @@ function commonPrefix(a, b) {
   return i
 }
 
-module.exports = { codedError, splitOptions, openStore, ScratchFolder, commonPrefix }
+module.exports = { codedError, splitOptions, openStore, ScratchFolder, commonPrefix, flashAttnOf }

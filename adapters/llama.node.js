@@ -27,7 +27,7 @@
 //   reports (see verifyModel).
 // This module never loads @fugood/llama.node: it receives the app's context.
 
-const { codedError, splitOptions, openStore, ScratchFolder, commonPrefix } = require('./common.js')
+const { codedError, splitOptions, openStore, ScratchFolder, commonPrefix, flashAttnOf } = require('./common.js')
 const { modelInfo, inspectState } = require('../index.js')
 
 const WHO = 'reusePrompts'
@@ -403,8 +403,7 @@ class LlamaNodePromptReuse {
         const options = { ...SESSION, durable: false, ...(flashAttn === undefined ? {} : { flashAttn }), ...(signal ? { signal } : {}) }
         const n = await this._store.writeFile(want, file, options)
         if (n <= report.reusedTokens) return 0
-        const vTrans = inspectState(file).vTrans
-        if (attempt === 0 && typeof vTrans === 'boolean') written = !vTrans
+        if (attempt === 0) written = flashAttnOf(inspectState(file))
         try {
           await context.loadSession(file)
         } catch (e) {
@@ -456,7 +455,7 @@ class LlamaNodePromptReuse {
         return
       }
       this._held = info.tokens
-      if (this._flashAttn === undefined && typeof info.vTrans === 'boolean') this._flashAttn = !info.vTrans
+      if (this._flashAttn === undefined) this._flashAttn = flashAttnOf(info) ?? undefined
       // learn how the peer adds BOS from what it evaluated
       if (predicted) {
         const body = predicted.body

@@ -19,7 +19,7 @@
 // node-llama-cpp is never imported: the app hands its own objects in.
 
 const path = require('node:path')
-const { codedError, splitOptions, openStore, ScratchFolder, commonPrefix } = require('./common.js')
+const { codedError, splitOptions, openStore, ScratchFolder, commonPrefix, flashAttnOf } = require('./common.js')
 const { inspectState } = require('../index.js')
 
 const WHO = 'reusePrompts'
@@ -134,13 +134,7 @@ function asCoded(e, stage) {
 /** Whether the file's V rows are untransposed (flash attention), or null when it does not say. */
 function layoutOf(file) {
   try {
-    const info = inspectState(file)
-    let vTrans = info.vTrans
-    if (typeof vTrans !== 'boolean' && Array.isArray(info.parts)) {
-      const part = info.parts.find((p) => typeof p.vTrans === 'boolean')
-      vTrans = part ? part.vTrans : undefined
-    }
-    return typeof vTrans === 'boolean' ? !vTrans : null
+    return flashAttnOf(inspectState(file))
   } catch {
     return null
   }
