@@ -33,7 +33,7 @@ test('put then restore into another cache is byte-exact, async and sync', async 
   t.like(store.putSync(cache, 0, tokens), { blocksWritten: 0, blocksSkipped: 6 })
 })
 
-test('metrics(): Prometheus text per tier and per call, served over HTTP as the README shows', async (t) => {
+test('metrics(): Prometheus text per tier and per call, served over HTTP as docs/prompt-store.md shows', async (t) => {
   const dir = tmp()
   t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
   const store = new PromptStore({ model: 'm', blockTokens: 16, tiers: ['memory', 'dir'], path: dir })
@@ -41,7 +41,7 @@ test('metrics(): Prometheus text per tier and per call, served over HTTP as the 
   const put = await store.put(cache, 0, tokens)
   t.is(await store.lookup(tokens), 96)
   t.is(await store.restore(emptyCache(), 0, tokens), 96)
-  // the README's handler
+  // the handler docs/prompt-store.md shows
   const http = await import('node:http')
   const server = http.createServer(async (req, res) => {
     res.setHeader('Content-Type', 'text/plain; version=0.0.4')
