@@ -1686,7 +1686,6 @@ impl PromptStore {
 /// buffers are reused), and the blocks of the put written with it.
 type Written = (StoreResult<Vec<bool>>, Vec<(Key, Vec<u8>)>, usize);
 
-/// Counts a written batch into `report`.
 /// Runs `read` of a restore point of `len` tokens that loads whole, with progress in tokens
 /// as a block-by-block load reports it: it may stop before the read, which it then rolls back
 /// itself, and only hears of the end after it.
@@ -1704,6 +1703,7 @@ fn read_whole(
     Ok(len as u64)
 }
 
+/// Counts a written batch into `report`.
 fn count_written(batch: &[(Key, Vec<u8>)], stored: &[bool], report: &mut PutReport) {
     for ((_, v), &s) in batch.iter().zip(stored) {
         if s {
