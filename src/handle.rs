@@ -13,7 +13,7 @@ use crate::error::{err, guard, Code, JsErr, JsResult};
 
 /// The core cache, locked by each call that uses it, and the host bytes V8 was told about.
 pub struct Handle {
-    cache: Mutex<Option<core::Memory>>,
+    cache: Mutex<Option<Box<dyn core::Memory>>>,
     /// The env of the JS thread that made the cache.
     env: JsEnv,
     /// Host tensor bytes V8 was told about.
@@ -32,13 +32,13 @@ unsafe impl Sync for JsEnv {}
 impl Handle {
     /// The handle of `cache`, made on the JS thread of `env` (V8 is told about the host
     /// memory it holds now, and later as it gets written).
-    pub fn new(env: &Env, cache: core::Memory) -> Self {
+    pub fn new(env: &Env, cache: Box<dyn core::Memory>) -> Self {
         let handle = Handle {
             cache: Mutex::new(None),
             env: JsEnv(env.raw()),
             external: AtomicI64::new(0),
         };
-        handle.account(&cache);
+        handle.account(cache.as_ref());
         *handle.cache.lock().unwrap_or_else(|p| p.into_inner()) = Some(cache);
         handle
     }
@@ -48,7 +48,7 @@ impl Handle {
     /// count: reporting a new cache's whole size made V8 run a full collection inside every
     /// `new KvCache` of a few GiB ("external memory pressure"), 3-70 ms of a creation that
     /// otherwise takes microseconds. Call on the JS thread.
-    pub fn account(&self, cache: &core::Memory) {
+    pub fn account(&self, cache: &dyn core::Memory) {
         self.report(cache.host_resident_bytes() as i64);
     }
 
@@ -61,7 +61,7 @@ impl Handle {
     pub fn account_if_free(&self) {
         if let Ok(lock) = self.cache.try_lock() {
             if let Some(cache) = lock.as_ref() {
-                self.account(cache);
+                self.account(cache.as_ref());
             }
         }
     }
@@ -81,7 +81,7 @@ impl Handle {
 
     /// Runs `f` on the cache if no one holds it (`ERR_KV_BUSY` otherwise) and it was not
     /// disposed. The caller has checked that no async work is queued.
-    pub fn try_with<T>(&self, f: impl FnOnce(&mut core::Memory) -> JsResult<T>) -> JsResult<T> {
+    pub fn try_with<T>(&self, f: impl FnOnce(&mut dyn core::Memory) -> JsResult<T>) -> JsResult<T> {
         guard(|| {
             let mut lock = match self.cache.try_lock() {
                 Ok(lock) => lock,
@@ -93,18 +93,18 @@ impl Handle {
             let cache = lock
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
-            f(cache)
+            f(cache.as_mut())
         })
     }
 
     /// Locks the cache for a task on the threadpool or a stream (tasks queue behind each
     /// other, so this waits only for a synchronous call that got in first).
-    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<core::Memory>>> {
+    pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<Box<dyn core::Memory>>>> {
         self.cache.lock().map_err(|_| poisoned())
     }
 
     /// Takes the cache out for `dispose()`, also after an internal error poisoned it.
-    pub fn take_for_dispose(&self) -> JsResult<Option<core::Memory>> {
+    pub fn take_for_dispose(&self) -> JsResult<Option<Box<dyn core::Memory>>> {
         match self.cache.try_lock() {
             Ok(mut lock) => Ok(lock.take()),
             Err(TryLockError::WouldBlock) => Err(err(

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use llama_kv_cache as core;
-use llama_kv_cache::state::files::read_file;
 use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
 use napi::bindgen_prelude::*;
 
@@ -23,7 +22,7 @@ impl Job for UpdateJob {
     type Js = UpdateReport;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         _: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
         m.update(self.shift.as_ref(), self.max_nodes)
@@ -49,15 +48,19 @@ impl StateForm {
     }
 
     /// The state of `seq` in this form.
-    pub fn write(self, m: &core::Memory, seq: i32, opts: WriteOptions) -> core::Result<Vec<u8>> {
+    pub fn write(
+        self,
+        m: &dyn core::Memory,
+        seq: i32,
+        opts: WriteOptions,
+    ) -> core::Result<Vec<u8>> {
         let mut out = Vec::new();
         if self.envelope {
             out.extend(core::state::files::seq_data_envelope(seq));
         }
-        let body = match m {
-            core::Memory::Kv(c) => c.state_write(seq, opts.layout, opts.n_stream, None)?,
-            other if self.partial => other.state_write_partial(seq, opts.layout)?,
-            other => other.state_write(seq, opts.layout)?,
+        let body = match self.partial {
+            true => m.state_write_partial(seq, opts.layout)?,
+            false => m.state_write(seq, &opts, None)?,
         };
         if out.is_empty() {
             return Ok(body);
@@ -84,7 +87,7 @@ impl Job for StateWriteJob {
     type Js = Buffer;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Buffer> {
         if let Some(e) = self.failure.take() {
@@ -97,21 +100,16 @@ impl Job for StateWriteJob {
                 .map_err(from_core)?
                 .into());
         }
-        let c = match m {
-            core::Memory::Kv(c) => c,
-            other => {
-                let payload = other.state_write(self.seq, self.opts.layout);
-                return Ok(payload.map_err(from_core)?.into());
-            }
-        };
         match self.planned.take() {
+            // a plan is made only for the seed's cache
             Some((plan, mut buf)) => {
+                let c = m.kv("stateWrite").map_err(from_core)?;
                 c.state_out_all(&plan, buf.as_mut(), Some(p))
                     .map_err(from_core)?;
                 Ok(buf)
             }
-            None => Ok(c
-                .state_write(self.seq, self.opts.layout, self.opts.n_stream, Some(p))
+            None => Ok(m
+                .state_write(self.seq, &self.opts, Some(p))
                 .map_err(from_core)?
                 .into()),
         }
@@ -165,26 +163,21 @@ impl Job for StateWriteIntoJob<'_> {
     type Js = f64;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
-        let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
-        let c = match m {
-            core::Memory::Kv(c) if self.form.plain() => c,
-            other => {
-                // today's memories and framed states are written whole, then into the
-                // caller's buffer
-                let payload = self.form.write(other, seq, self.opts).map_err(from_core)?;
-                let len = self.out.len();
-                let into = self
-                    .out
-                    .get_mut(..payload.len())
-                    .ok_or_else(|| too_small(len, payload.len()))?;
-                into.copy_from_slice(&payload);
-                return Ok(payload.len());
-            }
-        };
-        c.state_write_into(self.out, seq, layout, n_stream, Some(p))
+        if !self.form.plain() {
+            // framed states are written whole, then into the caller's buffer
+            let payload = self.form.write(m, self.seq, self.opts).map_err(from_core)?;
+            let len = self.out.len();
+            let into = self
+                .out
+                .get_mut(..payload.len())
+                .ok_or_else(|| too_small(len, payload.len()))?;
+            into.copy_from_slice(&payload);
+            return Ok(payload.len());
+        }
+        m.state_write_into(self.out, self.seq, &self.opts, Some(p))
             .map_err(from_core)
     }
     fn to_js(n: usize) -> JsResult<f64> {
@@ -216,10 +209,10 @@ impl Job for StateWriteIntoCopyJob {
     type Js = f64;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<usize> {
-        let (seq, layout, n_stream) = (self.seq, self.opts.layout, self.opts.n_stream);
+        let seq = self.seq;
         if !self.form.plain() {
             self.payload = self.form.write(m, seq, self.opts).map_err(from_core)?;
             if self.payload.len() > self.len {
@@ -227,16 +220,12 @@ impl Job for StateWriteIntoCopyJob {
             }
             return Ok(self.payload.len());
         }
-        let size = m.state_size(seq, layout, n_stream).map_err(from_core)?;
+        let size = m.state_size(seq, &self.opts).map_err(from_core)?;
         if size > self.len {
             return Err(too_small(self.len, size));
         }
         // the core allocates fallibly: a failure is ERR_KV_BACKEND
-        self.payload = match m {
-            core::Memory::Kv(c) => c.state_write(seq, layout, n_stream, Some(p)),
-            other => other.state_write(seq, layout),
-        }
-        .map_err(from_core)?;
+        self.payload = m.state_write(seq, &self.opts, Some(p)).map_err(from_core)?;
         Ok(self.payload.len())
     }
     fn to_js(n: usize) -> JsResult<f64> {
@@ -323,7 +312,7 @@ impl<D: AsRef<[u8]> + Send> Job for StateReadJob<D> {
     type Js = ReadResult;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
         m.state_read(self.data.as_ref(), self.seq, self.opts, Some(p))
@@ -347,27 +336,19 @@ pub struct SaveFileJob {
 impl Job for SaveFileJob {
     type Output = ();
     type Js = ();
-    fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
-        if !matches!(m, core::Memory::Kv(_)) {
-            if !p(0, 1) {
-                return Err(crate::tasks::aborted());
-            }
-            return m
-                .save_parts_file(&self.path, self.seq, &self.tokens, &self.arch, self.opts)
-                .map_err(from_core);
-        }
-        let c = m.kv("saving a state file").map_err(from_core)?;
-        match self.seq {
-            Some(seq) => c.save_sequence_file(&self.path, seq, &self.tokens, self.opts, Some(p)),
-            None => c.save_session_file(
-                &self.path,
-                &self.tokens,
-                &self.arch,
-                None,
-                self.opts,
-                Some(p),
-            ),
-        }
+    fn run(
+        &mut self,
+        m: &mut dyn core::Memory,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<()> {
+        m.save_file(
+            &self.path,
+            self.seq,
+            &self.tokens,
+            &self.arch,
+            self.opts,
+            Some(p),
+        )
         .map_err(from_core)
     }
     fn to_js(_: ()) -> JsResult<()> {
@@ -388,25 +369,11 @@ impl Job for LoadFileJob {
     type Js = LoadedFile;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
-        if !matches!(m, core::Memory::Kv(_)) {
-            if !p(0, 1) {
-                return Err(crate::tasks::aborted());
-            }
-            return m
-                .load_parts_file(&self.path, self.dest, self.opts)
-                .map_err(from_core);
-        }
-        let c = m.kv("loading a state file").map_err(from_core)?;
-        match self.dest {
-            // streamed from the file where it holds one memory
-            Some(dest) => c.load_sequence_file(&self.path, dest, self.opts, Some(p)),
-            None => read_file(&self.path)
-                .and_then(|bytes| c.load_session_bytes(&bytes, self.opts, Some(p))),
-        }
-        .map_err(from_core)
+        m.load_file(&self.path, self.dest, self.opts, Some(p))
+            .map_err(from_core)
     }
     fn to_js(o: Self::Output) -> JsResult<LoadedFile> {
         Ok(LoadedFile {

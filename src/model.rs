@@ -519,7 +519,7 @@ impl KvCache {
                      can live on a device)",
                 ));
             }
-            let memory = core::Memory::build(blueprint).map_err(from_core)?;
+            let memory = blueprint.build().map_err(from_core)?;
             let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
             let shift = model.shift_params(factors(size)?);
             Ok(KvCache::from_memory(&env, memory, shift))

@@ -223,7 +223,7 @@ impl Job for PutJob {
     type Js = StorePutResult;
     fn run(
         &mut self,
-        m: &mut core::Memory,
+        m: &mut dyn core::Memory,
         p: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output> {
         self.store
@@ -251,7 +251,11 @@ pub struct RestoreJob {
 impl Job for RestoreJob {
     type Output = u64;
     type Js = f64;
-    fn run(&mut self, m: &mut core::Memory, p: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<u64> {
+    fn run(
+        &mut self,
+        m: &mut dyn core::Memory,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<u64> {
         self.store
             .restore_memory(m, self.seq, &self.tokens, Some(p))
             .map_err(from_store)

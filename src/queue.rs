@@ -174,7 +174,7 @@ impl Shared {
 
     /// Runs a synchronous call on the cache: refused while async work is queued or running
     /// (`ERR_KV_BUSY`) or after `dispose()`.
-    pub fn with<T>(&self, f: impl FnOnce(&mut core::Memory) -> JsResult<T>) -> JsResult<T> {
+    pub fn with<T>(&self, f: impl FnOnce(&mut dyn core::Memory) -> JsResult<T>) -> JsResult<T> {
         if self.queue.is_pending() {
             return Err(err(
                 Code::Busy,

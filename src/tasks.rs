@@ -33,7 +33,7 @@ pub trait Job: Send {
     /// are already coded, so that jobs of other modules (the prompt store) keep their codes.
     fn run(
         &mut self,
-        cache: &mut core::Memory,
+        cache: &mut dyn core::Memory,
         progress: &mut dyn FnMut(u64, u64) -> bool,
     ) -> JsResult<Self::Output>;
     /// Converts the output for JS.
@@ -149,7 +149,7 @@ impl<J: Job + 'static> Task for CacheTask<J> {
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
             let mut poll = self.control.poll();
-            self.job.run(cache, &mut poll)
+            self.job.run(cache.as_mut(), &mut poll)
         });
         result.map_err(|e| {
             let reason = e.reason.clone();

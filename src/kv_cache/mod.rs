@@ -62,17 +62,13 @@ impl KvCache {
         let devices = crate::device::devices(device, params.n_layer)?;
         let mut alloc = crate::device::allocator(devices)?;
         let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
-        Ok(KvCache::from_memory(
-            env,
-            core::Memory::Kv(Box::new(cache)),
-            model_shift,
-        ))
+        Ok(KvCache::from_memory(env, Box::new(cache), model_shift))
     }
 
     /// The class around a memory of any kind.
     pub(crate) fn from_memory(
         env: &Env,
-        memory: core::Memory,
+        memory: Box<dyn core::Memory>,
         model_shift: Option<core::ShiftParams>,
     ) -> Self {
         // V8 is told about host memory only, as it gets written
@@ -95,7 +91,7 @@ impl KvCache {
     }
 
     /// Runs a synchronous call on a memory of any kind.
-    fn with_memory<T>(&self, f: impl FnOnce(&mut core::Memory) -> JsResult<T>) -> JsResult<T> {
+    fn with_memory<T>(&self, f: impl FnOnce(&mut dyn core::Memory) -> JsResult<T>) -> JsResult<T> {
         self.shared.with(f)
     }
 

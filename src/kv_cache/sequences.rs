@@ -210,87 +210,12 @@ impl KvCache {
             .map(|u| to_ubatch(u.0))
             .collect::<JsResult<Vec<UBatch>>>()?;
         self.with_memory(|m| {
-            let js = |part: &str, slots: Vec<core::StreamSlot>| -> Vec<PlacedCells> {
-                slots
-                    .into_iter()
-                    .map(|s| PlacedCells {
-                        part: part.into(),
-                        stream: s.stream,
-                        tokens: Uint32Array::new(s.tokens().iter().map(|&t| t as u32).collect()),
-                        cells: Uint32Array::new(s.cells),
-                    })
+            let placed = m.place(&ubs).map_err(from_core)?;
+            Ok(placed.map(|all| {
+                (all.into_iter())
+                    .map(|ub| ub.into_iter().map(PlacedCells::from).collect())
                     .collect()
-            };
-            match m {
-                core::Memory::Streams(c) => Ok(c
-                    .place(&ubs)
-                    .map_err(from_core)?
-                    .map(|all| all.into_iter().map(|slots| js("whole", slots)).collect())),
-                core::Memory::Iswa(c) => {
-                    let Some((base, swa)) = c.place(&ubs).map_err(from_core)? else {
-                        return Ok(None);
-                    };
-                    Ok(Some(
-                        base.into_iter()
-                            .zip(swa)
-                            .map(|(b, s)| {
-                                let mut v = js("base", b);
-                                v.extend(js("swa", s));
-                                v
-                            })
-                            .collect(),
-                    ))
-                }
-                core::Memory::Hybrid(c) => {
-                    let Some(attn) = c.place(&ubs).map_err(from_core)? else {
-                        return Ok(None);
-                    };
-                    let js_tagged = |slots: Vec<(core::PartRole, core::StreamSlot)>| {
-                        slots
-                            .into_iter()
-                            .flat_map(|(role, s)| js(role.name(), vec![s]))
-                            .collect::<Vec<PlacedCells>>()
-                    };
-                    let cells = c.recurrent().memory.cache().cells();
-                    Ok(Some(
-                        attn.into_iter()
-                            .zip(&ubs)
-                            .map(|(a, ub)| {
-                                let mut v = js_tagged(a);
-                                v.push(state_cells("recurrent", cells, ub));
-                                v
-                            })
-                            .collect(),
-                    ))
-                }
-                // the seed's cache: a ubatch's tokens in a run of cells from the slot's head,
-                // or a recurrent ubatch's groups in their sequences' state cells
-                core::Memory::Kv(c) => {
-                    let Some(slots) = c.place(&ubs).map_err(from_core)? else {
-                        return Ok(None);
-                    };
-                    Ok(Some(
-                        slots
-                            .iter()
-                            .zip(&ubs)
-                            .map(|(slot, ub)| {
-                                vec![if c.recurrent() {
-                                    state_cells("whole", c.cells(), ub)
-                                } else {
-                                    PlacedCells {
-                                        part: "whole".into(),
-                                        stream: 0,
-                                        cells: Uint32Array::new(
-                                            (slot.head..slot.head + slot.len).collect(),
-                                        ),
-                                        tokens: Uint32Array::new((0..slot.len).collect()),
-                                    }
-                                }]
-                            })
-                            .collect(),
-                    ))
-                }
-            }
+            }))
         })
     }
 
@@ -396,20 +321,13 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
 
 /// Where a recurrent ubatch went: each group's sequence has its state cell (where its R and S
 /// rows go), written from the group's first token.
-fn state_cells(part: &str, cells: &core::cells::Cells, ub: &UBatch) -> PlacedCells {
-    PlacedCells {
-        part: part.into(),
-        stream: 0,
-        cells: Uint32Array::new(
-            ub.seq_ids
-                .iter()
-                .map(|ids| cells.tail(ids[0] as usize) as u32)
-                .collect(),
-        ),
-        tokens: Uint32Array::new(
-            (0..ub.seq_ids.len() as u32)
-                .map(|g| g * ub.n_seq_tokens)
-                .collect(),
-        ),
+impl From<core::Placement> for PlacedCells {
+    fn from(p: core::Placement) -> Self {
+        PlacedCells {
+            part: p.role.name().into(),
+            stream: p.stream,
+            tokens: Uint32Array::new(p.tokens),
+            cells: Uint32Array::new(p.cells),
+        }
     }
 }

@@ -1,7 +1,6 @@
 //! State payloads (`stateSize`, `stateWrite*`, `stateRead*`) and llama.cpp's session and
 //! sequence files, with their options.
 
-use llama_kv_cache as core;
 use llama_kv_cache::{Layout, ReadOptions, WriteOptions};
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -101,8 +100,7 @@ impl KvCache {
             if !form.plain() {
                 return Ok(form.write(c, seq, opts).map_err(from_core)?.len() as f64);
             }
-            Ok(c.state_size(seq, opts.layout, opts.n_stream)
-                .map_err(from_core)? as f64)
+            Ok(c.state_size(seq, &opts).map_err(from_core)? as f64)
         })
     }
 
@@ -121,14 +119,10 @@ impl KvCache {
             if !form.plain() {
                 return Ok(form.write(m, seq, opts).map_err(from_core)?.into());
             }
-            let c = match m {
-                core::Memory::Kv(c) => c,
-                other => {
-                    return Ok(other
-                        .state_write(seq, opts.layout)
-                        .map_err(from_core)?
-                        .into())
-                }
+            // the seed's cache plans its state, so a large one goes into a Buffer from Node's
+            // allocator without a second copy
+            let Some(c) = m.seed() else {
+                return Ok(m.state_write(seq, &opts, None).map_err(from_core)?.into());
             };
             let plan = c
                 .state_out(seq, opts.layout, opts.n_stream)

@@ -445,3 +445,99 @@ fn the_graph_reader_sees_an_upward_import_and_a_cycle() {
         "{problems:?}"
     );
 }
+
+/// The live memories' own types: code outside the core that names one has chosen a kind
+/// instead of calling the `Memory` interface.
+const MEMORY_TYPES: &[&str] = &[
+    "AttentionCache",
+    "IswaCache",
+    "IswaPart",
+    "HybridCache",
+    "HybridAttention",
+    "HybridRecurrent",
+    "RecurrentMemory",
+];
+
+/// The names `Memory::kind` returns, as string literals.
+const KIND_NAMES: &[&str] = &[
+    "\"kv\"",
+    "\"recurrent\"",
+    "\"kv-streams\"",
+    "\"iswa\"",
+    "\"hybrid\"",
+];
+
+/// Where the code of the `.rs` files under `root` (comments and test modules left out) names
+/// a live memory's own type, or compares a memory's `kind()` with a kind's name.
+fn kind_choices(root: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = fs::read_to_string(&path).unwrap();
+            for (i, line) in code_of(&text).iter().enumerate() {
+                let named = MEMORY_TYPES.iter().find(|t| {
+                    line.match_indices(*t).any(|(at, _)| {
+                        let before = line[..at].chars().next_back();
+                        let after = line[at + t.len()..].chars().next();
+                        !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+                    })
+                });
+                let compared =
+                    line.contains(".kind()") && KIND_NAMES.iter().any(|k| line.contains(k));
+                if let Some(t) = named {
+                    found.push(format!("{}:{}: names {t}", path.display(), i + 1));
+                } else if compared {
+                    found.push(format!(
+                        "{}:{}: compares kind() with a kind's name",
+                        path.display(),
+                        i + 1
+                    ));
+                }
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+#[test]
+fn no_choice_of_memory_kind_outside_the_core() {
+    let mut found = Vec::new();
+    for root in [
+        "src",
+        "crates/prompt-store/src",
+        "crates/prompt-store-redis/src",
+    ] {
+        found.extend(kind_choices(&workspace().join(root)));
+    }
+    assert!(found.is_empty(), "\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_kind_check_sees_a_named_memory_type_and_a_compared_kind() {
+    let dir = std::env::temp_dir().join(format!("kind-choices-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("a.rs"),
+        "// an IswaCache in a comment is fine\nfn f(m: &llama_kv_cache::IswaCache) {}\n\
+         fn g(m: &dyn Memory) -> bool { m.kind() == \"hybrid\" }\nstruct MyIswaCacheView;\n",
+    )
+    .unwrap();
+    let found = kind_choices(&dir);
+    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].ends_with("a.rs:2: names IswaCache"), "{found:?}");
+    assert!(
+        found[1].ends_with("a.rs:3: compares kind() with a kind's name"),
+        "{found:?}"
+    );
+}

@@ -388,7 +388,7 @@ impl<'a> Capture<'a> {
     /// window cache's whole range when it holds it, as with `swa_full`, else the cells its
     /// window still sees, as llama.cpp writes them) and a hybrid's recurrent state as
     /// llama.cpp writes it for one sequence.
-    pub fn of_memory(memory: &'a Memory, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
+    pub fn of_memory(memory: &'a dyn Memory, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
         if memory.has_shift() {
             return Err(pending_shift());
         }
@@ -401,13 +401,12 @@ impl<'a> Capture<'a> {
                 _ => main = Some(rows),
             }
         }
-        let (recurrent, recurrent_end) = match memory {
-            Memory::Hybrid(h) => {
-                let state = h.recurrent().memory.state_write(seq)?;
+        let (recurrent, recurrent_end) = match memory.recurrent_part_state(seq)? {
+            Some(state) => {
                 let (r, pos) = recurrent_one_sequence(&state, None)?;
                 (r, Some((pos + 1) as usize))
             }
-            _ => (Vec::new(), None),
+            None => (Vec::new(), None),
         };
         let len = match &main {
             Some(m) => m.prefix_len(seq)?.min(tokens),
@@ -420,12 +419,12 @@ impl<'a> Capture<'a> {
                 rows.seen_by(window)
             }
         });
-        let memory = match memory {
-            Memory::Iswa(_) => MemoryKind::Iswa,
-            Memory::Kv(_) | Memory::Streams(_) => MemoryKind::Unified,
-            Memory::Hybrid(_) => MemoryKind::Hybrid,
-        };
-        Capture::of_parts(memory, [main, swa, None], (recurrent, recurrent_end), len)
+        Capture::of_parts(
+            memory.state_kind(),
+            [main, swa, None],
+            (recurrent, recurrent_end),
+            len,
+        )
     }
 
     /// A capture of these parts (`recurrent`: its state and end, when the memory has one),

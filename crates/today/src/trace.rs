@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use llama_kv_cache::{
-    AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, KvCache, Layout,
-    Memory, MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
+    memory_for_model, AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams,
+    KvCache, Layout, Memory, MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
 };
 use serde_json::Value;
 
@@ -330,28 +330,26 @@ impl OurSide {
                 p.recurrent = true;
                 Ours::Recurrent(RecurrentMemory::new(p, info.n_layer).map_err(err)?)
             }
-            // a stream per sequence: the cache `fromModel` builds for that context
-            MemoryKind::Unified if !cfg.unified && cfg.n_seq > 1 => {
-                match Memory::for_model(&info, &ctx).map_err(err)? {
-                    Memory::Streams(c) => Ours::Attention(c),
-                    other => {
-                        return Err(format!(
-                            "{}: fromModel built a '{}' memory, not one of a stream per sequence",
-                            cfg.model,
-                            other.kind()
-                        ))
-                    }
-                }
-            }
-            // one stream: 0.1.161's cache itself (fromModel gives the seed's cache there)
+            // 0.1.161's cache itself: of one stream (fromModel gives the seed's cache there),
+            // or of a stream per sequence, the memory fromModel builds for that context
             MemoryKind::Unified => {
                 let size = ctx.cells_per_stream(info.n_ctx_train).map_err(err)?;
                 let p = info
                     .layer_params(size, cfg.n_seq, ctx.type_k, ctx.type_v, ctx.flash_attn)
                     .map_err(err)?;
-                Ours::Attention(
-                    AttentionCache::new(p, cfg.unified, Default::default()).map_err(err)?,
-                )
+                let cache = AttentionCache::new(p, cfg.unified, Default::default()).map_err(err)?;
+                if !cfg.unified && cfg.n_seq > 1 {
+                    let built = memory_for_model(&info, &ctx).map_err(err)?;
+                    if built.kind() != "kv-streams" || built.parts() != cache.parts() {
+                        return Err(format!(
+                            "{}: fromModel built a '{}' memory, not this one of a stream per \
+                             sequence",
+                            cfg.model,
+                            built.kind()
+                        ));
+                    }
+                }
+                Ours::Attention(cache)
             }
             indexed => {
                 return Err(format!(

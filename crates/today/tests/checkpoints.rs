@@ -6,7 +6,7 @@
 //! the same cells as ours.
 
 use llama_kv_cache::state::files::seq_data_envelope;
-use llama_kv_cache::{Layout, Memory, ModelInfo, ReadOptions};
+use llama_kv_cache::{memory_for_model, Layout, Memory, ModelInfo, ReadOptions, WriteOptions};
 use today_peer::models_dir;
 use today_peer::trace::{Oracle, TraceConfig};
 
@@ -21,10 +21,10 @@ fn config(model: &str) -> TraceConfig {
     }
 }
 
-fn memory(cfg: &TraceConfig) -> Memory {
+fn memory(cfg: &TraceConfig) -> Box<dyn Memory> {
     let info = ModelInfo::from_file(&models_dir().join(&cfg.model), false)
         .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
-    Memory::for_model(&info, &cfg.context()).unwrap()
+    memory_for_model(&info, &cfg.context()).unwrap()
 }
 
 fn ok(oracle: &mut Oracle, line: &str) -> today_peer::trace::Shown {
@@ -61,7 +61,10 @@ fn sequence_states_and_checkpoints_of_0_1_161_read_and_write_byte_for_byte() {
         ours.state_read(&whole, 0, ReadOptions::default(), None)
             .unwrap_or_else(|e| panic!("{model}: {e}"));
         let mut again = seq_data_envelope(0).to_vec();
-        again.extend(ours.state_write(0, Layout::StreamsRot).unwrap());
+        again.extend(
+            ours.state_write(0, &WriteOptions::of_layout(Layout::StreamsRot), None)
+                .unwrap(),
+        );
         assert!(again == whole, "{model}: the whole state differs");
         let mut ours_partial = seq_data_envelope(0).to_vec();
         ours_partial.extend(ours.state_write_partial(0, Layout::StreamsRot).unwrap());
@@ -123,7 +126,10 @@ fn regression_an_empty_sequence_state_of_a_hybrid_declared_the_recurrent_layers_
         let theirs = std::fs::read(theirs).unwrap();
         let mut ours = memory(&cfg);
         let mut written = seq_data_envelope(1).to_vec();
-        written.extend(ours.state_write(1, Layout::StreamsRot).unwrap());
+        written.extend(
+            ours.state_write(1, &WriteOptions::of_layout(Layout::StreamsRot), None)
+                .unwrap(),
+        );
         assert!(written == theirs, "{model}: the empty state differs");
         ours.state_read(&theirs, 1, ReadOptions::default(), None)
             .unwrap_or_else(|e| panic!("{model}: {e}"));

@@ -5,7 +5,9 @@
 
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind};
-use llama_kv_cache::{KvCache, Layout, Memory, ModelInfo, PartRole, ReadOptions};
+use llama_kv_cache::{
+    memory_for_model, KvCache, Layout, Memory, ModelInfo, PartRole, ReadOptions, WriteOptions,
+};
 use today_peer::{models_dir, specs, Spec};
 
 fn read(path: &std::path::Path) -> Vec<u8> {
@@ -247,10 +249,10 @@ fn a_v11_session_larger_than_the_cache_is_no_space_and_changes_nothing() {
 }
 
 /// The memory `KvCache.fromModel` builds for a fixture's context.
-fn live_memory(spec: &Spec) -> Memory {
+fn live_memory(spec: &Spec) -> Box<dyn Memory> {
     let info = ModelInfo::from_file(&models_dir().join(spec.model), false)
         .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
-    Memory::for_model(&info, &spec.context_params())
+    memory_for_model(&info, &spec.context_params())
         .unwrap_or_else(|e| panic!("t161-{}: {e}", spec.name))
 }
 
@@ -274,7 +276,9 @@ fn every_t161_file_of_a_live_memory_loads_into_what_from_model_builds_and_writes
             memory
                 .state_read(payload, seq, opts, None)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let again = memory.state_write(seq, Layout::StreamsRot).unwrap();
+            let again = memory
+                .state_write(seq, &WriteOptions::of_layout(Layout::StreamsRot), None)
+                .unwrap();
             assert!(again == payload, "{what}: written back differently");
             assert_eq!(memory.parts().len(), ins.parts.len().max(1), "{what}");
         }

@@ -5,7 +5,9 @@
 //! 0.1.161 prints it).
 
 use llama_kv_cache::state::parts::PartRole;
-use llama_kv_cache::{ContextParams, GgmlType, KvError, Memory, MemoryPlan, ModelInfo, PartInfo};
+use llama_kv_cache::{
+    memory_for_model, ContextParams, GgmlType, KvError, MemoryPlan, ModelInfo, PartInfo,
+};
 use today_peer::{models_dir, run};
 
 /// Large enough that the tiny models' caches are whole hundredths of a MiB apart.
@@ -35,7 +37,7 @@ fn contexts() -> Vec<ContextParams> {
 
 /// The parts of the memory built for `model` in `ctx`, as `KvCache.fromModel` builds it.
 fn built(model: &ModelInfo, ctx: &ContextParams) -> Result<Vec<PartInfo>, KvError> {
-    Ok(Memory::for_model(model, ctx)?.parts())
+    Ok(memory_for_model(model, ctx)?.parts())
 }
 
 /// The driver's context options for `ctx`.

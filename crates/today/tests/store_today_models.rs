@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use llama_kv_cache::state::files::inspect_file;
 use llama_kv_cache::{
-    ContextParams, FileKind, GgmlType, Layout, Memory, ModelInfo, ReadOptions, WriteOptions,
+    memory_for_model, ContextParams, FileKind, GgmlType, Layout, Memory, ModelInfo, ReadOptions,
+    WriteOptions,
 };
 use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
 use serde_json::Value;
@@ -427,7 +428,7 @@ fn fifty_conversations_sharing_a_2048_token_prefix_on_an_iswa_model_store_it_onc
 }
 
 /// The memory 0.1.161 builds for `case` (one sequence, unified).
-fn live_memory(case: &Case) -> Memory {
+fn live_memory(case: &Case) -> Box<dyn Memory> {
     let info = ModelInfo::from_file(&models_dir().join(case.model), false)
         .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
     let ctx = ContextParams {
@@ -440,7 +441,7 @@ fn live_memory(case: &Case) -> Memory {
         type_v: GgmlType::from_id(case.types.1).unwrap(),
         flash_attn: case.fa,
     };
-    Memory::for_model(&info, &ctx).unwrap_or_else(|e| panic!("{}: {e}", case.name))
+    memory_for_model(&info, &ctx).unwrap_or_else(|e| panic!("{}: {e}", case.name))
 }
 
 #[test]
@@ -467,15 +468,15 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
         let mut memory = live_memory(&case);
         let turn = PathBuf::from(format!("{}-300.ggsq", prefix.display()));
         memory
-            .load_parts_file(&turn, Some(0), ReadOptions::default())
+            .load_file(&turn, Some(0), ReadOptions::default(), None)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
         let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), case.name, BT).unwrap();
-        let put = store.put_memory(&memory, 0, &a, None).unwrap();
+        let put = store.put_memory(&*memory, 0, &a, None).unwrap();
         assert_eq!(put.tokens, 300, "{}", case.name);
 
         // a new session of the app: a fresh memory, restored from the store for a longer prompt
         let mut fresh = live_memory(&case);
-        let restored = store.restore_memory(&mut fresh, 0, &plus, None).unwrap();
+        let restored = store.restore_memory(&mut *fresh, 0, &plus, None).unwrap();
         assert_eq!(restored, 300, "{}", case.name);
         let out = dir.join("restored.ggsq");
         let opts = WriteOptions {
@@ -484,7 +485,7 @@ fn a_live_memory_put_into_the_store_restores_into_a_fresh_one_that_0_1_161_conti
             n_stream: 1,
         };
         fresh
-            .save_parts_file(&out, Some(0), &plus[..300], "", opts)
+            .save_file(&out, Some(0), &plus[..300], "", opts, None)
             .unwrap();
         resume_matches_cold(&case, FileKind::Sequence, &out, &plus, restored);
         let _ = std::fs::remove_dir_all(&dir);

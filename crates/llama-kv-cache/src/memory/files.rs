@@ -7,14 +7,12 @@
 use std::path::Path;
 
 use crate::cache::files::LoadedFile;
-use crate::cache::io::{ReadOptions, ReadSummary};
+use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::error::{KvError, Result};
-use crate::memory::attention::AttentionCache;
-use crate::memory::hybrid::HybridCache;
-use crate::memory::iswa::IswaCache;
+use crate::memory::interface::check_progress;
 use crate::state::files::{
     body_splits, file_layouts, header_bytes, parse_header, read_file, resolve_version,
-    session_prefix, write_atomic_with, FileKind, WriteOptions,
+    seq_data_payload, session_prefix, write_atomic_with, FileKind, WriteOptions,
 };
 use crate::state::Layout;
 
@@ -27,62 +25,72 @@ pub trait PartsPayload {
     /// Reads a payload into `seq` (-1: everything), every part checked before any changes;
     /// what the parts read, together.
     fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary>;
-}
-
-impl PartsPayload for IswaCache {
-    const NAME: &'static str = "iSWA";
-    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
-        self.state_write(seq, layout)
-    }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.state_read(data, seq, layout)
-            .map(ReadSummary::together)
-    }
-}
-
-impl PartsPayload for HybridCache {
-    const NAME: &'static str = "hybrid";
-    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
-        self.state_write(seq, layout)
-    }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.state_read(data, seq, layout)
-            .map(ReadSummary::together)
-    }
-}
-
-impl PartsPayload for AttentionCache {
-    const NAME: &'static str = "per-sequence-stream";
-    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
-        self.state_write(seq, layout)
-    }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.state_read(data, seq, layout)
+    /// Reads llama.cpp's `PARTIAL_ONLY` state (a context checkpoint) into `seq`, checked
+    /// before any changes; the other parts keep what they hold. A memory of one part writes
+    /// and reads its whole state, as llama.cpp does.
+    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        self.read_parts(data, seq, layout)
     }
 }
 
 /// Reads `data` into `seq` under each of `layouts` in turn (0.1.161's first), keeping the
-/// first that fits; a read that finds no room stops there (room does not depend on the
-/// layout). The reasons of the others name them.
+/// first that fits (`partial`: as llama.cpp's `PARTIAL_ONLY` state); a read that finds no room
+/// stops there (room does not depend on the layout). The reasons of the others name them.
+///
+/// The first fit is enough here, where the seed's cache refuses a payload two layouts read
+/// ([`KvCache::detect_payload_among`](crate::KvCache::detect_payload_among)): the layouts of
+/// today's memories differ in each stream's data header, so no payload parses and checks
+/// under both, while the seed's layouts of a one-sequence payload can.
 pub fn read_any<M: PartsPayload>(
     m: &mut M,
     data: &[u8],
     seq: i32,
     layouts: &[Layout],
+    partial: bool,
 ) -> Result<ReadSummary> {
     let mut why = Vec::new();
     for &layout in layouts {
-        match m.read_parts(data, seq, layout) {
+        let read = match partial {
+            true => m.read_partial_parts(data, seq, layout),
+            false => m.read_parts(data, seq, layout),
+        };
+        match read {
             Ok(summary) => return Ok(summary),
             Err(e @ KvError::NoSpace(_)) => return Err(e),
             Err(e) => why.push(format!("{layout}: {e}")),
         }
     }
+    let what = if partial {
+        "a partial state"
+    } else {
+        "a state"
+    };
     Err(KvError::InvalidState(format!(
-        "not a state of this {} memory ({})",
+        "not {what} of this {} memory ({})",
         M::NAME,
         why.join("; ")
     )))
+}
+
+/// [`Memory::state_read`](crate::Memory::state_read) of a memory written part by part: the
+/// payload (or the in-memory form of `llama_state_seq_get_data`) in the layout given, or in
+/// whichever fits.
+pub fn read_state<M: PartsPayload>(
+    m: &mut M,
+    data: &[u8],
+    seq: i32,
+    opts: ReadOptions,
+    mut progress: Option<Progress<'_>>,
+) -> Result<ReadSummary> {
+    if opts.part.is_some() {
+        return Err(KvError::InvalidArg(format!(
+            "part: this {} memory reads all its parts at once",
+            M::NAME
+        )));
+    }
+    let data = seq_data_payload(data);
+    check_progress(&mut progress, 0, data.len() as u64, "state read")?;
+    read_any(m, data, seq, &payload_layouts(opts.layout), opts.partial)
 }
 
 /// The layouts a payload of today's memories is tried in: the one given, else 0.1.161's and
@@ -104,7 +112,9 @@ pub fn save_file<M: PartsPayload>(
     tokens: &[i32],
     arch: &str,
     opts: WriteOptions,
+    mut progress: Option<Progress<'_>>,
 ) -> Result<()> {
+    check_progress(&mut progress, 0, 1, "saving a state file")?;
     let kind = match seq {
         Some(_) => FileKind::Sequence,
         None => FileKind::Session,
@@ -130,7 +140,9 @@ pub fn load_file<M: PartsPayload>(
     path: &Path,
     dest: Option<i32>,
     opts: ReadOptions,
+    mut progress: Option<Progress<'_>>,
 ) -> Result<LoadedFile> {
+    check_progress(&mut progress, 0, 1, "loading a state file")?;
     if opts.part.is_some() {
         return Err(KvError::InvalidArg(format!(
             "part: this {} memory reads every part of its file",
@@ -158,6 +170,7 @@ pub fn load_file<M: PartsPayload>(
             &bytes[split.payload.clone()],
             dest.unwrap_or(-1),
             &layouts,
+            false,
         ) {
             Ok(summary) => {
                 return Ok(LoadedFile {

@@ -3,18 +3,27 @@
 //! cache) for the attention layers and a recurrent memory for the others (Jamba, Granite 4,
 //! PLaMo 2, LFM2), fed the same ubatches, with 0.1.161's rules for what each accepts.
 
-use crate::cache::io::ReadSummary;
+use std::path::Path;
+
+use crate::cache::files::LoadedFile;
+use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
+use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
+use crate::memory::interface::{
+    check_progress, no_stream, recurrent_placement, stream_placement, LayerRows, Memory, Placement,
+    Placements,
+};
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;
+use crate::state::files::WriteOptions;
 use crate::state::parts::PartRole;
 use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
@@ -566,4 +575,200 @@ fn part_params(
     (p.n_embd_k_s, p.n_embd_v_s) = (0, 0);
     p.recurrent = false;
     p
+}
+
+impl PartsPayload for HybridCache {
+    const NAME: &'static str = "hybrid";
+    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        HybridCache::state_write(self, seq, layout)
+    }
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        HybridCache::state_read(self, data, seq, layout).map(ReadSummary::together)
+    }
+    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        self.state_read_partial(data, seq, layout)
+    }
+}
+
+impl Memory for HybridCache {
+    fn kind(&self) -> &'static str {
+        "hybrid"
+    }
+
+    fn state_kind(&self) -> MemoryKind {
+        MemoryKind::Hybrid
+    }
+
+    fn parts(&self) -> Vec<PartInfo> {
+        let cache = self.recr.memory.cache();
+        let mut parts: Vec<PartInfo> = (self.attn.cache.caches().into_iter())
+            .map(|(role, part, own)| {
+                let layers: Vec<u32> = own.iter().map(|&k| self.attn.layers[k as usize]).collect();
+                part.part_info(role, &layers)
+            })
+            .collect();
+        parts.push(PartInfo::of(
+            PartRole::Recurrent,
+            self.recr.layers.clone(),
+            cache.params(),
+            1,
+            Window::FULL,
+            cache.used_cells(),
+            cache.total_size() as u64,
+        ));
+        parts
+    }
+
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+        (self.attn.cache.caches().into_iter())
+            .map(|(role, part, _)| part.holding(role, seq))
+            .collect()
+    }
+
+    fn caches(&self) -> Vec<&KvCache> {
+        let mut all: Vec<&KvCache> = (self.attn.cache.caches().into_iter())
+            .flat_map(|(_, part, _)| part.streams())
+            .collect();
+        all.push(self.recr.memory.cache());
+        all
+    }
+
+    fn n_seq_max(&self) -> u32 {
+        self.recr.memory.cache().params().n_seq_max
+    }
+
+    fn can_shift(&self) -> bool {
+        self.attn.cache.can_shift()
+    }
+
+    fn has_shift(&self) -> bool {
+        self.attn.cache.has_shift()
+    }
+
+    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        HybridCache::seq_rm(self, seq, p0, p1)
+    }
+
+    fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        HybridCache::seq_cp(self, src, dst, p0, p1)
+    }
+
+    fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        HybridCache::seq_keep(self, seq)
+    }
+
+    fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        HybridCache::seq_add(self, seq, p0, p1, delta)
+    }
+
+    fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        HybridCache::seq_div(self, seq, p0, p1, d)
+    }
+
+    fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        HybridCache::seq_pos_min(self, seq)
+    }
+
+    fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        HybridCache::seq_pos_max(self, seq)
+    }
+
+    fn clear(&mut self) -> Result<()> {
+        HybridCache::clear(self)
+    }
+
+    /// The attention part's placements, then each group's state cell in the recurrent part.
+    fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Placements>> {
+        let Some(attn) = HybridCache::place(self, ubatches)? else {
+            return Ok(None);
+        };
+        let cells = self.recr.memory.cache().cells();
+        let placed = attn.into_iter().zip(ubatches).map(|(a, ub)| {
+            let mut v: Vec<Placement> = (a.into_iter())
+                .map(|(role, s)| stream_placement(role, s))
+                .collect();
+            v.push(recurrent_placement(PartRole::Recurrent, cells, ub));
+            v
+        });
+        Ok(Some(placed.collect()))
+    }
+
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+        match rows {
+            LayerRows::Own(_) => self.route(il, stream),
+            LayerRows::State(_) if stream != 0 => Err(no_stream(stream, 1)),
+            LayerRows::State(_) => self.route_recurrent(il),
+        }
+    }
+
+    fn layer_cache_mut(
+        &mut self,
+        il: u32,
+        rows: LayerRows,
+        stream: u32,
+    ) -> Result<(&mut KvCache, u32)> {
+        match rows {
+            LayerRows::Own(_) => self.route_mut(il, stream),
+            LayerRows::State(_) if stream != 0 => Err(no_stream(stream, 1)),
+            LayerRows::State(_) => self.route_recurrent_mut(il),
+        }
+    }
+
+    fn state_size(&self, seq: i32, opts: &WriteOptions) -> Result<usize> {
+        HybridCache::state_size(self, seq, opts.layout)
+    }
+
+    fn state_write(
+        &self,
+        seq: i32,
+        opts: &WriteOptions,
+        mut progress: Option<Progress<'_>>,
+    ) -> Result<Vec<u8>> {
+        check_progress(&mut progress, 0, 1, "state write")?;
+        HybridCache::state_write(self, seq, opts.layout)
+    }
+
+    fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        HybridCache::state_write_partial(self, seq, layout)
+    }
+
+    fn state_read(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        read_state(self, data, seq, opts, progress)
+    }
+
+    fn save_file(
+        &self,
+        path: &Path,
+        seq: Option<i32>,
+        tokens: &[i32],
+        arch: &str,
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<()> {
+        save_file(self, path, seq, tokens, arch, opts, progress)
+    }
+
+    fn load_file(
+        &mut self,
+        path: &Path,
+        dest: Option<i32>,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        load_file(self, path, dest, opts, progress)
+    }
+
+    fn update(&mut self, shift: Option<&ShiftParams>, _: Option<u32>) -> Result<UpdateReport> {
+        HybridCache::update(self, shift)
+    }
+
+    fn recurrent_part_state(&self, seq: i32) -> Result<Option<Vec<u8>>> {
+        Ok(Some(self.recr.memory.state_write(seq)?))
+    }
 }

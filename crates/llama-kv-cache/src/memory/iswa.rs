@@ -2,16 +2,24 @@
 //! full-attention layers and a window cache for the sliding-window layers, each an
 //! [`AttentionCache`], fed the same ubatches and the same sequence operations.
 
-use crate::cache::io::ReadSummary;
+use std::path::Path;
+
+use crate::cache::files::LoadedFile;
+use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
+use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
-use crate::memory::part::PartPlan;
+use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
+use crate::memory::interface::{check_progress, stream_placement, LayerRows, Memory, Placements};
+use crate::memory::part::{PartInfo, PartPlan};
+use crate::memory::recurrent::no_recurrent_state;
 use crate::memory::SwaType;
 use crate::model::{MemoryKind, ModelInfo, SwaInfo};
 use crate::params::CacheParams;
+use crate::state::files::WriteOptions;
 use crate::state::parts::PartRole;
 use crate::state::Layout;
 use crate::tensors::rope::ShiftParams;
@@ -502,5 +510,181 @@ impl IswaCache {
     pub(crate) fn drop_shift(&mut self) {
         self.base.cache.drop_shift();
         self.swa.cache.drop_shift();
+    }
+}
+
+impl PartsPayload for IswaCache {
+    const NAME: &'static str = "iSWA";
+    fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        IswaCache::state_write(self, seq, layout)
+    }
+    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        IswaCache::state_read(self, data, seq, layout).map(ReadSummary::together)
+    }
+    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        self.state_read_partial(data, seq, layout)
+    }
+}
+
+impl Memory for IswaCache {
+    fn kind(&self) -> &'static str {
+        "iswa"
+    }
+
+    fn state_kind(&self) -> MemoryKind {
+        MemoryKind::Iswa
+    }
+
+    fn parts(&self) -> Vec<PartInfo> {
+        vec![
+            self.base.cache.part_info(PartRole::Base, &self.base.layers),
+            self.swa.cache.part_info(PartRole::Swa, &self.swa.layers),
+        ]
+    }
+
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+        Ok(vec![
+            self.base.cache.holding(PartRole::Base, seq)?,
+            self.swa.cache.holding(PartRole::Swa, seq)?,
+        ])
+    }
+
+    fn caches(&self) -> Vec<&KvCache> {
+        [self.base.cache.streams(), self.swa.cache.streams()].concat()
+    }
+
+    fn n_seq_max(&self) -> u32 {
+        self.base.cache.params().n_seq_max
+    }
+
+    fn can_shift(&self) -> bool {
+        IswaCache::can_shift(self)
+    }
+
+    fn has_shift(&self) -> bool {
+        self.base.cache.has_shift() || self.swa.cache.has_shift()
+    }
+
+    fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
+        IswaCache::seq_rm(self, seq, p0, p1)
+    }
+
+    fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
+        IswaCache::seq_cp(self, src, dst, p0, p1)
+    }
+
+    fn seq_keep(&mut self, seq: i32) -> Result<()> {
+        IswaCache::seq_keep(self, seq)
+    }
+
+    fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        IswaCache::seq_add(self, seq, p0, p1, delta)
+    }
+
+    fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
+        IswaCache::seq_div(self, seq, p0, p1, d)
+    }
+
+    fn seq_pos_min(&self, seq: i32) -> Result<i32> {
+        IswaCache::seq_pos_min(self, seq)
+    }
+
+    fn seq_pos_max(&self, seq: i32) -> Result<i32> {
+        IswaCache::seq_pos_max(self, seq)
+    }
+
+    fn clear(&mut self) -> Result<()> {
+        IswaCache::clear(self)
+    }
+
+    fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Placements>> {
+        let Some((base, swa)) = IswaCache::place(self, ubatches)? else {
+            return Ok(None);
+        };
+        let placed = base.into_iter().zip(swa).map(|(b, s)| {
+            let base = b.into_iter().map(|s| stream_placement(PartRole::Base, s));
+            let swa = s.into_iter().map(|s| stream_placement(PartRole::Swa, s));
+            base.chain(swa).collect()
+        });
+        Ok(Some(placed.collect()))
+    }
+
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+        match rows {
+            LayerRows::State(_) => Err(no_recurrent_state(il)),
+            LayerRows::Own(_) => {
+                let (part, k) = self.route(il)?;
+                Ok((part.stream(stream)?, k))
+            }
+        }
+    }
+
+    fn layer_cache_mut(
+        &mut self,
+        il: u32,
+        rows: LayerRows,
+        stream: u32,
+    ) -> Result<(&mut KvCache, u32)> {
+        match rows {
+            LayerRows::State(_) => Err(no_recurrent_state(il)),
+            LayerRows::Own(_) => {
+                let (part, k) = self.route_mut(il)?;
+                Ok((part.stream_mut(stream)?, k))
+            }
+        }
+    }
+
+    fn state_size(&self, seq: i32, opts: &WriteOptions) -> Result<usize> {
+        IswaCache::state_size(self, seq, opts.layout)
+    }
+
+    fn state_write(
+        &self,
+        seq: i32,
+        opts: &WriteOptions,
+        mut progress: Option<Progress<'_>>,
+    ) -> Result<Vec<u8>> {
+        check_progress(&mut progress, 0, 1, "state write")?;
+        IswaCache::state_write(self, seq, opts.layout)
+    }
+
+    fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
+        IswaCache::state_write_partial(self, seq, layout)
+    }
+
+    fn state_read(
+        &mut self,
+        data: &[u8],
+        seq: i32,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<ReadSummary> {
+        read_state(self, data, seq, opts, progress)
+    }
+
+    fn save_file(
+        &self,
+        path: &Path,
+        seq: Option<i32>,
+        tokens: &[i32],
+        arch: &str,
+        opts: WriteOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<()> {
+        save_file(self, path, seq, tokens, arch, opts, progress)
+    }
+
+    fn load_file(
+        &mut self,
+        path: &Path,
+        dest: Option<i32>,
+        opts: ReadOptions,
+        progress: Option<Progress<'_>>,
+    ) -> Result<LoadedFile> {
+        load_file(self, path, dest, opts, progress)
+    }
+
+    fn update(&mut self, shift: Option<&ShiftParams>, _: Option<u32>) -> Result<UpdateReport> {
+        IswaCache::update(self, shift)
     }
 }

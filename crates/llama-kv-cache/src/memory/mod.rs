@@ -1,7 +1,7 @@
 //! Layer 5, today's memories as live caches: llama.cpp 0.1.161's attention cache
 //! (`llama_kv_cache`, [`attention`]) with its streams and its sliding window, and the
 //! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]), one face
-//! for every kind of live memory ([`kinds`]) and its parts ([`part`]), and what a model's
+//! for every kind of live memory ([`interface`], as llama.cpp's `llama_memory_i`) and its parts ([`part`]), and what a model's
 //! memory is before it is built ([`plan`]).
 //!
 //! Each stream of an attention cache is a [`KvCache`](crate::KvCache) of the layer below,
@@ -15,11 +15,13 @@
 pub mod attention;
 pub mod files;
 pub mod hybrid;
+pub mod interface;
 pub mod iswa;
-pub mod kinds;
 pub mod part;
 pub mod plan;
 pub mod recurrent;
+pub mod seed;
+pub mod streams;
 
 /// The window rule of a sliding-window cache (`llama_swa_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

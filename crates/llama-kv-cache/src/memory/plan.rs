@@ -3,17 +3,19 @@
 //! context (and the CLI print its table) without reserving anything. The iSWA and hybrid
 //! memories are built from the same part plans.
 
+use crate::cache::KvCache;
 use crate::error::Result;
 use crate::memory::attention::Window;
 use crate::memory::hybrid::HybridPlan;
-use crate::memory::iswa::{ContextParams, IswaParams};
+use crate::memory::interface::Memory;
+use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
 use crate::model::{MemoryKind, ModelInfo};
 use crate::params::CacheParams;
 use crate::state::parts::PartRole;
 
 /// Which memory a model gets in a context, before anything is built: the one decision that
-/// [`Memory::for_model`](crate::Memory::for_model) builds from and [`MemoryPlan`] sizes.
+/// [`memory_for_model`] builds from and [`MemoryPlan`] sizes.
 pub struct MemoryBlueprint(pub(crate) Blueprint);
 
 /// The memories a model can get, with what each is built from.
@@ -29,7 +31,27 @@ pub(crate) enum Blueprint {
     Hybrid(HybridPlan),
 }
 
+/// The memory `KvCache.fromModel` builds in host memory for `model` in `ctx`: llama.cpp
+/// 0.1.161's iSWA or hybrid memory (a hybrid's attention part iSWA where its layers use a
+/// window), for a unified model in a context of a stream per sequence 0.1.161's
+/// `llama_kv_cache` of those streams, and otherwise for a unified or recurrent model the
+/// seed's cache of [`ModelInfo::cache_params`]. Refused for the memories with an indexer
+/// cache.
+pub fn memory_for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<Box<dyn Memory>> {
+    MemoryBlueprint::for_model(model, ctx)?.build()
+}
+
 impl MemoryBlueprint {
+    /// Builds the memory in host memory.
+    pub fn build(self) -> Result<Box<dyn Memory>> {
+        Ok(match self.0 {
+            Blueprint::Seed(p) => Box::new(KvCache::new(p)?),
+            Blueprint::Streams(p) => Box::new(p.build()?),
+            Blueprint::Iswa(p) => Box::new(IswaCache::new(p)?),
+            Blueprint::Hybrid(p) => Box::new(p.build()?),
+        })
+    }
+
     /// The memory `KvCache.fromModel` builds for `model` in `ctx`, refused where building it
     /// is (an indexer memory, K/V types the context refuses, a bad context).
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<MemoryBlueprint> {
@@ -73,7 +95,7 @@ impl MemoryBlueprint {
     /// The memory it builds, sized.
     pub fn plan(&self) -> Result<MemoryPlan> {
         let (kind, parts) = match &self.0 {
-            Blueprint::Streams(p) => ("kv", vec![p.info(|il| il)?]),
+            Blueprint::Streams(p) => ("kv-streams", vec![p.info(|il| il)?]),
             Blueprint::Iswa(p) => (
                 "iswa",
                 p.plans()?
@@ -98,14 +120,15 @@ impl MemoryBlueprint {
 /// The memory llama.cpp 0.1.161 gives a model in a context, before it is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
-    /// The kind the live memory reports: `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
+    /// The kind the live memory reports: `"kv"`, `"recurrent"`, `"kv-streams"`, `"iswa"` or
+    /// `"hybrid"`.
     pub kind: &'static str,
     /// Its parts, in state order, with no cell used.
     pub parts: Vec<PartInfo>,
 }
 
 impl MemoryPlan {
-    /// What [`Memory::for_model`](crate::Memory::for_model) builds for `model` in `ctx`,
+    /// What [`memory_for_model`] builds for `model` in `ctx`,
     /// refused where building it is (an indexer memory, a bad context).
     pub fn for_model(model: &ModelInfo, ctx: &ContextParams) -> Result<MemoryPlan> {
         MemoryBlueprint::for_model(model, ctx)?.plan()

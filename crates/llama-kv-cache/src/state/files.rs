@@ -301,6 +301,16 @@ pub struct WriteOptions {
     pub n_stream: u32,
 }
 
+impl WriteOptions {
+    /// The default options with payload layout `layout`.
+    pub fn of_layout(layout: Layout) -> WriteOptions {
+        WriteOptions {
+            layout,
+            ..WriteOptions::default()
+        }
+    }
+}
+
 impl Default for WriteOptions {
     fn default() -> Self {
         WriteOptions {

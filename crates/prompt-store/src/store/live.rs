@@ -18,7 +18,7 @@ use crate::shape::{FileFormat, KvShape};
 
 /// The format `write_file` defaults to for a store filled by `put` of a live memory of
 /// today's kinds: the sequence file of llama.cpp 0.1.161, whose era these memories are.
-fn parts_format(memory: &Memory) -> FileFormat {
+fn parts_format(memory: &dyn Memory) -> FileFormat {
     let kind = FileKind::Sequence;
     FileFormat {
         kind,
@@ -30,7 +30,7 @@ fn parts_format(memory: &Memory) -> FileFormat {
 }
 
 /// The first attention part's cache (today's memories always have one).
-fn first_stream(memory: &Memory) -> Option<&KvCache> {
+fn first_stream(memory: &dyn Memory) -> Option<&KvCache> {
     memory
         .attention_streams(0)
         .ok()
@@ -41,19 +41,19 @@ impl PromptStore {
     /// [`PromptStore::put`] of sequence `seq` of a live memory of any kind.
     pub fn put_memory(
         &self,
-        memory: &Memory,
+        memory: &dyn Memory,
         seq: i32,
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<PutReport> {
-        if let Memory::Kv(c) = memory {
+        if let Some(c) = memory.seed() {
             return self.put(c, seq, tokens, progress);
         }
         let _timer = self.latency.put.start();
-        let capture = match memory {
+        let capture = match memory.state_kind() {
             // a unified model's cache of a stream per sequence: the stream holding `seq` is a
             // cache of that model, whose blocks a one-stream cache's put makes too
-            Memory::Streams(_) => {
+            MemoryKind::Unified => {
                 let (_, _, stream) = memory.attention_streams(seq)?[0];
                 Capture::of_cache(stream, seq, tokens.len())?
             }
@@ -68,12 +68,12 @@ impl PromptStore {
     /// without one (never written, or evicted from a shared store) nothing is restored.
     pub fn restore_memory(
         &self,
-        memory: &mut Memory,
+        memory: &mut dyn Memory,
         seq: i32,
         tokens: &[i32],
         progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {
-        if let Memory::Kv(c) = memory {
+        if let Some(c) = memory.seed_mut() {
             return self.restore(c, seq, tokens, progress);
         }
         let _timer = self.latency.restore.start();
@@ -105,7 +105,7 @@ impl PromptStore {
     /// parts; a recurrent part's size is checked by the read) and returns how its payload
     /// is written: V transposed as the memory keeps it, a window cache given only the window
     /// when it is smaller than the base cache.
-    fn live_target(&self, bound: &Bound, memory: &Memory, seq: i32) -> StoreResult<Target> {
+    fn live_target(&self, bound: &Bound, memory: &dyn Memory, seq: i32) -> StoreResult<Target> {
         let parts = memory.attention_streams(seq)?;
         let shape_of = |roles: &[PartRole]| -> StoreResult<Option<KvShape>> {
             parts
@@ -121,11 +121,7 @@ impl PromptStore {
                 .transpose()
         };
         let mut live = bound.shape.clone();
-        live.memory = match memory {
-            Memory::Iswa(_) => MemoryKind::Iswa,
-            Memory::Kv(_) | Memory::Streams(_) => MemoryKind::Unified,
-            Memory::Hybrid(_) => MemoryKind::Hybrid,
-        };
+        live.memory = memory.state_kind();
         live.main = shape_of(&[PartRole::Base, PartRole::Attention, PartRole::Whole])?;
         live.swa = shape_of(&[PartRole::Swa])?;
         if live != bound.shape {
