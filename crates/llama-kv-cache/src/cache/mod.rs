@@ -8,6 +8,7 @@
 //! May import every layer below (`cells`, `tensors`, `model`, `state` and the base modules).
 
 pub mod convert;
+mod convert_input;
 pub mod defrag;
 pub mod files;
 pub mod io;
