@@ -834,7 +834,7 @@ mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model a
 mtest('fromModel of a unified model with kvUnified: false builds llama.cpp 0.1.161\'s cache of a stream per sequence, and reads and writes its split files byte for byte', async (t) => {
   const make = (options) => KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 32, nSeqMax: 2, kvUnified: false, ...options })
   const c = make()
-  t.is(c.kind, 'kv')
+  t.is(c.kind, 'kv-streams')
   t.deepEqual(c.parts.map((p) => [p.role, p.size, p.nStream]), [['whole', 256, 2]])
   // 0.1.161's own session and sequence files of a split context (its default kv_unified)
   const peer = path.join(FIXTURES, 't161', 't161-h16-f16-par2-split.ggsn')

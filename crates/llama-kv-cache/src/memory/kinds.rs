@@ -96,11 +96,13 @@ impl Memory {
         })
     }
 
-    /// `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
+    /// `"kv"`, `"recurrent"`, `"iswa"`, `"hybrid"` or `"kv-streams"` (a stream per sequence:
+    /// not the seed's one-stream cache, so the seed's own calls refuse it).
     pub fn kind(&self) -> &'static str {
         match self {
             Memory::Kv(c) if c.recurrent() => "recurrent",
-            Memory::Kv(_) | Memory::Streams(_) => "kv",
+            Memory::Kv(_) => "kv",
+            Memory::Streams(_) => "kv-streams",
             Memory::Iswa(_) => "iswa",
             Memory::Hybrid(_) => "hybrid",
         }

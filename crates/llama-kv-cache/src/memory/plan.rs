@@ -73,7 +73,7 @@ impl MemoryBlueprint {
     /// The memory it builds, sized.
     pub fn plan(&self) -> Result<MemoryPlan> {
         let (kind, parts) = match &self.0 {
-            Blueprint::Streams(p) => ("kv", vec![p.info(|il| il)?]),
+            Blueprint::Streams(p) => ("kv-streams", vec![p.info(|il| il)?]),
             Blueprint::Iswa(p) => (
                 "iswa",
                 p.plans()?
@@ -98,7 +98,8 @@ impl MemoryBlueprint {
 /// The memory llama.cpp 0.1.161 gives a model in a context, before it is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
-    /// The kind the live memory reports: `"kv"`, `"recurrent"`, `"iswa"` or `"hybrid"`.
+    /// The kind the live memory reports: `"kv"`, `"recurrent"`, `"iswa"`, `"hybrid"` or
+    /// `"kv-streams"`.
     pub kind: &'static str,
     /// Its parts, in state order, with no cell used.
     pub parts: Vec<PartInfo>,
