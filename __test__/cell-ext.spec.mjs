@@ -12,7 +12,7 @@ import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, modelInfo, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, PromptStore, modelInfoSync, inspectState, convertStateFileSync } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const MODELS = path.join(HERE, '..', 'interop', 'models')
@@ -38,11 +38,11 @@ function occupied(cache) {
 const extCache = (o = {}) =>
   new KvCache({ size: 16, nLayer: 2, nEmbdKGqa: 8, nSeqMax: 2, cellExt: 'pos2-tok', mrope: true, ...o })
 
-test('modelInfo and fromModel: an M-RoPE model keeps pos2-tok cells and cannot shift', (t) => {
-  const info = modelInfo(path.join(MODELS, 'qwen2vl.gguf'))
+test('modelInfoSync and fromModel: an M-RoPE model keeps pos2-tok cells and cannot shift', (t) => {
+  const info = modelInfoSync(path.join(MODELS, 'qwen2vl.gguf'))
   t.is(info.cellExt, 'pos2-tok')
   t.is(info.rope.type, 'mrope')
-  t.is(modelInfo(path.join(MODELS, 'llama-h16.gguf')).cellExt, 'none')
+  t.is(modelInfoSync(path.join(MODELS, 'llama-h16.gguf')).cellExt, 'none')
   const cache = KvCache.fromModel(path.join(MODELS, 'qwen2vl.gguf'), { nCtx: 32, nSeqMax: 2 })
   t.is(cache.cellExt, 'pos2-tok')
   t.true(cache.mrope)
@@ -97,14 +97,22 @@ test('the packed forms take the extensions as one Int32Array, as a decode loop r
   const pos = Int32Array.of(0, 1)
   const seqIds = Int32Array.of(0, 0)
   t.is(cache.findSlotPacked(pos, seqIds, null, 1, Int32Array.of(5, 6, -1, 1, 1, 300)), 0)
-  t.is(cache.prepareBatchPacked(Int32Array.of(2), Int32Array.of(0), null, 1, {}, Int32Array.of(9, 9, 301)), 2)
+  t.is(cache.prepareBatchPacked(Int32Array.of(2), Int32Array.of(0), null, 1, { ext: Int32Array.of(9, 9, 301) }), 2)
+  // the deprecated trailing argument, for one minor version
+  t.is(cache.prepareBatchPacked(Int32Array.of(3), Int32Array.of(0), null, 1, {}, Int32Array.of(7, 7, 302)), 3)
   t.deepEqual(occupied(cache), [
     [0, [0], [5, 6, -1]],
     [1, [0], [1, 1, 300]],
     [2, [0], [9, 9, 301]],
+    [3, [0], [7, 7, 302]],
   ])
+  t.throws(
+    () => cache.prepareBatchPacked(Int32Array.of(4), Int32Array.of(0), null, 1, { ext: Int32Array.of(1, 1, 1) }, Int32Array.of(1, 1, 1)),
+    code('ERR_KV_INVALID_ARG', /ext is given twice/),
+  )
+  t.throws(() => cache.prepareBatchPacked(Int32Array.of(4), Int32Array.of(0), null, 1, { exts: Int32Array.of(1, 1, 1) }), code('ERR_KV_INVALID_ARG', /exts/))
   t.throws(() => cache.findSlotPacked(pos, seqIds, null, 1, Int32Array.of(1, 2, 3)), code('ERR_KV_INVALID_ARG', /1 cell extensions for 2 tokens/))
-  t.is(cache.usedCells, 3)
+  t.is(cache.usedCells, 4)
 })
 
 test('bad cell extensions are coded errors that name the value, and change nothing', (t) => {
@@ -138,10 +146,10 @@ test('a cache without extensions refuses an M-RoPE file by name and stays as it 
   t.deepEqual(occupied(plain), before)
 })
 
-test('convertStateFile keeps the extension in the form of the output version', (t) => {
-  convertStateFile(fixture('qwen2vl.ggsn'), tmp('v9.ggsn'), { version: 9 })
+test('convertStateFileSync keeps the extension in the form of the output version', (t) => {
+  convertStateFileSync(fixture('qwen2vl.ggsn'), tmp('v9.ggsn'), { version: 9 })
   t.is(inspectState(tmp('v9.ggsn')).cellExt, 'pos2')
-  convertStateFile(fixture('qwen2vl.ggsn'), tmp('v11.ggsn'), { version: 11 })
+  convertStateFileSync(fixture('qwen2vl.ggsn'), tmp('v11.ggsn'), { version: 11 })
   t.true(fs.readFileSync(tmp('v11.ggsn')).equals(fs.readFileSync(fixture('qwen2vl.ggsn'))))
 })
 

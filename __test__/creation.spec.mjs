@@ -43,7 +43,7 @@ test('creating a 16 GiB cache runs no garbage collection and commits no tensor m
     const t0 = process.hrtime.bigint()
     const caches = [16384, 131072].map((size) => new KvCache({ size, nLayer: 32, nEmbdKGqa: 1024 }))
     const ms = Number(process.hrtime.bigint() - t0) / 1e6
-    console.log('@@' + JSON.stringify({ ms, rssMiB: (kb() - before) / 1024, gib: caches.map((c) => c.totalSize / 2 ** 30) }))
+    console.log('@@' + JSON.stringify({ ms, rssMiB: (kb() - before) / 1024, gib: caches.map((c) => c.totalBytes / 2 ** 30) }))
   `
   const r = spawnSync(process.execPath, ['--trace-gc', '-e', script], { encoding: 'utf8' })
   t.is(r.status, 0, r.stderr)

@@ -9,7 +9,7 @@ import { execFileSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, inspectState, convertStateFile, checkState } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFileSync, checkState } = require('../index.js')
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 const FIXTURES = path.join(HERE, 'fixtures', 'dsv4')
 const CLI = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
@@ -64,27 +64,27 @@ test('checkState: a dsv4 state fits its model and names the memory for another',
   t.true(other.reasons.some((r) => r.field === 'memory' && r.state === 'dsv4' && r.model === 'dsa'))
 })
 
-test('convertStateFile writes a dsv4 state back byte for byte, takes a sequence out of a session, and refuses a re-typing by name', (t) => {
+test('convertStateFileSync writes a dsv4 state back byte for byte, takes a sequence out of a session, and refuses a re-typing by name', (t) => {
   const dir = tmp()
   const back = path.join(dir, 'back.ggsn')
-  convertStateFile(SESSION, back)
+  convertStateFileSync(SESSION, back)
   t.true(fs.readFileSync(back).equals(fs.readFileSync(SESSION)))
   const one = path.join(dir, 'seq1.ggsq')
-  convertStateFile(SESSION, one, { seqId: 1 })
+  convertStateFileSync(SESSION, one, { seqId: 1 })
   const info = inspectState(one)
   t.is(info.format, 'sequence')
   t.deepEqual(info.compressed.sections.map((s) => [s.nStream, s.nRows]), [[1, 33], [1, 1], [1, 33], [1, 8], [1, 128], [1, 8]])
   // with the model's window (8), the sequence is the peer's own save of it, byte for byte
   const windowed = path.join(dir, 'seq1-window.ggsq')
-  convertStateFile(SESSION, windowed, { seqId: 1, swaWindow: 8 })
+  convertStateFileSync(SESSION, windowed, { seqId: 1, swaWindow: 8 })
   const payload = (f) => fs.readFileSync(f).subarray(12 + 4 * inspectState(f).nTokens)
   t.true(payload(windowed).equals(payload(SEQUENCE)))
   t.true(fs.statSync(windowed).size < fs.statSync(one).size)
   // the part option takes the raw window cache alone, as a file of one memory
   const swa = path.join(dir, 'swa.ggsq')
-  convertStateFile(SEQUENCE, swa, { part: 'swa' })
+  convertStateFileSync(SEQUENCE, swa, { part: 'swa' })
   t.is(inspectState(swa).memory, 'unified')
-  const e = t.throws(() => convertStateFile(SEQUENCE, path.join(dir, 'q8.ggsq'), { typeK: 'q8_0' }))
+  const e = t.throws(() => convertStateFileSync(SEQUENCE, path.join(dir, 'q8.ggsq'), { typeK: 'q8_0' }))
   t.is(e.code, 'ERR_KV_UNSUPPORTED')
   t.regex(e.message, /re-typing.*dsv4/)
   t.false(fs.existsSync(path.join(dir, 'q8.ggsq')))

@@ -1,4 +1,4 @@
-// inspectState and convertStateFile on files: a path is described from its metadata only, and
+// inspectState and convertStateFileSync on files: a path is described from its metadata only, and
 // converted layer by layer, so neither costs memory in proportion to the file.
 import test from 'ava'
 import fs from 'node:fs'
@@ -91,13 +91,13 @@ function bigSequenceFile(file, cells) {
   return fs.statSync(file).size
 }
 
-test('convertStateFile reports progress after each layer up to the output size', (t) => {
-  const { convertStateFile } = require('../index.js')
+test('convertStateFileSync reports progress after each layer up to the output size', (t) => {
+  const { convertStateFileSync } = require('../index.js')
   const dir = tmp()
   const src = path.join(FIXTURES, 't161', 't161-gemma3-swa.ggsn')
   const out = path.join(dir, 'out.ggsn')
   const seen = []
-  convertStateFile(src, out, { version: 10, onProgress: (done, total) => seen.push([done, total]) })
+  convertStateFileSync(src, out, { version: 10, onProgress: (done, total) => seen.push([done, total]) })
   const size = fs.statSync(out).size
   t.true(seen.length >= 4, `${seen.length} progress calls`)
   t.true(seen.every(([d, tot], i) => tot === size && d <= tot && (i === 0 || d >= seen[i - 1][0])))
@@ -106,12 +106,12 @@ test('convertStateFile reports progress after each layer up to the output size',
   fs.rmSync(dir, { recursive: true })
 })
 
-test('convertStateFile: an onProgress that throws stops it with ERR_KV_ABORTED, leaving the old output and no litter', (t) => {
-  const { convertStateFile } = require('../index.js')
+test('convertStateFileSync: an onProgress that throws stops it with ERR_KV_ABORTED, leaving the old output and no litter', (t) => {
+  const { convertStateFileSync } = require('../index.js')
   const dir = tmp()
   const out = path.join(dir, 'out.ggsq')
   fs.writeFileSync(out, 'old')
-  const e = t.throws(() => convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, {
+  const e = t.throws(() => convertStateFileSync(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, {
     typeK: 'f32',
     onProgress: () => { throw new Error('stop here') },
   }))
@@ -119,19 +119,19 @@ test('convertStateFile: an onProgress that throws stops it with ERR_KV_ABORTED, 
   t.regex(e.message, /stop here/)
   t.deepEqual(fs.readdirSync(dir), ['out.ggsq'])
   t.is(fs.readFileSync(out, 'utf8'), 'old')
-  const bad = t.throws(() => convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, { onProgress: 3 }))
+  const bad = t.throws(() => convertStateFileSync(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), out, { onProgress: 3 }))
   t.is(bad.code, 'ERR_KV_INVALID_ARG')
   fs.rmSync(dir, { recursive: true })
 })
 
-test('convertStateFile streams: converting a 256 MiB file to q8_0 K grows RSS by under 48 MiB', (t) => {
+test('convertStateFileSync streams: converting a 256 MiB file to q8_0 K grows RSS by under 48 MiB', (t) => {
   const dir = tmp()
   const src = path.join(dir, 'big.ggsq')
   const size = bigSequenceFile(src, 4096)
   t.true(size > 256 * 2 ** 20)
   const out = path.join(dir, 'out.ggsq')
   const { result, grew } = inChild(`
-    addon.convertStateFile(file, ${JSON.stringify(out)}, { typeK: 'q8_0', version: 2 })
+    addon.convertStateFileSync(file, ${JSON.stringify(out)}, { typeK: 'q8_0', version: 2 })
     return addon.inspectState(${JSON.stringify(out)}).layers[0]`, src)
   t.is(result.kType, 'q8_0')
   t.is(result.vType, 'f16')
@@ -143,12 +143,12 @@ test('convertStateFile streams: converting a 256 MiB file to q8_0 K grows RSS by
 const CLI = path.join(HERE, '..', 'bin', 'llama-kv-cache.js')
 const T161_H16 = path.join(FIXTURES, 't161', 't161-h16-f16.ggsn')
 
-/** What convertStateFile itself writes for `src` at `version`: the CLI must write the same bytes. */
+/** What convertStateFileSync itself writes for `src` at `version`: the CLI must write the same bytes. */
 function convertedBytes(src, version) {
-  const { convertStateFile } = require('../index.js')
+  const { convertStateFileSync } = require('../index.js')
   const dir = tmp()
   const out = path.join(dir, 'expected.ggsn')
-  convertStateFile(src, out, { version })
+  convertStateFileSync(src, out, { version })
   const bytes = fs.readFileSync(out)
   fs.rmSync(dir, { recursive: true })
   return bytes

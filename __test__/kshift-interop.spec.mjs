@@ -39,7 +39,7 @@ import {
 } from '../interop/kshift-lib.mjs'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, modelInfo } = require('../index.js')
+const { KvCache, inspectState, modelInfoSync } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
@@ -144,7 +144,7 @@ async function checkShift(t, { preFile, postFile, ops, nPast, rope, kvSize, type
   const slot = ours.prepareBatch({ pos: [pendingPos], seqIds: [0] })
   t.is(slot.head, firstFree, 'our slot search places the next token where llama.cpp did (first freed cell)')
   const cellOrder = [...keptOrig, firstFree].sort((a, b) => a - b).map((i) => (i === firstFree ? pendingPos : newPos[i]))
-  t.deepEqual(range(0, peer.cellMax()).map((i) => peer.cell(i).pos), cellOrder, "the peer's cells in cell order")
+  t.deepEqual(range(0, peer.cellEnd).map((i) => peer.cell(i).pos), cellOrder, "the peer's cells in cell order")
   const peerCells = cellsByPos(peer)
   for (let il = 0; il < ours.nLayer; il++) {
     ours.writeK(il, slot.head, peer.readK(il, peerCells.get(pendingPos), 1))
@@ -221,7 +221,7 @@ function registerPeerTests() {
       t.is(sha(path.join(INTEROP, 'models', c.side.model)), c.side.model_sha256, `interop/models/${c.side.model}: rerun python3 interop/make_models.py`)
       t.is(pkg(c.side.peer), c.side.peer_version)
       const { source: _, ...rope } = c.side.kshift.rope
-      t.deepEqual(ropeOfModel(path.join(INTEROP, 'models', c.side.model), modelInfo), rope, 'the sidecar rope = the GGUF metadata')
+      t.deepEqual(ropeOfModel(path.join(INTEROP, 'models', c.side.model), modelInfoSync), rope, 'the sidecar rope = the GGUF metadata')
     }
   })
 
@@ -248,7 +248,7 @@ function registerPeerTests() {
       t.is(nKeep, 0, `llama.node 1.7.15 keeps only BOS (n_keep 0${live.nKeep ? `, although completion() got n_keep ${live.nKeep}` : ''})`)
       t.is(nDiscard, (nPast - nKeep - 1) >> 1)
       t.is(nPast, live.side.n_ctx - 1)
-      const rope = ropeOfModel(path.join(INTEROP, 'models', live.model), modelInfo)
+      const rope = ropeOfModel(path.join(INTEROP, 'models', live.model), modelInfoSync)
       const ops = llamaNodeOps({ nKeep, nDiscard, nPast })
       if (live.side.kshift) {
         const f = live.side.kshift
@@ -358,7 +358,7 @@ function registerPeerTests() {
       t.deepEqual(r.shifted_tokens, r.pre_tokens.filter((_, p) => newPos[p] >= 0), "node-llama-cpp's token list after the erase")
       t.deepEqual(r.post_tokens, [...r.shifted_tokens, r.pending])
       t.deepEqual([inspectState(pre).tokens, inspectState(post).tokens], [r.pre_tokens, r.post_tokens])
-      const rope = ropeOfModel(path.join(INTEROP, 'models', model), modelInfo)
+      const rope = ropeOfModel(path.join(INTEROP, 'models', model), modelInfoSync)
       await checkShift(t, { preFile: pre, postFile: post, ops, nPast, rope, kvSize: 256, types: n.types })
 
       const files = oursShiftedFrom(`nlc-${n.name}`, { preFile: pre, ops, rope, kvSize: 256, types: n.types, tokens: r.shifted_tokens })

@@ -29,7 +29,7 @@ test('construction reports geometry and documented defaults', (t) => {
   t.false(c.recurrent)
   t.true(c.canShift)
   t.is(c.padding, 32)
-  t.is(c.totalSize, 2 * 2 * 64 * 32 * 2)
+  t.is(c.totalBytes, 2 * 2 * 64 * 32 * 2)
   t.is(c.sizeKBytes, c.sizeVBytes)
   t.is(c.rowSize(1, 'k'), 64)
   t.is(c.n, 64)
@@ -141,7 +141,7 @@ test('sequence operations mirror llama.cpp', (t) => {
   t.true(c.seqRm(-1))
   t.is(c.usedCells, 0)
   t.is(c.posMax, -1)
-  t.is(c.cellMax(), 0)
+  t.is(c.cellEnd, 0)
 })
 
 test('llama.node context shift keeps positions contiguous', (t) => {
@@ -333,7 +333,7 @@ test('without an NVIDIA driver CUDA is reported absent and refused cleanly', (t)
   code(t, () => make({ device: 'gpu' }), 'ERR_KV_INVALID_ARG')
   code(t, () => make({ device: ['cpu', 'cpu', 'cpu'] }), 'ERR_KV_INVALID_ARG')
   const c = make({ device: ['cpu', 'cpu'] })
-  t.deepEqual(c.bytesPerDevice, [{ device: 'cpu', bytes: c.totalSize }])
+  t.deepEqual(c.bytesPerDevice, [{ device: 'cpu', bytes: c.totalBytes }])
 })
 
 test('memory that cannot be allocated is ERR_KV_BACKEND, not an abort', (t) => {
@@ -376,9 +376,9 @@ test('clear() hands tensor memory back unless releaseMemory is false, and reads 
     const c = new KvCache({ ...o, ...options })
     t.is(c.releaseMemory, !kept)
     for (let l = 0; l < 4; l++) c.writeK(l, 0, rows)
-    t.is(c.residentBytes, c.totalSize / 2, 'the written K tensors count')
+    t.is(c.residentBytes, c.totalBytes / 2, 'the written K tensors count')
     c.clear()
-    t.is(c.residentBytes, kept ? c.totalSize / 2 : 0, JSON.stringify(options))
+    t.is(c.residentBytes, kept ? c.totalBytes / 2 : 0, JSON.stringify(options))
     t.true(c.readK(3, 4095, 1).every((b) => b === 0))
     c.dispose()
   }

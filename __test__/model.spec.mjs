@@ -1,4 +1,4 @@
-// Model-aware API: modelInfo, KvCache.fromModel, checkState and the `model` CLI, against the tiny models of
+// Model-aware API: modelInfoSync, KvCache.fromModel, checkState and the `model` CLI, against the tiny models of
 // interop/make_models.py and the peer fixtures made from them.
 import test from 'ava'
 import fs from 'node:fs'
@@ -9,7 +9,7 @@ import { createRequire } from 'node:module'
 import { fileURLToPath } from 'node:url'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, modelInfo, checkState, inspectState } = require('../index.js')
+const { KvCache, PromptStore, modelInfoSync, checkState, inspectState } = require('../index.js')
 
 const HERE = path.dirname(fileURLToPath(import.meta.url))
 const ROOT = path.resolve(HERE, '..')
@@ -35,34 +35,34 @@ async function settled(file) {
 
 // ---- input errors that need no model --------------------------------------------------------------------
 
-test('modelInfo: a missing file is ERR_KV_IO naming the path', (t) => {
-  t.throws(() => modelInfo(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
+test('modelInfoSync: a missing file is ERR_KV_IO naming the path', (t) => {
+  t.throws(() => modelInfoSync(tmp('absent.gguf')), code('ERR_KV_IO', /absent\.gguf/))
 })
 
-test('modelInfo: a file that is not GGUF is ERR_KV_INVALID_MODEL naming the magic', (t) => {
+test('modelInfoSync: a file that is not GGUF is ERR_KV_INVALID_MODEL naming the magic', (t) => {
   fs.writeFileSync(tmp('text.gguf'), 'hello, world')
-  t.throws(() => modelInfo(tmp('text.gguf')), code('ERR_KV_INVALID_MODEL', /magic/))
+  t.throws(() => modelInfoSync(tmp('text.gguf')), code('ERR_KV_INVALID_MODEL', /magic/))
 })
 
-test('modelInfo: a GGUF without general.architecture is ERR_KV_INVALID_MODEL naming the key', (t) => {
+test('modelInfoSync: a GGUF without general.architecture is ERR_KV_INVALID_MODEL naming the key', (t) => {
   const b = Buffer.alloc(24)
   b.write('GGUF', 0, 'latin1')
   b.writeUInt32LE(3, 4)
   fs.writeFileSync(tmp('empty.gguf'), b)
-  t.throws(() => modelInfo(tmp('empty.gguf')), code('ERR_KV_INVALID_MODEL', /general\.architecture/))
+  t.throws(() => modelInfoSync(tmp('empty.gguf')), code('ERR_KV_INVALID_MODEL', /general\.architecture/))
 })
 
-test('modelInfo: a metadata count past the end of the file is refused before allocating', (t) => {
+test('modelInfoSync: a metadata count past the end of the file is refused before allocating', (t) => {
   const b = Buffer.alloc(24)
   b.write('GGUF', 0, 'latin1')
   b.writeUInt32LE(3, 4)
   b.writeBigUInt64LE(0xffffffffffffn, 16)
   fs.writeFileSync(tmp('huge.gguf'), b)
-  t.throws(() => modelInfo(tmp('huge.gguf')), code('ERR_KV_INVALID_MODEL', /metadata count 281474976710655/))
+  t.throws(() => modelInfoSync(tmp('huge.gguf')), code('ERR_KV_INVALID_MODEL', /metadata count 281474976710655/))
 })
 
-test('modelInfo, fromModel and checkState: a model path that is not a string is ERR_KV_INVALID_ARG', (t) => {
-  t.throws(() => modelInfo(42), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got number/))
+test('modelInfoSync, fromModel and checkState: a model path that is not a string is ERR_KV_INVALID_ARG', (t) => {
+  t.throws(() => modelInfoSync(42), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got number/))
   t.throws(() => KvCache.fromModel(null), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got null/))
   t.throws(() => checkState(new Uint8Array(4), {}), code('ERR_KV_INVALID_ARG', /ggufPath must be a path string or a Buffer, got object/))
 })
@@ -84,8 +84,8 @@ if (missingModels.length > 0) {
 }
 const mtest = missingModels.length === 0 ? test : (title) => unregistered.push(title)
 
-mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba models', (t) => {
-  const h16 = modelInfo(model('llama-h16.gguf'))
+mtest('modelInfoSync reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba models', (t) => {
+  const h16 = modelInfoSync(model('llama-h16.gguf'))
   t.like(h16, { arch: 'llama', nLayer: 2, nEmbdHeadK: 16, nEmbdHeadV: 16, memory: 'unified' })
   t.deepEqual(h16.nEmbdKGqa, [32, 32])
   t.deepEqual(h16.layers[0], { nHead: 4, nHeadKv: 2, nEmbdKGqa: 32, nEmbdVGqa: 32, swa: false, memory: 'attention' })
@@ -93,18 +93,18 @@ mtest('modelInfo reads the geometry of the tiny llama, Mamba, Gemma 3 and Jamba 
   t.is(h16.bytesPerCell.f16, 2 * 2 * 32 * 2)
   t.is(h16.bytesPerCell.q8_0, 2 * 2 * 34)
 
-  const mamba = modelInfo(model('mamba.gguf'))
+  const mamba = modelInfoSync(model('mamba.gguf'))
   t.like(mamba, { arch: 'mamba', memory: 'recurrent' })
   t.like(mamba.recurrent, { ssmDConv: 4, ssmDInner: 128, ssmDState: 16, nEmbdKS: 384, nEmbdVS: 2048 })
   t.deepEqual([mamba.nEmbdKGqa, mamba.nEmbdVGqa], [[384, 384], [2048, 2048]])
   t.is(mamba.rope.type, 'none')
 
-  const gemma = modelInfo(model('gemma3-swa.gguf'))
+  const gemma = modelInfoSync(model('gemma3-swa.gguf'))
   t.like(gemma, { arch: 'gemma3', memory: 'iswa', unsupported: undefined })
   t.like(gemma.swa, { window: 4, pattern: 2, chunked: false, layers: [0] }) // its sliding_window_pattern key (as today's llama.cpp reads it)
   t.is(gemma.rope.type, 'neox')
 
-  const jamba = modelInfo(model('jamba.gguf'))
+  const jamba = modelInfoSync(model('jamba.gguf'))
   t.like(jamba, { arch: 'jamba', memory: 'hybrid', unsupported: undefined })
 })
 
@@ -135,17 +135,17 @@ function gguf(kv, tensors) {
   return Buffer.concat([head, Buffer.alloc((32 - (head.length % 32)) % 32), Buffer.alloc(offset)])
 }
 
-mtest('modelInfo().shift is the K-shift of update(): norm, NeoX and YaRN as llama.cpp 0.1.161 applies them', async (t) => {
-  const h16 = modelInfo(model('llama-h16.gguf'))
+mtest('modelInfoSync().shift is the K-shift of update(): norm, NeoX and YaRN as llama.cpp 0.1.161 applies them', async (t) => {
+  const h16 = modelInfoSync(model('llama-h16.gguf'))
   t.deepEqual(h16.shift, {
     rope: { headDim: 16, nHead: 2, nRot: 16, type: 'norm', freqBase: 10000, freqScale: 1, extFactor: 0, attnFactor: 1, betaFast: 32, betaSlow: 1, nCtxOrig: 256, dimsOffset: 0 },
     ropeLayers: [],
   })
-  t.is(modelInfo(model('qwen2-h64.gguf')).shift.rope.type, 'neox')
-  t.like(modelInfo(model('qwen2-h64-yarn.gguf')).shift.rope, { type: 'neox', freqScale: 0.25, extFactor: 1, attnFactor: 1, nCtxOrig: 64 })
-  t.like(modelInfo(model('llama-h64-yarn.gguf')).shift.rope, { type: 'norm', extFactor: 1, attnFactor: 1 - 2 ** -24, nCtxOrig: 64 })
-  t.is(modelInfo(model('mamba.gguf')).shift, undefined, 'no RoPE')
-  // a model whose RoPE needs its rope_freqs tensor: modelInfo does not read tensor data
+  t.is(modelInfoSync(model('qwen2-h64.gguf')).shift.rope.type, 'neox')
+  t.like(modelInfoSync(model('qwen2-h64-yarn.gguf')).shift.rope, { type: 'neox', freqScale: 0.25, extFactor: 1, attnFactor: 1, nCtxOrig: 64 })
+  t.like(modelInfoSync(model('llama-h64-yarn.gguf')).shift.rope, { type: 'norm', extFactor: 1, attnFactor: 1 - 2 ** -24, nCtxOrig: 64 })
+  t.is(modelInfoSync(model('mamba.gguf')).shift, undefined, 'no RoPE')
+  // a model whose RoPE needs its rope_freqs tensor: modelInfoSync does not read tensor data
   const llama = {
     'general.architecture': 'llama',
     'llama.context_length': 4096,
@@ -155,8 +155,8 @@ mtest('modelInfo().shift is the K-shift of update(): norm, NeoX and YaRN as llam
   }
   fs.writeFileSync(tmp('plain.gguf'), gguf(llama, []))
   fs.writeFileSync(tmp('freqs.gguf'), gguf(llama, [['rope_freqs.weight', 8]]))
-  t.is(modelInfo(tmp('plain.gguf')).shift.rope.headDim, 16)
-  const freqs = modelInfo(tmp('freqs.gguf'))
+  t.is(modelInfoSync(tmp('plain.gguf')).shift.rope.headDim, 16)
+  const freqs = modelInfoSync(tmp('freqs.gguf'))
   t.deepEqual(freqs.rope.factorTensors, ['rope_freqs.weight'])
   t.is(freqs.shift, undefined)
   // the options work as they are
@@ -168,46 +168,46 @@ mtest('modelInfo().shift is the K-shift of update(): norm, NeoX and YaRN as llam
   t.notDeepEqual(c.readKF32(0, 1, 1), new Float32Array(32).fill(1))
 })
 
-mtest('modelInfo reads the header only, and the fingerprint covers header and data size, or the whole file', async (t) => {
+mtest('modelInfoSync reads the header only, and the fingerprint covers header and data size, or the whole file', async (t) => {
   const file = model('llama-h32.gguf')
-  const a = modelInfo(file)
+  const a = modelInfoSync(file)
   t.true(a.bytesRead <= 64 * 1024 && a.bytesRead < a.fileSize, `read ${a.bytesRead} of ${a.fileSize}`)
   t.regex(a.fingerprint, /^blake3:[0-9a-f]{64}$/)
-  t.is(modelInfo(file).fingerprint, a.fingerprint, 'stable')
-  t.not(modelInfo(model('llama-h16.gguf')).fingerprint, a.fingerprint)
+  t.is(modelInfoSync(file).fingerprint, a.fingerprint, 'stable')
+  t.not(modelInfoSync(model('llama-h16.gguf')).fingerprint, a.fingerprint)
 
   // another weight: same header fingerprint, another file fingerprint
   const bytes = fs.readFileSync(file)
   const copy = tmp('h32-weight.gguf')
   bytes[bytes.length - 1] ^= 0xff
   fs.writeFileSync(copy, bytes)
-  t.is(modelInfo(copy).fingerprint, a.fingerprint)
-  const whole = modelInfo(copy, { hashFile: true }) // a new file version: read whole
+  t.is(modelInfoSync(copy).fingerprint, a.fingerprint)
+  const whole = modelInfoSync(copy, { hashFile: true }) // a new file version: read whole
   t.regex(whole.fingerprint, /^blake3-file:[0-9a-f]{64}$/)
   t.is(whole.bytesRead >= whole.fileSize, true)
-  t.true(modelInfo(copy, { hashFile: true }).bytesRead >= whole.fileSize, 'a file changed this instant is not remembered')
+  t.true(modelInfoSync(copy, { hashFile: true }).bytesRead >= whole.fileSize, 'a file changed this instant is not remembered')
   await settled(copy)
-  t.is(modelInfo(copy, { hashFile: true }).bytesRead >= whole.fileSize, true) // hashed once it settled, and remembered
-  const again = modelInfo(copy, { hashFile: true }) // remembered for this version
+  t.is(modelInfoSync(copy, { hashFile: true }).bytesRead >= whole.fileSize, true) // hashed once it settled, and remembered
+  const again = modelInfoSync(copy, { hashFile: true }) // remembered for this version
   t.is(again.fingerprint, whole.fingerprint)
   t.true(again.bytesRead < again.fileSize, `read ${again.bytesRead}`)
-  t.not(modelInfo(file, { hashFile: true }).fingerprint, whole.fingerprint)
+  t.not(modelInfoSync(file, { hashFile: true }).fingerprint, whole.fingerprint)
 
   // another header (general.name's last byte): another fingerprint
   const renamed = fs.readFileSync(file)
   const at = renamed.indexOf('llama-h32', 0, 'latin1')
   renamed[at + 8] = '9'.charCodeAt(0)
   fs.writeFileSync(tmp('h39.gguf'), renamed)
-  t.not(modelInfo(tmp('h39.gguf')).fingerprint, a.fingerprint)
+  t.not(modelInfoSync(tmp('h39.gguf')).fingerprint, a.fingerprint)
 })
 
-mtest('modelInfo: every truncation of a real model is ERR_KV_INVALID_MODEL', (t) => {
+mtest('modelInfoSync: every truncation of a real model is ERR_KV_INVALID_MODEL', (t) => {
   const bytes = fs.readFileSync(model('llama-h16.gguf'))
-  const header = modelInfo(model('llama-h16.gguf')).headerSize
+  const header = modelInfoSync(model('llama-h16.gguf')).headerSize
   const cuts = [0, 3, 4, 20, 24, 100, 1000, header - 1, header, header + 1, bytes.length - 1]
   for (const n of cuts) {
     fs.writeFileSync(tmp('cut.gguf'), bytes.subarray(0, n))
-    t.throws(() => modelInfo(tmp('cut.gguf')), code('ERR_KV_INVALID_MODEL'), `cut at ${n}`)
+    t.throws(() => modelInfoSync(tmp('cut.gguf')), code('ERR_KV_INVALID_MODEL'), `cut at ${n}`)
   }
 })
 
@@ -227,7 +227,7 @@ const ALL_MODELS = MODEL_FILES
  * either model (llama-h32 and llama-h64 both have 64-wide K rows; llama-h64 and qwen2-h64 the same cache).
  */
 function indistinguishable(a, b, file) {
-  const [x, y] = [modelInfo(model(a)), modelInfo(model(b))]
+  const [x, y] = [modelInfoSync(model(a)), modelInfoSync(model(b))]
   const state = inspectState(file)
   const rotated = (state.nRotK ?? 0) > 0
   return x.memory === y.memory &&
@@ -331,14 +331,14 @@ mtest('fromModel pads the context like llama.cpp 0.1.161, defaults to the traine
   t.is(a.rowSize(1, 'k'), 64)
   const b = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 100, flashAttn: true })
   t.is(b.size, 256)
-  t.is(KvCache.fromModel(model('llama-h16.gguf')).size, modelInfo(model('llama-h16.gguf')).nCtxTrain)
+  t.is(KvCache.fromModel(model('llama-h16.gguf')).size, modelInfoSync(model('llama-h16.gguf')).nCtxTrain)
   const m = KvCache.fromModel(model('mamba.gguf'), { nCtx: 4096, nSeqMax: 3, typeK: 'f32', typeV: 'f32' })
   t.like(m, { size: 3, recurrent: true, canShift: false })
   t.is(m.rowSize(0, 'v'), 2048 * 4)
 })
 
 mtest('fromModel remembers the RoPE: update() shifts K exactly as update({ rope }) from the GGUF does', async (t) => {
-  const info = modelInfo(model('llama-h32.gguf'))
+  const info = modelInfoSync(model('llama-h32.gguf'))
   const rope = { headDim: info.nEmbdHeadK, nHead: info.layers[0].nHeadKv, nRot: info.rope.nRot, type: info.rope.type, freqBase: info.rope.freqBase }
   const made = () => {
     const c = KvCache.fromModel(model('llama-h32.gguf'), { nCtx: 64 })
@@ -380,7 +380,7 @@ mtest('PromptStore with model: a GGUF path keys its blocks by the hash of the wh
   // the same store opened with the fingerprint itself, or with a copy of the file, finds the blocks
   const copy = tmp('copy.gguf')
   fs.copyFileSync(file, copy)
-  t.is(new PromptStore({ model: modelInfo(file, { hashFile: true }).fingerprint, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
+  t.is(new PromptStore({ model: modelInfoSync(file, { hashFile: true }).fingerprint, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
   t.is(new PromptStore({ model: copy, path: dir, blockTokens: 16 }).lookupSync(tokens), 64)
   // another model, or the path string taken literally, does not
   t.is(new PromptStore({ model: model('llama-h32.gguf'), path: dir, blockTokens: 16 }).lookupSync(tokens), 0)
@@ -442,7 +442,7 @@ mtest('a_model_swapped_in_place_is_a_miss: rewritten with its old size and mtime
   const cache = KvCache.fromModel(file, { nCtx: 64 })
   cache.prepareBatch({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
   t.like(await new PromptStore({ model: file, path: dir, blockTokens: 16 }).put(cache, 0, tokens), { blocksWritten: 2 })
-  t.is(modelInfo(file, { hashFile: true }).bytesRead < original.length, true, 'the hash is remembered')
+  t.is(modelInfoSync(file, { hashFile: true }).bytesRead < original.length, true, 'the hash is remembered')
   // another model's weights of the same size, written into the same file, its mtime put back
   // as `touch -r` does (to the nanosecond)
   const stamp = tmp('swapped.stamp')
@@ -565,7 +565,7 @@ mtest('fromModel gives a sliding-window model an iSWA memory sized as llama.cpp 
 })
 
 mtest('fromModel of Mamba removes as llama.cpp 0.1.161 does, a recurrent cache of the seed as the seed does', (t) => {
-  const info = modelInfo(model('mamba.gguf'))
+  const info = modelInfoSync(model('mamba.gguf'))
   const today = KvCache.fromModel(model('mamba.gguf'), { nSeqMax: 2, typeK: 'f32', typeV: 'f32' })
   const { nEmbdKS, nEmbdVS } = info.recurrent
   const seed = new KvCache({ size: 2, nLayer: info.nLayer, nEmbdKGqa: 0, nEmbdVGqa: 0, nEmbdKS, nEmbdVS, recurrent: true, nSeqMax: 2, typeK: 'f32', typeV: 'f32' })
@@ -683,12 +683,12 @@ mtest('an iSWA memory shifts positions only with swaFull, as llama.cpp 0.1.161 a
   t.throws(() => c.padding, code('ERR_KV_UNSUPPORTED', /^padding is an operation/))
   // the tensor sizes are every kind's: the sum over the parts (and their streams)
   const full = gemma({ swaFull: true })
-  t.true(c.sizeKBytes > 0 && c.totalSize === c.sizeKBytes + c.sizeVBytes)
-  t.true(full.totalSize > c.totalSize, 'a window cache of every position is larger')
+  t.true(c.sizeKBytes > 0 && c.totalBytes === c.sizeKBytes + c.sizeVBytes)
+  t.true(full.totalBytes > c.totalBytes, 'a window cache of every position is larger')
   const jamba = KvCache.fromModel(model('jamba.gguf'), { nCtx: 256 })
   const attention = KvCache.fromModel(model('llama-h16.gguf'), { nCtx: 256 })
-  t.true(jamba.totalSize > 0 && jamba.totalSize === jamba.sizeKBytes + jamba.sizeVBytes)
-  t.true(attention.totalSize > 0)
+  t.true(jamba.totalBytes > 0 && jamba.totalBytes === jamba.sizeKBytes + jamba.sizeVBytes)
+  t.true(attention.totalBytes > 0)
   t.throws(() => c.readVF32(0, 0, 1), code('ERR_KV_UNSUPPORTED', /^readVF32 is an operation/))
   t.throws(() => c.createStateReadStream(0), code('ERR_KV_UNSUPPORTED', /^createStateReadStream is an operation/))
   t.throws(() => c.readRows(2, 'k', [0]), code('ERR_KV_OUT_OF_RANGE', /layer 2/))
@@ -810,7 +810,7 @@ mtest('KvCache.planMemory is the memory fromModel builds, for every tiny model a
       const c = KvCache.fromModel(model(name), options)
       t.is(plan.kind, c.kind, name)
       t.deepEqual(plan.parts, c.parts, `${name} ${JSON.stringify(options)}`)
-      t.is(plan.bytes, c.totalSize, name)
+      t.is(plan.bytes, c.totalBytes, name)
       t.is(plan.bytes, plan.parts.reduce((sum, p) => sum + p.bytes, 0))
       c.dispose()
       planned++
@@ -948,7 +948,7 @@ mtest('an LFM2 model with a window gets a hybrid-iSWA memory: a base cache witho
 })
 
 mtest('Qwen3.5 gets a hybrid memory split by its attention interval, its attention cells keeping M-RoPE\'s extension', (t) => {
-  const info = modelInfo(model('qwen35.gguf'))
+  const info = modelInfoSync(model('qwen35.gguf'))
   // every layer has KV heads: only `full_attention_interval` (2) tells the gated delta nets
   t.like(info, { arch: 'qwen35', memory: 'hybrid', unsupported: undefined, cellExt: 'pos2-tok' })
   t.deepEqual(info.layers.map((l) => [l.nHeadKv, l.memory]), [[1, 'recurrent'], [1, 'attention'], [1, 'recurrent'], [1, 'attention']])
@@ -975,7 +975,7 @@ mtest('Qwen3.5 gets a hybrid memory split by its attention interval, its attenti
 })
 
 mtest('Nemotron-H\'s MLP-only layer is in neither part of its hybrid memory, and a layer index there says so', (t) => {
-  const info = modelInfo(model('nemotron-h.gguf'))
+  const info = modelInfoSync(model('nemotron-h.gguf'))
   t.deepEqual(info.layers.map((l) => l.memory), ['recurrent', 'attention', 'neither'])
   // Mamba-2: (4 - 1) x (64 + 2 x 2 x 8) conv channels, 8 x 64 SSM state
   t.like(info.recurrent, { ssmNGroup: 2, nEmbdKS: 288, nEmbdVS: 512 })
@@ -986,7 +986,7 @@ mtest('Nemotron-H\'s MLP-only layer is in neither part of its hybrid memory, and
 })
 
 mtest('Falcon-H1 keeps every layer in both parts: \'k\'/\'v\' name its attention rows, \'r\'/\'s\' its Mamba-2 state', (t) => {
-  const info = modelInfo(model('falcon-h1.gguf'))
+  const info = modelInfoSync(model('falcon-h1.gguf'))
   t.deepEqual(info.layers.map((l) => l.memory), ['both', 'both'])
   t.like(info, { memory: 'hybrid', unsupported: undefined })
   const c = KvCache.fromModel(model('falcon-h1.gguf'), { nCtx: 32 })
@@ -1024,8 +1024,8 @@ mtest('Falcon-H1 keeps every layer in both parts: \'k\'/\'v\' name its attention
 })
 
 mtest('fromModel of a multi-head latent attention model keeps no V, as 0.1.161 does, and reads its peer files byte for byte', (t) => {
-  t.like(modelInfo(model('deepseek2-mla.gguf')), { arch: 'deepseek2', mla: true })
-  t.is(modelInfo(model('llama-h16.gguf')).mla, false)
+  t.like(modelInfoSync(model('deepseek2-mla.gguf')), { arch: 'deepseek2', mla: true })
+  t.is(modelInfoSync(model('llama-h16.gguf')).mla, false)
   const c = KvCache.fromModel(model('deepseek2-mla.gguf'), { nCtx: 32 })
   t.like(c.parts[0], { role: 'whole', typeK: 'f16', typeV: 'none' })
   for (const ext of ['ggsn', 'ggsq']) {
@@ -1040,7 +1040,7 @@ mtest('fromModel of a multi-head latent attention model keeps no V, as 0.1.161 d
   }
   // the K-shift rotates the last nRot (16) dimensions of each latent K row, as 0.1.161's does
   // (behind its n_embd_nope, 32 here): the latent stays, the rotated part moves
-  t.like(modelInfo(model('deepseek2-mla.gguf')).shift.rope, { nRot: 16, headDim: 48, dimsOffset: 32 })
+  t.like(modelInfoSync(model('deepseek2-mla.gguf')).shift.rope, { nRot: 16, headDim: 48, dimsOffset: 32 })
   c.loadSessionFileSync(path.join(FIXTURES, 't161', 't161-deepseek2-mla.ggsn'))
   const before = c.readRows(0, 'k', [5])
   c.seqAdd(0, 2, -1, -1)

@@ -378,3 +378,19 @@ test('tiers with Redis down: a grown conversation restores its local prefix, put
   t.is(await open(redis.url).lookup(other.tokens), 96, 'the same PromptStore reaches Redis again')
   t.like((await store.stats()).tiers[2], { name: 'redis', up: true })
 })
+
+test('close() releases the store\'s Redis connections', async (t) => {
+  const redis = await redisForTest(t)
+  const clients = () => Number(/connected_clients:(\d+)/.exec(redis.cli(['INFO', 'clients']))[1])
+  const before = clients()
+  const store = open(redis.url)
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  t.true(clients() > before, 'the store holds a connection')
+  await store.close()
+  // the server drops a connection when it reads the client's close: wait for it, bounded
+  const deadline = Date.now() + 10_000
+  while (clients() > before && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 20))
+  t.is(clients(), before)
+  t.throws(() => store.lookup(tokens), { code: 'ERR_KV_DISPOSED' })
+})

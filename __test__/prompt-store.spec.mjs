@@ -9,7 +9,7 @@ import { runScript } from './helpers/run-script.mjs'
 import parsePrometheus from 'parse-prometheus-text-format'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFileSync } = require('../index.js')
 const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname)
 
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvstore-'))
@@ -300,7 +300,7 @@ test('writeFile of a version 2 or 3 sequence file gives the bytes of converting 
         const converted = path.join(dir, 'converted.ggsq')
         const n = store.writeFileSync(tokens, direct, { kind: 'sequence', version, layout: 'streams', flashAttn })
         t.is(store.writeFileSync(tokens, own, { kind: 'sequence', version: 4, flashAttn }), n)
-        convertStateFile(own, converted, { version, layout: 'streams' })
+        convertStateFileSync(own, converted, { version, layout: 'streams' })
         t.deepEqual(fs.readFileSync(direct), fs.readFileSync(converted), `${what}: version ${version}, flashAttn ${flashAttn}`)
       }
     }
@@ -387,9 +387,9 @@ test('two GGUF files that differ in one weight byte are two models: different fi
   const bytes = fs.readFileSync(original)
   bytes[bytes.length - 3] ^= 1 // the last tensor's data
   fs.writeFileSync(tuned, bytes)
-  const { modelInfo } = require('../index.js')
-  t.is(modelInfo(original).fingerprint, modelInfo(tuned).fingerprint, 'the header alone cannot tell them apart')
-  t.not(modelInfo(original, { hashFile: true }).fingerprint, modelInfo(tuned, { hashFile: true }).fingerprint)
+  const { modelInfoSync } = require('../index.js')
+  t.is(modelInfoSync(original).fingerprint, modelInfoSync(tuned).fingerprint, 'the header alone cannot tell them apart')
+  t.not(modelInfoSync(original, { hashFile: true }).fingerprint, modelInfoSync(tuned, { hashFile: true }).fingerprint)
   const storeDir = path.join(dir, 'store')
   const [a, b] = [original, tuned].map((model) => new PromptStore({ model, path: storeDir, blockTokens: 16 }))
   const { cache, tokens } = promptCache(KvCache, 0)

@@ -10,7 +10,7 @@ import { spawn, spawnSync } from 'node:child_process'
 import { once, getEventListeners } from 'node:events'
 
 const require = createRequire(import.meta.url)
-const { KvCache, PromptStore, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, PromptStore, inspectState, convertStateFileSync } = require('../index.js')
 
 const tmp = () => fs.mkdtempSync(path.join(os.tmpdir(), 'kvc-robust-'))
 const make = (o = {}) => new KvCache({ size: 64, nLayer: 2, nEmbdKGqa: 32, nSeqMax: 4, ...o })
@@ -280,8 +280,8 @@ test('non-string paths are ERR_KV_INVALID_ARG naming the argument, not StringExp
     code(t, () => c.loadSessionFileSync(bad), 'ERR_KV_INVALID_ARG', /path/)
     code(t, () => c.saveSequenceFile(bad, 0, []), 'ERR_KV_INVALID_ARG', /path/)
     code(t, () => c.loadSessionFile(bad), 'ERR_KV_INVALID_ARG', /path/)
-    code(t, () => convertStateFile(bad, 'out'), 'ERR_KV_INVALID_ARG', /input/)
-    code(t, () => convertStateFile('in', bad), 'ERR_KV_INVALID_ARG', /output/)
+    code(t, () => convertStateFileSync(bad, 'out'), 'ERR_KV_INVALID_ARG', /input/)
+    code(t, () => convertStateFileSync('in', bad), 'ERR_KV_INVALID_ARG', /output/)
   }
   code(t, () => c.saveSessionFileSync('a\0b', []), 'ERR_KV_INVALID_ARG', /NUL/)
 })

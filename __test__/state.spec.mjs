@@ -6,7 +6,7 @@ import { execFileSync, spawnSync } from 'node:child_process'
 import { createRequire } from 'node:module'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, convertStateFile } = require('../index.js')
+const { KvCache, inspectState, convertStateFileSync } = require('../index.js')
 const FIXTURES = path.join(import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname), 'fixtures')
 const CLI = path.join(FIXTURES, '..', '..', 'bin', 'llama-kv-cache.js')
 
@@ -230,23 +230,23 @@ test('inspectState describes a peer file', (t) => {
   t.is(t.throws(() => inspectState(Buffer.from('nope'))).code, 'ERR_KV_INVALID_STATE')
 })
 
-test('convertStateFile changes version and layout and re-types K/V', (t) => {
+test('convertStateFileSync changes version and layout and re-types K/V', (t) => {
   const dir = tmp()
   const src = path.join(FIXTURES, 'ln-h16-f16.ggsn')
   const seqOut = path.join(dir, 'seq0.ggsq')
-  convertStateFile(src, seqOut, { seqId: 0, version: 3 })
+  convertStateFileSync(src, seqOut, { seqId: 0, version: 3 })
   const info = inspectState(seqOut)
   t.is(info.format, 'sequence')
   t.is(info.version, 3)
   const f32 = path.join(dir, 'f32.ggsn')
-  convertStateFile(src, f32, { typeK: 'f32', typeV: 'f32', layout: 'seed' })
+  convertStateFileSync(src, f32, { typeK: 'f32', typeV: 'f32', layout: 'seed' })
   const i2 = inspectState(f32)
   t.is(i2.layers[0].kType, 'f32')
   t.is(i2.layout, 'seed')
   const back = path.join(dir, 'back.ggsn')
-  convertStateFile(f32, back, { typeK: 'f16', typeV: 'f16', layout: 'streams' })
+  convertStateFileSync(f32, back, { typeK: 'f16', typeV: 'f16', layout: 'streams' })
   t.deepEqual(fs.readFileSync(back), fs.readFileSync(src), 'f16 -> f32 -> f16 is lossless')
-  t.is(t.throws(() => convertStateFile(src, path.join(dir, 'x'), { typeV: 'q8_0' })).code, 'ERR_KV_INVALID_ARG')
+  t.is(t.throws(() => convertStateFileSync(src, path.join(dir, 'x'), { typeV: 'q8_0' })).code, 'ERR_KV_INVALID_ARG')
 })
 
 test('the CLI inspects the bundled sample and converts files', (t) => {
@@ -269,25 +269,25 @@ test('the CLI inspects the bundled sample and converts files', (t) => {
 test('convert writes other stream counts, renames sequences, turns sequences into sessions, and refuses to guess', (t) => {
   const dir = tmp()
   const slot1 = path.join(dir, 'slot1.ggsq')
-  convertStateFile(path.join(FIXTURES, 'ln-h16-f16.ggsn'), slot1, { seqId: 0, asSeqId: 1, nStream: 2, version: 3 })
+  convertStateFileSync(path.join(FIXTURES, 'ln-h16-f16.ggsn'), slot1, { seqId: 0, asSeqId: 1, nStream: 2, version: 3 })
   const info = inspectState(slot1)
   t.is(info.streams.length, 2)
   t.is(info.streams[0].cellCount, 0)
   t.deepEqual(info.streams[1].seqs['1'], { cells: 7, posMin: 0, posMax: 6 })
   // a sequence past the last stream would be written nowhere: refused, no file left
   const nowhere = path.join(dir, 'nowhere.ggsq')
-  const past = t.throws(() => convertStateFile(path.join(FIXTURES, 'ln-h16-f16.ggsn'), nowhere, { seqId: 0, asSeqId: 2, nStream: 2, version: 3 }))
+  const past = t.throws(() => convertStateFileSync(path.join(FIXTURES, 'ln-h16-f16.ggsn'), nowhere, { seqId: 0, asSeqId: 2, nStream: 2, version: 3 }))
   t.is(past.code, 'ERR_KV_INVALID_ARG')
   t.regex(past.message, /sequence 2 has no stream of its own among nStream 2/)
   t.false(fs.existsSync(nowhere))
   const session = path.join(dir, 's.ggsn')
-  convertStateFile(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), session, { to: 'session', arch: 'llama' })
+  convertStateFileSync(path.join(FIXTURES, 'nlc-h16-f16.ggsq'), session, { to: 'session', arch: 'llama' })
   t.is(inspectState(session).format, 'session')
   const mamba = path.join(FIXTURES, 'nlc-mamba.ggsq')
-  const e = t.throws(() => convertStateFile(mamba, path.join(dir, 'm.ggsq'), { version: 3 }))
+  const e = t.throws(() => convertStateFileSync(mamba, path.join(dir, 'm.ggsq'), { version: 3 }))
   t.is(e.code, 'ERR_KV_INVALID_ARG')
   t.regex(e.message, /recurrent/)
-  convertStateFile(mamba, path.join(dir, 'm.ggsq'), { version: 3, recurrent: true })
+  convertStateFileSync(mamba, path.join(dir, 'm.ggsq'), { version: 3, recurrent: true })
   t.deepEqual(fs.readFileSync(path.join(dir, 'm.ggsq')), fs.readFileSync(mamba))
   const ln = inspectState(path.join(FIXTURES, 'ln-mamba.ggsn'))
   t.is(ln.recurrent, true)

@@ -11,7 +11,7 @@ import { createRequire } from 'node:module'
 import { registerPeerSuite, runPeerScript } from '../interop/peers.mjs'
 
 const require = createRequire(import.meta.url)
-const { KvCache, inspectState, convertStateFile, modelInfo } = require('../index.js')
+const { KvCache, inspectState, convertStateFileSync, modelInfoSync } = require('../index.js')
 const FIXTURES = path.join(import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathname), 'fixtures', 't161')
 const CLI = path.join(FIXTURES, '..', '..', '..', 'bin', 'llama-kv-cache.js')
 const fixture = (name) => path.join(FIXTURES, `t161-${name}`)
@@ -143,13 +143,13 @@ function shiftBoth(name, options) {
 
 const SHIFTS = SPECS.filter((name) => sidecar(name).shift)
 
-test('the K-shift through JS with modelInfo().shift (norm, NeoX, YaRN; rotated q8_0/q4_0 K) is bit-identical to 0.1.161\'s', (t) => {
+test('the K-shift through JS with modelInfoSync().shift (norm, NeoX, YaRN; rotated q8_0/q4_0 K) is bit-identical to 0.1.161\'s', (t) => {
   const quantized = SHIFTS.filter((name) => sidecar(name).typeK !== 0)
   t.true(quantized.length >= 10)
   const kinds = new Set()
   for (const name of quantized) {
     const side = sidecar(name)
-    const info = modelInfo(path.join(MODELS, side.model))
+    const info = modelInfoSync(path.join(MODELS, side.model))
     const { rope, ropeLayers } = info.shift
     t.deepEqual(ropeLayers, [])
     // what the GGUF says, in update()'s terms
@@ -170,9 +170,9 @@ test('the K-shift through JS with modelInfo().shift (norm, NeoX, YaRN; rotated q
   t.deepEqual([...kinds].sort(), ['neox', 'neox+yarn', 'norm', 'norm+yarn'])
 })
 
-test('regression: modelInfo().shift carries 0.1.161\'s YaRN attention factor (1 - 2^-24 for factor 12), not the metadata\'s 1', (t) => {
+test('regression: modelInfoSync().shift carries 0.1.161\'s YaRN attention factor (1 - 2^-24 for factor 12), not the metadata\'s 1', (t) => {
   const name = 'h64-yarn-f32-fa-shift'
-  const info = modelInfo(path.join(MODELS, sidecar(name).model))
+  const info = modelInfoSync(path.join(MODELS, sidecar(name).model))
   t.is(info.rope.attnFactor, 1)
   t.is(info.shift.rope.attnFactor, 1 - 2 ** -24)
   // f32 K: the cells the shift does not move (positions < p0) are bit-identical to the peer's
@@ -232,48 +232,48 @@ test('convert: v11 to v10 and v9 and back, one part out of an iSWA file, and typ
   const dir = tmp()
   const src = fixture('h16-f16.ggsn')
   const v10 = path.join(dir, 'v10.ggsn')
-  convertStateFile(src, v10, { version: 10 })
+  convertStateFileSync(src, v10, { version: 10 })
   t.like(inspectState(v10), { version: 10, layout: 'streams', nRotK: undefined })
   const back = path.join(dir, 'back.ggsn')
-  convertStateFile(v10, back, { version: 11 })
+  convertStateFileSync(v10, back, { version: 11 })
   t.deepEqual(fs.readFileSync(back), fs.readFileSync(src))
   const extracted = path.join(dir, 'extracted.ggsq')
-  convertStateFile(fixture('h16-f16-par2.ggsn'), extracted, { seqId: 1, version: 3 })
+  convertStateFileSync(fixture('h16-f16-par2.ggsn'), extracted, { seqId: 1, version: 3 })
   t.like(inspectState(extracted), { version: 3, layout: 'streams', format: 'sequence' })
   t.deepEqual(inspectState(extracted).streams[0].seqs, { 1: { cells: 6, posMin: 0, posMax: 5 } })
   const seq = path.join(dir, 'seq.ggsq')
-  convertStateFile(fixture('h16-f16-par2.ggsq'), seq, { version: 2 })
+  convertStateFileSync(fixture('h16-f16-par2.ggsq'), seq, { version: 2 })
   t.like(inspectState(seq), { version: 2, layout: 'streams', format: 'sequence' })
   const seqBack = path.join(dir, 'seq4.ggsq')
-  convertStateFile(seq, seqBack, { version: 4 })
+  convertStateFileSync(seq, seqBack, { version: 4 })
   t.deepEqual(fs.readFileSync(seqBack), fs.readFileSync(fixture('h16-f16-par2.ggsq')))
 
   const base = path.join(dir, 'base.ggsn')
-  convertStateFile(fixture('gemma3-swa.ggsn'), base, { part: 'base', version: 11 })
+  convertStateFileSync(fixture('gemma3-swa.ggsn'), base, { part: 'base', version: 11 })
   const info = inspectState(base)
   t.is(info.memory, 'unified')
   t.is(info.streams[0].cellCount, 10)
   const v10iswa = path.join(dir, 'iswa10.ggsn')
-  convertStateFile(fixture('gemma3-swa.ggsn'), v10iswa, { version: 10 })
+  convertStateFileSync(fixture('gemma3-swa.ggsn'), v10iswa, { version: 10 })
   t.deepEqual(inspectState(v10iswa).parts.map((p) => p.role), ['base', 'swa'])
 
-  const rot = t.throws(() => convertStateFile(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { version: 10 }))
+  const rot = t.throws(() => convertStateFileSync(fixture('h64-q8_0-fa.ggsn'), path.join(dir, 'no.ggsn'), { version: 10 }))
   t.is(rot.code, 'ERR_KV_UNSUPPORTED')
   t.regex(rot.message, /nRotK 64/)
   // re-typing a rotated cache rotates back (into f16) or forward (into q8_0, with the rotation given)
   const f16 = path.join(dir, 'f16.ggsn')
-  convertStateFile(fixture('h64-q8_0-fa.ggsn'), f16, { typeK: 'f16', typeV: 'f16', version: 11 })
+  convertStateFileSync(fixture('h64-q8_0-fa.ggsn'), f16, { typeK: 'f16', typeV: 'f16', version: 11 })
   t.like(inspectState(f16), { nRotK: 0, nRotV: 0, layers: [{ kType: 'f16' }, { kType: 'f16' }] })
   const q8 = path.join(dir, 'q8.ggsn')
   execFileSync(process.execPath, [CLI, 'convert', f16, q8, '--type-k', 'q8_0', '--type-v', 'q8_0', '--n-rot-k', '64', '--n-rot-v', '64', '--version', '11'])
   t.like(inspectState(q8), { nRotK: 64, nRotV: 64, layers: [{ kType: 'q8_0' }, { kType: 'q8_0' }] })
-  const badRot = t.throws(() => convertStateFile(f16, path.join(dir, 'no.ggsn'), { typeK: 'q8_0', typeV: 'q8_0', nRotK: 48 }))
+  const badRot = t.throws(() => convertStateFileSync(f16, path.join(dir, 'no.ggsn'), { typeK: 'q8_0', typeV: 'q8_0', nRotK: 48 }))
   t.is(badRot.code, 'ERR_KV_INVALID_ARG')
   t.regex(badRot.message, /nRotK/)
-  const layout = t.throws(() => convertStateFile(src, path.join(dir, 'no.ggsn'), { layout: 'streams-rot', version: 9 }))
+  const layout = t.throws(() => convertStateFileSync(src, path.join(dir, 'no.ggsn'), { layout: 'streams-rot', version: 9 }))
   t.is(layout.code, 'ERR_KV_INVALID_ARG')
   t.regex(layout.message, /version 9/)
-  const part = t.throws(() => convertStateFile(src, path.join(dir, 'no.ggsn'), { part: 'swa' }))
+  const part = t.throws(() => convertStateFileSync(src, path.join(dir, 'no.ggsn'), { part: 'swa' }))
   t.regex(part.message, /part 'swa' is not in this file/)
   t.false(fs.existsSync(path.join(dir, 'no.ggsn')))
 })
@@ -316,7 +316,7 @@ registerPeerSuite(test, 'today', () => {
     test(`llama.node continues llama.cpp 0.1.161's t161-${name}.ggsn converted to ggsn 9`, async (t) => {
       const side = sidecar(name)
       const conv = path.join(tmp(), `${name}.ggsn`)
-      convertStateFile(fixture(`${name}.ggsn`), conv, { version: 9 })
+      convertStateFileSync(fixture(`${name}.ggsn`), conv, { version: 9 })
       t.like(inspectState(conv), { version: 9, layout: 'streams' })
       const type = (id) => NLC_TYPE[id].toLowerCase()
       const options = {
@@ -336,7 +336,7 @@ registerPeerSuite(test, 'today', () => {
     test(`node-llama-cpp continues llama.cpp 0.1.161's t161-${name}.ggsq converted to ggsq 3`, async (t) => {
       const side = sidecar(name)
       const conv = path.join(tmp(), `${name}.ggsq`)
-      convertStateFile(fixture(`${name}.ggsq`), conv, { version: 3, nStream: side.kvUnified ? 1 : side.prompts.length })
+      convertStateFileSync(fixture(`${name}.ggsq`), conv, { version: 3, nStream: side.kvUnified ? 1 : side.prompts.length })
       t.like(inspectState(conv), { version: 3, layout: 'streams' })
       const seq = side.seq
       const options = {

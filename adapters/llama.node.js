@@ -28,7 +28,7 @@
 // This module never loads @fugood/llama.node: it receives the app's context.
 
 const { codedError, splitOptions, openStore, ScratchFolder, commonPrefix, flashAttnOf } = require('./common.js')
-const { modelInfo, inspectState } = require('../index.js')
+const { modelInfoSync, inspectState } = require('../index.js')
 
 const WHO = 'reusePrompts'
 
@@ -96,11 +96,11 @@ function loraList(context) {
 /**
  * Checks that `modelPath` is the model `context` loaded: llama.node does not say which file it
  * loaded, so what it reports (`getModelInfo()`) is compared with the file's header
- * (`modelInfo`), and, where the context exposes llama.node's own GGUF reader, every metadata
- * value with the file's. Returns the file's `modelInfo`.
+ * (`modelInfoSync`), and, where the context exposes llama.node's own GGUF reader, every metadata
+ * value with the file's. Returns the file's `modelInfoSync`.
  */
 function verifyModel(context, modelPath) {
-  const file = modelInfo(modelPath)
+  const file = modelInfoSync(modelPath)
   let peer
   try {
     peer = context.getModelInfo()
@@ -510,8 +510,8 @@ function reusePrompts(context, options) {
   let key = own.modelPath
   if (lora.length > 0) {
     // LoRA adapters change K/V: their files and scales are part of the store's model
-    const base = modelInfo(own.modelPath, { hashFile: true }).fingerprint
-    const parts = lora.map((a) => `${modelInfo(a.path, { hashFile: true }).fingerprint}*${a.scaled}`)
+    const base = modelInfoSync(own.modelPath, { hashFile: true }).fingerprint
+    const parts = lora.map((a) => `${modelInfoSync(a.path, { hashFile: true }).fingerprint}*${a.scaled}`)
     key = `${base}+lora:${parts.join('+')}`
   }
   const promptStore = openStore(key, store, WHO, Object.keys(OWN))

@@ -34,7 +34,7 @@ for (const size of [16384, 131072]) {
     const t1 = process.hrtime.bigint()
     c.writeK(31, size - 1, Buffer.alloc(2048, 1))
     firstWrite.push(ms(t1))
-    bytes = c.totalSize
+    bytes = c.totalBytes
     c.dispose()
   }
   console.log(`| ${size.toLocaleString('en')} cells | ${(bytes / 2 ** 30).toFixed(0)} GiB | ${median(times).toFixed(3)} ms | +${median(rss).toFixed(1)} MiB | ${median(firstWrite).toFixed(3)} ms |`)
@@ -51,7 +51,7 @@ const touch = () => {
     c.writeV(il, 0, rows)
   }
 }
-const plain = Buffer.alloc(c.totalSize, 3)
+const plain = Buffer.alloc(c.totalBytes, 3)
 const clear = []
 const memset = []
 let rssTouched = 0

@@ -56,8 +56,8 @@ try {
   const size = fs.statSync(file).size
   const rows = [
     ['inspect', `addon.inspectState(${JSON.stringify(file)})`],
-    ['convert --type-k q8_0 --type-v q8_0', `addon.convertStateFile(${JSON.stringify(file)}, ${JSON.stringify(out)}, { typeK: 'q8_0', typeV: 'q8_0' })`],
-    ['convert --version 3', `addon.convertStateFile(${JSON.stringify(file)}, ${JSON.stringify(out)}, { version: 3 })`],
+    ['convert --type-k q8_0 --type-v q8_0', `addon.convertStateFileSync(${JSON.stringify(file)}, ${JSON.stringify(out)}, { typeK: 'q8_0', typeV: 'q8_0' })`],
+    ['convert --version 3', `addon.convertStateFileSync(${JSON.stringify(file)}, ${JSON.stringify(out)}, { version: 3 })`],
   ]
   const addons = [['ours', undefined]]
   if (process.env.BENCH_BASELINE) addons.unshift(['baseline', process.env.BENCH_BASELINE])

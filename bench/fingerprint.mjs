@@ -15,7 +15,7 @@ const HERE = import.meta.dirname ?? path.dirname(new URL(import.meta.url).pathna
 const mib = Number(process.argv[2] ?? 1024)
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kv-fingerprint-'))
 process.env.LLAMA_KV_CACHE_DIR = path.join(dir, 'cache')
-const { modelInfo } = require('../index.js')
+const { modelInfoSync } = require('../index.js')
 
 // a real GGUF (header and tensors of the tiny llama) followed by 1 GiB of weights
 const file = path.join(dir, 'big.gguf')
@@ -44,13 +44,13 @@ const read = () => {
 const rounds = { cold: [], read: [], warm: [], noop: [] }
 for (let r = 0; r < 5; r++) {
   fs.rmSync(process.env.LLAMA_KV_CACHE_DIR, { recursive: true, force: true })
-  rounds.cold.push(time(() => modelInfo(file, { hashFile: true })))
+  rounds.cold.push(time(() => modelInfoSync(file, { hashFile: true })))
   rounds.read.push(time(read))
-  rounds.warm.push(time(() => modelInfo(file, { hashFile: true })))
-  rounds.noop.push(time(() => modelInfo(file)))
+  rounds.warm.push(time(() => modelInfoSync(file, { hashFile: true })))
+  rounds.noop.push(time(() => modelInfoSync(file)))
 }
 const gbs = (s) => (bytes / s / 1e9).toFixed(2)
 const [cold, raw, warm, header] = ['cold', 'read', 'warm', 'noop'].map((k) => median(rounds[k]))
 console.log(`fingerprint of a ${(bytes / 2 ** 30).toFixed(2)} GiB GGUF: first ${(cold * 1e3).toFixed(1)} ms (${gbs(cold)} GB/s); reading it ${(raw * 1e3).toFixed(1)} ms (${gbs(raw)} GB/s); ratio ${(raw / cold).toFixed(2)}`)
-console.log(`warm (remembered): ${(warm * 1e3).toFixed(3)} ms; modelInfo of the header alone ${(header * 1e3).toFixed(3)} ms; limit 1 ms`)
+console.log(`warm (remembered): ${(warm * 1e3).toFixed(3)} ms; modelInfoSync of the header alone ${(header * 1e3).toFixed(3)} ms; limit 1 ms`)
 fs.rmSync(dir, { recursive: true, force: true })

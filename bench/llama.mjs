@@ -65,7 +65,7 @@ class JsSide {
     for (let s = 0; s < N_SEQ; s++) this.cache.stateReadSync(this.seqBlobs[s], s)
     if (this.cache.usedCells !== size) throw new Error('the JS cache is not full after the loads')
     this.rope = { rope: { headDim: 16, nHead: 2, type: 'norm' } }
-    const bytes = this.cache.totalSize
+    const bytes = this.cache.totalBytes
     this.src = Buffer.alloc(bytes, 1)
     this.dst = Buffer.alloc(bytes)
     this.out = Buffer.alloc(this.whole.length)

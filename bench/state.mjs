@@ -30,7 +30,7 @@ function setup({ KvCache }) {
 }
 
 const sides = builds.map(([name, addon]) => ({ name, addon, ...setup(addon) }))
-const bytes = sides[0].c.totalSize
+const bytes = sides[0].c.totalBytes
 const src = Buffer.alloc(bytes, 1)
 const dst = Buffer.alloc(bytes)
 const ns = (f) => {

@@ -5,7 +5,7 @@
 
 const path = require('node:path')
 const fs = require('node:fs')
-const { inspectState, convertStateFile, modelInfo, checkState, PromptStore, KvCache } = require('..')
+const { inspectState, convertStateFileSync, modelInfoSync, checkState, PromptStore, KvCache } = require('..')
 
 const SAMPLE = path.join(__dirname, '..', 'samples', 'llama-node-session.ggsn')
 const USAGE = `usage:
@@ -238,7 +238,7 @@ function main(argv) {
       if (!file) fail(`model needs a GGUF file\n${USAGE}`)
       const nSeq = flags['n-seq-max'] ?? 4
       if (nSeq < 1) fail(`--n-seq-max must be at least 1, got ${nSeq}`)
-      const info = modelInfo(file, { hashFile: flags['hash-file'] === true })
+      const info = modelInfoSync(file, { hashFile: flags['hash-file'] === true })
       const json = { ...info, nSeqMax: nSeq, kvMemory: memoryTable(file, info, nSeq) }
       process.stdout.write(flags.json ? `${JSON.stringify(json, null, 2)}\n` : `${humanModel(file, info, nSeq)}\n`)
     } else if (command === 'convert') {
@@ -252,7 +252,7 @@ function main(argv) {
       // streamed layer by layer; the bar (stderr, terminals only) moves after each layer's K and V
       const bar = progressBar(path.basename(output))
       try {
-        convertStateFile(input, output, {
+        convertStateFileSync(input, output, {
           layout: flags.layout, version: flags.version, nStream: flags['n-stream'], seqId: flags.seq,
           typeK: flags['type-k'], typeV: flags['type-v'], nRotK: flags['n-rot-k'], nRotV: flags['n-rot-v'], to: flags.to, asSeqId: flags['as-seq'], arch: flags.arch,
           recurrent: flags.recurrent ? true : flags.transformer ? false : undefined, part: flags.part,

@@ -25,7 +25,7 @@ const EXTRA = 4 // tokens of the peer's own continuation recorded after the firs
 const require = createRequire(path.join(HERE, 'package.json'))
 const { BUILD_NUMBER, BUILD_COMMIT } = require('@fugood/llama.node/lib/version.js')
 // the RoPE recorded in the sidecars is read from the GGUF by the addon's own reader (npm run build first)
-const { modelInfo } = require('../index.js')
+const { modelInfoSync } = require('../index.js')
 const tok = (id) => ({ id, piece: pieceOf(id) })
 
 function check(cond, what) {
@@ -76,7 +76,7 @@ async function makeCase(cfg) {
   }
   postVerify.ok = postVerify.tokens.join() === postVerify.expected.join() && postVerify.prompt_n === 1 && postVerify.tokenizes_back
 
-  const rope = ropeOfModel(modelPath(cfg.model), modelInfo)
+  const rope = ropeOfModel(modelPath(cfg.model), modelInfoSync)
   const ctxDoc = { model: cfg.model, ...ctx, n_gpu_layers: 0, n_threads: 2, n_parallel: 1 }
   const kshift = {
     case: cfg.name,

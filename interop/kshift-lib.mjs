@@ -16,11 +16,11 @@ export const BOS = 1
 // ---- RoPE of a model ---------------------------------------------------------------------------------------
 
 /**
- * The K-shift RoPE of a tiny llama model, from the addon's `modelInfo` (passed in, like the KvCache class:
+ * The K-shift RoPE of a tiny llama model, from the addon's `modelInfoSync` (passed in, like the KvCache class:
  * this file loads no native code): the GGUF is read by the same reader the library ships.
  */
-export function ropeOfModel(file, modelInfo) {
-  const m = modelInfo(file)
+export function ropeOfModel(file, modelInfoSync) {
+  const m = modelInfoSync(file)
   if (m.rope.type !== 'norm' && m.rope.type !== 'neox') throw new Error(`${file}: rope type ${m.rope.type} not handled here`)
   if (!['none', 'linear'].includes(m.rope.scalingType)) throw new Error(`${file}: rope scaling ${m.rope.scalingType} not handled here`)
   return {

@@ -11,7 +11,9 @@ use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
 use crate::args::{self, Source};
-use crate::error::{from_core, guard, Code};
+use crate::error::{from_core, guard, Code, JsResult};
+use crate::signal::Signal;
+use crate::tasks::{PoolJob, PoolTask, ProgressFn};
 
 /// Cells of one sequence in a stream.
 #[napi(object)]
@@ -473,17 +475,21 @@ pub struct ConvertFileOptions<'a> {
     /// Of an iSWA or hybrid file, write only this part ('base', 'swa', 'attention',
     /// 'recurrent') as a file of a single memory. Default: every part.
     pub part: Option<String>,
-    /// Called during the conversion (synchronously, on this thread) with `(doneBytes,
-    /// totalBytes)` of the output after each layer's K and V rows. An exception it throws stops
-    /// the conversion (nothing is written) with `ERR_KV_ABORTED`.
+    /// Called with `(doneBytes, totalBytes)` of the output after each layer's K and V rows
+    /// (`convertStateFileSync`: synchronously, and an exception it throws stops the conversion,
+    /// nothing written, with `ERR_KV_ABORTED`).
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<Unknown<'a>>,
+    /// `convertStateFile`: aborts the conversion between layers; the promise rejects with
+    /// `ERR_KV_ABORTED` (`name` 'AbortError') and no file is left behind.
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
 }
 
 crate::args::option_names!(
     ConvertFileOptions<'_>:
     "layout", "version", "nStream", "seqId", "typeK", "typeV", "nRotK", "nRotV", "recurrent", "to",
-    "asSeqId", "arch", "swaWindow", "part", "onProgress",
+    "asSeqId", "arch", "swaWindow", "part", "onProgress", "signal",
 );
 
 /// A JS progress callback, called on this thread.
@@ -508,55 +514,67 @@ fn progress_fn<'a>(v: Option<Unknown<'a>>) -> Result<Option<SyncProgress<'a>>, C
     }
 }
 
-/// Converts a state file (layout or version change, sequence extraction, K/V re-typing) and
-/// writes the result atomically to `output`. The input is read layer by layer and the output
-/// written as it is converted: memory holds a few MiB of rows whatever the file's size, and a
-/// failed conversion leaves no file behind.
+/// The conversion `options` ask for, and their progress callback.
+fn convert_options<'a>(
+    options: Option<crate::args::Obj<ConvertFileOptions<'a>>>,
+) -> JsResult<(
+    llama_kv_cache::ConvertOptions,
+    Option<Unknown<'a>>,
+    Option<Signal>,
+)> {
+    use crate::args::{i32v, u32v};
+    use crate::convert::ggml_type_opt;
+    let mut opts = llama_kv_cache::ConvertOptions::default();
+    let Some(crate::args::Obj(o)) = options else {
+        return Ok((opts, None, None));
+    };
+    opts.write.layout =
+        crate::jobs::layout(o.layout.as_deref())?.unwrap_or(llama_kv_cache::Layout::Streams);
+    opts.write.version = o.version.map(|v| u32v("version", v)).transpose()?;
+    if let Some(n) = o.n_stream {
+        opts.write.n_stream = u32v("nStream", n)?;
+    }
+    opts.extract_seq = o.seq_id.map(|s| i32v("seqId", s)).transpose()?;
+    opts.type_k = ggml_type_opt("typeK", o.type_k)?;
+    opts.type_v = ggml_type_opt("typeV", o.type_v)?;
+    opts.n_rot_k = o.n_rot_k.map(|n| u32v("nRotK", n)).transpose()?;
+    opts.n_rot_v = o.n_rot_v.map(|n| u32v("nRotV", n)).transpose()?;
+    opts.recurrent = o.recurrent;
+    opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
+    opts.swa_window = o.swa_window.map(|n| u32v("swaWindow", n)).transpose()?;
+    opts.part = crate::jobs::part(o.part.as_deref())?;
+    opts.arch = o.arch;
+    opts.to = match o.to.as_deref() {
+        None => None,
+        Some("session") => Some(llama_kv_cache::FileKind::Session),
+        Some("sequence") => Some(llama_kv_cache::FileKind::Sequence),
+        Some(other) => {
+            return Err(crate::error::err(
+                Code::InvalidArg,
+                format!("to must be 'session' or 'sequence', got {other:?}"),
+            ))
+        }
+    };
+    Ok((opts, o.on_progress, o.signal))
+}
+
+/// `convertStateFileSync`: converts a state file (layout or version change, sequence
+/// extraction, K/V re-typing) and writes the result atomically to `output`, on the calling
+/// thread. The input is read layer by layer and the output written as it is converted: memory
+/// holds a few MiB of rows whatever the file's size, and a failed conversion leaves no file
+/// behind. `onProgress` is called synchronously; `signal` is for the async twin only.
 #[napi]
-pub fn convert_state_file(
+pub fn convert_state_file_sync(
     #[napi(ts_arg_type = "string | Uint8Array")] input: Unknown<'_>,
     #[napi(ts_arg_type = "string | Uint8Array")] output: Unknown<'_>,
     #[napi(ts_arg_type = "ConvertFileOptions")] options: Option<
         crate::args::Obj<ConvertFileOptions<'_>>,
     >,
 ) -> Result<(), Code> {
-    use crate::args::{i32v, u32v};
-    use crate::convert::ggml_type_opt;
     guard(|| {
         let (input, output) = (args::path("input", &input)?, args::path("output", &output)?);
-        let o = options.map(|o| o.0);
-        let mut opts = llama_kv_cache::ConvertOptions::default();
-        let mut on_progress = None;
-        if let Some(o) = o {
-            on_progress = progress_fn(o.on_progress)?;
-            opts.write.layout = crate::jobs::layout(o.layout.as_deref())?
-                .unwrap_or(llama_kv_cache::Layout::Streams);
-            opts.write.version = o.version.map(|v| u32v("version", v)).transpose()?;
-            if let Some(n) = o.n_stream {
-                opts.write.n_stream = u32v("nStream", n)?;
-            }
-            opts.extract_seq = o.seq_id.map(|s| i32v("seqId", s)).transpose()?;
-            opts.type_k = ggml_type_opt("typeK", o.type_k)?;
-            opts.type_v = ggml_type_opt("typeV", o.type_v)?;
-            opts.n_rot_k = o.n_rot_k.map(|n| u32v("nRotK", n)).transpose()?;
-            opts.n_rot_v = o.n_rot_v.map(|n| u32v("nRotV", n)).transpose()?;
-            opts.recurrent = o.recurrent;
-            opts.as_seq = o.as_seq_id.map(|s| i32v("asSeqId", s)).transpose()?;
-            opts.swa_window = o.swa_window.map(|n| u32v("swaWindow", n)).transpose()?;
-            opts.part = crate::jobs::part(o.part.as_deref())?;
-            opts.arch = o.arch;
-            opts.to = match o.to.as_deref() {
-                None => None,
-                Some("session") => Some(llama_kv_cache::FileKind::Session),
-                Some("sequence") => Some(llama_kv_cache::FileKind::Sequence),
-                Some(other) => {
-                    return Err(crate::error::err(
-                        Code::InvalidArg,
-                        format!("to must be 'session' or 'sequence', got {other:?}"),
-                    ))
-                }
-            };
-        }
+        let (opts, on_progress, _) = convert_options(options)?;
+        let on_progress = progress_fn(on_progress)?;
         // the callback's failure, kept to name it in the error (the conversion stops at once)
         let mut thrown = None;
         let mut report = |done: u64, total: u64| match &on_progress {
@@ -577,5 +595,57 @@ pub fn convert_state_file(
             ));
         }
         result.map_err(from_core)
+    })
+}
+
+/// `convertStateFile` on the threadpool.
+pub struct ConvertJob {
+    input: std::path::PathBuf,
+    output: std::path::PathBuf,
+    opts: llama_kv_cache::ConvertOptions,
+}
+
+impl PoolJob for ConvertJob {
+    type Output = ();
+    type Js = ();
+    fn run(&mut self, progress: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
+        llama_kv_cache::convert_file(&self.input, &self.output, &self.opts, Some(progress))
+            .map_err(from_core)
+    }
+    fn to_js(_: ()) -> JsResult<()> {
+        Ok(())
+    }
+}
+
+/// Converts a state file as `convertStateFileSync` does, on the threadpool. `onProgress` is
+/// called on this thread after the layers it reports; `signal` aborts between layers (the
+/// promise rejects with `ERR_KV_ABORTED` and no file is left behind).
+#[napi(ts_return_type = "Promise<void>")]
+pub fn convert_state_file(
+    env: Env,
+    #[napi(ts_arg_type = "string | Uint8Array")] input: Unknown<'_>,
+    #[napi(ts_arg_type = "string | Uint8Array")] output: Unknown<'_>,
+    #[napi(ts_arg_type = "ConvertFileOptions")] options: Option<
+        crate::args::Obj<ConvertFileOptions<'_>>,
+    >,
+) -> Result<AsyncTask<PoolTask<ConvertJob>>, Code> {
+    guard(|| {
+        let (input, output) = (args::path("input", &input)?, args::path("output", &output)?);
+        let (opts, on_progress, signal) = convert_options(options)?;
+        let progress = match progress_fn(on_progress)? {
+            // SAFETY: a function of this call's env, on its thread
+            Some(f) => Some(
+                unsafe { ProgressFn::from_napi_value(env.raw(), f.raw()) }.map_err(|e| {
+                    crate::error::err(Code::InvalidArg, format!("onProgress: {}", e.reason))
+                })?,
+            ),
+            None => None,
+        };
+        let job = ConvertJob {
+            input,
+            output,
+            opts,
+        };
+        Ok(PoolTask::new(&env, job, progress, signal.as_ref()))
     })
 }

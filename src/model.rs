@@ -16,6 +16,7 @@ use crate::convert;
 use crate::error::{err, from_core, guard, Code, JsResult};
 use crate::kv_cache::tensors::{rope_layers_to_js, rope_to_js};
 use crate::kv_cache::{memory_part, KvCache};
+use crate::tasks::{PoolJob, PoolTask};
 use crate::types::{LayerRope, MemoryPlan, RopeOptions};
 
 /// Geometry of one layer of a model.
@@ -357,18 +358,57 @@ fn read_model(path: &Path, hash_file: bool) -> JsResult<core::ModelInfo> {
     Ok(info)
 }
 
-/// Describes a GGUF model from its header and tensor-info table alone (tensor data is never
-/// read, unless `hashFile` asks for a fingerprint of the whole file).
+/// `modelInfoSync`: describes a GGUF model from its header and tensor-info table alone
+/// (tensor data is never read, unless `hashFile` asks for a fingerprint of the whole file), on
+/// the calling thread.
 #[napi]
-pub fn model_info(
+pub fn model_info_sync(
     #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
     #[napi(ts_arg_type = "ModelInfoOptions")] options: Option<Obj<ModelInfoOptions>>,
 ) -> Result<ModelInfo, Code> {
     guard(|| {
-        let path = args::path("ggufPath", &gguf_path)?;
-        let hash_file = options.and_then(|o| o.0.hash_file).unwrap_or(false);
-        Ok(to_js(&read_model(&path, hash_file)?))
+        let job = model_info_job(&gguf_path, options)?;
+        Ok(to_js(&read_model(&job.path, job.hash_file)?))
     })
+}
+
+/// `modelInfo` on the threadpool.
+pub struct ModelInfoJob {
+    path: PathBuf,
+    hash_file: bool,
+}
+
+impl PoolJob for ModelInfoJob {
+    type Output = core::ModelInfo;
+    type Js = ModelInfo;
+    fn run(&mut self, _: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<core::ModelInfo> {
+        read_model(&self.path, self.hash_file)
+    }
+    fn to_js(output: core::ModelInfo) -> JsResult<ModelInfo> {
+        Ok(to_js(&output))
+    }
+}
+
+fn model_info_job(
+    gguf_path: &Unknown<'_>,
+    options: Option<Obj<ModelInfoOptions>>,
+) -> JsResult<ModelInfoJob> {
+    Ok(ModelInfoJob {
+        path: args::path("ggufPath", gguf_path)?,
+        hash_file: options.and_then(|o| o.0.hash_file).unwrap_or(false),
+    })
+}
+
+/// Describes a GGUF model as `modelInfoSync` does, on the threadpool: with `hashFile`, the
+/// first call for a file reads all of it.
+#[napi(ts_return_type = "Promise<ModelInfo>")]
+pub fn model_info(
+    env: Env,
+    #[napi(ts_arg_type = "string | Uint8Array")] gguf_path: Unknown<'_>,
+    #[napi(ts_arg_type = "ModelInfoOptions")] options: Option<Obj<ModelInfoOptions>>,
+) -> Result<AsyncTask<PoolTask<ModelInfoJob>>, Code> {
+    let job = guard(|| model_info_job(&gguf_path, options))?;
+    Ok(PoolTask::new(&env, job, None, None))
 }
 
 /// One reason a state does not fit a model.

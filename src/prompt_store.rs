@@ -3,8 +3,7 @@
 //! logic lives here.
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llama_kv_cache as core;
 use llama_kv_cache::cache::io::Progress;
@@ -16,12 +15,12 @@ use napi_derive::napi;
 use prompt_store as store;
 
 use crate::args::{self, i32v, u32v, Num, Obj, Tokens};
-use crate::error::{coded_error, err, from_store, guard, Code, JsErr, JsResult};
+use crate::error::{coded_error, err, from_store, guard, Code, JsResult};
 use crate::kv_cache::KvCache;
 use crate::queue::JsPromise;
 use crate::signal::Signal;
 use crate::store_backend::PromptStoreOptions;
-use crate::tasks::{aborted, Control, Job, ProgressFn};
+use crate::tasks::{Job, PoolJob, PoolTask, ProgressFn};
 
 /// Options of the async store operations.
 #[napi(object, object_to_js = false)]
@@ -394,52 +393,39 @@ impl StoreJob for MetricsJob {
     }
 }
 
-/// A [`StoreJob`] on the threadpool. Store operations without a cache do not queue: the
-/// backends take concurrent calls. The signal only sets the flag the task checks when it
-/// starts and between batches, so every abort rejects with `ERR_KV_ABORTED`.
-pub struct StoreTask<J: StoreJob> {
+/// A [`StoreJob`] with the store it runs on: a [`PoolJob`]. Store operations without a cache
+/// do not queue: the backends take concurrent calls.
+pub struct StoreWork<J: StoreJob> {
     store: Arc<store::PromptStore>,
     job: J,
-    control: Control,
-    failure: Option<JsErr>,
 }
 
-impl<J: StoreJob> Task for StoreTask<J> {
+impl<J: StoreJob> PoolJob for StoreWork<J> {
     type Output = J::Output;
-    type JsValue = J::Js;
-
-    fn compute(&mut self) -> napi::Result<Self::Output> {
-        let refused = self.failure.take();
-        let result = guard(|| {
-            if let Some(e) = refused {
-                return Err(e);
-            }
-            if self.control.aborted.load(Ordering::SeqCst) {
-                return Err(aborted());
-            }
-            let mut poll = self.control.poll();
-            self.job.run(&self.store, &mut poll).map_err(from_store)
-        });
-        result.map_err(|e| {
-            let reason = e.reason.clone();
-            self.failure = Some(e);
-            napi::Error::new(Status::GenericFailure, reason)
-        })
+    type Js = J::Js;
+    fn run(&mut self, progress: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<Self::Output> {
+        self.job.run(&self.store, progress).map_err(from_store)
     }
-
-    fn resolve(&mut self, _: Env, output: Self::Output) -> napi::Result<Self::JsValue> {
+    fn to_js(output: Self::Output) -> JsResult<Self::Js> {
         Ok(J::to_js(output))
     }
+}
 
-    fn reject(&mut self, env: Env, e: napi::Error) -> napi::Result<Self::JsValue> {
-        Err(match self.failure.take() {
-            Some(coded) => coded_error(env.raw(), coded),
-            None => e,
-        })
+/// The async task of a [`StoreJob`].
+pub type StoreTask<J> = PoolTask<StoreWork<J>>;
+
+/// `close`: drops the store's handle on the threadpool, where the backend's own teardown
+/// (closing Redis connections) may block.
+pub struct CloseWork(Option<Arc<store::PromptStore>>);
+
+impl PoolJob for CloseWork {
+    type Output = ();
+    type Js = ();
+    fn run(&mut self, _: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<()> {
+        drop(self.0.take());
+        Ok(())
     }
-
-    fn finally(mut self, env: Env) -> napi::Result<()> {
-        self.control.release(&env);
+    fn to_js(_: ()) -> JsResult<()> {
         Ok(())
     }
 }
@@ -451,10 +437,11 @@ impl<J: StoreJob> Task for StoreTask<J> {
 /// The first cache or file stored fixes the model's geometry (layers, K/V types, row sizes);
 /// caches of another geometry are refused with `ERR_KV_STORE_GEOMETRY`. A block that fails
 /// verification (checksum, model, key, tokens) is a counted miss (`stats().corrupt`), never
-/// loaded.
+/// loaded. `close()` (or `await using`) releases the backend.
 #[napi]
 pub struct PromptStore {
-    inner: Arc<store::PromptStore>,
+    /// None once closed.
+    inner: Mutex<Option<Arc<store::PromptStore>>>,
 }
 
 fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option<Signal>) {
@@ -462,9 +449,19 @@ fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option
 }
 
 impl PromptStore {
+    /// The open store, or `ERR_KV_DISPOSED` once `close()` was called.
+    fn store(&self) -> JsResult<Arc<store::PromptStore>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| err(Code::Disposed, "the prompt store was closed"))
+    }
+
     fn run_sync<J: StoreJob>(&self, mut job: J) -> JsResult<J::Js> {
         guard(|| {
-            let out = job.run(&self.inner, &mut |_, _| true).map_err(from_store)?;
+            let store = self.store()?;
+            let out = job.run(&store, &mut |_, _| true).map_err(from_store)?;
             Ok(J::to_js(out))
         })
     }
@@ -475,32 +472,16 @@ impl PromptStore {
         job: J,
         progress: Option<ProgressFn>,
         signal: Option<Signal>,
-    ) -> AsyncTask<StoreTask<J>> {
-        let mut control = Control {
-            progress,
-            ..Default::default()
-        };
-        let mut failure = None;
-        if let Some(s) = &signal {
-            // an already aborted signal rejects the promise when the task starts
-            control.aborted.store(s.aborted, Ordering::SeqCst);
-            let flag = control.aborted.clone();
-            match s.listen(env, move |_| flag.store(true, Ordering::SeqCst)) {
-                Ok(listener) => control.listener = Some(listener),
-                // rejected when the task starts, as the promise exists only then
-                Err(e) => failure = Some(e),
-            }
-        }
-        AsyncTask::new(StoreTask {
-            store: self.inner.clone(),
+    ) -> JsResult<AsyncTask<StoreTask<J>>> {
+        let work = StoreWork {
+            store: self.store()?,
             job,
-            control,
-            failure,
-        })
+        };
+        Ok(PoolTask::new(env, work, progress, signal.as_ref()))
     }
 
     fn seq_sync<J: SeqJob>(&self, cache: CacheArg, seq_id: Num, tokens: Tokens) -> JsResult<J::Js> {
-        let job = J::new(self.inner.clone(), i32v("seqId", seq_id)?, tokens.0);
+        let job = J::new(self.store()?, i32v("seqId", seq_id)?, tokens.0);
         cache.0.run_sync(job)
     }
 
@@ -512,7 +493,7 @@ impl PromptStore {
         tokens: Tokens,
         options: Option<Obj<StoreCallOptions>>,
     ) -> JsResult<JsPromise> {
-        let job = J::new(self.inner.clone(), i32v("seqId", seq_id)?, tokens.0);
+        let job = J::new(self.store()?, i32v("seqId", seq_id)?, tokens.0);
         let (progress, signal) = call_options(options);
         cache.0.run_async(env, job, progress, signal)
     }
@@ -589,15 +570,30 @@ impl PromptStore {
                     .map_err(from_store)?;
             }
             Ok(PromptStore {
-                inner: Arc::new(inner),
+                inner: Mutex::new(Some(Arc::new(inner))),
             })
         })
     }
 
     /// Tokens per block.
     #[napi(getter)]
-    pub fn block_tokens(&self) -> u32 {
-        self.inner.block_tokens()
+    pub fn block_tokens(&self) -> Result<u32, Code> {
+        Ok(self.store()?.block_tokens())
+    }
+
+    /// Closes the store: later calls throw (or reject with) `ERR_KV_DISPOSED`, and the backend
+    /// (a directory's handles, Redis connections) is released once the calls already running
+    /// have settled. Resolves when this object has let go of it; closing again does nothing.
+    #[napi(ts_return_type = "Promise<void>")]
+    pub fn close(&self, env: Env) -> AsyncTask<PoolTask<CloseWork>> {
+        let store = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        PoolTask::new(&env, CloseWork(store), None, None)
+    }
+
+    /// `await using store = new PromptStore(...)`: closes at the end of the scope.
+    #[napi(well_known_symbol = "asyncDispose", ts_return_type = "Promise<void>")]
+    pub fn symbol_async_dispose(&self, env: Env) -> AsyncTask<PoolTask<CloseWork>> {
+        self.close(env)
     }
 
     /// Stores the full blocks of sequence `seqId` of `cache` that the store lacks. The sequence
@@ -609,7 +605,7 @@ impl PromptStore {
     pub fn put(
         &self,
         env: Env,
-        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
@@ -621,7 +617,7 @@ impl PromptStore {
     #[napi]
     pub fn put_sync(
         &self,
-        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
     ) -> Result<StorePutResult, Code> {
@@ -639,7 +635,7 @@ impl PromptStore {
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
     ) -> Result<AsyncTask<StoreTask<LookupJob>>, Code> {
         let (progress, signal) = call_options(options);
-        Ok(self.run_async(&env, LookupJob { tokens: tokens.0 }, progress, signal))
+        self.run_async(&env, LookupJob { tokens: tokens.0 }, progress, signal)
     }
 
     /// `lookup` on the calling thread (cheap: no block is read).
@@ -663,7 +659,7 @@ impl PromptStore {
     ) -> Result<AsyncTask<StoreTask<LookupDetailJob>>, Code> {
         let (progress, signal) = call_options(options);
         let job = LookupDetailJob { tokens: tokens.0 };
-        Ok(self.run_async(&env, job, progress, signal))
+        self.run_async(&env, job, progress, signal)
     }
 
     /// `lookupDetail` on the calling thread (cheap: no block is read).
@@ -684,7 +680,7 @@ impl PromptStore {
     pub fn restore(
         &self,
         env: Env,
-        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
@@ -696,7 +692,7 @@ impl PromptStore {
     #[napi]
     pub fn restore_sync(
         &self,
-        #[napi(ts_arg_type = "KvCache")] cache: CacheArg,
+        #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
     ) -> Result<f64, Code> {
@@ -714,7 +710,7 @@ impl PromptStore {
     ) -> Result<AsyncTask<StoreTask<PutFileJob>>, Code> {
         let (progress, signal) = call_options(options);
         let path = args::path("path", &path)?;
-        Ok(self.run_async(&env, PutFileJob { path }, progress, signal))
+        self.run_async(&env, PutFileJob { path }, progress, signal)
     }
 
     /// `putFile` on the calling thread.
@@ -739,7 +735,7 @@ impl PromptStore {
         #[napi(ts_arg_type = "StoreWriteFileOptions")] options: Option<Obj<StoreWriteFileOptions>>,
     ) -> Result<AsyncTask<StoreTask<WriteFileJob>>, Code> {
         let (job, progress, signal) = write_file_job(tokens, &path, options)?;
-        Ok(self.run_async(&env, job, progress, signal))
+        self.run_async(&env, job, progress, signal)
     }
 
     /// `writeFile` on the calling thread.
@@ -757,7 +753,7 @@ impl PromptStore {
     /// Blocks, bytes, budget, evictions, and this object's hits, misses and corrupt blocks.
     #[napi(ts_return_type = "Promise<StoreStats>")]
     pub fn stats(&self, env: Env) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
-        Ok(self.run_async(&env, StatsJob { gc: false }, None, None))
+        self.run_async(&env, StatsJob { gc: false }, None, None)
     }
 
     /// `stats` on the calling thread.
@@ -771,7 +767,7 @@ impl PromptStore {
     /// latency histograms of lookup, put and restore.
     #[napi(ts_return_type = "Promise<string>")]
     pub fn metrics(&self, env: Env) -> Result<AsyncTask<StoreTask<MetricsJob>>, Code> {
-        Ok(self.run_async(&env, MetricsJob, None, None))
+        self.run_async(&env, MetricsJob, None, None)
     }
 
     /// `metrics` on the calling thread.
@@ -784,6 +780,6 @@ impl PromptStore {
     /// leftovers of interrupted writes (dir: temporary files older than an hour).
     #[napi(ts_return_type = "Promise<StoreStats>")]
     pub fn gc(&self, env: Env) -> Result<AsyncTask<StoreTask<StatsJob>>, Code> {
-        Ok(self.run_async(&env, StatsJob { gc: true }, None, None))
+        self.run_async(&env, StatsJob { gc: true }, None, None)
     }
 }

@@ -6,21 +6,19 @@
 //! destroyed, so the cache cannot change under it (synchronous calls throw `ERR_KV_BUSY`,
 //! async calls wait). Each chunk is copied on the JS thread, inside the stream's `_read` /
 //! `_write`: a copy of a chunk costs less than a threadpool round trip would, and the stream
-//! machinery (backpressure, `pipeline`, errors) is Node's own, from `src/state_stream.js`.
+//! machinery (backpressure, `pipeline`, errors) is Node's own: `lib/state-stream.js` wraps the
+//! session handle this module returns in a Readable or Writable.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use llama_kv_cache as core;
 use napi::bindgen_prelude::*;
-use napi::{sys, JsValue};
+use napi::sys;
 
 use crate::error::{coded_error, err, from_core, guard, js_error, Code, JsResult};
 use crate::queue::{Deferred, Queued, Shared};
 use crate::signal::Signal;
 use crate::tasks::aborted;
-
-/// The JS half: builds a Readable or Writable around a session handle.
-const STREAMS_JS: &str = include_str!("state_stream.js");
 
 /// Default bytes per chunk: large enough that per-chunk costs vanish, small enough to keep
 /// the stream's memory far below its 64 MiB budget.
@@ -236,32 +234,18 @@ fn method<R: ToNapiValue>(
     set(env, object, name, raw)
 }
 
-/// Queues a session for `work` on the cache and wraps it in a Node stream: `kind` is `read`
-/// (a Readable) or `write` (a Writable), `chunk_size` its chunk and buffer size; `signal`
-/// destroys it with `ERR_KV_ABORTED`.
+/// Queues a session for `work` on the cache and returns its handle for `lib/state-stream.js`:
+/// `opened` (a promise settled when the session holds the cache), `size()`, `readInto(buf)`,
+/// `write(chunk)`, `finish()`, `close()`, and the stream's options `chunkSize` (its chunk and
+/// buffer size) and `signal` (destroys it with `ERR_KV_ABORTED`).
 pub fn open(
     env: &Env,
     shared: &Arc<Shared>,
     work: Work,
-    kind: &'static std::ffi::CStr,
     chunk_size: u32,
     signal: Option<&Signal>,
 ) -> JsResult<RawValue> {
     let raw = env.raw();
-    // the JS half first: nothing is queued when it cannot run here
-    // SAFETY: on the JS thread; the script is a constant expression
-    let factory: Unknown<'_> = env.run_script(STREAMS_JS).map_err(|e| {
-        err(
-            Code::Internal,
-            format!("the stream factory failed: {}", e.reason),
-        )
-    })?;
-    if factory.get_type().ok() != Some(ValueType::Object) {
-        return Err(err(
-            Code::Unsupported,
-            "state streams need Node.js 20.16 or later (process.getBuiltinModule)",
-        ));
-    }
     let session = Arc::new(Session {
         shared: shared.clone(),
         id: shared.queue.next_id(),
@@ -327,33 +311,18 @@ pub fn open(
         })
     })?;
     method(env, handle, c"close", &session, |s, env, _| s.close(env))?;
-    let mut stream_options = std::ptr::null_mut();
-    // SAFETY: on the JS thread with out-pointers to locals
-    unsafe {
-        check(
-            sys::napi_create_object(raw, &mut stream_options),
-            "create an object",
-        )?;
-        let mut chunk = std::ptr::null_mut();
-        check(
-            sys::napi_create_uint32(raw, chunk_size, &mut chunk),
-            "create a number",
-        )?;
-        set(env, stream_options, c"chunkSize", chunk)?;
-    }
+    let mut chunk = std::ptr::null_mut();
+    // SAFETY: on the JS thread with an out-pointer to a local
+    check(
+        unsafe { sys::napi_create_uint32(raw, chunk_size, &mut chunk) },
+        "create a number",
+    )?;
+    set(env, handle, c"chunkSize", chunk)?;
     if let Some(signal) = signal {
-        set(env, stream_options, c"signal", signal.raw())?;
+        set(env, handle, c"signal", signal.raw())?;
     }
-    // SAFETY: the factory object came from run_script above, on this thread
-    let make = unsafe {
-        let mut make = std::ptr::null_mut();
-        check(
-            sys::napi_get_named_property(raw, factory.raw(), kind.as_ptr(), &mut make),
-            "find the stream factory",
-        )?;
-        make
-    };
-    // queue only once nothing else can fail: from here the session owns a queue place
+    // queue only once nothing else can fail: from here the session owns a queue place, which
+    // the stream's destroy (or its end) gives back through `close`
     shared.queue.submit(
         env,
         session.id,
@@ -362,18 +331,5 @@ pub fn open(
             deferred,
         }),
     );
-    let mut stream = std::ptr::null_mut();
-    let args = [handle, stream_options];
-    // SAFETY: `make` is a function of this env; a throw leaves an exception pending, which
-    // we turn into an error after releasing the queue place
-    let status =
-        unsafe { sys::napi_call_function(raw, factory.raw(), make, 2, args.as_ptr(), &mut stream) };
-    if status != sys::Status::napi_ok {
-        let mut pending = std::ptr::null_mut();
-        // SAFETY: on the JS thread
-        unsafe { sys::napi_get_and_clear_last_exception(raw, &mut pending) };
-        session.close(env)?;
-        return Err(err(Code::Internal, "the stream could not be created"));
-    }
-    Ok(RawValue(stream))
+    Ok(RawValue(handle))
 }

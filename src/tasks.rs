@@ -13,9 +13,9 @@ use napi::threadsafe_function::{ThreadsafeFunction, ThreadsafeFunctionCallMode};
 
 use napi::sys;
 
-use crate::error::{err, guard, js_error, Code, JsErr, JsResult};
+use crate::error::{coded_error, err, guard, js_error, Code, JsErr, JsResult};
 use crate::queue::{Deferred, Queued, Shared};
-use crate::signal::AbortListener;
+use crate::signal::{AbortListener, Signal};
 
 /// JS progress callback `(done, total) => void`, callable from the threadpool.
 pub type ProgressFn =
@@ -174,6 +174,99 @@ impl<J: Job + 'static> Task for CacheTask<J> {
             .take()
             .unwrap_or_else(|| err(Code::Internal, e.reason.clone()));
         self.settle(&env, Err(failure));
+        Ok(())
+    }
+}
+
+/// Work on the threadpool that holds no cache (module functions, the prompt store): it does
+/// not queue, since nothing it touches is shared with a cache's synchronous calls.
+pub trait PoolJob: Send + 'static {
+    /// What the work produces, on the threadpool.
+    type Output: Send + 'static;
+    /// What JS receives.
+    type Js: ToNapiValue + TypeName;
+    /// Does the work; `progress(done, total)` returns false when the caller aborted.
+    fn run(&mut self, progress: &mut dyn FnMut(u64, u64) -> bool) -> JsResult<Self::Output>;
+    /// Converts the output for JS.
+    fn to_js(output: Self::Output) -> JsResult<Self::Js>;
+}
+
+/// A [`PoolJob`] as napi's `AsyncTask`, rejecting with the job's coded error. The signal only
+/// sets the flag the job polls (and the task checks when it starts), so every abort rejects
+/// with `ERR_KV_ABORTED`.
+pub struct PoolTask<J: PoolJob> {
+    job: J,
+    control: Control,
+    failure: Option<JsErr>,
+}
+
+impl<J: PoolJob> PoolTask<J> {
+    /// The task for `job`, listening to `signal`.
+    pub fn new(
+        env: &Env,
+        job: J,
+        progress: Option<ProgressFn>,
+        signal: Option<&Signal>,
+    ) -> AsyncTask<Self> {
+        let mut control = Control {
+            progress,
+            ..Default::default()
+        };
+        let mut failure = None;
+        if let Some(s) = signal {
+            // an already aborted signal rejects the promise when the task starts
+            control.aborted.store(s.aborted, Ordering::SeqCst);
+            let flag = control.aborted.clone();
+            match s.listen(env, move |_| flag.store(true, Ordering::SeqCst)) {
+                Ok(listener) => control.listener = Some(listener),
+                // rejected when the task starts, as the promise exists only then
+                Err(e) => failure = Some(e),
+            }
+        }
+        AsyncTask::new(PoolTask {
+            job,
+            control,
+            failure,
+        })
+    }
+}
+
+impl<J: PoolJob> Task for PoolTask<J> {
+    type Output = J::Output;
+    type JsValue = J::Js;
+
+    fn compute(&mut self) -> napi::Result<Self::Output> {
+        let refused = self.failure.take();
+        let result = guard(|| {
+            if let Some(e) = refused {
+                return Err(e);
+            }
+            if self.control.aborted.load(Ordering::SeqCst) {
+                return Err(aborted());
+            }
+            let mut poll = self.control.poll();
+            self.job.run(&mut poll)
+        });
+        result.map_err(|e| {
+            let reason = e.reason.clone();
+            self.failure = Some(e);
+            napi::Error::new(Status::GenericFailure, reason)
+        })
+    }
+
+    fn resolve(&mut self, env: Env, output: Self::Output) -> napi::Result<Self::JsValue> {
+        J::to_js(output).map_err(|e| coded_error(env.raw(), e))
+    }
+
+    fn reject(&mut self, env: Env, e: napi::Error) -> napi::Result<Self::JsValue> {
+        Err(match self.failure.take() {
+            Some(coded) => coded_error(env.raw(), coded),
+            None => e,
+        })
+    }
+
+    fn finally(mut self, env: Env) -> napi::Result<()> {
+        self.control.release(&env);
         Ok(())
     }
 }

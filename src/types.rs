@@ -130,9 +130,10 @@ pub struct MemoryPart {
 /// (`KvCache.planMemory`).
 #[napi(object)]
 pub struct MemoryPlan {
-    /// The kind the cache will report: 'kv', 'recurrent', 'iswa' or 'hybrid'.
+    /// The kind the cache will report: 'kv', 'recurrent', 'iswa', 'hybrid' or 'kv-streams'.
+    #[napi(ts_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid' | 'kv-streams'")]
     pub kind: String,
-    /// Bytes of every K and V tensor of every part: what the cache's `totalSize` will be.
+    /// Bytes of every K and V tensor of every part: what the cache's `totalBytes` will be.
     pub bytes: f64,
     /// Its parts, as the cache's `parts` will list them (no cell used yet).
     pub parts: Vec<MemoryPart>,

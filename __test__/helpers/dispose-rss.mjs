@@ -23,7 +23,7 @@ const rss = () => {
 
 // the row data and the ubatch are made once, before any measurement, and reused every round
 const probe = new KvCache(OPTIONS)
-const cacheBytes = probe.totalSize
+const cacheBytes = probe.totalBytes
 const kRows = Buffer.alloc(OPTIONS.size * probe.rowSize(0, 'k'), 0x3c)
 const vRows = Buffer.alloc(OPTIONS.size * probe.rowSize(0, 'v'), 0x3c)
 probe.dispose()

@@ -181,7 +181,7 @@ async function files() {
       fileBytes,
       stateSize: a.stateSize(0),
       cells: w.result.cells,
-      tensorMiB: b.totalSize / MiB,
+      tensorMiB: b.totalBytes / MiB,
       saveGrowthMiB,
       loadGrowthMiB,
       sameState: (await hashOf(b.createStateReadStream(0))) === want,

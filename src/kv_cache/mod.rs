@@ -266,14 +266,18 @@ impl KvCache {
         self.with_memory(|c| Ok(c.host_resident_bytes() as f64))
     }
 
-    /// What memory this is: `'kv'` (the seed's unified cache, or for `fromModel` with
-    /// `kvUnified: false` and several sequences llama.cpp 0.1.161's cache of a stream per
-    /// sequence: `parts[0].nStream`), `'recurrent'` (the seed's recurrent mode, for Mamba-style
-    /// models: the seed's rules, or 0.1.161's when built by `fromModel`), `'iswa'` (llama.cpp
-    /// 0.1.161's sliding-window memory: a base cache for full-attention layers and a window
-    /// cache for the others) or `'hybrid'` (0.1.161's attention cache and recurrent memory side
-    /// by side).
-    #[napi(getter, ts_return_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid'")]
+    /// What memory this is: `'kv'` (the seed's unified cache), `'recurrent'` (the seed's
+    /// recurrent mode, for Mamba-style models: the seed's rules, or 0.1.161's when built by
+    /// `fromModel`), `'iswa'` (llama.cpp 0.1.161's sliding-window memory: a base cache for
+    /// full-attention layers and a window cache for the others), `'hybrid'` (0.1.161's
+    /// attention cache and recurrent memory side by side) or `'kv-streams'` (`fromModel` with
+    /// `kvUnified: false` and several sequences: 0.1.161's cache of a stream per sequence,
+    /// `parts[0].nStream`). Only `'kv'` and `'recurrent'` have the seed's own members (see
+    /// `SeedOnly` in index.d.ts); the others throw `ERR_KV_UNSUPPORTED` there.
+    #[napi(
+        getter,
+        ts_return_type = "'kv' | 'recurrent' | 'iswa' | 'hybrid' | 'kv-streams'"
+    )]
     pub fn kind(&self) -> Result<String, Code> {
         self.with_memory(|c| Ok(c.kind().into()))
     }
@@ -350,7 +354,13 @@ impl KvCache {
         self.with("posMax", |c| Ok(c.pos_max()))
     }
 
-    /// One past the last occupied cell.
+    /// One past the last occupied cell (the seed's `cell_max()`), 0 when empty.
+    #[napi(getter)]
+    pub fn cell_end(&self) -> Result<u32, Code> {
+        self.with("cellEnd", |c| Ok(c.cell_max()))
+    }
+
+    /// @deprecated Use the `cellEnd` getter; `cellMax()` goes in the next minor version.
     #[napi]
     pub fn cell_max(&self) -> Result<u32, Code> {
         self.with("cellMax", |c| Ok(c.cell_max()))
@@ -423,10 +433,17 @@ impl KvCache {
         self.with("typeV", |c| Ok(c.type_v().name().to_string()))
     }
 
-    /// Bytes of all K and V tensors, over every part (a recurrent part's R and S included).
+    /// Bytes of all K and V tensors, over every part (a recurrent part's R and S included):
+    /// `sizeKBytes + sizeVBytes`, and `planMemory(...).bytes` of a cache `fromModel` built.
+    #[napi(getter)]
+    pub fn total_bytes(&self) -> Result<f64, Code> {
+        self.with_memory(|c| Ok(c.total_size() as f64))
+    }
+
+    /// @deprecated Use `totalBytes`; `totalSize` goes in the next minor version.
     #[napi(getter)]
     pub fn total_size(&self) -> Result<f64, Code> {
-        self.with_memory(|c| Ok(c.total_size() as f64))
+        self.total_bytes()
     }
 
     /// Bytes of all K tensors (a recurrent part's R), over every part.

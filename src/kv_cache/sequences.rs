@@ -13,6 +13,18 @@ use crate::convert;
 use crate::error::{err, from_core, Code, JsResult};
 use crate::types::{PlacedCells, PrepareBatchOptions, Slot, UBatchInput};
 
+/// Options of `prepareBatchPacked`.
+#[napi(object, object_to_js = false)]
+pub struct PrepareBatchPackedOptions {
+    /// Move `head` past the slot afterwards, as llama.cpp's decode of the seed's era did. Default true.
+    pub advance_head: Option<bool>,
+    /// The cells' extensions of a cache with a `cellExt`: three numbers (x, y, tok) per token.
+    #[napi(ts_type = "Int32Array | null")]
+    pub ext: Option<I32s>,
+}
+
+crate::args::option_names!(PrepareBatchPackedOptions: "advanceHead", "ext");
+
 #[napi]
 impl KvCache {
     /// Removes `seqId` (-1: every sequence) from cells with positions in `[p0, p1)`; negative
@@ -165,10 +177,13 @@ impl KvCache {
         })
     }
 
-    /// `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`),
-    /// for a decode loop that refills the same `Int32Array`s. Returns the slot's first cell, or
-    /// null when the ubatch does not fit; the slot's `n` is then the `n` getter and its `len`
-    /// the tokens (groups, in a recurrent cache) passed, for `SlotRestorer.save`.
+    /// `prepareBatch` for a ubatch in llama_batch's packed form (the arrays of `findSlotPacked`;
+    /// the cells' extensions, of a cache with a `cellExt`, are `options.ext`), for a decode loop
+    /// that refills the same `Int32Array`s. Returns the slot's first cell, or null when the
+    /// ubatch does not fit; the slot's `n` is then the `n` getter and its `len` the tokens
+    /// (groups, in a recurrent cache) passed, for `SlotRestorer.save`. The trailing `ext`
+    /// argument is deprecated (use `options.ext`; it goes in the next minor version), and
+    /// giving both is `ERR_KV_INVALID_ARG`.
     #[napi]
     pub fn prepare_batch_packed(
         &self,
@@ -176,12 +191,25 @@ impl KvCache {
         #[napi(ts_arg_type = "Int32Array")] seq_ids: I32s,
         #[napi(ts_arg_type = "Int32Array | null")] n_seq_ids: Option<I32s>,
         #[napi(ts_arg_type = "number")] n_seq_tokens: Option<Num>,
-        #[napi(ts_arg_type = "PrepareBatchOptions")] options: Option<Obj<PrepareBatchOptions>>,
+        #[napi(ts_arg_type = "PrepareBatchPackedOptions")] options: Option<
+            Obj<PrepareBatchPackedOptions>,
+        >,
         #[napi(ts_arg_type = "Int32Array | null")] ext: Option<I32s>,
     ) -> Result<Option<u32>, Code> {
         // `options` is converted (its getters have run): only now are the arrays read
+        let (advance_head, option_ext) =
+            options.map_or((None, None), |o| (o.0.advance_head, o.0.ext));
+        let ext = match (option_ext, ext) {
+            (Some(_), Some(_)) => {
+                return Err(err(
+                    Code::InvalidArg,
+                    "ext is given twice: as options.ext and as the deprecated last argument",
+                ))
+            }
+            (e, None) | (None, e) => e,
+        };
         let opts = PrepareOptions {
-            advance_head: options.and_then(|o| o.0.advance_head).unwrap_or(true),
+            advance_head: advance_head.unwrap_or(true),
         };
         let ub = packed(&pos, &seq_ids, n_seq_ids, n_seq_tokens, ext)?;
         self.with("prepareBatchPacked", |c| {

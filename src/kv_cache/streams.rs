@@ -1,5 +1,6 @@
 //! `createStateReadStream` / `createStateWriteStream`: the class side of the state streams of
-//! [`crate::state_stream`], with their options.
+//! [`crate::state_stream`], with their options. The methods here open the native session;
+//! `lib/state-stream.js` defines the two public methods around them.
 
 use llama_kv_cache::{Layout, ReadOptions};
 use napi::bindgen_prelude::*;
@@ -54,7 +55,6 @@ impl KvCache {
         &self,
         env: &Env,
         mut work: Work,
-        kind: &'static std::ffi::CStr,
         chunk: u32,
         signal: Option<&Signal>,
     ) -> JsResult<RawValue> {
@@ -66,22 +66,17 @@ impl KvCache {
                 };
                 self.with(what, |c| work.start(c))?;
             }
-            state_stream::open(env, &self.shared, work, kind, chunk, signal)
+            state_stream::open(env, &self.shared, work, chunk, signal)
         })
     }
 }
 
 #[napi]
 impl KvCache {
-    /// A Readable stream of the KV state of `seqId` (-1, the default: the whole cache): the
-    /// bytes `stateWrite(seqId, options)` returns, copied chunk by chunk straight from the
-    /// tensors, so a state of any size (above 4 GiB too, which no Buffer holds) streams with
-    /// memory for a chunk or two. `size` is the total in bytes (null until the stream holds the
-    /// cache). The stream holds the cache as an async call does until its last byte or until it
-    /// is destroyed: it starts when the calls queued before it have settled, and meanwhile
-    /// synchronous calls throw ERR_KV_BUSY and async calls wait. Needs Node.js 20.16 or later.
-    #[napi(ts_return_type = "import('node:stream').Readable & { readonly size: number | null }")]
-    pub fn create_state_read_stream(
+    /// The native half of `createStateReadStream` (declared in index.d.ts, defined by
+    /// lib/state-stream.js): checks the arguments and queues the session the stream reads.
+    #[napi(js_name = "openStateReadSession", skip_typescript)]
+    pub fn open_state_read_session(
         &self,
         env: Env,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
@@ -102,22 +97,13 @@ impl KvCache {
             state: None,
         };
         let signal = o.as_ref().and_then(|o| o.signal.as_ref());
-        self.open_stream(&env, work, c"read", chunk, signal)
+        self.open_stream(&env, work, chunk, signal)
     }
 
-    /// A Writable stream that loads a state (the bytes of `stateWrite`, or of a
-    /// `createStateReadStream`) into sequence `seqId` (-1, the default: the whole cache) as it
-    /// arrives: the header and cell metadata are kept until the cells are placed, every later
-    /// byte goes straight to the tensors, so a state of any size loads with memory for a chunk
-    /// or two. `result` holds the ReadResult once 'finish' is emitted. A load that fails
-    /// (ERR_KV_* errors emitted on the stream), ends early, or is destroyed or aborted before
-    /// 'finish' leaves the cells and every live cell's rows as they were (rows of cells that
-    /// held data before are kept aside while the load runs). Holds the cache as
-    /// `createStateReadStream` does. Needs Node.js 20.16 or later.
-    #[napi(
-        ts_return_type = "import('node:stream').Writable & { readonly result: ReadResult | null }"
-    )]
-    pub fn create_state_write_stream(
+    /// The native half of `createStateWriteStream` (declared in index.d.ts, defined by
+    /// lib/state-stream.js): checks the arguments and queues the session the stream loads.
+    #[napi(js_name = "openStateWriteSession", skip_typescript)]
+    pub fn open_state_write_session(
         &self,
         env: Env,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
@@ -138,7 +124,7 @@ impl KvCache {
             state: None,
         };
         let signal = o.as_ref().and_then(|o| o.signal.as_ref());
-        self.open_stream(&env, work, c"write", chunk, signal)
+        self.open_stream(&env, work, chunk, signal)
     }
 }
 
