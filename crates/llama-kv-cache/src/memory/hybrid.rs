@@ -12,7 +12,7 @@ use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot, StreamSlot, Window};
+use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
 use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::interface::{
     check_progress, no_stream, recurrent_placement, stream_placement, LayerRows, Memory, Placement,
@@ -20,6 +20,7 @@ use crate::memory::interface::{
 };
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
+use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
 use crate::params::CacheParams;

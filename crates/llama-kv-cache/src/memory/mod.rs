@@ -18,6 +18,7 @@ pub mod hybrid;
 pub mod interface;
 pub mod iswa;
 pub mod part;
+pub mod placement;
 pub mod plan;
 pub mod recurrent;
 pub mod seed;

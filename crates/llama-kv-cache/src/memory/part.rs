@@ -4,7 +4,8 @@
 
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
-use crate::memory::attention::{stream_count, AttentionCache, Window};
+use crate::memory::attention::{stream_count, AttentionCache};
+use crate::memory::placement::Window;
 use crate::params::CacheParams;
 use crate::state::parts::PartRole;
 

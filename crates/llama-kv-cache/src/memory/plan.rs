@@ -5,11 +5,11 @@
 
 use crate::cache::KvCache;
 use crate::error::Result;
-use crate::memory::attention::Window;
 use crate::memory::hybrid::HybridPlan;
 use crate::memory::interface::Memory;
 use crate::memory::iswa::{ContextParams, IswaCache, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
+use crate::memory::placement::Window;
 use crate::model::{MemoryKind, ModelInfo};
 use crate::params::CacheParams;
 use crate::state::parts::PartRole;

@@ -9,11 +9,11 @@ use crate::cache::kshift::UpdateReport;
 use crate::cache::KvCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
-use crate::memory::attention::Window;
 use crate::memory::interface::{
     no_stream, recurrent_placement, LayerRows, Memory, Placement, Placements,
 };
 use crate::memory::part::PartInfo;
+use crate::memory::placement::Window;
 use crate::memory::recurrent::no_recurrent_state;
 use crate::model::MemoryKind;
 use crate::state::files::{read_file, seq_data_payload, WriteOptions};
