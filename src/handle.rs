@@ -53,7 +53,7 @@ impl Handle {
     }
 
     /// [`Handle::account`] from a call that holds the unified cache inside the memory.
-    pub fn account_kv(&self, cache: &core::KvCache) {
+    pub fn account_kv(&self, cache: &core::SeedCache) {
         self.report(cache.host_resident_bytes() as i64);
     }
 

@@ -523,7 +523,7 @@ fn convert_options<'a>(
     Option<Signal>,
 )> {
     use crate::args::{i32v, u32v};
-    use crate::convert::ggml_type_opt;
+    use crate::options::ggml_type_opt;
     let mut opts = llama_kv_cache::ConvertOptions::default();
     let Some(crate::args::Obj(o)) = options else {
         return Ok((opts, None, None));

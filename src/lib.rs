@@ -6,7 +6,6 @@
 #![cfg_attr(test, allow(dead_code))]
 
 mod args;
-mod convert;
 mod device;
 mod error;
 mod handle;
@@ -15,6 +14,7 @@ mod jobs;
 mod kv_cache;
 mod model;
 mod move_list;
+mod options;
 mod prompt_store;
 mod queue;
 mod signal;

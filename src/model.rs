@@ -12,10 +12,10 @@ use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
 use crate::args::{self, u32v, Obj};
-use crate::convert;
 use crate::error::{err, from_core, guard, Code, JsResult};
 use crate::kv_cache::tensors::{rope_layers_to_js, rope_to_js};
 use crate::kv_cache::{memory_part, KvCache};
+use crate::options;
 use crate::tasks::{PoolJob, PoolTask};
 use crate::types::{LayerRope, MemoryPlan, RopeOptions};
 
@@ -501,7 +501,7 @@ crate::args::option_names!(
 /// The context `options` describe, as llama.cpp 0.1.161's `llama_context_params`.
 fn context_of(o: Option<&FromModelOptions>) -> Result<core::ContextParams, Code> {
     let get = |f: fn(&FromModelOptions) -> Option<f64>| o.and_then(f);
-    let ty = |name, v: Option<&String>| convert::ggml_type(name, v.cloned(), GgmlType::F16);
+    let ty = |name, v: Option<&String>| options::ggml_type(name, v.cloned(), GgmlType::F16);
     Ok(core::ContextParams {
         n_ctx: get(|o| o.n_ctx).map_or(Ok(0), |n| u32v("nCtx", n))?,
         n_seq_max: get(|o| o.n_seq_max).map_or(Ok(1), |n| u32v("nSeqMax", n))?,

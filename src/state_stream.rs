@@ -44,7 +44,7 @@ pub enum Work {
 
 impl Work {
     /// Makes the core state from the cache as it is now.
-    pub fn start(&mut self, cache: &core::KvCache) -> JsResult<()> {
+    pub fn start(&mut self, cache: &core::SeedCache) -> JsResult<()> {
         match self {
             Work::Out {
                 seq,
@@ -94,7 +94,10 @@ impl Session {
     }
 
     /// Runs `f` on the cache and the session's work, while the session holds the cache.
-    fn with<T>(&self, f: impl FnOnce(&mut core::KvCache, &mut Work) -> JsResult<T>) -> JsResult<T> {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut core::SeedCache, &mut Work) -> JsResult<T>,
+    ) -> JsResult<T> {
         guard(|| {
             let mut state = self.lock();
             if state.closed {

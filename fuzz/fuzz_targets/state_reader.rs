@@ -11,11 +11,11 @@ use llama_kv_cache::convert_bytes;
 use llama_kv_cache::state::files::inspect_bytes;
 
 use llama_kv_cache::{
-    CacheParams, CellExt, ConvertOptions, GgmlType, KvCache, Layout, PartRole, ReadOptions,
+    CacheParams, CellExt, ConvertOptions, GgmlType, SeedCache, Layout, PartRole, ReadOptions,
     ReadSummary, UBatch,
 };
 
-fn cache(flash: bool, ty: GgmlType, rotated: bool, ext: bool) -> KvCache {
+fn cache(flash: bool, ty: GgmlType, rotated: bool, ext: bool) -> SeedCache {
     // the rotated cache is shaped like the t161 h64 fixtures (head_dim 64, one KV head)
     let width = if rotated { 64 } else { 32 };
     let mut p = CacheParams::new(16, 2, width, width);
@@ -32,7 +32,7 @@ fn cache(flash: bool, ty: GgmlType, rotated: bool, ext: bool) -> KvCache {
         p.cell_ext = CellExt::Pos2Tok;
         p.mrope = true;
     }
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::per_token(
         vec![0, 1, 2],
         vec![vec![0, 1], vec![1], vec![2]],
@@ -123,7 +123,7 @@ fuzz_target!(|data: &[u8]| {
 /// after a failure.
 fn streamed_matches_whole(
     body: &[u8],
-    new_cache: &dyn Fn() -> KvCache,
+    new_cache: &dyn Fn() -> SeedCache,
     seq: i32,
     chunk: usize,
     opts: ReadOptions,

@@ -15,9 +15,9 @@ use napi::bindgen_prelude::*;
 use napi_derive::napi;
 
 use crate::args::{u32v, Num, Obj};
-use crate::convert;
 use crate::error::{err, from_core, guard, js_error, Code, JsResult};
 use crate::handle::Handle;
+use crate::options;
 use crate::queue::{Deferred, JsPromise, Shared};
 use crate::signal::Signal;
 use crate::tasks::{aborted, CacheTask, Control, Job, ProgressFn};
@@ -61,7 +61,7 @@ impl KvCache {
     ) -> JsResult<Self> {
         let devices = crate::device::devices(device, params.n_layer)?;
         let mut alloc = crate::device::allocator(devices)?;
-        let cache = core::KvCache::with_allocator(params, &mut alloc).map_err(from_core)?;
+        let cache = core::SeedCache::with_allocator(params, &mut alloc).map_err(from_core)?;
         Ok(KvCache::from_memory(env, Box::new(cache), model_shift))
     }
 
@@ -85,7 +85,7 @@ impl KvCache {
     fn with<T>(
         &self,
         what: &str,
-        f: impl FnOnce(&mut core::KvCache) -> JsResult<T>,
+        f: impl FnOnce(&mut core::SeedCache) -> JsResult<T>,
     ) -> JsResult<T> {
         self.shared.with(|m| f(m.kv(what).map_err(from_core)?))
     }
@@ -179,9 +179,9 @@ impl KvCache {
                     "KvCache is a class: call it with `new KvCache(options)`",
                 ));
             }
-            let k = convert::widths("nEmbdKGqa", &options.n_embd_k_gqa)?;
+            let k = options::widths("nEmbdKGqa", &options.n_embd_k_gqa)?;
             let v = match &options.n_embd_v_gqa {
-                Some(w) => convert::widths("nEmbdVGqa", w)?,
+                Some(w) => options::widths("nEmbdVGqa", w)?,
                 None => k.clone(),
             };
             let params = CacheParams {
@@ -191,15 +191,15 @@ impl KvCache {
                 n_embd_v_gqa: v,
                 n_embd_k_s: options.n_embd_k_s.map_or(Ok(0), |x| u32v("nEmbdKS", x))?,
                 n_embd_v_s: options.n_embd_v_s.map_or(Ok(0), |x| u32v("nEmbdVS", x))?,
-                type_k: convert::ggml_type("typeK", options.type_k, core::GgmlType::F16)?,
-                type_v: convert::ggml_type("typeV", options.type_v, core::GgmlType::F16)?,
+                type_k: options::ggml_type("typeK", options.type_k, core::GgmlType::F16)?,
+                type_v: options::ggml_type("typeV", options.type_v, core::GgmlType::F16)?,
                 flash_attn: options.flash_attn.unwrap_or(false),
                 recurrent: options.recurrent.unwrap_or(false),
                 can_shift: options.can_shift.unwrap_or(true),
                 n_seq_max: options.n_seq_max.map_or(Ok(1), |x| u32v("nSeqMax", x))?,
                 n_rot_k: options.n_rot_k.map_or(Ok(0), |x| u32v("nRotK", x))?,
                 n_rot_v: options.n_rot_v.map_or(Ok(0), |x| u32v("nRotV", x))?,
-                cell_ext: convert::cell_ext("cellExt", options.cell_ext)?,
+                cell_ext: options::cell_ext("cellExt", options.cell_ext)?,
                 mrope: options.mrope.unwrap_or(false),
                 no_v: options.no_v.unwrap_or(false),
                 // the constructor's recurrent cache is the seed's; fromModel builds 0.1.161's

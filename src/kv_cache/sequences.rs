@@ -9,8 +9,8 @@ use napi_derive::napi;
 use super::restorer::SlotRestorer;
 use super::KvCache;
 use crate::args::{i32_named, i32v, opt_i32, u32v, I32Copy, I32s, Num, Obj};
-use crate::convert;
 use crate::error::{err, from_core, Code, JsResult};
+use crate::options;
 use crate::types::{PlacedCells, PrepareBatchOptions, Slot, UBatchInput};
 
 /// Options of `prepareBatchPacked`.
@@ -270,7 +270,7 @@ fn packed(
     // before any JS can run
     unsafe {
         let ext = match ext {
-            Some(e) => convert::cell_exts(e.borrow("ext")?)?,
+            Some(e) => options::cell_exts(e.borrow("ext")?)?,
             None => Vec::new(),
         };
         let n_seq_ids = n_seq_ids
@@ -286,7 +286,7 @@ fn packed(
             ));
         }
         let mut ub =
-            convert::packed_ubatch(pos, seq_ids.borrow("seqIds")?, n_seq_ids, n_seq_tokens)?;
+            options::packed_ubatch(pos, seq_ids.borrow("seqIds")?, n_seq_ids, n_seq_tokens)?;
         ub.ext = ext;
         Ok(ub)
     }
@@ -337,7 +337,7 @@ fn to_ubatch(u: UBatchInput) -> JsResult<UBatch> {
     };
     let ext = match u.ext {
         None => Vec::new(),
-        Some(ext) => convert::cell_exts(&I32Copy::of("ext", ext)?)?,
+        Some(ext) => options::cell_exts(&I32Copy::of("ext", ext)?)?,
     };
     Ok(UBatch {
         pos,

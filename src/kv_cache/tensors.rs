@@ -8,10 +8,10 @@ use napi_derive::napi;
 
 use super::KvCache;
 use crate::args::{self, int, u32v, Bytes, Floats, Num, Obj};
-use crate::convert::f32_or;
 use crate::error::{err, from_core, Code, JsResult};
 use crate::jobs::UpdateJob;
 use crate::move_list::UpdateReport;
+use crate::options::f32_or;
 use crate::queue::JsPromise;
 use crate::signal::Signal;
 use crate::types::{LayerRope, RopeOptions};

@@ -1,4 +1,4 @@
-//! Our side: `llama_kv_cache::KvCache` driven through llama.cpp 0.1.103's decode path.
+//! Our side: `llama_kv_cache::SeedCache` driven through llama.cpp 0.1.103's decode path.
 //!
 //! What the caller (llama.cpp's `llama_context`) does around the cache is emulated here:
 //! `kv_self_update` before the ubatch loop, `split_simple` / `split_equal`, the head-reset
@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use llama_kv_cache::{
-    CacheParams, KvCache, KvError, Layout, PrepareOptions, ReadOptions, RopeParams, RopeType,
+    CacheParams, KvError, Layout, PrepareOptions, ReadOptions, RopeParams, RopeType, SeedCache,
     ShiftParams, UBatch,
 };
 
@@ -149,7 +149,7 @@ pub struct Ours {
     /// The configuration.
     pub cfg: Config,
     /// The cache under test.
-    pub cache: KvCache,
+    pub cache: SeedCache,
     /// 0.1.103's `pending.ranges`: cell ranges placed since the last commit.
     pub pending: Vec<(u32, u32)>,
     /// Per cell: our K rows equal llama.cpp's (data came from llama.cpp, moved with the cell).
@@ -302,7 +302,7 @@ impl Ours {
     }
 
     fn with_tensors(cfg: &Config, lite: bool) -> Result<Ours, String> {
-        let cache = KvCache::new(cache_params(cfg, lite)).map_err(|e| e.to_string())?;
+        let cache = SeedCache::new(cache_params(cfg, lite)).map_err(|e| e.to_string())?;
         let size = cfg.kv_size() as usize;
         let (dim, heads) = if lite {
             (2, 1)

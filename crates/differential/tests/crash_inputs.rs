@@ -5,7 +5,7 @@ use differential::gguf::ModelKind;
 use differential::ours::Ours;
 use differential::trace::{Config, Op, Tok};
 use llama_kv_cache::{
-    CacheParams, GgmlType, KvCache, KvError, Layout, ReadOptions, RopeParams, RopeType,
+    CacheParams, GgmlType, KvError, Layout, ReadOptions, RopeParams, RopeType, SeedCache,
     ShiftParams, UBatch,
 };
 
@@ -184,7 +184,7 @@ fn recurrent_find_slot_without_a_free_cell_fails_without_changes() {
     p.n_seq_max = 2;
     p.type_k = GgmlType::F32;
     p.type_v = GgmlType::F32;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     let ub = UBatch {
         pos: vec![0, 0],
         n_seq_tokens: 1,
@@ -230,7 +230,7 @@ fn batches_larger_than_n_batch_or_the_cache_are_refused() {
     // 64 tokens in one ubatch do not fit 32 cells: an ordinary failure
     assert_eq!(apply(&mut o, Op::Decode(tokens(0, 0, 64))), 1);
     assert_eq!(o.cache.used_cells(), 0);
-    let mut c = KvCache::new(CacheParams::new(8, 1, 8, 8)).unwrap();
+    let mut c = SeedCache::new(CacheParams::new(8, 1, 8, 8)).unwrap();
     assert!(c.find_slot(&UBatch::sequence(0, 0, 9)).unwrap().is_none());
     assert_eq!(c.used_cells(), 0);
 }

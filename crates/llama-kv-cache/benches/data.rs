@@ -17,7 +17,7 @@ use criterion::{BatchSize, Criterion, Throughput};
 use llama_kv_cache::state::files::{read_file, write_atomic};
 use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
-    CacheParams, GgmlType, KvCache, Layout, ReadOptions, RopeParams, RopeTable, RopeType,
+    CacheParams, GgmlType, Layout, ReadOptions, RopeParams, RopeTable, RopeType, SeedCache,
     ShiftParams, Tensor, UBatch, WriteOptions, DEFAULT_MAX_NODES,
 };
 
@@ -69,8 +69,8 @@ fn params(flash_attn: bool) -> CacheParams {
 
 /// Fills every cell: cell `i` gets sequence `owner(i)`, placed by `find_slot` in 512-token
 /// per-token ubatches.
-fn filled(p: CacheParams, owner: impl Fn(u32) -> i32) -> KvCache {
-    let mut c = KvCache::new(p).unwrap();
+fn filled(p: CacheParams, owner: impl Fn(u32) -> i32) -> SeedCache {
+    let mut c = SeedCache::new(p).unwrap();
     let mut next = [0i32; 4];
     for b in 0..CELLS / 512 {
         let (mut pos, mut seqs) = (Vec::new(), Vec::new());
@@ -114,7 +114,7 @@ impl DefragCase {
     /// The fragmented cache, ready to defrag. Every K/V row is written first, as decoding
     /// would: a defrag of never-written tensors times the page faults of their first writes
     /// (the zero pages the OS hands out lazily), not the moves.
-    fn prepare(&self) -> KvCache {
+    fn prepare(&self) -> SeedCache {
         let mut c = filled(params(self.flash_attn), self.owner);
         let rows = vec![0x3cu8; CELLS as usize * EMBD as usize * 2];
         for il in 0..LAYERS {
@@ -316,7 +316,7 @@ fn main() {
             extra: format!("{bytes} bytes"),
         });
         let read = time_with(
-            || KvCache::new(params(flash_attn)).unwrap(),
+            || SeedCache::new(params(flash_attn)).unwrap(),
             |fresh| {
                 fresh
                     .state_read(&blob, -1, ReadOptions::default(), None)
@@ -356,7 +356,7 @@ fn main() {
             extra: "atomic: temp file, fsync, rename".into(),
         });
         let load = time_with(
-            || KvCache::new(params(flash_attn)).unwrap(),
+            || SeedCache::new(params(flash_attn)).unwrap(),
             |fresh| {
                 let b = read_file(&ours_path).unwrap();
                 fresh

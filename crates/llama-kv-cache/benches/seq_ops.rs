@@ -4,7 +4,7 @@
 //!
 //! Every measured call starts from the same state for both models: each state is described once
 //! (the ubatches that fill it plus a few preparation steps) and built from that description for
-//! both. Building is never timed. `KvCache` is not `Clone`, so it is rebuilt for every
+//! both. Building is never timed. `SeedCache` is not `Clone`, so it is rebuilt for every
 //! iteration (about a millisecond); the baseline is built once and cloned.
 //!
 //! The criterion groups come first; the table the team reads is printed at the end, from its own
@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion};
-use llama_kv_cache::{CacheParams, KvCache, UBatch};
+use llama_kv_cache::{CacheParams, SeedCache, UBatch};
 use reference::RefCache;
 
 const SIZE: u32 = 65_536;
@@ -47,27 +47,27 @@ trait Model {
     fn n_tokens(&self) -> u64;
 }
 
-impl Model for KvCache {
+impl Model for SeedCache {
     fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
-        KvCache::seq_rm(self, seq, p0, p1).unwrap();
+        SeedCache::seq_rm(self, seq, p0, p1).unwrap();
     }
     fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) {
-        KvCache::seq_cp(self, src, dst, p0, p1).unwrap();
+        SeedCache::seq_cp(self, src, dst, p0, p1).unwrap();
     }
     fn seq_keep(&mut self, seq: i32) {
-        KvCache::seq_keep(self, seq).unwrap();
+        SeedCache::seq_keep(self, seq).unwrap();
     }
     fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) {
-        KvCache::seq_add(self, seq, p0, p1, delta).unwrap();
+        SeedCache::seq_add(self, seq, p0, p1, delta).unwrap();
     }
     fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) {
-        KvCache::seq_div(self, seq, p0, p1, d).unwrap();
+        SeedCache::seq_div(self, seq, p0, p1, d).unwrap();
     }
     fn seq_pos_max(&self, seq: i32) -> i32 {
-        KvCache::seq_pos_max(self, seq).unwrap()
+        SeedCache::seq_pos_max(self, seq).unwrap()
     }
     fn find_slot(&mut self, ub: &UBatch) -> i64 {
-        KvCache::find_slot(self, ub)
+        SeedCache::find_slot(self, ub)
             .unwrap()
             .map_or(-1, |s| i64::from(s.head))
     }
@@ -75,7 +75,7 @@ impl Model for KvCache {
         self.used_cells()
     }
     fn n_tokens(&self) -> u64 {
-        KvCache::n_tokens(self)
+        SeedCache::n_tokens(self)
     }
 }
 
@@ -161,10 +161,10 @@ impl Scenario {
         }
     }
 
-    fn ours(&self) -> KvCache {
+    fn ours(&self) -> SeedCache {
         let mut p = CacheParams::new(self.size, 1, 8, 8);
         p.n_seq_max = N_SEQ;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         self.apply(&mut c);
         c
     }

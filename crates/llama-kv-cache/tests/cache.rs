@@ -1,24 +1,24 @@
 //! Behaviour of the cache's operations, one concept per test, plus llama.node-style scenarios.
 
 use llama_kv_cache::{
-    CacheParams, GgmlType, KvCache, KvError, PrepareOptions, RopeParams, RopeType, ShiftParams,
+    CacheParams, GgmlType, KvError, PrepareOptions, RopeParams, RopeType, SeedCache, ShiftParams,
     Tensor, UBatch,
 };
 
-fn cache(size: u32, n_seq: u32) -> KvCache {
+fn cache(size: u32, n_seq: u32) -> SeedCache {
     let mut p = CacheParams::new(size, 2, 8, 8);
     p.n_seq_max = n_seq;
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
-fn recurrent_cache(size: u32, n_seq: u32) -> KvCache {
+fn recurrent_cache(size: u32, n_seq: u32) -> SeedCache {
     let mut p = CacheParams::new(size, 1, 8, 8);
     p.recurrent = true;
     p.n_seq_max = n_seq;
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
-fn place(c: &mut KvCache, seq: i32, p0: i32, n: u32) -> u32 {
+fn place(c: &mut SeedCache, seq: i32, p0: i32, n: u32) -> u32 {
     c.find_slot(&UBatch::sequence(seq, p0, n))
         .unwrap()
         .unwrap()
@@ -490,7 +490,7 @@ fn recurrent_placement_fails_cleanly_where_llama_cpp_asserts() {
     place_shared_then_fill(&mut c);
 }
 
-fn place_shared_then_fill(c: &mut KvCache) {
+fn place_shared_then_fill(c: &mut SeedCache) {
     let before: Vec<_> = (0..3).map(|i| c.cell(i).unwrap()).collect();
     // seq 0 and seq 2 both need their own cell, only one is empty
     let ub = UBatch {
@@ -528,7 +528,7 @@ fn rows_round_trip_for_every_type_as_raw_bytes() {
         p.type_k = ty;
         p.type_v = ty;
         p.flash_attn = true;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         let row = c.row_size(1, Tensor::K).unwrap();
         let data: Vec<u8> = (0..row * 3).map(|i| (i * 7 % 251) as u8).collect();
         c.write_rows(1, Tensor::K, 5, &data).unwrap();
@@ -556,11 +556,11 @@ fn f32_rows_round_trip_through_f16_and_transposed_v() {
     assert!(c.write_rows_f32(0, Tensor::V, 0, &vals[..5]).is_err());
 }
 
-fn filled_cache(v_trans: bool) -> KvCache {
+fn filled_cache(v_trans: bool) -> SeedCache {
     let mut p = CacheParams::new(16, 2, 8, 8);
     p.n_seq_max = 3;
     p.flash_attn = !v_trans;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     for i in 0..16u32 {
         let seq = (i % 3) as i32;
         c.find_slot(&UBatch::sequence(seq, i as i32, 1))
@@ -576,7 +576,7 @@ fn filled_cache(v_trans: bool) -> KvCache {
     c
 }
 
-fn rows_by_pos(c: &KvCache) -> Vec<(i32, Vec<f32>, Vec<f32>)> {
+fn rows_by_pos(c: &SeedCache) -> Vec<(i32, Vec<f32>, Vec<f32>)> {
     let mut out = Vec::new();
     for i in 0..c.size() {
         let cell = c.cell(i).unwrap();
@@ -654,7 +654,7 @@ fn k_shift_rotates_by_the_delta_and_composes() {
     };
     let k: Vec<f32> = (0..32).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();
     let shifted = |deltas: &[i32]| {
-        let mut c = KvCache::new(p.clone()).unwrap();
+        let mut c = SeedCache::new(p.clone()).unwrap();
         c.find_slot(&UBatch::sequence(0, 10, 1)).unwrap().unwrap();
         c.write_rows_f32(0, Tensor::K, 0, &k).unwrap();
         for &d in deltas {
@@ -677,7 +677,7 @@ fn k_shift_rotates_by_the_delta_and_composes() {
 fn k_shift_is_refused_by_caches_that_cannot_shift() {
     let mut p = CacheParams::new(4, 1, 32, 32);
     p.can_shift = false;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::sequence(0, 10, 1)).unwrap().unwrap();
     c.seq_add(0, -1, -1, -2).unwrap();
     let rope = ShiftParams {
@@ -710,7 +710,7 @@ fn k_shift_checks_the_rope_geometry() {
 fn regression_reading_zero_rows_of_transposed_v_is_empty_not_a_panic() {
     // the element loop before the tiled transpose took chunks of `n * el` bytes and panicked
     // on n = 0 (readV(layer, cell, 0) reached JS as ERR_KV_INTERNAL)
-    let c = KvCache::new(CacheParams::new(16, 1, 8, 8)).unwrap();
+    let c = SeedCache::new(CacheParams::new(16, 1, 8, 8)).unwrap();
     assert!(c.v_trans());
     assert!(c.read_rows(0, Tensor::V, 0, 0).unwrap().is_empty());
     assert!(c.read_rows(0, Tensor::K, 3, 0).unwrap().is_empty());

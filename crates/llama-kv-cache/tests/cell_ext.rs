@@ -7,7 +7,7 @@
 use llama_kv_cache::state::cells::{cell_len, put_cell, CellExt, CellExtValue};
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
-    convert_bytes, CacheParams, ConvertOptions, FileKind, KvCache, KvError, Layout, ReadOptions,
+    convert_bytes, CacheParams, ConvertOptions, FileKind, KvError, Layout, ReadOptions, SeedCache,
     UBatch, WriteOptions,
 };
 use proptest::prelude::*;
@@ -15,7 +15,7 @@ use proptest::prelude::*;
 /// A sequence file of 6 cells written by `version`, its cells rewritten as an M-RoPE model's
 /// llama.cpp writes them (each with the extension of `kind`).
 fn file_with_ext(version: u32, kind: CellExt) -> (Vec<u8>, Vec<CellExtValue>) {
-    let mut c = KvCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
+    let mut c = SeedCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
     c.find_slot(&UBatch::sequence(0, 0, 6)).unwrap().unwrap();
     let opts = WriteOptions {
         version: Some(version),
@@ -70,7 +70,7 @@ fn a_file_whose_cells_carry_extensions_is_read_by_its_exact_length() {
 
 #[test]
 fn plain_files_are_still_read_without_extensions() {
-    let mut c = KvCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
+    let mut c = SeedCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
     c.find_slot(&UBatch::sequence(0, 0, 6)).unwrap().unwrap();
     let file = c
         .sequence_file_bytes(0, &[1, 2, 3, 4, 5, 6], WriteOptions::default(), None)
@@ -88,7 +88,7 @@ fn ext_params(ext: CellExt, n_seq_max: u32) -> CacheParams {
     p
 }
 
-fn ext_of(c: &KvCache, cell: u32) -> CellExtValue {
+fn ext_of(c: &SeedCache, cell: u32) -> CellExtValue {
     c.cell(cell).unwrap().ext
 }
 
@@ -100,7 +100,7 @@ fn a_cache_with_the_extension_loads_it_and_writes_the_file_back_byte_for_byte() 
         (2, CellExt::Pos2),
     ] {
         let (file, exts) = file_with_ext(version, kind);
-        let mut c = KvCache::new(ext_params(kind, 2)).unwrap();
+        let mut c = SeedCache::new(ext_params(kind, 2)).unwrap();
         let loaded = c
             .load_sequence_bytes(&file, 1, ReadOptions::default(), None)
             .unwrap_or_else(|e| panic!("v{version}: {e}"));
@@ -137,7 +137,7 @@ fn loading_cells_with_extensions_into_a_cache_without_them_is_refused_by_name_an
     let (file, _) = file_with_ext(4, CellExt::Pos2Tok);
     let mut p = CacheParams::new(16, 2, 8, 8);
     p.n_seq_max = 2;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::sequence(1, 0, 3)).unwrap().unwrap();
     let before = c.view(4);
     let e = c
@@ -151,7 +151,7 @@ fn loading_cells_with_extensions_into_a_cache_without_them_is_refused_by_name_an
 
 #[test]
 fn a_plain_file_into_a_cache_with_the_extension_is_refused_by_name_and_changes_nothing() {
-    let mut plain = KvCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
+    let mut plain = SeedCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
     plain
         .find_slot(&UBatch::sequence(0, 0, 6))
         .unwrap()
@@ -159,7 +159,7 @@ fn a_plain_file_into_a_cache_with_the_extension_is_refused_by_name_and_changes_n
     let file = plain
         .sequence_file_bytes(0, &[1, 2, 3, 4, 5, 6], WriteOptions::default(), None)
         .unwrap();
-    let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
+    let mut c = SeedCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
     c.find_slot(&UBatch::sequence(1, 0, 3)).unwrap().unwrap();
     let before = c.cell_columns().unwrap();
     let e = c
@@ -209,7 +209,7 @@ fn convert_keeps_the_extension_in_the_form_of_the_output_version() {
 
 #[test]
 fn placement_records_the_ubatch_extension_or_an_mrope_text_position() {
-    let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
+    let mut c = SeedCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
     let mut ub = UBatch::sequence(0, 0, 3);
     ub.ext = vec![
         CellExtValue {
@@ -253,7 +253,7 @@ fn placement_records_the_ubatch_extension_or_an_mrope_text_position() {
         "{e}"
     );
     // a cache without extensions refuses them rather than dropping them
-    let mut plain = KvCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
+    let mut plain = SeedCache::new(CacheParams::new(16, 2, 8, 8)).unwrap();
     let e = plain.find_slot(&ub).unwrap_err();
     assert!(matches!(e, KvError::InvalidArg(_)), "{e}");
     assert!(e.to_string().contains("cellExt 'none'"), "{e}");
@@ -261,7 +261,7 @@ fn placement_records_the_ubatch_extension_or_an_mrope_text_position() {
 
 #[test]
 fn an_mrope_cache_refuses_to_shift_or_divide_positions_and_changes_nothing() {
-    let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 1)).unwrap();
+    let mut c = SeedCache::new(ext_params(CellExt::Pos2Tok, 1)).unwrap();
     c.find_slot(&UBatch::sequence(0, 0, 4)).unwrap().unwrap();
     let before = c.cell_columns().unwrap();
     for e in [
@@ -279,7 +279,7 @@ fn an_mrope_cache_refuses_to_shift_or_divide_positions_and_changes_nothing() {
 type ModelCell = (i32, (i32, i32, i32), Vec<i32>);
 
 /// Every occupied cell of the cache, sorted (where each sits is the cache's business).
-fn occupied(c: &KvCache) -> Vec<ModelCell> {
+fn occupied(c: &SeedCache) -> Vec<ModelCell> {
     let mut out: Vec<ModelCell> = (0..c.size())
         .map(|i| c.cell(i).unwrap())
         .filter(|cell| cell.pos >= 0 && !cell.seqs.is_empty())
@@ -325,7 +325,7 @@ proptest! {
     fn extensions_follow_their_cells_through_every_operation(ops in prop::collection::vec(op(), 1..40)) {
         let mut p = ext_params(CellExt::Pos2Tok, 3);
         p.size = 32;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         let mut model: Vec<ModelCell> = Vec::new();
         let mut next_pos = [0i32; 3];
         for op in ops {
@@ -366,7 +366,7 @@ proptest! {
                 }
                 Op::ReloadWhole => {
                     let bytes = c.state_write(-1, Layout::StreamsRot, 1, None).unwrap();
-                    let mut fresh = KvCache::new(c.params().clone()).unwrap();
+                    let mut fresh = SeedCache::new(c.params().clone()).unwrap();
                     fresh.state_read(&bytes, -1, ReadOptions::default(), None).unwrap();
                     c = fresh;
                 }
@@ -393,7 +393,7 @@ proptest! {
 
 #[test]
 fn streamed_state_keeps_the_extension_both_ways() {
-    let mut c = KvCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
+    let mut c = SeedCache::new(ext_params(CellExt::Pos2Tok, 2)).unwrap();
     let mut ub = UBatch::sequence(1, 0, 5);
     ub.ext = (0..5)
         .map(|k| CellExtValue {

@@ -17,8 +17,8 @@ use llama_kv_cache::tensors::cuda::{
 use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::tensors::storage::{HostBuffer, KvBuffer};
 use llama_kv_cache::{
-    CacheParams, Device, GgmlType, KvCache, KvError, RopeParams, RopeTable, RopeType, ShiftParams,
-    Tensor, UBatch, DEFAULT_MAX_NODES,
+    CacheParams, Device, GgmlType, KvError, RopeParams, RopeTable, RopeType, SeedCache,
+    ShiftParams, Tensor, UBatch, DEFAULT_MAX_NODES,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -111,14 +111,15 @@ fn without_a_driver_allocation_fails_with_a_cuda_backend_error() {
     assert!(msg.starts_with("CUDA unavailable: "), "{msg}");
 
     let params = CacheParams::new(64, 2, 32, 32);
-    let err = KvCache::with_allocator(params.clone(), &mut layer_allocator(vec![Device::Cuda(0)]))
-        .err()
-        .expect("a CUDA cache without a driver");
+    let err =
+        SeedCache::with_allocator(params.clone(), &mut layer_allocator(vec![Device::Cuda(0)]))
+            .err()
+            .expect("a CUDA cache without a driver");
     let msg = backend_message(err);
     assert!(msg.contains("CUDA"), "{msg}");
 
     // a cache whose only device layer comes second fails too, cleanly
-    let err = KvCache::with_allocator(
+    let err = SeedCache::with_allocator(
         params,
         &mut layer_allocator(vec![Device::Host, Device::Cuda(0)]),
     )
@@ -134,12 +135,12 @@ fn without_a_driver_allocation_fails_with_a_cuda_backend_error() {
 #[test]
 fn layer_allocator_host_layers_need_no_gpu() {
     let params = CacheParams::new(64, 3, 32, 32);
-    let c =
-        KvCache::with_allocator(params.clone(), &mut layer_allocator(vec![Device::Host])).unwrap();
+    let c = SeedCache::with_allocator(params.clone(), &mut layer_allocator(vec![Device::Host]))
+        .unwrap();
     assert_eq!(c.bytes_per_device().len(), 1);
     assert_eq!(c.bytes_per_device()[0].0, Device::Host);
     // one entry per layer, or one for all; anything else names the layer
-    let err = KvCache::with_allocator(
+    let err = SeedCache::with_allocator(
         params,
         &mut layer_allocator(vec![Device::Host, Device::Host]),
     )
@@ -296,7 +297,7 @@ fn gpu_buffer_ops_match_the_host_buffer() {
 // ---------------------------------------------------------------------------------------------
 // GPU: cache parity
 
-fn assert_same_tensors(host: &KvCache, dev: &KvCache, what: &str) {
+fn assert_same_tensors(host: &SeedCache, dev: &SeedCache, what: &str) {
     for il in 0..host.n_layer() {
         for which in [Tensor::K, Tensor::V] {
             let a = host.read_rows(il, which, 0, host.size()).unwrap();
@@ -315,8 +316,8 @@ fn parity(type_k: GgmlType, type_v: GgmlType, flash_attn: bool, devices: Vec<Dev
     p.type_v = type_v;
     p.flash_attn = flash_attn;
     p.n_seq_max = 2;
-    let mut host = KvCache::new(p.clone()).unwrap();
-    let mut dev = KvCache::with_allocator(p.clone(), &mut layer_allocator(devices)).unwrap();
+    let mut host = SeedCache::new(p.clone()).unwrap();
+    let mut dev = SeedCache::with_allocator(p.clone(), &mut layer_allocator(devices)).unwrap();
     assert!(dev
         .bytes_per_device()
         .iter()
@@ -390,7 +391,7 @@ fn gpu_cache_matches_host_cache_byte_for_byte() {
     parity(GgmlType::F16, GgmlType::F16, false, mixed);
     let all = cuda_allocator(0).unwrap();
     let mut all = all;
-    let c = KvCache::with_allocator(CacheParams::new(64, 2, 32, 32), &mut all).unwrap();
+    let c = SeedCache::with_allocator(CacheParams::new(64, 2, 32, 32), &mut all).unwrap();
     assert_eq!(
         c.bytes_per_device(),
         vec![(Device::Cuda(0), c.total_size())]
@@ -528,14 +529,14 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / t / 1e9
 }
 
-fn defrag_bandwidth(label: &str, flash_attn: bool, hole: impl Fn(&mut KvCache)) {
+fn defrag_bandwidth(label: &str, flash_attn: bool, hole: impl Fn(&mut SeedCache)) {
     let mut p = CacheParams::new(16_384, 8, 1024, 1024);
     p.flash_attn = flash_attn;
     let mut best = f64::INFINITY;
     let mut bytes = 0u64;
     let mut moves = 0usize;
     for _ in 0..3 {
-        let mut c = KvCache::with_allocator(p.clone(), &mut cuda_allocator(0).unwrap()).unwrap();
+        let mut c = SeedCache::with_allocator(p.clone(), &mut cuda_allocator(0).unwrap()).unwrap();
         c.find_slot(&UBatch::sequence(0, 0, 16_384))
             .unwrap()
             .unwrap();
@@ -568,13 +569,13 @@ fn gpu_bandwidth_figures() {
         defrag_bandwidth(
             &format!("one run, flash_attn {fa}"),
             fa,
-            |c: &mut KvCache| {
+            |c: &mut SeedCache| {
                 c.seq_rm(0, 0, 8192).unwrap();
             },
         );
     }
     // informational: many short runs (per-call overhead dominates)
-    defrag_bandwidth("holes every 256 cells", false, |c: &mut KvCache| {
+    defrag_bandwidth("holes every 256 cells", false, |c: &mut SeedCache| {
         for b in (0..16_384).step_by(512) {
             c.seq_rm(0, b, b + 256).unwrap();
         }

@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::{
-    CacheParams, GgmlType, KvCache, RopeParams, RopeTable, RopeType, ShiftParams, Tensor, UBatch,
+    CacheParams, GgmlType, RopeParams, RopeTable, RopeType, SeedCache, ShiftParams, Tensor, UBatch,
 };
 use proptest::prelude::*;
 
-fn rows_by_seq_pos(c: &KvCache) -> Vec<(usize, i32, Vec<u8>, Vec<u8>)> {
+fn rows_by_seq_pos(c: &SeedCache) -> Vec<(usize, i32, Vec<u8>, Vec<u8>)> {
     let mut out = Vec::new();
     for i in 0..c.size() {
         let cell = c.cell(i).unwrap();
@@ -42,7 +42,7 @@ proptest! {
         let mut p = CacheParams::new(48, 2, 8, 16);
         p.n_seq_max = 3;
         p.flash_attn = !v_trans;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         for t in 0..40 {
             let ub = UBatch::per_token(vec![t / 3], vec![vec![t % 3]]);
             c.find_slot(&ub).unwrap().unwrap();
@@ -80,7 +80,7 @@ fn quantized_k_shift_stays_within_the_quantizer_error() {
         let mut p = CacheParams::new(8, 1, 64, 64);
         p.type_k = ty;
         p.flash_attn = true;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         c.find_slot(&UBatch::sequence(0, 20, 1)).unwrap().unwrap();
         let k: Vec<f32> = (0..64)
             .map(|i| ((i * 29 % 17) as f32 - 8.0) / 4.0)
@@ -115,7 +115,7 @@ fn quantized_k_shift_stays_within_the_quantizer_error() {
 fn per_layer_rope_overrides_apply_to_their_layer() {
     let mut p = CacheParams::new(4, 2, 32, 32);
     p.type_k = GgmlType::F32;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::sequence(0, 10, 1)).unwrap().unwrap();
     let k: Vec<f32> = (0..32).map(|i| i as f32 / 8.0 - 2.0).collect();
     for il in 0..2 {

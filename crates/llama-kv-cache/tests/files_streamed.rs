@@ -10,8 +10,8 @@ use std::io::{Seek, SeekFrom, Write};
 use llama_kv_cache::state::files::{inspect_bytes, inspect_file, inspect_source, Inspection};
 use llama_kv_cache::state::source::ReadSource;
 use llama_kv_cache::{
-    convert_bytes, convert_file, CacheParams, ConvertOptions, KvCache, KvError, Layout, MemoryKind,
-    Outputs, ReadOptions, Tensor, UBatch, WriteOptions,
+    convert_bytes, convert_file, CacheParams, ConvertOptions, KvError, Layout, MemoryKind, Outputs,
+    ReadOptions, SeedCache, Tensor, UBatch, WriteOptions,
 };
 
 /// An inspection with the outputs block's values dropped (a file inspection does not read them).
@@ -54,7 +54,7 @@ fn inspecting_a_file_describes_it_as_inspecting_its_bytes_does() {
 
 /// A seed-era session (ggsn 9, seed layout) with an outputs block of two outputs.
 fn seed_session_with_outputs() -> Vec<u8> {
-    let mut cache = KvCache::new(CacheParams::new(16, 2, 32, 32)).unwrap();
+    let mut cache = SeedCache::new(CacheParams::new(16, 2, 32, 32)).unwrap();
     cache
         .find_slot(&UBatch::sequence(0, 0, 4))
         .unwrap()
@@ -220,7 +220,7 @@ fn a_pipe_is_inspected_and_converted_as_a_file_is() {
 }
 
 /// Everything a load can change: the cells, head, n and the live rows.
-fn observable(c: &KvCache) -> (llama_kv_cache::cells::Cells, u32, u32, Vec<u8>) {
+fn observable(c: &SeedCache) -> (llama_kv_cache::cells::Cells, u32, u32, Vec<u8>) {
     // the layout that records everything, rotation included
     let rows = c.state_write(-1, Layout::StreamsRot, 1, None).unwrap();
     (c.cells().clone(), c.head(), c.n(), rows)
@@ -228,13 +228,13 @@ fn observable(c: &KvCache) -> (llama_kv_cache::cells::Cells, u32, u32, Vec<u8>) 
 
 /// A cache for `path`'s payload (a few more cells than it holds, two sequences), or `None`
 /// when no single cache shape fits it.
-fn cache_for(path: &std::path::Path) -> Option<KvCache> {
+fn cache_for(path: &std::path::Path) -> Option<SeedCache> {
     let ins = inspect_file(path).ok()?;
     let mut p =
         llama_kv_cache::state::files::params_for(&ins, ins.recurrent() == Some(true)).ok()?;
     p.size += 8;
     p.n_seq_max = p.n_seq_max.max(2);
-    KvCache::new(p).ok()
+    SeedCache::new(p).ok()
 }
 
 /// `load_sequence_file` streams a file of one memory from disk and reads any other whole: for
@@ -288,7 +288,7 @@ fn a_large_file_streams_in_pieces_and_an_abort_or_a_truncation_changes_nothing()
             p.n_seq_max = 2;
             p
         };
-        let mut src = KvCache::new(params()).unwrap();
+        let mut src = SeedCache::new(params()).unwrap();
         src.find_slot(&UBatch::sequence(0, 0, 1500))
             .unwrap()
             .unwrap();
@@ -310,8 +310,8 @@ fn a_large_file_streams_in_pieces_and_an_abort_or_a_truncation_changes_nothing()
             let bytes = std::fs::read(&path).unwrap();
             assert!(bytes.len() > 16 << 20);
             let (mut a, mut b) = (
-                KvCache::new(params()).unwrap(),
-                KvCache::new(params()).unwrap(),
+                SeedCache::new(params()).unwrap(),
+                SeedCache::new(params()).unwrap(),
             );
             let mut calls = Vec::new();
             let mut record = |done: u64, total: u64| {

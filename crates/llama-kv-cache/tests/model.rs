@@ -4,7 +4,7 @@
 mod common;
 
 use common::reference::RefCache;
-use llama_kv_cache::{CacheParams, KvCache, UBatch};
+use llama_kv_cache::{CacheParams, SeedCache, UBatch};
 use proptest::prelude::*;
 
 const N_SEQ: i32 = 4;
@@ -139,7 +139,7 @@ fn recurrent_op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
+fn apply(cache: &mut SeedCache, model: &mut RefCache, op: &Op) {
     match op {
         Op::Place {
             pos,
@@ -217,7 +217,7 @@ fn apply(cache: &mut KvCache, model: &mut RefCache, op: &Op) {
     }
 }
 
-fn compare(cache: &KvCache, model: &RefCache, step: usize) {
+fn compare(cache: &SeedCache, model: &RefCache, step: usize) {
     cache
         .cells()
         .check_consistency()
@@ -265,7 +265,7 @@ fn run(size: u32, recurrent: bool, ops: &[Op]) {
     let mut params = CacheParams::new(size, 1, 8, 8);
     params.n_seq_max = N_SEQ as u32;
     params.recurrent = recurrent;
-    let mut cache = KvCache::new(params).unwrap();
+    let mut cache = SeedCache::new(params).unwrap();
     let mut model = RefCache::new(size, recurrent);
     for (step, op) in ops.iter().enumerate() {
         apply(&mut cache, &mut model, op);

@@ -33,7 +33,7 @@ const CORE_LAYERS: &[(&str, &[&str])] = &[
 const BINDING_LAYERS: &[(&str, &[&str])] = &[
     ("errors", &["error"]),
     ("argument conversion", &["args"]),
-    ("option conversion", &["convert"]),
+    ("option conversion", &["options"]),
     ("plain option and result types", &["types"]),
     ("callbacks", &["signal", "move_list", "device"]),
     ("the shared cache handle", &["handle"]),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use llama_kv_cache::state::files::{inspect_bytes, parse_header, Inspection};
 use llama_kv_cache::state::VBlock;
 use llama_kv_cache::{
-    CacheParams, FileKind, GgmlType, KvCache, KvError, Layout, ReadOptions, Tensor, UBatch,
+    CacheParams, FileKind, GgmlType, KvError, Layout, ReadOptions, SeedCache, Tensor, UBatch,
     WriteOptions,
 };
 
@@ -20,8 +20,8 @@ fn params(size: u32, ty: GgmlType, flash: bool) -> CacheParams {
 }
 
 /// A cache with three sequences, a shared prefix and holes, and distinct data in every row.
-fn busy_cache(p: CacheParams) -> KvCache {
-    let mut c = KvCache::new(p).unwrap();
+fn busy_cache(p: CacheParams) -> SeedCache {
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::per_token(vec![0, 1, 2], vec![vec![0, 1, 2]; 3]))
         .unwrap()
         .unwrap();
@@ -43,7 +43,7 @@ fn busy_cache(p: CacheParams) -> KvCache {
     c
 }
 
-fn snapshot(c: &KvCache) -> (Vec<u8>, Vec<(i32, Vec<usize>)>) {
+fn snapshot(c: &SeedCache) -> (Vec<u8>, Vec<(i32, Vec<usize>)>) {
     let cells = (0..c.size())
         .map(|i| {
             let cell = c.cell(i).unwrap();
@@ -65,7 +65,7 @@ fn whole_cache_round_trips_in_both_layouts() {
             let a = busy_cache(params(32, GgmlType::F16, flash));
             let blob = a.state_write(-1, layout, 1, None).unwrap();
             assert_eq!(blob.len(), a.state_size(-1, layout, 1).unwrap());
-            let mut b = KvCache::new(params(32, GgmlType::F16, flash)).unwrap();
+            let mut b = SeedCache::new(params(32, GgmlType::F16, flash)).unwrap();
             let s = b
                 .state_read(&blob, -1, ReadOptions::default(), None)
                 .unwrap();
@@ -88,7 +88,7 @@ fn one_sequence_round_trips_into_another_id() {
     for layout in [Layout::Seed, Layout::Streams] {
         let a = busy_cache(params(32, GgmlType::Q8_0, true));
         let blob = a.state_write(2, layout, 1, None).unwrap();
-        let mut b = KvCache::new(params(32, GgmlType::Q8_0, true)).unwrap();
+        let mut b = SeedCache::new(params(32, GgmlType::Q8_0, true)).unwrap();
         b.find_slot(&UBatch::sequence(0, 0, 3)).unwrap().unwrap();
         let s = b
             .state_read(&blob, 3, ReadOptions::default(), None)
@@ -96,7 +96,7 @@ fn one_sequence_round_trips_into_another_id() {
         assert_eq!(s.cells, 9);
         assert_eq!(b.seq_pos_max(3).unwrap(), 8);
         // the rows of seq 2 in a equal the rows of seq 3 in b, in position order
-        let rows = |c: &KvCache, seq: usize| {
+        let rows = |c: &SeedCache, seq: usize| {
             let mut cells: Vec<(i32, u32)> = (0..c.size())
                 .filter(|&i| c.cell(i).unwrap().seqs.contains(seq))
                 .map(|i| (c.cell(i).unwrap().pos, i))
@@ -125,7 +125,7 @@ fn seed_layout_matches_the_spec_byte_for_byte() {
     p.n_seq_max = 2;
     p.type_k = GgmlType::F32;
     p.type_v = GgmlType::F32;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::sequence(1, 0, 1)).unwrap().unwrap();
     c.find_slot(&UBatch::sequence(0, 5, 2)).unwrap().unwrap();
     c.seq_rm(1, -1, -1).unwrap();
@@ -169,7 +169,7 @@ fn every_truncation_and_corruption_fails_and_leaves_the_cache_untouched() {
     let mut b = busy_cache(params(32, GgmlType::F16, false));
     b.seq_rm(0, -1, -1).unwrap();
     let before = snapshot(&b);
-    let check = |b: &mut KvCache, data: &[u8], seq: i32, what: &str| {
+    let check = |b: &mut SeedCache, data: &[u8], seq: i32, what: &str| {
         let r = b.state_read(data, seq, ReadOptions::default(), None);
         assert!(r.is_err(), "{what} was accepted");
         assert_eq!(snapshot(b), before, "{what} changed the cache");
@@ -207,7 +207,7 @@ fn every_truncation_and_corruption_fails_and_leaves_the_cache_untouched() {
 fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
     let a = busy_cache(params(32, GgmlType::F16, false));
     let blob = a.state_write(0, Layout::Streams, 1, None).unwrap();
-    let mut b = KvCache::new(params(20, GgmlType::F16, false)).unwrap();
+    let mut b = SeedCache::new(params(20, GgmlType::F16, false)).unwrap();
     b.find_slot(&UBatch::sequence(1, 0, 16)).unwrap().unwrap();
     for p in (0..16).step_by(2) {
         b.seq_rm(1, p, p + 1).unwrap();
@@ -233,7 +233,7 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
         .unwrap();
     assert_eq!(s.placed, vec![0, 2, 4, 6, 8, 10, 12, 14, 16]);
     // not enough free cells even scattered
-    let mut c = KvCache::new(params(8, GgmlType::F16, false)).unwrap();
+    let mut c = SeedCache::new(params(8, GgmlType::F16, false)).unwrap();
     assert!(matches!(
         c.state_read(
             &blob,
@@ -254,7 +254,7 @@ fn a_sequence_without_a_contiguous_run_fails_cleanly_or_scatters_on_request() {
 fn an_aborted_progress_stops_before_the_cache_changes() {
     let a = busy_cache(params(32, GgmlType::F16, false));
     let blob = a.state_write(-1, Layout::Streams, 1, None).unwrap();
-    let mut b = KvCache::new(params(32, GgmlType::F16, false)).unwrap();
+    let mut b = SeedCache::new(params(32, GgmlType::F16, false)).unwrap();
     let before = snapshot(&b);
     let mut stop = |_: u64, _: u64| false;
     assert!(matches!(
@@ -295,7 +295,7 @@ fn json_int(text: &str, key: &str) -> Option<i64> {
 }
 
 /// A cache shaped like the one that wrote the file.
-fn cache_for(ins: &Inspection, sidecar: &str) -> KvCache {
+fn cache_for(ins: &Inspection, sidecar: &str) -> SeedCache {
     let stream = ins
         .payload
         .streams
@@ -330,7 +330,7 @@ fn cache_for(ins: &Inspection, sidecar: &str) -> KvCache {
     p.flash_attn = stream.v_trans == Some(false) && !recurrent;
     p.recurrent = recurrent;
     p.n_seq_max = n_seq_max;
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
 #[test]
@@ -409,7 +409,7 @@ fn seed_era_files_built_from_the_spec_round_trip() {
     assert_eq!(&session[..4], b"nsgg");
     assert_eq!(&session[4..8], &9u32.to_le_bytes());
     assert_eq!(&session[24..33], b"\x05\0\0\0llama");
-    let mut b = KvCache::new(params(32, GgmlType::F16, false)).unwrap();
+    let mut b = SeedCache::new(params(32, GgmlType::F16, false)).unwrap();
     let loaded = b
         .load_session_bytes(&session, ReadOptions::default(), None)
         .unwrap();
@@ -446,7 +446,7 @@ fn wrong_magic_and_version_are_named() {
     let mut f = a
         .sequence_file_bytes(0, &[], WriteOptions::default(), None)
         .unwrap();
-    let mut b = KvCache::new(params(32, GgmlType::F16, false)).unwrap();
+    let mut b = SeedCache::new(params(32, GgmlType::F16, false)).unwrap();
     f[4] = 7;
     let e = b
         .load_sequence_bytes(&f, 0, ReadOptions::default(), None)
@@ -471,7 +471,7 @@ fn an_empty_state_keeps_the_data_header_in_the_seed_layout() {
     // after a 0 cell_count. Found by the differential harness (D1).
     let mut p = CacheParams::new(64, 2, 32, 32);
     p.n_seq_max = 2;
-    let c = KvCache::new(p.clone()).unwrap();
+    let c = SeedCache::new(p.clone()).unwrap();
     let blob = c.state_write(1, Layout::Seed, 1, None).unwrap();
     let mut want = Vec::new();
     for x in [0u32, 1, 2] {
@@ -508,7 +508,7 @@ fn an_empty_state_keeps_the_data_header_in_the_seed_layout() {
     // the header is validated like any other: an f32 cache refuses it
     let mut q = p.clone();
     q.type_k = GgmlType::F32;
-    assert!(KvCache::new(q)
+    assert!(SeedCache::new(q)
         .unwrap()
         .state_read(&blob, 1, ReadOptions::default(), None)
         .is_err());
@@ -592,7 +592,7 @@ fn streamed_file_saves_match_the_assembled_bytes() {
 fn a_whole_cache_load_zeroes_the_rows_of_cells_it_does_not_fill() {
     for flash in [false, true] {
         let mut c = busy_cache(params(64, GgmlType::F16, flash));
-        let mut small = KvCache::new(params(64, GgmlType::F16, flash)).unwrap();
+        let mut small = SeedCache::new(params(64, GgmlType::F16, flash)).unwrap();
         small
             .find_slot(&UBatch::sequence(0, 0, 5))
             .unwrap()

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use llama_kv_cache::{CacheParams, KvCache, Layout, Tensor, UBatch};
+use llama_kv_cache::{CacheParams, Layout, SeedCache, Tensor, UBatch};
 use prompt_store::PromptStore;
 use prompt_store_redis::{RedisBackend, RedisClient, RedisOptions};
 use server::RedisServer;
@@ -37,8 +37,8 @@ fn flash_params() -> CacheParams {
     p
 }
 
-fn evaluated(params: CacheParams, tokens: &[i32]) -> KvCache {
-    let mut cache = KvCache::new(params).unwrap();
+fn evaluated(params: CacheParams, tokens: &[i32]) -> SeedCache {
+    let mut cache = SeedCache::new(params).unwrap();
     let slot = cache
         .find_slot(&UBatch::sequence(0, 0, tokens.len() as u32))
         .unwrap()
@@ -60,7 +60,7 @@ fn evaluated(params: CacheParams, tokens: &[i32]) -> KvCache {
 fn stored(
     backend: &RedisBackend,
     store: &PromptStore,
-    source: &KvCache,
+    source: &SeedCache,
     tokens: &[i32],
 ) -> Vec<Vec<u8>> {
     flush(backend.client());
@@ -172,14 +172,14 @@ fn main() {
         assert_eq!(client.get_many(&raw_keys).unwrap().len(), BLOCKS);
         let mget_time = t.elapsed().as_secs_f64();
         // into a fresh cache (made untimed), as an app restoring a chat does
-        let target = restored.insert(KvCache::new(params()).unwrap());
+        let target = restored.insert(SeedCache::new(params()).unwrap());
         let t = Instant::now();
         assert_eq!(
             store.restore(target, 0, &tokens, None).unwrap(),
             TOKENS as u64
         );
         let restore_time = t.elapsed().as_secs_f64();
-        let mut flash = KvCache::new(flash_params()).unwrap();
+        let mut flash = SeedCache::new(flash_params()).unwrap();
         let t = Instant::now();
         assert_eq!(
             store.restore(&mut flash, 0, &tokens, None).unwrap(),
@@ -234,7 +234,7 @@ fn main() {
     let memory_restore = median(
         (0..REPS)
             .map(|_| {
-                let mut fresh = KvCache::new(params()).unwrap();
+                let mut fresh = SeedCache::new(params()).unwrap();
                 let t = Instant::now();
                 assert_eq!(
                     memory.restore(&mut fresh, 0, &tokens, None).unwrap(),
@@ -245,8 +245,8 @@ fn main() {
             .collect(),
     );
 
-    let mut targets: Vec<KvCache> = (0..CONCURRENT)
-        .map(|_| KvCache::new(params()).unwrap())
+    let mut targets: Vec<SeedCache> = (0..CONCURRENT)
+        .map(|_| SeedCache::new(params()).unwrap())
         .collect();
     let concurrent = time(|| {
         std::thread::scope(|scope| {
@@ -347,7 +347,7 @@ fn eight_b_restore(backend: &Arc<RedisBackend>, client: &RedisClient) {
         let mget = t.elapsed().as_secs_f64();
         total = values.iter().flatten().map(Vec::len).sum();
         drop(values);
-        let mut fresh = KvCache::new(params()).unwrap();
+        let mut fresh = SeedCache::new(params()).unwrap();
         let t = Instant::now();
         assert_eq!(store.restore(&mut fresh, 0, &tokens, None).unwrap(), 2048);
         let restore = t.elapsed().as_secs_f64();

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::prompts::*;
 use common::server::{start_cluster, RedisServer, ServerOptions, TestCerts};
-use llama_kv_cache::KvCache;
+use llama_kv_cache::SeedCache;
 use prompt_store_redis::{
     ClientError, ConnectOptions, Credentials, HostPort, RedisClient, RedisOptions, Servers,
     TlsOptions,
@@ -85,7 +85,7 @@ fn a_whole_store_round_trips_over_tls() {
         store.put(&source, 0, &tokens, None).unwrap().blocks_written,
         4
     );
-    let mut restored = KvCache::new(params()).unwrap();
+    let mut restored = SeedCache::new(params()).unwrap();
     assert_eq!(store.restore(&mut restored, 0, &tokens, None).unwrap(), 64);
     assert_eq!(seq0_state(&restored), seq0_state(&source), "byte-exact");
 }
@@ -276,7 +276,7 @@ fn a_sentinel_failover_during_a_restore_loop_loses_no_call_beyond_the_failover_w
         let switched = setup
             .settled_primary_port()
             .is_some_and(|port| port != old_primary);
-        let mut restored = KvCache::new(params()).unwrap();
+        let mut restored = SeedCache::new(params()).unwrap();
         match store.restore(&mut restored, 0, &tokens, None) {
             Ok(n) => {
                 assert_eq!(n, 64);
@@ -339,7 +339,7 @@ fn a_three_primary_cluster_dedups_and_restores_across_slots() {
         let keys: u64 = redis::cmd("DBSIZE").query(&mut node.connection()).unwrap();
         assert!(keys > 0, "node {} holds no block", node.port());
     }
-    let mut restored = KvCache::new(params()).unwrap();
+    let mut restored = SeedCache::new(params()).unwrap();
     assert_eq!(b.restore(&mut restored, 0, &tokens, None).unwrap(), 192);
     assert_eq!(seq0_state(&restored), seq0_state(&source), "byte-exact");
     // dedup across slots: the same prompt writes nothing, a longer one only its new blocks

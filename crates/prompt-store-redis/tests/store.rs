@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::prompts::*;
 use common::server::{cut_client_connections, pause_clients, RedisServer, ServerOptions};
-use llama_kv_cache::KvCache;
+use llama_kv_cache::SeedCache;
 use prompt_store::StoreError;
 
 #[test]
@@ -23,7 +23,7 @@ fn a_fleet_shares_blocks_a_puts_b_restores_c_looks_up_a_longer_prompt() {
     let report = a.put(&source, 0, &tokens, None).unwrap();
     assert_eq!((report.blocks_written, report.tokens), (4, 64));
 
-    let mut restored = KvCache::new(params()).unwrap();
+    let mut restored = SeedCache::new(params()).unwrap();
     assert_eq!(b.restore(&mut restored, 0, &tokens, None).unwrap(), 64);
     assert_eq!(seq0_state(&restored), seq0_state(&source), "byte-exact");
 
@@ -56,7 +56,7 @@ fn concurrent_machines_put_overlapping_prompts_then_each_restores_every_prompt_e
             scope.spawn(move || {
                 let store = store_at(url);
                 for tokens in prompts {
-                    let mut cache = KvCache::new(params()).unwrap();
+                    let mut cache = SeedCache::new(params()).unwrap();
                     let n = store.restore(&mut cache, 0, tokens, None).unwrap();
                     assert_eq!(n, tokens.len() as u64);
                     assert_eq!(seq0_state(&cache), cold_state(tokens));
@@ -87,7 +87,7 @@ fn evicted_blocks_shorten_lookups_and_restores_without_errors() {
         found < 256,
         "some of the first prompt's blocks were evicted"
     );
-    let mut cache = KvCache::new(params()).unwrap();
+    let mut cache = SeedCache::new(params()).unwrap();
     let restored = store.restore(&mut cache, 0, &first, None).unwrap();
     assert!(restored <= found);
     assert_eq!(seq0_state(&cache), cold_state(&first[..restored as usize]));
@@ -143,7 +143,7 @@ fn killing_redis_during_a_restore_is_unavailable_and_the_cache_is_unchanged() {
     );
     assert_eq!(snapshot(&cache), before, "the cache is exactly as it was");
     server.restart();
-    let mut fresh = KvCache::new(params()).unwrap();
+    let mut fresh = SeedCache::new(params()).unwrap();
     assert_eq!(
         store.restore(&mut fresh, 0, &tokens, None).unwrap(),
         0,
@@ -209,7 +209,7 @@ fn killing_redis_during_a_put_is_unavailable_and_leaves_no_half_block() {
         .unwrap();
     // what is stored is a whole prefix of blocks: a restore loads it exactly, no block is
     // counted corrupt
-    let mut cache = KvCache::new(params()).unwrap();
+    let mut cache = SeedCache::new(params()).unwrap();
     let restored = store.restore(&mut cache, 0, &tokens, None).unwrap();
     assert_eq!(restored, 8 * BT as u64, "the first batch, whole");
     assert_eq!(seq0_state(&cache), cold_state(&tokens[..restored as usize]));
@@ -249,7 +249,7 @@ fn garbage_truncated_and_copied_blocks_are_counted_misses_never_loaded() {
         // damaged values are corrupt; a whole value copied from another key is rejected
         let bad_values = |s: prompt_store::StoreStats| s.corrupt + s.rejected;
         let corrupt_before = bad_values(store.stats().unwrap());
-        let mut cache = KvCache::new(params()).unwrap();
+        let mut cache = SeedCache::new(params()).unwrap();
         let restored = store.restore(&mut cache, 0, &tokens, None).unwrap();
         assert_eq!(
             restored,
@@ -306,7 +306,7 @@ fn an_evicted_model_record_does_not_stop_restores() {
         0,
         "no cache, no record: a miss"
     );
-    let mut cache = KvCache::new(params()).unwrap();
+    let mut cache = SeedCache::new(params()).unwrap();
     assert_eq!(reader.restore(&mut cache, 0, &tokens, None).unwrap(), 64);
     assert_eq!(seq0_state(&cache), cold_state(&tokens));
     reader.put(&source, 0, &tokens, None).unwrap();

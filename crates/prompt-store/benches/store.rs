@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use files::sequence_file;
 
-use llama_kv_cache::{CacheParams, GgmlType, KvCache, Tensor, UBatch};
+use llama_kv_cache::{CacheParams, GgmlType, SeedCache, Tensor, UBatch};
 use prompt_store::{chain_keys, Backend, DirBackend, Geometry, PromptStore, WriteFileOptions};
 
 const REPS: usize = 7;
@@ -63,15 +63,15 @@ fn ms(s: f64) -> String {
     format!("{:.3} ms", s * 1e3)
 }
 
-fn cache(cells: u32, layers: u32, embd: u32) -> KvCache {
+fn cache(cells: u32, layers: u32, embd: u32) -> SeedCache {
     cache_fa(cells, layers, embd, false)
 }
 
-fn cache_fa(cells: u32, layers: u32, embd: u32, flash_attn: bool) -> KvCache {
+fn cache_fa(cells: u32, layers: u32, embd: u32, flash_attn: bool) -> SeedCache {
     let mut p = CacheParams::new(cells, layers, embd, embd);
     p.n_seq_max = 2;
     p.flash_attn = flash_attn;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.find_slot(&UBatch::sequence(0, 0, cells))
         .unwrap()
         .unwrap();
@@ -89,8 +89,8 @@ fn cache_fa(cells: u32, layers: u32, embd: u32, flash_attn: bool) -> KvCache {
 
 /// A cache of `layers` x `embd` whose sequence 0 holds positions `p0..p0 + n` (a recurrent
 /// cache: its one state after them).
-fn filled(params: CacheParams, p0: i32, n: u32) -> KvCache {
-    let mut c = KvCache::new(params).unwrap();
+fn filled(params: CacheParams, p0: i32, n: u32) -> SeedCache {
+    let mut c = SeedCache::new(params).unwrap();
     let ub = if c.recurrent() {
         UBatch {
             pos: (p0..p0 + n as i32).collect(),
@@ -449,7 +449,7 @@ fn restore_at_8b(tmp: &std::path::Path, toks: &[i32]) {
         black_box(&all);
         let t_raw = t.elapsed().as_secs_f64();
         drop(all);
-        let mut cache = KvCache::new(params()).unwrap();
+        let mut cache = SeedCache::new(params()).unwrap();
         let t = Instant::now();
         assert_eq!(store.restore(&mut cache, 0, toks, None).unwrap(), n as u64);
         let t_restore = t.elapsed().as_secs_f64();

@@ -8,7 +8,7 @@ use llama_kv_cache::state::files::{FileKind, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind, PartRole};
 use llama_kv_cache::state::{StreamBlock, VBlock};
 use llama_kv_cache::tensors::transpose::{transpose, Shape as TransposeShape};
-use llama_kv_cache::{KvCache, KvError, Layout, Memory, MemoryKind, Tensor, Window};
+use llama_kv_cache::{KvError, Layout, Memory, MemoryKind, SeedCache, Tensor, Window};
 
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{put_exts, Geometry};
@@ -16,7 +16,7 @@ use crate::shape::{Dsv4Shape, FileFormat, KvShape, Shape};
 
 /// Where a capture's rows are: a live cache, or one KV part of a file's bytes.
 pub(crate) enum RowSource<'a> {
-    Cache(&'a KvCache),
+    Cache(&'a SeedCache),
     Part {
         /// The whole file.
         bytes: &'a [u8],
@@ -142,7 +142,7 @@ pub(crate) struct KvRows<'a> {
 
 impl<'a> KvRows<'a> {
     /// Sequence `seq` of a live cache.
-    fn of_cache(cache: &'a KvCache, seq: i32) -> StoreResult<KvRows<'a>> {
+    fn of_cache(cache: &'a SeedCache, seq: i32) -> StoreResult<KvRows<'a>> {
         let cells = cache.cells();
         let found: Vec<(i32, u32)> = (0..cells.len())
             .map(|i| (i, cells.get(i)))
@@ -272,7 +272,7 @@ impl<'a> KvRows<'a> {
 }
 
 /// The shape of a live unified cache.
-pub(crate) fn unified_shape(cache: &KvCache) -> StoreResult<Shape> {
+pub(crate) fn unified_shape(cache: &SeedCache) -> StoreResult<Shape> {
     let p = cache.params();
     Ok(Shape {
         memory: MemoryKind::Unified,
@@ -346,7 +346,7 @@ fn pending_shift() -> StoreError {
 
 impl<'a> Capture<'a> {
     /// Sequence `seq` of a live cache (a unified or recurrent one), `tokens` being its prompt.
-    pub fn of_cache(cache: &'a KvCache, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
+    pub fn of_cache(cache: &'a SeedCache, seq: i32, tokens: usize) -> StoreResult<Capture<'a>> {
         if cache.has_shift() {
             return Err(pending_shift());
         }

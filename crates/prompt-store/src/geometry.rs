@@ -2,7 +2,7 @@
 //! chain keys rooted in a [fingerprint](crate::Shape::fingerprint), and the keys derived from
 //! them (sliding-window rows, checkpoints and their index).
 
-use llama_kv_cache::{CellExt, CellExtValue, GgmlType, KvCache, Tensor};
+use llama_kv_cache::{CellExt, CellExtValue, GgmlType, SeedCache, Tensor};
 
 use sha2::{Digest, Sha256};
 
@@ -74,7 +74,7 @@ pub fn ext_at(bytes: &[u8], k: usize) -> CellExtValue {
 
 impl Geometry {
     /// The per-layer shapes of a cache.
-    pub fn of_cache(cache: &KvCache) -> StoreResult<Geometry> {
+    pub fn of_cache(cache: &SeedCache) -> StoreResult<Geometry> {
         let no_v = cache.params().no_v;
         let layers = (0..cache.n_layer())
             .map(|il| {

@@ -11,9 +11,9 @@
 //! checksum), so a backend that evicts values can never leave half a block behind.
 //!
 //! The store uses the core's state format rather than the cache's internals: a block's rows
-//! come from [`llama_kv_cache::KvCache::state_write`] of one sequence, and a restore assembles a
+//! come from [`llama_kv_cache::SeedCache::state_write`] of one sequence, and a restore assembles a
 //! one-sequence payload and loads it with the transactional
-//! [`llama_kv_cache::KvCache::state_read`].
+//! [`llama_kv_cache::SeedCache::state_read`].
 //!
 //! Storage is behind the [`Backend`] trait: [`MemoryBackend`] (in-process, LRU byte budget) and
 //! [`DirBackend`] (content-addressed files shared by processes, LRU byte budget);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use files::sequence_file;
 use llama_kv_cache::state::files::inspect_bytes;
-use llama_kv_cache::{CacheParams, FileKind, GgmlType, KvCache, Layout, Tensor, UBatch};
+use llama_kv_cache::{CacheParams, FileKind, GgmlType, Layout, SeedCache, Tensor, UBatch};
 use prompt_store::{
     checkpoint_key, Backend, DirBackend, MemoryBackend, PromptStore, StoreError, WriteFileOptions,
 };
@@ -32,7 +32,7 @@ fn row_byte(pos: u32, il: u32, v: bool, salt: u32) -> u8 {
 }
 
 /// Evaluates `n` tokens into `seq` starting at cell `first`-free slot: rows as `row_byte`.
-fn fill(cache: &mut KvCache, seq: i32, n: u32, salt: u32) {
+fn fill(cache: &mut SeedCache, seq: i32, n: u32, salt: u32) {
     let slot = cache
         .find_slot(&UBatch::sequence(seq, 0, n))
         .unwrap()
@@ -51,7 +51,7 @@ fn fill(cache: &mut KvCache, seq: i32, n: u32, salt: u32) {
 }
 
 /// Every row of `seq`, by position (for byte-exact comparisons across caches).
-fn rows_by_position(cache: &KvCache, seq: i32) -> Vec<Vec<u8>> {
+fn rows_by_position(cache: &SeedCache, seq: i32) -> Vec<Vec<u8>> {
     let mut cells: Vec<(i32, u32)> = (0..cache.size())
         .filter_map(|i| {
             let c = cache.cells().get(i as usize);
@@ -77,8 +77,8 @@ fn tokens(n: u32, salt: i32) -> Vec<i32> {
 }
 
 /// A cache whose sequence 0 holds `n` tokens (positions 0..n), and those tokens.
-fn prompt(n: u32) -> (KvCache, Vec<i32>) {
-    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+fn prompt(n: u32) -> (SeedCache, Vec<i32>) {
+    let mut c = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut c, 0, n, 0);
     (c, tokens(n, 0))
 }
@@ -96,7 +96,7 @@ fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
         (false, GgmlType::F32),
     ] {
         let store = memory_store();
-        let mut src = KvCache::new(params(fa, ty, 128)).unwrap();
+        let mut src = SeedCache::new(params(fa, ty, 128)).unwrap();
         fill(&mut src, 1, 40, 0);
         let toks = tokens(40, 0);
         let r = store.put(&src, 1, &toks, None).unwrap();
@@ -110,7 +110,7 @@ fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
             ),
             (40, 2, 0, 1)
         );
-        let mut dst = KvCache::new(params(fa, ty, 128)).unwrap();
+        let mut dst = SeedCache::new(params(fa, ty, 128)).unwrap();
         fill(&mut dst, 0, 10, 99); // another sequence stays untouched
         let before = rows_by_position(&dst, 0);
         assert_eq!(store.restore(&mut dst, 2, &toks, None).unwrap(), 40);
@@ -131,7 +131,7 @@ fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
 #[test]
 fn a_corrupt_checkpoint_is_a_counted_miss_and_the_restore_falls_back_to_the_blocks() {
     let store = memory_store();
-    let mut src = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut src = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut src, 0, 40, 0);
     let toks = tokens(40, 0);
     store.put(&src, 0, &toks, None).unwrap();
@@ -146,14 +146,14 @@ fn a_corrupt_checkpoint_is_a_counted_miss_and_the_restore_falls_back_to_the_bloc
     backend.put_if_absent(&ckpt, &v).unwrap();
     // the lookup sees a present checkpoint; the restore reads it, rejects it and falls back
     assert_eq!(store.lookup(&toks).unwrap(), 40);
-    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     assert_eq!(store.restore(&mut dst, 0, &toks, None).unwrap(), 32);
     assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0)[..32]);
     assert_eq!(store.stats().unwrap().corrupt, 1);
     // the corrupt value was removed: the next lookup is honest, and a put repairs it
     assert_eq!(store.lookup(&toks).unwrap(), 32);
     store.put(&src, 0, &toks, None).unwrap();
-    let mut again = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut again = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     assert_eq!(store.restore(&mut again, 0, &toks, None).unwrap(), 40);
 }
 
@@ -161,7 +161,7 @@ fn a_corrupt_checkpoint_is_a_counted_miss_and_the_restore_falls_back_to_the_bloc
 fn put_of_a_scattered_sequence_stores_rows_by_position() {
     // seq 0 interleaved with seq 1 cell by cell: the payload order is not the position order
     let store = memory_store();
-    let mut src = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut src = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     for p in 0..32 {
         for s in [0, 1] {
             let slot = src.find_slot(&UBatch::sequence(s, p, 1)).unwrap().unwrap();
@@ -175,7 +175,7 @@ fn put_of_a_scattered_sequence_stores_rows_by_position() {
         }
     }
     store.put(&src, 1, &tokens(32, 0), None).unwrap();
-    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     store.restore(&mut dst, 0, &tokens(32, 0), None).unwrap();
     assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 1));
 }
@@ -199,12 +199,12 @@ fn lookup_returns_the_shared_prefix_and_put_skips_stored_blocks() {
 #[test]
 fn a_sequence_that_is_not_positions_0_to_n_is_refused_with_not_prefix() {
     let store = memory_store();
-    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut c = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut c, 0, 32, 0);
     c.seq_rm(0, 0, 4).unwrap(); // positions 4..32 remain
     let e = store.put(&c, 0, &tokens(32, 0), None).unwrap_err();
     assert!(matches!(e, StoreError::NotPrefix(_)), "{e:?}");
-    let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut c = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut c, 0, 32, 0);
     c.seq_add(0, 0, -1, 2).unwrap(); // pending K-shift
     let e = store.put(&c, 0, &tokens(32, 0), None).unwrap_err();
@@ -224,10 +224,10 @@ fn a_cache_of_another_geometry_is_refused_also_by_a_later_process() {
         .unwrap()
     };
     let store = open();
-    let mut f16 = KvCache::new(params(false, GgmlType::F16, 64)).unwrap();
+    let mut f16 = SeedCache::new(params(false, GgmlType::F16, 64)).unwrap();
     fill(&mut f16, 0, 32, 0);
     store.put(&f16, 0, &tokens(32, 0), None).unwrap();
-    let mut q8 = KvCache::new(params(true, GgmlType::Q8_0, 64)).unwrap();
+    let mut q8 = SeedCache::new(params(true, GgmlType::Q8_0, 64)).unwrap();
     fill(&mut q8, 0, 32, 0);
     let again = open(); // a fresh process reads the model record
     for s in [&store, &again] {
@@ -242,7 +242,7 @@ fn a_cache_of_another_geometry_is_refused_also_by_a_later_process() {
 #[test]
 fn nothing_stored_restores_nothing_and_leaves_the_cache_unchanged() {
     let store = memory_store();
-    let mut c = KvCache::new(params(false, GgmlType::F16, 64)).unwrap();
+    let mut c = SeedCache::new(params(false, GgmlType::F16, 64)).unwrap();
     fill(&mut c, 0, 20, 0);
     let before = rows_by_position(&c, 0);
     assert_eq!(store.restore(&mut c, 0, &tokens(32, 0), None).unwrap(), 0);
@@ -254,10 +254,10 @@ fn nothing_stored_restores_nothing_and_leaves_the_cache_unchanged() {
 fn dir_with_blocks(
     dir: &Path,
     flash_attn: bool,
-) -> (PromptStore, KvCache, Vec<i32>, Vec<std::path::PathBuf>) {
+) -> (PromptStore, SeedCache, Vec<i32>, Vec<std::path::PathBuf>) {
     let backend = Arc::new(DirBackend::open(dir, None).unwrap());
     let store = PromptStore::new(backend.clone(), "m", BT).unwrap();
-    let mut c = KvCache::new(params(flash_attn, GgmlType::F16, 128)).unwrap();
+    let mut c = SeedCache::new(params(flash_attn, GgmlType::F16, 128)).unwrap();
     fill(&mut c, 0, 64, 0);
     let toks = tokens(64, 0);
     store.put(&c, 0, &toks, None).unwrap();
@@ -294,7 +294,7 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
         let dir = tempfile::tempdir().unwrap();
         let (store, src, toks, files) = dir_with_blocks(dir.path(), fa);
         damage(&files);
-        let mut dst = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
+        let mut dst = SeedCache::new(params(fa, GgmlType::F16, 128)).unwrap();
         assert_eq!(
             store.restore(&mut dst, 0, &toks, None).unwrap(),
             32,
@@ -317,7 +317,7 @@ fn flipped_truncated_and_swapped_blocks_are_counted_misses_never_loaded() {
         assert!(!files[2].exists(), "{name}");
         let r = store.put(&src, 0, &toks, None).unwrap();
         assert_eq!(r.blocks_written, 1, "{name}");
-        let mut again = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
+        let mut again = SeedCache::new(params(fa, GgmlType::F16, 128)).unwrap();
         let restored = store.restore(&mut again, 0, &toks, None).unwrap();
         // swap: block 3 still holds block 2's value and is foreign, so the prefix ends there
         assert_eq!(restored, if name == "swap" { 48 } else { 64 }, "{name}");
@@ -335,12 +335,12 @@ fn a_restore_that_fails_after_writing_rows_puts_the_sequence_back_as_it_was() {
     for fa in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let (store, src, toks, files) = dir_with_blocks(dir.path(), fa);
-        let held = |c: &KvCache| {
+        let held = |c: &SeedCache| {
             let cells: Vec<_> = (0..c.size()).map(|i| c.cells().get(i as usize)).collect();
             (cells, rows_by_position(c, 0), rows_by_position(c, 1))
         };
         let fresh = || {
-            let mut c = KvCache::new(params(fa, GgmlType::F16, 128)).unwrap();
+            let mut c = SeedCache::new(params(fa, GgmlType::F16, 128)).unwrap();
             fill(&mut c, 0, 64, 99);
             fill(&mut c, 1, 20, 7);
             c
@@ -380,7 +380,7 @@ fn a_hundred_conversations_sharing_a_4096_token_prefix_store_it_once() {
     let store = PromptStore::new(Arc::new(MemoryBackend::new(None)), "m", bt).unwrap();
     let mut p = CacheParams::new(4096 + 512, 2, 32, 32);
     p.flash_attn = true;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     fill(&mut c, 0, 4096 + 512, 0);
     let prefix = tokens(4096, 0);
     let mut unique_tokens = 0u64;
@@ -411,7 +411,7 @@ fn a_small_budget_evicts_and_lookups_stop_at_the_first_evicted_block() {
             _ => Arc::new(DirBackend::open(dir.path(), Some(max)).unwrap()),
         };
         let store = PromptStore::new(b, "m", BT).unwrap();
-        let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut c = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
         fill(&mut c, 0, 128, 0);
         let toks = tokens(128, 0);
         store.put(&c, 0, &toks, None).unwrap();
@@ -419,7 +419,7 @@ fn a_small_budget_evicts_and_lookups_stop_at_the_first_evicted_block() {
         assert!(s.bytes <= max && s.evictions > 0, "{backend}: {s:?}");
         // the oldest blocks went first, so the prefix is gone and nothing fails
         assert_eq!(store.lookup(&toks).unwrap(), 0, "{backend}");
-        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
         assert_eq!(
             store.restore(&mut dst, 0, &toks, None).unwrap(),
             0,
@@ -444,7 +444,7 @@ fn writers_in_parallel_on_one_dir_restore_every_prompt_exactly() {
                 let store =
                     PromptStore::new(Arc::new(DirBackend::open(&root, None).unwrap()), "m", BT)
                         .unwrap();
-                let mut c = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+                let mut c = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
                 fill(&mut c, 0, 64, 0);
                 // all share 2 blocks; then their own
                 let mut t = tokens(64, 0);
@@ -462,7 +462,7 @@ fn writers_in_parallel_on_one_dir_restore_every_prompt_exactly() {
     let store =
         PromptStore::new(Arc::new(DirBackend::open(&root, None).unwrap()), "m", BT).unwrap();
     for (c, t) in &results {
-        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
         assert_eq!(store.restore(&mut dst, 0, t, None).unwrap(), 64);
         assert_eq!(rows_by_position(&dst, 0), rows_by_position(c, 0));
     }
@@ -493,7 +493,7 @@ fn write_file_gives_a_llama_cpp_file_of_the_prefix_and_put_bytes_reads_it_back()
         let ins = inspect_bytes(&bytes).unwrap();
         assert_eq!((ins.header.kind, ins.header.version), (kind, version));
         assert_eq!(ins.header.tokens, toks);
-        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
         match kind {
             FileKind::Sequence => {
                 dst.load_sequence_bytes(&bytes, 3, Default::default(), None)
@@ -524,7 +524,7 @@ fn write_file_gives_a_llama_cpp_file_of_the_prefix_and_put_bytes_reads_it_back()
 #[test]
 fn progress_reports_blocks_and_can_abort_a_put() {
     let store = memory_store();
-    let mut c = KvCache::new(params(false, GgmlType::F16, 256)).unwrap();
+    let mut c = SeedCache::new(params(false, GgmlType::F16, 256)).unwrap();
     fill(&mut c, 0, 256, 0);
     let toks = tokens(256, 0);
     let mut seen = Vec::new();
@@ -561,11 +561,11 @@ fn block_size_and_model_are_validated() {
 
 /// A recurrent cache (Mamba's one state per sequence) whose sequence 0 holds the state after
 /// `n` tokens: rows as `row_byte` of a salt that stands for the state's content.
-fn recurrent_state(n: u32, salt: u32) -> KvCache {
+fn recurrent_state(n: u32, salt: u32) -> SeedCache {
     let mut p = CacheParams::new(4, 2, 64, 32);
     p.recurrent = true;
     p.n_seq_max = 4;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     // a recurrent memory takes a sequence's tokens as one group and keeps one cell for them
     let ub = UBatch {
         pos: (0..n as i32).collect(),
@@ -656,17 +656,17 @@ fn rotated_rows_are_stored_with_their_rotation_and_never_restored_into_an_unrota
         p
     };
     let store = memory_store();
-    let mut src = KvCache::new(rotated(64)).unwrap();
+    let mut src = SeedCache::new(rotated(64)).unwrap();
     fill(&mut src, 0, 40, 3);
     let toks = tokens(40, 3);
     assert_eq!(store.put(&src, 0, &toks, None).unwrap().tokens, 40);
     let shape = store.shape().unwrap().unwrap();
     assert_eq!(shape.main.unwrap().rot, (64, 64));
-    let mut dst = KvCache::new(rotated(64)).unwrap();
+    let mut dst = SeedCache::new(rotated(64)).unwrap();
     assert_eq!(store.restore(&mut dst, 1, &toks, None).unwrap(), 40);
     assert_eq!(rows_by_position(&dst, 1), rows_by_position(&src, 0));
     // the same bytes in an unrotated cache would mean other K/V: refused, cache unchanged
-    let mut plain = KvCache::new(rotated(0)).unwrap();
+    let mut plain = SeedCache::new(rotated(0)).unwrap();
     let e = store.restore(&mut plain, 1, &toks, None).unwrap_err();
     assert!(matches!(e, StoreError::Geometry(_)), "{e}");
     assert!(e.to_string().contains("nRotK 64"), "{e}");
@@ -703,11 +703,11 @@ fn two_namespaces_on_one_directory_share_nothing_and_cannot_touch_each_other() {
     // B sees nothing of A's prompt, and its put of other rows under A's tokens stores its own
     // blocks (no skip counts that would tell A's prompt is there)
     assert_eq!(b.lookup(&toks).unwrap(), 0);
-    let mut garbage = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut garbage = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut garbage, 0, 40, 77);
     let r = b.put(&garbage, 0, &toks, None).unwrap();
     assert_eq!((r.blocks_written, r.blocks_skipped), (2, 0));
-    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     assert_eq!(a.restore(&mut dst, 0, &toks, None).unwrap(), 40);
     assert_eq!(rows_by_position(&dst, 0), rows_by_position(&src, 0));
     // the default namespace is a third one
@@ -717,7 +717,7 @@ fn two_namespaces_on_one_directory_share_nothing_and_cannot_touch_each_other() {
 #[test]
 fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced() {
     let (src, toks) = prompt(40);
-    let mut garbage = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut garbage = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     fill(&mut garbage, 0, 40, 77);
     let open = |backend: &Arc<DirBackend>, secret: Option<&[u8]>| {
         let s = PromptStore::new(backend.clone(), "m", BT).unwrap();
@@ -739,7 +739,7 @@ fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced(
             0,
             "foreign values count as absent"
         );
-        let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
         assert_eq!(honest.restore(&mut dst, 0, &toks, None).unwrap(), 0);
         assert_eq!(
             dst.seq_cell_count(0).unwrap(),
@@ -767,7 +767,7 @@ fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced(
     let at = b.len() - 100;
     b[at] ^= 1;
     std::fs::write(&file, b).unwrap();
-    let mut dst = KvCache::new(params(false, GgmlType::F16, 128)).unwrap();
+    let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
     assert_eq!(honest.restore(&mut dst, 0, &toks, None).unwrap(), 16);
     assert_eq!(honest.stats().unwrap().corrupt, 1);
     // and a secret shorter than 16 bytes is refused
@@ -780,8 +780,8 @@ fn with_a_secret_values_of_other_writers_are_rejected_never_loaded_and_replaced(
 }
 
 /// A flash-attention cache whose sequence 0 holds positions `p0..p0 + n` (rows by position).
-fn window_cache(size: u32, p0: u32, n: u32) -> KvCache {
-    let mut c = KvCache::new(params(true, GgmlType::F16, size)).unwrap();
+fn window_cache(size: u32, p0: u32, n: u32) -> SeedCache {
+    let mut c = SeedCache::new(params(true, GgmlType::F16, size)).unwrap();
     let slot = c
         .find_slot(&UBatch::sequence(0, p0 as i32, n))
         .unwrap()

@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use llama_kv_cache::{
     memory_for_model, AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams,
-    KvCache, Layout, Memory, MemoryKind, ModelInfo, RecurrentMemory, ShiftParams, UBatch,
+    Layout, Memory, MemoryKind, ModelInfo, RecurrentMemory, SeedCache, ShiftParams, UBatch,
 };
 use serde_json::Value;
 
@@ -502,7 +502,7 @@ impl OurSide {
 }
 
 /// A recurrent memory as the driver prints it.
-fn recurrent_cells(cache: &KvCache) -> Recurrent {
+fn recurrent_cells(cache: &SeedCache) -> Recurrent {
     let cells = cache.cells();
     let mut out = Vec::new();
     for i in 0..cells.len() {
@@ -526,7 +526,7 @@ fn recurrent_cells(cache: &KvCache) -> Recurrent {
 }
 
 /// A stream's non-empty cells as the driver prints them.
-fn stream_cells(cache: &KvCache, n_seq: u32) -> String {
+fn stream_cells(cache: &SeedCache, n_seq: u32) -> String {
     let cells = cache.cells();
     let mut out = Vec::new();
     for i in 0..cells.len() {

@@ -10,7 +10,7 @@ use llama_kv_cache::state::dsv4::{self, Group, SectionKind};
 use llama_kv_cache::state::files::{inspect_bytes, Inspection};
 use llama_kv_cache::state::fit::check_state;
 use llama_kv_cache::{
-    convert_bytes, CacheParams, ConvertOptions, FileKind, GgmlType, KvCache, KvError, PartRole,
+    convert_bytes, CacheParams, ConvertOptions, FileKind, GgmlType, KvError, PartRole, SeedCache,
 };
 use today_peer::{dsv4_spec, dsv4_specs, models_dir, Spec};
 
@@ -316,7 +316,7 @@ fn damaged_dsv4_states_are_refused_by_name_and_no_live_cache_loads_one() {
     let mut p = CacheParams::new(64, 3, 32, 0);
     p.no_v = true;
     p.n_seq_max = 2;
-    let mut cache = KvCache::new(p).unwrap();
+    let mut cache = SeedCache::new(p).unwrap();
     let path = dsv4_spec().sequence_path();
     match cache.load_sequence_file(&path, 1, Default::default(), None) {
         Err(KvError::Unsupported(m)) => assert!(m.contains("dsv4"), "{m}"),

@@ -6,7 +6,7 @@
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind};
 use llama_kv_cache::{
-    memory_for_model, KvCache, Layout, Memory, ModelInfo, PartRole, ReadOptions, WriteOptions,
+    memory_for_model, Layout, Memory, ModelInfo, PartRole, ReadOptions, SeedCache, WriteOptions,
 };
 use today_peer::{models_dir, specs, Spec};
 
@@ -30,11 +30,11 @@ fn part_bytes<'a>(bytes: &'a [u8], ins: &Inspection, part: &Part) -> &'a [u8] {
 }
 
 /// A cache shaped like one part (as many sequences as the spec decodes).
-fn cache_for(spec: &Spec, part: &Part) -> KvCache {
+fn cache_for(spec: &Spec, part: &Part) -> SeedCache {
     let mut p = params_for_payload(&part.payload, part.kind == PartKind::Recurrent).unwrap();
     p.n_seq_max = p.n_seq_max.max(spec.prompts.len() as u32);
     p.size = p.size.max(p.n_seq_max).max(today_peer::CTX);
-    KvCache::new(p).unwrap_or_else(|e| panic!("t161-{} {}: {e}", spec.name, part.role))
+    SeedCache::new(p).unwrap_or_else(|e| panic!("t161-{} {}: {e}", spec.name, part.role))
 }
 
 /// The layers a recurrent part declares (every model layer) and writes (its own): Jamba
@@ -213,11 +213,11 @@ fn regression_an_empty_cache_payload_is_not_ambiguous_between_streams_and_stream
     use llama_kv_cache::CacheParams;
     // empty streams have no data header, so the rotation fields never appear: one reading
     for layout in [Layout::Streams, Layout::StreamsRot] {
-        let c = KvCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
+        let c = SeedCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
         let blob = c
             .state_write(-1, layout, 1, None)
             .unwrap_or_else(|e| panic!("{layout}: {e}"));
-        let mut d = KvCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
+        let mut d = SeedCache::new(CacheParams::new(8, 1, 32, 32)).unwrap();
         let read = d.state_read(&blob, -1, ReadOptions::default(), None);
         assert_eq!(read.map(|s| s.cells), Ok(0), "{layout}");
         let opts = ReadOptions {
@@ -236,7 +236,7 @@ fn a_v11_session_larger_than_the_cache_is_no_space_and_changes_nothing() {
     let (bytes, ins) = inspect(&spec, true);
     let mut p = params_for_payload(&ins.payload, false).unwrap();
     p.size = 4;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     let before = c.state_write(-1, Layout::StreamsRot, 1, None).unwrap();
     let e = c
         .load_session_bytes(&bytes, ReadOptions::default(), None)

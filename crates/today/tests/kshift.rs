@@ -9,16 +9,16 @@
 
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload};
 use llama_kv_cache::{
-    KvCache, Layout, ModelInfo, ReadOptions, RopeParams, RopeType, ShiftParams, Tensor,
+    Layout, ModelInfo, ReadOptions, RopeParams, RopeType, SeedCache, ShiftParams, Tensor,
     WriteOptions,
 };
 use today_peer::{kshift_specs, models_dir, rope_geometry, spec_named, Spec};
 
-fn loaded(spec: &Spec, bytes: &[u8]) -> KvCache {
+fn loaded(spec: &Spec, bytes: &[u8]) -> SeedCache {
     let ins = inspect_bytes(bytes).unwrap();
     let mut p = params_for_payload(&ins.payload, false).unwrap();
     p.size = today_peer::CTX;
-    let mut c = KvCache::new(p).unwrap();
+    let mut c = SeedCache::new(p).unwrap();
     c.load_session_bytes(bytes, ReadOptions::default(), None)
         .unwrap_or_else(|e| panic!("t161-{}: {e}", spec.name));
     c
@@ -27,7 +27,7 @@ fn loaded(spec: &Spec, bytes: &[u8]) -> KvCache {
 /// K rows of every cell of sequence 0 by position, per layer.
 type RowsByPos = Vec<Vec<(i32, Vec<u8>)>>;
 
-fn k_by_pos(c: &KvCache) -> RowsByPos {
+fn k_by_pos(c: &SeedCache) -> RowsByPos {
     (0..c.params().n_layer)
         .map(|il| {
             let mut rows: Vec<(i32, Vec<u8>)> = (0..c.params().size)
@@ -96,7 +96,7 @@ fn quantized_kshift_specs() -> Vec<Spec> {
 }
 
 /// Our shift of the spec's state before the shift, with `rope` on every layer.
-fn shifted(spec: &Spec, rope: &RopeParams) -> KvCache {
+fn shifted(spec: &Spec, rope: &RopeParams) -> SeedCache {
     let (p0, p1, d) = spec.shift.unwrap();
     let pre = std::fs::read(spec.session_path()).unwrap();
     let mut ours = loaded(spec, &pre);

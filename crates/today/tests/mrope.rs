@@ -6,7 +6,7 @@
 
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
-    CellExt, CellExtValue, ConvertOptions, FileKind, KvCache, KvError, ModelInfo, ReadOptions,
+    CellExt, CellExtValue, ConvertOptions, FileKind, KvError, ModelInfo, ReadOptions, SeedCache,
     UBatch, WriteOptions,
 };
 use today_peer::{models_dir, specs, Spec, CTX};
@@ -16,7 +16,7 @@ fn spec(name: &str) -> Spec {
 }
 
 /// A cache for the spec's model as llama.cpp sizes it.
-fn model_cache(spec: &Spec) -> KvCache {
+fn model_cache(spec: &Spec) -> SeedCache {
     let info = ModelInfo::from_file(&models_dir().join(spec.model), false).unwrap();
     assert_eq!(info.cell_ext, CellExt::Pos2Tok, "{}", spec.model);
     let (tk, tv) = (
@@ -27,7 +27,7 @@ fn model_cache(spec: &Spec) -> KvCache {
         .cache_params(CTX, spec.prompts.len() as u32, tk, tv, spec.fa)
         .unwrap();
     assert!(p.mrope && !p.can_shift);
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
 /// Today's files: session 11, sequence 4.

@@ -6,7 +6,7 @@
 //! the peer itself predicted for 200.
 
 use llama_kv_cache::state::files::inspect_bytes;
-use llama_kv_cache::{GgmlType, KvCache, ModelInfo, ReadOptions, UBatch, WriteOptions};
+use llama_kv_cache::{GgmlType, ModelInfo, ReadOptions, SeedCache, UBatch, WriteOptions};
 use today_peer::{models_dir, spec_named, Spec};
 
 const N_SEQ: usize = 256;
@@ -34,12 +34,12 @@ fn spec() -> Spec {
 }
 
 /// Our cache for the model, as llama.cpp sizes it for this context.
-fn model_cache() -> KvCache {
+fn model_cache() -> SeedCache {
     let info = ModelInfo::from_file(&models_dir().join(MODEL), false).unwrap();
     let p = info
         .cache_params(CTX, N_SEQ as u32, GgmlType::F16, GgmlType::F16, false)
         .unwrap();
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
 fn v(version: u32) -> WriteOptions {

@@ -12,7 +12,7 @@ use common::today_file;
 
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
-    convert_bytes, CellExt, CellExtValue, ConvertOptions, FileKind, GgmlType, KvCache, ModelInfo,
+    convert_bytes, CellExt, CellExtValue, ConvertOptions, FileKind, GgmlType, ModelInfo, SeedCache,
     UBatch, WriteOptions,
 };
 use prompt_store::{MemoryBackend, PromptStore};
@@ -39,13 +39,13 @@ fn store() -> PromptStore {
 }
 
 /// A one-sequence cache for the tiny Qwen2-VL, as llama.cpp sizes it.
-fn model_cache() -> KvCache {
+fn model_cache() -> SeedCache {
     let info = ModelInfo::from_file(&models_dir().join("qwen2vl.gguf"), false).unwrap();
     let p = info
         .cache_params(CTX, 1, GgmlType::F16, GgmlType::F16, false)
         .unwrap();
     assert_eq!(p.cell_ext, CellExt::Pos2Tok);
-    KvCache::new(p).unwrap()
+    SeedCache::new(p).unwrap()
 }
 
 #[test]
@@ -180,6 +180,6 @@ fn a_live_caches_prompt_restores_with_every_cells_extension() {
     let plain = info
         .cache_params(CTX, 1, GgmlType::F16, GgmlType::F16, false)
         .unwrap();
-    let mut plain = KvCache::new(plain).unwrap();
+    let mut plain = SeedCache::new(plain).unwrap();
     assert!(store.restore(&mut plain, 0, &tokens, None).is_err());
 }

@@ -17,13 +17,13 @@ use std::time::Instant;
 
 use differential::gguf::{ensure_model, ModelKind};
 use llama_kv_cache::{
-    CacheParams, KvCache, Layout, ReadOptions, RopeParams, RopeType, ShiftParams, Tensor, UBatch,
+    CacheParams, Layout, ReadOptions, RopeParams, RopeType, SeedCache, ShiftParams, Tensor, UBatch,
 };
 
 const MODEL: ModelKind = ModelKind::LlamaH16;
 
 struct Bench {
-    cache: KvCache,
+    cache: SeedCache,
     n_seq: i32,
     len: i32,
     seq_blobs: Vec<Vec<u8>>,
@@ -48,7 +48,7 @@ fn setup(n_ctx: u32, n_seq: u32, dir: &Path) -> Result<(Bench, String), String> 
     let (k, v) = MODEL.kv_widths();
     let mut params = CacheParams::new(n_ctx, MODEL.n_layer(), k, v);
     params.n_seq_max = n_seq;
-    let mut cache = KvCache::new(params).map_err(e)?;
+    let mut cache = SeedCache::new(params).map_err(e)?;
     let len = n_ctx / n_seq;
     for s in 0..n_seq {
         for p0 in (0..len).step_by(512) {

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::cache::convert_input::{view_cache, Input, Views};
 use crate::cache::io::Progress;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cell_ext::CellExt;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
@@ -118,7 +118,7 @@ pub fn convert_file(
 /// One part of the input, ready to be written: a cache of its cells whose tensors are views of
 /// the input.
 struct PartPlan {
-    cache: KvCache,
+    cache: SeedCache,
     /// The sequence to write (-1: the whole cache).
     seq: i32,
     /// A hybrid's recurrent memory: the `n_layer` its data header declares.
@@ -498,9 +498,9 @@ impl PartJob<'_> {
     }
 }
 
-impl KvCache {
+impl SeedCache {
     /// Takes over the cells (and placement state) of `other`, a cache of the same size.
-    fn take_cells_of(&mut self, other: KvCache) {
+    fn take_cells_of(&mut self, other: SeedCache) {
         self.cells = other.cells;
         self.head = other.head;
         self.n = other.n;

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::{Arc, Mutex};
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::params::CacheParams;
@@ -69,9 +69,9 @@ pub(super) fn view_cache(
     params: CacheParams,
     input: &Arc<Input>,
     views: Option<Arc<Views>>,
-) -> Result<KvCache> {
+) -> Result<SeedCache> {
     // a part of a memory may hold no layer (cells only)
-    KvCache::part_with_allocator(params, &mut |il, is_v, len| {
+    SeedCache::part_with_allocator(params, &mut |il, is_v, len| {
         Ok(Box::new(InputView {
             views: views.clone(),
             input: input.clone(),
@@ -205,7 +205,7 @@ struct InputView {
     len: usize,
 }
 
-/// Re-types and re-rotates one row as a re-typed load does (`KvCache::retyped_rotated`).
+/// Re-types and re-rotates one row as a re-typed load does (`SeedCache::retyped_rotated`).
 fn convert_row(side: &Side, src: &[u8], dst: &mut [u8], values: &mut [f32]) -> Result<()> {
     crate::tensors::quant::dequantize_row(side.from, src, values)?;
     let (from, to) = side.rot;

@@ -1,7 +1,7 @@
 //! Defragmentation: the seed's `defrag_prepare` plan, and the data moves that llama.cpp leaves
 //! to a compute graph, done here on every layer's K and V.
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::set::next_bit;
 use crate::error::{KvError, Result};
 
@@ -30,7 +30,7 @@ pub struct DefragReport {
     pub bytes_copied: u64,
 }
 
-impl KvCache {
+impl SeedCache {
     /// The seed's `defrag_prepare(n_max_nodes)`: fills holes below `used` with the last
     /// non-empty cells, moving the cell metadata at once, and returns the data moves still to
     /// do (as runs ordered by source cell), or an empty list when nothing moved. At most
@@ -123,7 +123,7 @@ impl KvCache {
 
     /// Applies planned moves to every layer's K and V, in plan order.
     pub fn apply_moves(&mut self, moves: &[CellMove]) -> Result<DefragReport> {
-        let lay = self.layout();
+        let lay = self.v_geometry();
         // checked before any tensor is touched, so a bad list changes nothing
         for m in moves {
             let fits = |at: u32| {
@@ -173,7 +173,7 @@ impl KvCache {
         (1.0 - (self.cells.used as f32 + self.params.padding() as f32) / n).max(0.0)
     }
 
-    /// Schedules a defrag when [`KvCache::fragmentation`] exceeds `threshold` (> 0); returns
+    /// Schedules a defrag when [`SeedCache::fragmentation`] exceeds `threshold` (> 0); returns
     /// whether it did.
     pub fn schedule_defrag(&mut self, threshold: f32) -> bool {
         if threshold > 0.0 && self.fragmentation() > threshold {
@@ -348,7 +348,7 @@ mod tests {
             // sequence of a cell (the cell stays while the other holds it) or both
             let mut p = CacheParams::new(size, 2, 8, 8);
             p.n_seq_max = 2;
-            let mut c = KvCache::new(p).unwrap();
+            let mut c = SeedCache::new(p).unwrap();
             c.find_slot(&UBatch::sequence(0, 0, size)).unwrap().unwrap();
             c.seq_cp(0, 1, 0, (shared % size) as i32).unwrap();
             for (h, seq) in holes {
@@ -372,7 +372,7 @@ mod tests {
 
     #[test]
     fn moves_out_of_the_cache_are_refused_before_any_tensor_changes() {
-        let mut c = KvCache::new(CacheParams::new(8, 2, 8, 8)).unwrap();
+        let mut c = SeedCache::new(CacheParams::new(8, 2, 8, 8)).unwrap();
         c.find_slot(&UBatch::sequence(0, 0, 8)).unwrap().unwrap();
         let rows: Vec<u8> = (0..8 * 16).map(|i| i as u8).collect();
         c.write_rows(0, crate::Tensor::K, 0, &rows).unwrap();

@@ -3,7 +3,7 @@
 //! everything, place the cells, then write the rows; a failure puts everything back), which is
 //! `io/read.rs`.
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::SeqSet;
 use crate::error::{KvError, Result};
 use crate::state::cells::{cell_len, put_cell, put_cell_one_id, CellExt};
@@ -72,7 +72,7 @@ pub(crate) struct WritePlan {
     pub total: usize,
 }
 
-impl KvCache {
+impl SeedCache {
     /// The cells a write of `seq` (-1: every cell with a sequence) carries, as runs, read from
     /// the sequences' bitmaps a word at a time.
     fn cell_ranges(&self, seq: i32) -> Vec<(usize, usize)> {
@@ -179,7 +179,7 @@ impl KvCache {
     }
 
     /// Writes the cell count and the metadata of the cells `ranges` into `out`, which is
-    /// [`KvCache::meta_size`] bytes long. Fixed-size cells go out as fixed-size chunks, which
+    /// [`SeedCache::meta_size`] bytes long. Fixed-size cells go out as fixed-size chunks, which
     /// compile to plain stores (a cursor over the slice cost 3.5 ns per cell).
     fn put_cells_meta(&self, out: &mut [u8], ranges: &[(usize, usize)], seq: i32, layout: Layout) {
         let pos = self.cells.pos_column();
@@ -313,9 +313,9 @@ impl KvCache {
         Ok(out)
     }
 
-    /// [`KvCache::state_write`] into the front of `out`, without allocating the payload; returns
+    /// [`SeedCache::state_write`] into the front of `out`, without allocating the payload; returns
     /// its size. Fails with `InvalidArg`, writing nothing, when `out` is smaller than
-    /// [`KvCache::state_size`].
+    /// [`SeedCache::state_size`].
     pub fn state_write_into(
         &self,
         out: &mut [u8],
@@ -335,7 +335,7 @@ impl KvCache {
         self.write_planned(&mut SliceSink::new(out), &plan, progress)
     }
 
-    /// [`KvCache::state_write`] streamed to `w` (host tensors are written straight from memory);
+    /// [`SeedCache::state_write`] streamed to `w` (host tensors are written straight from memory);
     /// returns the payload's size.
     pub fn state_write_to(
         &self,
@@ -494,7 +494,7 @@ mod tests {
         // payload of 2 streams, which held no cell at all; a whole state lost sequence 3 alike
         let mut p = CacheParams::new(32, 2, 64, 64);
         p.n_seq_max = 4;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         c.find_slot(&UBatch::sequence(1, 0, 2)).unwrap();
         c.find_slot(&UBatch::sequence(3, 0, 3)).unwrap();
         for seq in [3, -1] {

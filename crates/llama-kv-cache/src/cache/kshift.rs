@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::cache::defrag::{DefragReport, DEFAULT_MAX_NODES};
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::tensors::f16_simd::{self, F16Rope};
@@ -153,7 +153,7 @@ fn rotate_on_device(
     Ok(true)
 }
 
-impl KvCache {
+impl SeedCache {
     /// Rotates every cell's K by its delta and clears the deltas and the pending-shift flag.
     /// Fails, changing nothing, when the cache cannot shift or the parameters do not fit.
     pub fn apply_shift(&mut self, params: &ShiftParams) -> Result<u32> {

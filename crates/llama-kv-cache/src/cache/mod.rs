@@ -1,5 +1,5 @@
 //! Layer 4, the unified KV cache (`llama_kv_cache_unified`): the memory kind built on the
-//! layers below. [`KvCache`] holds cells and tensors; each concern extends it in a module of
+//! layers below. [`SeedCache`] holds cells and tensors; each concern extends it in a module of
 //! its own: sequence operations ([`seq_ops`]), slot search ([`slot`], [`restorer`]), defrag
 //! ([`defrag`]), the K-shift ([`kshift`]), views ([`view`]), state I/O on whole payloads
 //! ([`io`]), on streamed payloads ([`stream`]), row block by row block ([`sequence_load`]) and
@@ -10,12 +10,12 @@
 pub mod convert;
 mod convert_input;
 pub mod defrag;
-pub mod files;
 pub mod io;
 pub mod kshift;
 mod release;
 pub mod restorer;
 pub(crate) mod rollback;
+pub mod save_load;
 pub mod seq_ops;
 pub mod sequence_load;
 pub mod slot;
@@ -27,10 +27,10 @@ use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::params::CacheParams;
 use crate::tensors::quant;
-use crate::tensors::storage::{host_allocator, Allocator, Device, LayerTensors, Layout, Tensor};
+use crate::tensors::storage::{host_allocator, Allocator, Device, LayerTensors, Tensor, VGeometry};
 
 /// llama.cpp's `llama_kv_cache_unified`: cells, their bookkeeping, and the K/V tensors.
-pub struct KvCache {
+pub struct SeedCache {
     pub(crate) params: CacheParams,
     pub(crate) cells: Cells,
     /// A cell table of the same shape, kept between whole-cache loads: a load fills it and
@@ -42,38 +42,38 @@ pub struct KvCache {
     pub(crate) do_defrag: bool,
     pub(crate) layers: Vec<LayerTensors>,
     /// Whether `clear` and the operations that free cells hand the tensors' memory back to the
-    /// OS ([`KvCache::set_release_memory`]).
+    /// OS ([`SeedCache::set_release_memory`]).
     pub(crate) release_memory: bool,
 }
 
-impl KvCache {
+impl SeedCache {
     /// A cache in host memory, zero-initialised.
-    pub fn new(params: CacheParams) -> Result<KvCache> {
-        KvCache::with_allocator(params, &mut host_allocator)
+    pub fn new(params: CacheParams) -> Result<SeedCache> {
+        SeedCache::with_allocator(params, &mut host_allocator)
     }
 
     /// A cache whose tensors come from `alloc` (one call per layer and tensor), e.g. to place
     /// layers on a device.
-    pub fn with_allocator(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {
+    pub fn with_allocator(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<SeedCache> {
         params.validate()?;
-        KvCache::build(params, alloc)
+        SeedCache::build(params, alloc)
     }
 
     /// A cache in host memory that is a part of a memory: it may hold no layer (cells only).
-    pub(crate) fn new_part(params: CacheParams) -> Result<KvCache> {
-        KvCache::part_with_allocator(params, &mut host_allocator)
+    pub(crate) fn new_part(params: CacheParams) -> Result<SeedCache> {
+        SeedCache::part_with_allocator(params, &mut host_allocator)
     }
 
-    /// [`KvCache::new_part`] with tensors from `alloc`.
+    /// [`SeedCache::new_part`] with tensors from `alloc`.
     pub(crate) fn part_with_allocator(
         params: CacheParams,
         alloc: &mut Allocator<'_>,
-    ) -> Result<KvCache> {
+    ) -> Result<SeedCache> {
         params.validate_part()?;
-        KvCache::build(params, alloc)
+        SeedCache::build(params, alloc)
     }
 
-    fn build(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<KvCache> {
+    fn build(params: CacheParams, alloc: &mut Allocator<'_>) -> Result<SeedCache> {
         let size = params.size as usize;
         let mut layers = crate::alloc::with_capacity(params.n_layer as usize, "the layers")?;
         for il in 0..params.n_layer as usize {
@@ -97,7 +97,7 @@ impl KvCache {
         if !params.cell_ext.is_none() {
             cells.keep_ext()?;
         }
-        Ok(KvCache {
+        Ok(SeedCache {
             cells,
             spare_cells: None,
             head: 0,
@@ -274,7 +274,7 @@ impl KvCache {
         Ok(())
     }
 
-    /// Whether [`KvCache::clear`] hands the memory of host tensors (of 1 MiB or more) back to
+    /// Whether [`SeedCache::clear`] hands the memory of host tensors (of 1 MiB or more) back to
     /// the OS instead of zeroing it in place, and `seq_rm`, `seq_keep` and defrag the pages of
     /// the cells they free (see `release`). On by default: an app that cleared a long chat
     /// no longer pays for it. Turn it off for a cache that is cleared and refilled in a tight
@@ -283,13 +283,14 @@ impl KvCache {
         self.release_memory = on;
     }
 
-    /// See [`KvCache::set_release_memory`].
+    /// See [`SeedCache::set_release_memory`].
     pub fn release_memory(&self) -> bool {
         self.release_memory
     }
 
-    pub(crate) fn layout(&self) -> Layout {
-        Layout {
+    /// Where V of a cell is: the geometry every layer shares.
+    pub(crate) fn v_geometry(&self) -> VGeometry {
+        VGeometry {
             size: self.params.size as usize,
             v_trans: self.params.v_trans(),
             v_el: self.params.type_v.type_size(),
@@ -333,7 +334,7 @@ impl KvCache {
             )));
         }
         self.check_cells(first, (rows.len() / row) as u64)?;
-        let lay = self.layout();
+        let lay = self.v_geometry();
         self.layers[il as usize].write_rows(which, lay, first as usize, rows)
     }
 
@@ -341,7 +342,7 @@ impl KvCache {
     pub fn read_rows(&self, il: u32, which: Tensor, first: u32, n: u32) -> Result<Vec<u8>> {
         let layer = self.layer(il)?;
         self.check_cells(first, u64::from(n))?;
-        layer.read_rows(which, self.layout(), first as usize, n as usize)
+        layer.read_rows(which, self.v_geometry(), first as usize, n as usize)
     }
 
     /// Writes f32 rows, converted (quantized) to the cache's type.
@@ -400,8 +401,8 @@ impl KvCache {
     /// (dequantized and requantized with the reference quantizers as needed). Cell metadata is
     /// copied as is. A rotated K or V keeps its rotation into another quantized type and loses
     /// it into a float type, as llama.cpp 0.1.161 rotates quantized types only; see
-    /// [`KvCache::retyped_rotated`] to choose.
-    pub fn retyped(&self, type_k: GgmlType, type_v: GgmlType) -> Result<KvCache> {
+    /// [`SeedCache::retyped_rotated`] to choose.
+    pub fn retyped(&self, type_k: GgmlType, type_v: GgmlType) -> Result<SeedCache> {
         let keep = |n_rot: u32, ty: GgmlType| if ty.is_quantized() { n_rot } else { 0 };
         self.retyped_rotated(
             type_k,
@@ -411,7 +412,7 @@ impl KvCache {
         )
     }
 
-    /// [`KvCache::retyped`] to the rotations `n_rot_k` / `n_rot_v` (0: none): each row is
+    /// [`SeedCache::retyped`] to the rotations `n_rot_k` / `n_rot_v` (0: none): each row is
     /// dequantized, rotated back by its current rotation, rotated by the new one, and quantized,
     /// as llama.cpp 0.1.161 would have stored the same values.
     pub fn retyped_rotated(
@@ -420,13 +421,13 @@ impl KvCache {
         type_v: GgmlType,
         n_rot_k: u32,
         n_rot_v: u32,
-    ) -> Result<KvCache> {
+    ) -> Result<SeedCache> {
         let mut params = self.params.clone();
         params.type_k = type_k;
         params.type_v = type_v;
         params.n_rot_k = n_rot_k;
         params.n_rot_v = n_rot_v;
-        let mut out = KvCache::new(params)?;
+        let mut out = SeedCache::new(params)?;
         let size = self.params.size;
         for il in 0..self.params.n_layer {
             for (which, from, to) in [

@@ -1,8 +1,8 @@
 //! Handing the tensor memory of freed cells back to the OS: after `seq_rm`, `seq_keep` and a
 //! defrag, the pages of host tensors that only free cells use are released (`MADV_DONTNEED`),
 //! so an app that dropped a long chat no longer pays for it, and `resident_bytes` counts what
-//! is left. `clear` releases whole tensors ([`KvCache::clear`]); the same switch,
-//! [`KvCache::set_release_memory`], turns both off.
+//! is left. `clear` releases whole tensors ([`SeedCache::clear`]); the same switch,
+//! [`SeedCache::set_release_memory`], turns both off.
 //!
 //! Releasing costs a system call per run of free cells and tensor (per V channel for a
 //! transposed V), and faulting the pages back in costs again when cells are reused, so an
@@ -11,7 +11,7 @@
 
 use std::ops::Range;
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::Result;
 
 /// Tensor bytes an operation must free (over all layers) before it releases pages.
@@ -25,7 +25,7 @@ const PAGE_MIN: usize = 4096;
 /// each channel is a system call.
 const V_TRANS_RUN_MIN: usize = 64 << 10;
 
-impl KvCache {
+impl SeedCache {
     /// After an operation freed `freed` cells within `span`: releases the pages of every run of
     /// free cells that meets `span`, if that is worth it.
     pub(crate) fn release_freed(&mut self, span: Range<usize>, freed: usize) -> Result<()> {
@@ -67,7 +67,7 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
-    use crate::cache::KvCache;
+    use crate::cache::SeedCache;
     use crate::cells::ubatch::UBatch;
     use crate::params::CacheParams;
     use crate::tensors::storage::Tensor;
@@ -80,11 +80,11 @@ mod tests {
 
     /// A cache whose cells hold sequence 0 at `0..half` and sequence 1 after it, every row
     /// written with its layer and tensor's byte.
-    fn two_sequences(flash_attn: bool, size: u32) -> KvCache {
+    fn two_sequences(flash_attn: bool, size: u32) -> SeedCache {
         let mut p = CacheParams::new(size, 2, 256, 256);
         p.flash_attn = flash_attn;
         p.n_seq_max = 2;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         let half = size / 2;
         c.find_slot(&UBatch::sequence(0, 0, half)).unwrap().unwrap();
         c.find_slot(&UBatch::sequence(1, 0, half)).unwrap().unwrap();
@@ -98,7 +98,7 @@ mod tests {
     }
 
     /// Rows of cells `cells` of every tensor hold their byte.
-    fn rows_hold(c: &KvCache, first: u32, n: u32, want: impl Fn(u32, Tensor) -> u8) -> bool {
+    fn rows_hold(c: &SeedCache, first: u32, n: u32, want: impl Fn(u32, Tensor) -> u8) -> bool {
         (0..2).all(|il| {
             [Tensor::K, Tensor::V].into_iter().all(|which| {
                 let b = want(il, which);

@@ -8,7 +8,7 @@
 //! (`seq_rm(-1, -1, -1)`). Nothing happens unless a found slot was saved.
 
 use crate::cache::slot::Slot;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::Result;
 
 /// The cache's `head` and `n` at a decode's start plus the slots placed since
@@ -62,7 +62,7 @@ impl SlotRestorer {
     }
 }
 
-impl KvCache {
+impl SeedCache {
     /// A restorer holding the current `head` and `n`, to take when a decode starts.
     pub fn slot_restorer(&self) -> SlotRestorer {
         SlotRestorer {

@@ -17,7 +17,7 @@
 //! keep a [`PlacedLoad`], which also holds the rows of the placed cells that held data before
 //! (nothing for a load into free cells), to put back with the cells.
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::{Cell, Cells};
 use crate::error::Result;
 use crate::state::PayloadCells;
@@ -67,7 +67,7 @@ pub(crate) struct PlacedLoad {
 /// then the V rows (or, transposed, each channel's elements of the run).
 type SavedRun = (usize, usize, Vec<u8>);
 
-impl KvCache {
+impl SeedCache {
     /// Places `cells` into `dest` (`None`: the whole cache) for a load that writes rows
     /// afterwards, keeping the rows it will overwrite. On failure the cache is as before.
     pub(crate) fn place_load(
@@ -124,7 +124,7 @@ impl KvCache {
     /// Puts back the cells and the saved rows of a placed load that did not finish.
     pub(crate) fn undo_load(&mut self, load: PlacedLoad) -> Result<()> {
         self.roll_back(load.undo, &load.placed);
-        let lay = self.layout();
+        let lay = self.v_geometry();
         for (first, n, rows) in &load.saved {
             let mut at = 0;
             for l in &mut self.layers {
@@ -147,7 +147,7 @@ impl KvCache {
     /// The K and V data of the placed cells that held data before the load, per run of
     /// consecutive cells: (first cell, cells, each layer's K rows then V rows or columns).
     fn save_rows(&self, undo: &CellsUndo, placed: &[usize]) -> Result<Vec<SavedRun>> {
-        let lay = self.layout();
+        let lay = self.v_geometry();
         let mut held: Vec<usize> = placed
             .iter()
             .copied()
@@ -246,7 +246,7 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use crate::state::PayloadCells;
-    use crate::{CacheParams, KvCache, UBatch};
+    use crate::{CacheParams, SeedCache, UBatch};
 
     /// xorshift32, so the cases are reproducible without a dependency.
     struct Rng(u32);
@@ -262,10 +262,10 @@ mod tests {
 
     /// A cache of 256 cells shaped by random placements, removals and shifts (so free cells
     /// keep stale deltas, and sequences share cells).
-    fn random_cache(rng: &mut Rng) -> KvCache {
+    fn random_cache(rng: &mut Rng) -> SeedCache {
         let mut params = CacheParams::new(256, 1, 2, 2);
         params.n_seq_max = 4;
-        let mut c = KvCache::new(params).unwrap();
+        let mut c = SeedCache::new(params).unwrap();
         let mut next = [0i32; 4];
         for _ in 0..24 {
             let seq = rng.below(4) as i32;
@@ -362,7 +362,7 @@ mod tests {
                     "case {case}: the abandoned load changed the cells"
                 );
             }
-            let columns = |k: &KvCache| {
+            let columns = |k: &SeedCache| {
                 (
                     k.cells.pos_column().to_vec(),
                     (0..k.cells.len())

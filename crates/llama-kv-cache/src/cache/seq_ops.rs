@@ -4,7 +4,7 @@
 //! Position ranges are `[p0, p1)`; a negative `p0` means 0 and a negative `p1` means "to the end".
 //! Sequence ids are validated up front, so a refused call leaves the cache untouched.
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::{Cell, Freed, SeqSet};
 use crate::error::{KvError, Result};
 use crate::params::RecurrentRules;
@@ -13,7 +13,7 @@ fn open_range(p0: i32, p1: i32) -> (i32, i32) {
     (p0.max(0), if p1 < 0 { i32::MAX } else { p1 })
 }
 
-impl KvCache {
+impl SeedCache {
     /// Removes `seq` (or every sequence, with -1) from the cells with positions in `[p0, p1)`,
     /// freeing cells left without a sequence, and hands the pages of freed cells back to the OS
     /// when that is worth it (`release`). Returns false, changing nothing, when a recurrent
@@ -73,7 +73,7 @@ impl KvCache {
         true
     }
 
-    /// [`KvCache::seq_rm`] that leaves the freed cells' rows in memory, for a caller that may
+    /// [`SeedCache::seq_rm`] that leaves the freed cells' rows in memory, for a caller that may
     /// put the cells back (a load that fails restores the sequence it replaced). `None` when a
     /// recurrent cache refuses.
     pub(crate) fn seq_rm_keeping_data(
@@ -305,7 +305,7 @@ impl KvCache {
     }
 
     /// Largest position of `seq`. As in the seed, a sequence with no cells gives 0, not -1
-    /// (use [`KvCache::seq_cell_count`] to tell an empty sequence apart). O(1).
+    /// (use [`SeedCache::seq_cell_count`] to tell an empty sequence apart). O(1).
     pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
         let s = self.check_seq("seqPosMax", seq)?;
         let max = self.cells.seq_pos_max(s);

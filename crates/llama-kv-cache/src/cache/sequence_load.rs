@@ -9,7 +9,7 @@
 //! the rows of the placed cells that held data before it.
 
 use crate::cache::rollback::PlacedLoad;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cell_ext::CellExtValue;
 use crate::cells::Cells;
 use crate::error::{KvError, Result};
@@ -18,11 +18,11 @@ use crate::tensors::storage::Tensor;
 
 /// A load of one sequence in progress; dropping it uncommitted puts the cache back.
 pub struct SequenceLoad<'c> {
-    cache: &'c mut KvCache,
+    cache: &'c mut SeedCache,
     load: Option<PlacedLoad>,
 }
 
-impl KvCache {
+impl SeedCache {
     /// Starts loading sequence `seq`, replacing its cells by one cell per position of
     /// `positions` (their rows zero, to be written). Refused for a recurrent cache, whose
     /// state is one cell of its own shape (load it with `state_read`).
@@ -116,7 +116,7 @@ impl SequenceLoad<'_> {
             .as_ref()
             .expect("a load is open until it is consumed");
         let cells = cells_of(&load.placed, first, rows.len() / row)?;
-        let lay = self.cache.layout();
+        let lay = self.cache.v_geometry();
         let layer = &mut self.cache.layers[il as usize];
         match cells.first() {
             None => Ok(()),
@@ -165,15 +165,15 @@ impl Drop for SequenceLoad<'_> {
 #[cfg(test)]
 mod tests {
     use crate::state::Layout;
-    use crate::{CacheParams, CellExtValue, KvCache, KvError, ReadOptions, Tensor, UBatch};
+    use crate::{CacheParams, CellExtValue, KvError, ReadOptions, SeedCache, Tensor, UBatch};
 
     /// 2 layers, 4 sequences, cells holding `held` (seq, first pos, n) in order; every row a
     /// distinct byte pattern (`salt` tells two caches' rows apart).
-    fn cache(size: u32, flash_attn: bool, held: &[(i32, i32, u32)], salt: usize) -> KvCache {
+    fn cache(size: u32, flash_attn: bool, held: &[(i32, i32, u32)], salt: usize) -> SeedCache {
         let mut p = CacheParams::new(size, 2, 8, 12);
         p.n_seq_max = 4;
         p.flash_attn = flash_attn;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         for &(seq, p0, n) in held {
             c.find_slot(&UBatch::sequence(seq, p0, n)).unwrap().unwrap();
         }
@@ -189,14 +189,21 @@ mod tests {
     }
 
     /// Everything a load can change: the cells, head, n and the live rows.
-    fn observable(c: &KvCache) -> (crate::cells::Cells, u32, u32, Vec<u8>) {
+    fn observable(c: &SeedCache) -> (crate::cells::Cells, u32, u32, Vec<u8>) {
         let rows = c.state_write(-1, Layout::Seed, 1, None).unwrap();
         (c.cells().clone(), c.head(), c.n(), rows)
     }
 
     /// Loads `src`'s sequence 0 (positions 0..n) into `seq` of `c`, `piece` tokens at a time,
     /// each piece's layers K then V, as a store restore writes blocks.
-    fn load_rows(c: &mut KvCache, src: &KvCache, seq: i32, n: u32, piece: u32, scattered: bool) {
+    fn load_rows(
+        c: &mut SeedCache,
+        src: &SeedCache,
+        seq: i32,
+        n: u32,
+        piece: u32,
+        scattered: bool,
+    ) {
         let positions: Vec<i32> = (0..n as i32).collect();
         let mut load = c.load_sequence_rows(seq, &positions, scattered).unwrap();
         assert_eq!(load.len(), n as usize);
@@ -214,7 +221,7 @@ mod tests {
 
     /// Each sequence's state: what a load must give the loaded sequence and leave to the
     /// others, wherever their cells are.
-    fn by_sequence(c: &KvCache) -> Vec<Vec<u8>> {
+    fn by_sequence(c: &SeedCache) -> Vec<Vec<u8>> {
         (0..4)
             .map(|s| c.state_write(s, Layout::StreamsRot, 1, None).unwrap())
             .collect()
@@ -343,7 +350,7 @@ mod tests {
     fn a_recurrent_cache_and_a_bad_sequence_are_refused() {
         let mut p = CacheParams::new(4, 1, 8, 8);
         p.recurrent = true;
-        let mut r = KvCache::new(p).unwrap();
+        let mut r = SeedCache::new(p).unwrap();
         let e = r.load_sequence_rows(0, &[0], false).err().unwrap();
         assert!(matches!(e, KvError::Unsupported(_)), "{e}");
         let mut c = cache(8, true, &[], 0);

@@ -1,7 +1,7 @@
 //! Slot search (`find_slot`) for transformer and recurrent caches, and the decode-side steps
 //! around it (`prepare_batch`).
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cell_ext::CellExtValue;
 use crate::cells::ubatch::UBatch;
 use crate::cells::SeqSet;
@@ -18,7 +18,7 @@ pub struct Slot {
     pub n: u32,
 }
 
-/// Options of [`KvCache::prepare_batch`].
+/// Options of [`SeedCache::prepare_batch`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrepareOptions {
     /// Advance `head` past the slot afterwards, as the seed-era decode did after computing a
@@ -47,8 +47,8 @@ fn pad(x: u32, p: u32) -> u32 {
     x.div_ceil(p) * p
 }
 
-impl KvCache {
-    /// Places the ubatches of one decode with [`KvCache::find_slot`], all or none (the `place`
+impl SeedCache {
+    /// Places the ubatches of one decode with [`SeedCache::find_slot`], all or none (the `place`
     /// of today's memories, for the seed's cache): the slot of each, or `None` (an ordinary
     /// outcome) with the cells, `head` and `n` as before when one does not fit. Its undo
     /// record is a copy of the cell table, a pass over the cells per call; the seed's own

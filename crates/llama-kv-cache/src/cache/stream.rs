@@ -5,7 +5,7 @@
 //! from the tensors. [`StateIn`] loads a payload as its bytes arrive: it keeps the header and
 //! the cell metadata until it can decide the layout and place the cells, then writes every
 //! further byte straight into the tensors. A load that fails, or is abandoned before
-//! [`KvCache::state_in_finish`], puts the cells back as they were, and the rows of the cells
+//! [`SeedCache::state_in_finish`], puts the cells back as they were, and the rows of the cells
 //! that held data before it (kept aside when the cells are placed: nothing for a load into
 //! free cells). Rows of cells that were free may keep bytes of the abandoned payload; they
 //! are not part of any state.
@@ -15,7 +15,7 @@
 
 use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::rollback::PlacedLoad;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::{KvError, Result};
 use crate::state::cells::{PayloadCells, MAX_PAYLOAD_SEQS};
 use crate::state::rows::{write_columns, write_rows};
@@ -44,7 +44,7 @@ impl StateOut {
     }
 }
 
-impl KvCache {
+impl SeedCache {
     /// Starts producing `state_write(seq, layout, n_stream)` piece by piece.
     pub fn state_out(&self, seq: i32, layout: Layout, n_stream: u32) -> Result<StateOut> {
         Ok(StateOut {
@@ -158,10 +158,10 @@ struct DataPhase {
     expected: u64,
 }
 
-impl KvCache {
+impl SeedCache {
     /// Starts loading a payload into sequence `seq` (-1: the whole cache) from bytes that
     /// arrive in pieces. `opts.part` is not supported (payloads of several memories load
-    /// through [`KvCache::state_read`]).
+    /// through [`SeedCache::state_read`]).
     pub fn state_in(&self, seq: i32, opts: ReadOptions) -> Result<StateIn> {
         if opts.part.is_some() {
             return Err(KvError::Unsupported(
@@ -580,15 +580,15 @@ impl KvCache {
 mod tests {
     use crate::cache::io::ReadOptions;
     use crate::state::Layout;
-    use crate::{CacheParams, KvCache, KvError, Tensor, UBatch};
+    use crate::{CacheParams, KvError, SeedCache, Tensor, UBatch};
 
     /// A cache of 64 cells, 2 layers, 4 sequences: sequence 0 in cells 0..10 (shared with 1
     /// for the first 3), sequence 2 in 20..26; every row a distinct byte pattern.
-    fn filled(flash_attn: bool) -> KvCache {
+    fn filled(flash_attn: bool) -> SeedCache {
         let mut p = CacheParams::new(64, 2, 8, 12);
         p.n_seq_max = 4;
         p.flash_attn = flash_attn;
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         c.find_slot(&UBatch {
             pos: vec![0, 1, 2],
             n_seq_tokens: 3,
@@ -611,7 +611,7 @@ mod tests {
         c
     }
 
-    fn streamed_out(c: &KvCache, seq: i32, layout: Layout, chunk: usize) -> Vec<u8> {
+    fn streamed_out(c: &SeedCache, seq: i32, layout: Layout, chunk: usize) -> Vec<u8> {
         let mut out = c.state_out(seq, layout, 1).unwrap();
         let mut all = Vec::new();
         let mut buf = vec![0u8; chunk];
@@ -627,7 +627,7 @@ mod tests {
     }
 
     fn streamed_in(
-        c: &mut KvCache,
+        c: &mut SeedCache,
         seq: i32,
         data: &[u8],
         chunk: usize,
@@ -640,7 +640,7 @@ mod tests {
     }
 
     /// Everything a state can observe: the cells, head, n and the live rows.
-    fn observable(c: &KvCache) -> (crate::cells::Cells, u32, u32, Vec<u8>) {
+    fn observable(c: &SeedCache) -> (crate::cells::Cells, u32, u32, Vec<u8>) {
         (
             c.cells().clone(),
             c.head(),
@@ -726,7 +726,7 @@ mod tests {
             p.flash_attn = true;
             p.type_k = crate::GgmlType::Q8_0;
             p.type_v = crate::GgmlType::Q8_0;
-            let mut c = KvCache::new(p).unwrap();
+            let mut c = SeedCache::new(p).unwrap();
             c.find_slot(&UBatch::per_token(
                 vec![0, 1, 2],
                 vec![vec![0, 1], vec![1], vec![2]],
@@ -753,7 +753,7 @@ mod tests {
         // found by the fuzzer: the seed layout writes the layer headers of an empty cache, and
         // their empty row blocks indexed the first placed cell of none
         for flash_attn in [false, true] {
-            let empty = KvCache::new(filled(flash_attn).params().clone()).unwrap();
+            let empty = SeedCache::new(filled(flash_attn).params().clone()).unwrap();
             for layout in [Layout::Seed, Layout::Streams] {
                 let data = empty.state_write(-1, layout, 1, None).unwrap();
                 for chunk in [1, 7, 1 << 20] {
@@ -866,7 +866,7 @@ mod tests {
     fn header_errors_are_typed_and_name_the_problem() {
         let src = filled(true);
         let data = src.state_write(0, Layout::Streams, 1, None).unwrap();
-        let mut small = KvCache::new({
+        let mut small = SeedCache::new({
             let mut p = CacheParams::new(4, 2, 8, 12);
             p.flash_attn = true;
             p
@@ -874,7 +874,7 @@ mod tests {
         .unwrap();
         let e = streamed_in(&mut small, 0, &data, 7).unwrap_err();
         assert!(matches!(e, KvError::NoSpace(_)), "{e}");
-        let mut other = KvCache::new(CacheParams::new(64, 3, 8, 12)).unwrap();
+        let mut other = SeedCache::new(CacheParams::new(64, 3, 8, 12)).unwrap();
         let e = streamed_in(&mut other, -1, &data, 1 << 20).unwrap_err();
         assert!(
             matches!(e, KvError::InvalidState(ref m) if m.contains("layers") || m.contains("transposed")),

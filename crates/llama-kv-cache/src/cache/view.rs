@@ -1,7 +1,7 @@
 //! The cache view (`llama_kv_cache_view_update`): a snapshot of every cell for debugging and UIs.
 
 use crate::alloc;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::Result;
 
 /// A snapshot of the cells, as llama.cpp's `llama_kv_cache_view`.
@@ -41,7 +41,7 @@ pub struct CellColumns {
     pub ext: Vec<i32>,
 }
 
-impl KvCache {
+impl SeedCache {
     /// Copies every cell's metadata into [`CellColumns`].
     pub fn cell_columns(&self) -> Result<CellColumns> {
         let cells = &self.cells;

@@ -1,5 +1,5 @@
 //! llama.cpp 0.1.161's attention cache (`llama_kv_cache`): the seed's cells and tensors, one
-//! [`KvCache`] per stream, placed and managed by today's rules.
+//! [`SeedCache`] per stream, placed and managed by today's rules.
 //!
 //! What differs from the seed:
 //! - **Placement** takes cells one by one from the stream's head (`find_slot` with
@@ -19,7 +19,7 @@ use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::rollback::CellsUndo;
 use crate::cache::slot::no_cell_ext;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::Cell;
 use crate::error::{KvError, Result};
@@ -76,7 +76,7 @@ struct SlotUndo {
 
 /// llama.cpp 0.1.161's `llama_kv_cache`.
 pub struct AttentionCache {
-    streams: Vec<KvCache>,
+    streams: Vec<SeedCache>,
     window: Window,
 }
 
@@ -93,7 +93,7 @@ impl AttentionCache {
         let n_stream = stream_count(&params, unified);
         let mut streams = crate::alloc::with_capacity(n_stream as usize, "the streams")?;
         for _ in 0..n_stream {
-            streams.push(KvCache::new_part(params.clone())?);
+            streams.push(SeedCache::new_part(params.clone())?);
         }
         Ok(AttentionCache { streams, window })
     }
@@ -119,7 +119,7 @@ impl AttentionCache {
     }
 
     /// Stream `s`.
-    pub fn stream(&self, s: u32) -> Result<&KvCache> {
+    pub fn stream(&self, s: u32) -> Result<&SeedCache> {
         self.streams.get(s as usize).ok_or_else(|| {
             KvError::OutOfRange(format!(
                 "stream {s} is out of range [0, {})",
@@ -129,7 +129,7 @@ impl AttentionCache {
     }
 
     /// Stream `s`, to write its rows.
-    pub fn stream_mut(&mut self, s: u32) -> Result<&mut KvCache> {
+    pub fn stream_mut(&mut self, s: u32) -> Result<&mut SeedCache> {
         let n = self.streams.len();
         self.streams
             .get_mut(s as usize)
@@ -149,7 +149,7 @@ impl AttentionCache {
 
     /// Bytes of the K and V tensors of every stream.
     pub fn total_size(&self) -> usize {
-        self.streams.iter().map(KvCache::total_size).sum()
+        self.streams.iter().map(SeedCache::total_size).sum()
     }
 
     /// Whether a K-shift is pending in some stream.
@@ -514,7 +514,7 @@ impl AttentionCache {
 
     /// The runs of cells (`begin..end`) of `seq` that its window still sees from its last
     /// position.
-    fn visible_runs(&self, cache: &KvCache, seq: usize) -> Vec<(usize, usize)> {
+    fn visible_runs(&self, cache: &SeedCache, seq: usize) -> Vec<(usize, usize)> {
         let runs = cache.cells.runs_of(seq);
         if self.window.swa_type == SwaType::None {
             return runs;
@@ -682,7 +682,7 @@ impl AttentionCache {
 /// sequence removed, then its cells found and applied as a ubatch (window and purge
 /// included). A payload without cells changes nothing, as in 0.1.161.
 fn read_sequence(
-    cache: &mut KvCache,
+    cache: &mut SeedCache,
     data: &[u8],
     parsed: &ParsedPayload,
     seq: i32,

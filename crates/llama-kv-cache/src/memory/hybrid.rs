@@ -5,21 +5,21 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
-use crate::cache::KvCache;
+use crate::cache::save_load::LoadedFile;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
-use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::interface::{
     check_progress, no_stream, recurrent_placement, stream_placement, LayerRows, Memory, Placement,
     Placements,
 };
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
+use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
@@ -337,7 +337,7 @@ impl HybridCache {
 
     /// The cache holding model layer `il` (stream `stream` of the attention part, or the
     /// recurrent memory, whose one stream is 0) and its layer index there.
-    pub fn route(&self, il: u32, stream: u32) -> Result<(&KvCache, u32)> {
+    pub fn route(&self, il: u32, stream: u32) -> Result<(&SeedCache, u32)> {
         if let Ok(k) = self.attn.layers.binary_search(&il) {
             let (cache, k) = self.attn.cache.route(k as u32)?;
             return Ok((cache.stream(stream)?, k));
@@ -352,7 +352,7 @@ impl HybridCache {
     }
 
     /// [`HybridCache::route`], to write rows.
-    pub fn route_mut(&mut self, il: u32, stream: u32) -> Result<(&mut KvCache, u32)> {
+    pub fn route_mut(&mut self, il: u32, stream: u32) -> Result<(&mut SeedCache, u32)> {
         let err = self.no_layer(il);
         if let Ok(k) = self.attn.layers.binary_search(&il) {
             let (cache, k) = self.attn.cache.route_mut(k as u32)?;
@@ -370,13 +370,13 @@ impl HybridCache {
     /// The recurrent memory's cache and the index of model layer `il` there, for a layer that
     /// keeps a recurrent state (a Falcon-H1 layer keeps K/V too, which [`HybridCache::route`]
     /// finds).
-    pub fn route_recurrent(&self, il: u32) -> Result<(&KvCache, u32)> {
+    pub fn route_recurrent(&self, il: u32) -> Result<(&SeedCache, u32)> {
         let k = self.recurrent_index(il)?;
         Ok((self.recr.memory.cache(), k))
     }
 
     /// [`HybridCache::route_recurrent`], to write rows.
-    pub fn route_recurrent_mut(&mut self, il: u32) -> Result<(&mut KvCache, u32)> {
+    pub fn route_recurrent_mut(&mut self, il: u32) -> Result<(&mut SeedCache, u32)> {
         let k = self.recurrent_index(il)?;
         Ok((self.recr.memory.cache_mut(), k))
     }
@@ -620,14 +620,14 @@ impl Memory for HybridCache {
         parts
     }
 
-    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &SeedCache)>> {
         (self.attn.cache.caches().into_iter())
             .map(|(role, part, _)| part.holding(role, seq))
             .collect()
     }
 
-    fn caches(&self) -> Vec<&KvCache> {
-        let mut all: Vec<&KvCache> = (self.attn.cache.caches().into_iter())
+    fn caches(&self) -> Vec<&SeedCache> {
+        let mut all: Vec<&SeedCache> = (self.attn.cache.caches().into_iter())
             .flat_map(|(_, part, _)| part.streams())
             .collect();
         all.push(self.recr.memory.cache());
@@ -694,7 +694,7 @@ impl Memory for HybridCache {
         Ok(Some(placed.collect()))
     }
 
-    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&SeedCache, u32)> {
         match rows {
             LayerRows::Own(_) => self.route(il, stream),
             LayerRows::State(_) if stream != 0 => Err(no_stream(stream, 1)),
@@ -707,7 +707,7 @@ impl Memory for HybridCache {
         il: u32,
         rows: LayerRows,
         stream: u32,
-    ) -> Result<(&mut KvCache, u32)> {
+    ) -> Result<(&mut SeedCache, u32)> {
         match rows {
             LayerRows::Own(_) => self.route_mut(il, stream),
             LayerRows::State(_) if stream != 0 => Err(no_stream(stream, 1)),

@@ -7,10 +7,10 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
-use crate::cache::KvCache;
+use crate::cache::save_load::LoadedFile;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::Cells;
 use crate::error::{KvError, Result};
@@ -19,7 +19,7 @@ use crate::memory::placement::{StreamSlot, Window};
 use crate::model::MemoryKind;
 use crate::state::files::WriteOptions;
 use crate::state::parts::PartRole;
-use crate::state::Layout;
+use crate::state::{Era, Layout};
 use crate::tensors::rope::ShiftParams;
 use crate::tensors::storage::Tensor;
 
@@ -52,10 +52,10 @@ pub trait Memory: Send {
     /// The attention caches, in state order, with their roles and windows, each as the stream
     /// that holds `seq` (every stream of a part has one shape): where a sequence's K/V rows
     /// are. A recurrent memory has none.
-    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>>;
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &SeedCache)>>;
 
     /// Every cache of the memory: each stream of each attention part, and a recurrent part.
-    fn caches(&self) -> Vec<&KvCache>;
+    fn caches(&self) -> Vec<&SeedCache>;
 
     /// Sequences.
     fn n_seq_max(&self) -> u32;
@@ -97,7 +97,7 @@ pub trait Memory: Send {
 
     /// The cache holding `rows` of model layer `il` in stream `stream`, and the layer's index
     /// there.
-    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)>;
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&SeedCache, u32)>;
 
     /// [`Memory::layer_cache`], to write.
     fn layer_cache_mut(
@@ -105,7 +105,7 @@ pub trait Memory: Send {
         il: u32,
         rows: LayerRows,
         stream: u32,
-    ) -> Result<(&mut KvCache, u32)>;
+    ) -> Result<(&mut SeedCache, u32)>;
 
     /// Bytes of the state of `seq` (-1: everything) written with `opts`.
     fn state_size(&self, seq: i32, opts: &WriteOptions) -> Result<usize>;
@@ -186,33 +186,33 @@ pub trait Memory: Send {
     }
 
     /// The seed's cache, when this memory is one.
-    fn seed(&self) -> Option<&KvCache> {
+    fn seed(&self) -> Option<&SeedCache> {
         None
     }
 
     /// [`Memory::seed`], to change.
-    fn seed_mut(&mut self) -> Option<&mut KvCache> {
+    fn seed_mut(&mut self) -> Option<&mut SeedCache> {
         None
     }
 }
 
 impl dyn Memory + '_ {
     /// The seed's cache, or why this memory has none (`what` names the operation).
-    pub fn kv(&mut self, what: &str) -> Result<&mut KvCache> {
+    pub fn kv(&mut self, what: &str) -> Result<&mut SeedCache> {
         let why = self.not_seed(what);
         self.seed_mut().ok_or(why)
     }
 
     /// [`Memory::kv`](dyn Memory::kv), to read.
-    pub fn kv_ref(&self, what: &str) -> Result<&KvCache> {
+    pub fn kv_ref(&self, what: &str) -> Result<&SeedCache> {
         self.seed().ok_or_else(|| self.not_seed(what))
     }
 
     fn not_seed(&self, what: &str) -> KvError {
         let kind = match self.kind() {
             "kv-streams" => format!(
-                "llama.cpp 0.1.161's cache of a stream per sequence ({} streams, kvUnified \
-                 false)",
+                "{}'s cache of a stream per sequence ({} streams, kvUnified false)",
+                Era::Today,
                 self.parts().first().map_or(0, |p| p.n_stream)
             ),
             kind => format!("of kind '{kind}'"),
@@ -233,18 +233,18 @@ impl dyn Memory + '_ {
     pub fn host_resident_bytes(&self) -> usize {
         self.caches()
             .into_iter()
-            .map(KvCache::host_resident_bytes)
+            .map(SeedCache::host_resident_bytes)
             .sum()
     }
 
     /// Bytes of all K tensors (a recurrent part's R), over every part.
     pub fn size_k_bytes(&self) -> usize {
-        self.caches().into_iter().map(KvCache::size_k_bytes).sum()
+        self.caches().into_iter().map(SeedCache::size_k_bytes).sum()
     }
 
     /// Bytes of all V tensors (a recurrent part's S), over every part.
     pub fn size_v_bytes(&self) -> usize {
-        self.caches().into_iter().map(KvCache::size_v_bytes).sum()
+        self.caches().into_iter().map(SeedCache::size_v_bytes).sum()
     }
 
     /// Bytes of all tensors, over every part.

@@ -4,17 +4,17 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
-use crate::cache::KvCache;
+use crate::cache::save_load::LoadedFile;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
-use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::interface::{check_progress, stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::{PartInfo, PartPlan};
+use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::no_recurrent_state;
 use crate::memory::SwaType;
@@ -543,14 +543,14 @@ impl Memory for IswaCache {
         ]
     }
 
-    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &SeedCache)>> {
         Ok(vec![
             self.base.cache.holding(PartRole::Base, seq)?,
             self.swa.cache.holding(PartRole::Swa, seq)?,
         ])
     }
 
-    fn caches(&self) -> Vec<&KvCache> {
+    fn caches(&self) -> Vec<&SeedCache> {
         [self.base.cache.streams(), self.swa.cache.streams()].concat()
     }
 
@@ -610,7 +610,7 @@ impl Memory for IswaCache {
         Ok(Some(placed.collect()))
     }
 
-    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&SeedCache, u32)> {
         match rows {
             LayerRows::State(_) => Err(no_recurrent_state(il)),
             LayerRows::Own(_) => {
@@ -625,7 +625,7 @@ impl Memory for IswaCache {
         il: u32,
         rows: LayerRows,
         stream: u32,
-    ) -> Result<(&mut KvCache, u32)> {
+    ) -> Result<(&mut SeedCache, u32)> {
         match rows {
             LayerRows::State(_) => Err(no_recurrent_state(il)),
             LayerRows::Own(_) => {

@@ -4,7 +4,7 @@
 //! for every kind of live memory ([`interface`], as llama.cpp's `llama_memory_i`) and its parts ([`part`]), and what a model's
 //! memory is before it is built ([`plan`]).
 //!
-//! Each stream of an attention cache is a [`KvCache`](crate::KvCache) of the layer below,
+//! Each stream of an attention cache is a [`SeedCache`](crate::SeedCache) of the layer below,
 //! which owns its cells, tensors, K-shift and state codec; this layer adds what 0.1.161 does
 //! differently from the seed: placement token by token with the window's masking rule and
 //! the purge that keeps every sequence's positions contiguous, one stream per sequence when
@@ -13,11 +13,11 @@
 //! May import every layer below.
 
 pub mod attention;
-pub mod files;
 pub mod hybrid;
 pub mod interface;
 pub mod iswa;
 pub mod part;
+pub mod parts_payload;
 pub mod placement;
 pub mod plan;
 pub mod recurrent;

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::Cells;
 use crate::memory::SwaType;
@@ -80,7 +80,7 @@ pub(crate) fn usable(cells: &Cells, i: usize, window: Window, gone: Option<usize
 
 /// The stream's head once `seq_rm(gone)` has run: the first cell it frees, when before the
 /// head.
-pub(crate) fn head_after_rm(cache: &KvCache, gone: usize) -> u32 {
+pub(crate) fn head_after_rm(cache: &SeedCache, gone: usize) -> u32 {
     let cells = &cache.cells;
     let first = cells.cells_of(gone).find(|&i| cells.holds_only(i, gone));
     first.map_or(cache.head, |f| cache.head.min(f as u32))
@@ -222,7 +222,11 @@ pub(crate) fn free_run(table: &Cells, cells: &[u32]) -> usize {
 
 /// Writes the tokens of `slot` into its cells (freeing what they held) and returns, per
 /// sequence whose cell was overwritten, the largest position overwritten.
-pub(crate) fn put_tokens(cache: &mut KvCache, slot: &StreamSlot, ub: &UBatch) -> Vec<(usize, i32)> {
+pub(crate) fn put_tokens(
+    cache: &mut SeedCache,
+    slot: &StreamSlot,
+    ub: &UBatch,
+) -> Vec<(usize, i32)> {
     let per_group = ub.n_seq_tokens as usize;
     let keeps_ext = cache.cells.keeps_ext();
     let (cells, tokens) = (&slot.cells, &slot.tokens);

@@ -3,7 +3,7 @@
 //! context (and the CLI print its table) without reserving anything. The iSWA and hybrid
 //! memories are built from the same part plans.
 
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::Result;
 use crate::memory::hybrid::HybridPlan;
 use crate::memory::interface::Memory;
@@ -45,7 +45,7 @@ impl MemoryBlueprint {
     /// Builds the memory in host memory.
     pub fn build(self) -> Result<Box<dyn Memory>> {
         Ok(match self.0 {
-            Blueprint::Seed(p) => Box::new(KvCache::new(p)?),
+            Blueprint::Seed(p) => Box::new(SeedCache::new(p)?),
             Blueprint::Streams(p) => Box::new(p.build()?),
             Blueprint::Iswa(p) => Box::new(IswaCache::new(p)?),
             Blueprint::Hybrid(p) => Box::new(p.build()?),
@@ -84,7 +84,7 @@ impl MemoryBlueprint {
     }
 
     /// The seed cache's parameters when the memory is the seed's cache, which can also be
-    /// built on a device (`KvCache::with_allocator`).
+    /// built on a device (`SeedCache::with_allocator`).
     pub fn seed_params(&self) -> Option<&CacheParams> {
         match &self.0 {
             Blueprint::Seed(p) => Some(p),

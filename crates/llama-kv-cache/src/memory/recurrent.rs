@@ -1,6 +1,6 @@
 //! llama.cpp 0.1.161's recurrent memory (`llama_memory_recurrent`): one state cell per
 //! sequence, R and S rows per recurrent layer. The cells, placement and state codec are the
-//! seed's recurrent mode of [`KvCache`], which 0.1.161 kept; what changed is `seq_rm` (and an
+//! seed's recurrent mode of [`SeedCache`], which 0.1.161 kept; what changed is `seq_rm` (and an
 //! empty sequence's `seq_pos_max`), which its cache does by 0.1.161's rules
 //! ([`RecurrentRules::V0_1_161`], as `KvCache.fromModel` of a recurrent model does too).
 //! 0.1.161's per-token rollback snapshots (`n_rs_seq`, off unless a context asks for them) are
@@ -8,7 +8,7 @@
 
 use crate::cache::convert::patch_declared_layers;
 use crate::cache::io::{ReadOptions, ReadSummary};
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cell_ext::CellExt;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
@@ -26,7 +26,7 @@ pub(crate) fn no_recurrent_state(il: u32) -> KvError {
 
 /// llama.cpp 0.1.161's `llama_memory_recurrent`.
 pub struct RecurrentMemory {
-    cache: KvCache,
+    cache: SeedCache,
     /// The layer count its state declares: the model's, while it holds only the recurrent
     /// layers of a hybrid (0.1.161 declares every layer and writes the recurrent ones).
     declared: u32,
@@ -38,7 +38,7 @@ impl RecurrentMemory {
     /// only).
     pub fn new(params: CacheParams, declared: u32) -> Result<RecurrentMemory> {
         Ok(RecurrentMemory {
-            cache: KvCache::new(RecurrentMemory::params(params))?,
+            cache: SeedCache::new(RecurrentMemory::params(params))?,
             declared,
         })
     }
@@ -61,12 +61,12 @@ impl RecurrentMemory {
     }
 
     /// The cells and tensors.
-    pub fn cache(&self) -> &KvCache {
+    pub fn cache(&self) -> &SeedCache {
         &self.cache
     }
 
     /// The cells and tensors, to write rows.
-    pub fn cache_mut(&mut self) -> &mut KvCache {
+    pub fn cache_mut(&mut self) -> &mut SeedCache {
         &mut self.cache
     }
 

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
-use crate::cache::KvCache;
+use crate::cache::save_load::LoadedFile;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
 use crate::memory::interface::{
@@ -20,7 +20,7 @@ use crate::state::files::{read_file, seq_data_payload, WriteOptions};
 use crate::state::parts::PartRole;
 use crate::tensors::rope::ShiftParams;
 
-impl Memory for KvCache {
+impl Memory for SeedCache {
     fn kind(&self) -> &'static str {
         if self.recurrent() {
             "recurrent"
@@ -46,7 +46,7 @@ impl Memory for KvCache {
         )]
     }
 
-    fn attention_streams(&self, _seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+    fn attention_streams(&self, _seq: i32) -> Result<Vec<(PartRole, Window, &SeedCache)>> {
         Ok(if self.recurrent() {
             Vec::new()
         } else {
@@ -54,7 +54,7 @@ impl Memory for KvCache {
         })
     }
 
-    fn caches(&self) -> Vec<&KvCache> {
+    fn caches(&self) -> Vec<&SeedCache> {
         vec![self]
     }
 
@@ -63,31 +63,31 @@ impl Memory for KvCache {
     }
 
     fn can_shift(&self) -> bool {
-        KvCache::can_shift(self)
+        SeedCache::can_shift(self)
     }
 
     fn has_shift(&self) -> bool {
-        KvCache::has_shift(self)
+        SeedCache::has_shift(self)
     }
 
     fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        KvCache::seq_rm(self, seq, p0, p1)
+        SeedCache::seq_rm(self, seq, p0, p1)
     }
 
     fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        KvCache::seq_cp(self, src, dst, p0, p1)
+        SeedCache::seq_cp(self, src, dst, p0, p1)
     }
 
     fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        KvCache::seq_keep(self, seq)
+        SeedCache::seq_keep(self, seq)
     }
 
     fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        KvCache::seq_add(self, seq, p0, p1, delta)
+        SeedCache::seq_add(self, seq, p0, p1, delta)
     }
 
     fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        KvCache::seq_div(self, seq, p0, p1, d)
+        SeedCache::seq_div(self, seq, p0, p1, d)
     }
 
     fn seq_pos_min(&self, seq: i32) -> Result<i32> {
@@ -96,17 +96,17 @@ impl Memory for KvCache {
     }
 
     fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        KvCache::seq_pos_max(self, seq)
+        SeedCache::seq_pos_max(self, seq)
     }
 
     fn clear(&mut self) -> Result<()> {
-        KvCache::clear(self)
+        SeedCache::clear(self)
     }
 
     /// A ubatch's tokens in a run of cells from the slot's head, or a recurrent ubatch's
     /// groups in their sequences' state cells.
     fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Placements>> {
-        let Some(slots) = KvCache::place(self, ubatches)? else {
+        let Some(slots) = SeedCache::place(self, ubatches)? else {
             return Ok(None);
         };
         let placed = slots.iter().zip(ubatches).map(|(slot, ub)| {
@@ -124,7 +124,7 @@ impl Memory for KvCache {
         Ok(Some(placed.collect()))
     }
 
-    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&SeedCache, u32)> {
         self.check_layer_rows(il, rows, stream)?;
         Ok((self, il))
     }
@@ -134,13 +134,13 @@ impl Memory for KvCache {
         il: u32,
         rows: LayerRows,
         stream: u32,
-    ) -> Result<(&mut KvCache, u32)> {
+    ) -> Result<(&mut SeedCache, u32)> {
         self.check_layer_rows(il, rows, stream)?;
         Ok((self, il))
     }
 
     fn state_size(&self, seq: i32, opts: &WriteOptions) -> Result<usize> {
-        KvCache::state_size(self, seq, opts.layout, opts.n_stream)
+        SeedCache::state_size(self, seq, opts.layout, opts.n_stream)
     }
 
     fn state_write(
@@ -149,7 +149,7 @@ impl Memory for KvCache {
         opts: &WriteOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<Vec<u8>> {
-        KvCache::state_write(self, seq, opts.layout, opts.n_stream, progress)
+        SeedCache::state_write(self, seq, opts.layout, opts.n_stream, progress)
     }
 
     fn state_write_into(
@@ -159,7 +159,7 @@ impl Memory for KvCache {
         opts: &WriteOptions,
         progress: Option<Progress<'_>>,
     ) -> Result<usize> {
-        KvCache::state_write_into(self, out, seq, opts.layout, opts.n_stream, progress)
+        SeedCache::state_write_into(self, out, seq, opts.layout, opts.n_stream, progress)
     }
 
     fn state_read(
@@ -170,7 +170,7 @@ impl Memory for KvCache {
         progress: Option<Progress<'_>>,
     ) -> Result<ReadSummary> {
         // the in-memory form of llama_state_seq_get_data reads as its payload
-        KvCache::state_read(self, seq_data_payload(data), seq, opts, progress)
+        SeedCache::state_read(self, seq_data_payload(data), seq, opts, progress)
     }
 
     fn save_file(
@@ -207,19 +207,19 @@ impl Memory for KvCache {
         shift: Option<&ShiftParams>,
         max_nodes: Option<u32>,
     ) -> Result<UpdateReport> {
-        KvCache::update(self, shift, max_nodes)
+        SeedCache::update(self, shift, max_nodes)
     }
 
-    fn seed(&self) -> Option<&KvCache> {
+    fn seed(&self) -> Option<&SeedCache> {
         Some(self)
     }
 
-    fn seed_mut(&mut self) -> Option<&mut KvCache> {
+    fn seed_mut(&mut self) -> Option<&mut SeedCache> {
         Some(self)
     }
 }
 
-impl KvCache {
+impl SeedCache {
     /// Refuses rows of layer `il` this cache does not hold: a recurrent state in an attention
     /// cache, or a stream other than its one.
     fn check_layer_rows(&self, il: u32, rows: LayerRows, stream: u32) -> Result<()> {

@@ -4,16 +4,16 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
-use crate::cache::KvCache;
+use crate::cache::save_load::LoadedFile;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
 use crate::memory::attention::AttentionCache;
-use crate::memory::files::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::interface::{check_progress, stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::PartInfo;
+use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::placement::Window;
 use crate::memory::recurrent::no_recurrent_state;
 use crate::model::MemoryKind;
@@ -37,13 +37,17 @@ impl AttentionCache {
     }
 
     /// The stream that holds `seq`, with the part's role and window.
-    pub(crate) fn holding(&self, role: PartRole, seq: i32) -> Result<(PartRole, Window, &KvCache)> {
+    pub(crate) fn holding(
+        &self,
+        role: PartRole,
+        seq: i32,
+    ) -> Result<(PartRole, Window, &SeedCache)> {
         let stream = self.stream(self.stream_of("seq", seq)? as u32)?;
         Ok((role, self.window(), stream))
     }
 
     /// Every stream.
-    pub(crate) fn streams(&self) -> Vec<&KvCache> {
+    pub(crate) fn streams(&self) -> Vec<&SeedCache> {
         (0..self.n_stream())
             .filter_map(|s| self.stream(s).ok())
             .collect()
@@ -74,11 +78,11 @@ impl Memory for AttentionCache {
         vec![self.part_info(PartRole::Whole, &layers)]
     }
 
-    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &KvCache)>> {
+    fn attention_streams(&self, seq: i32) -> Result<Vec<(PartRole, Window, &SeedCache)>> {
         Ok(vec![self.holding(PartRole::Whole, seq)?])
     }
 
-    fn caches(&self) -> Vec<&KvCache> {
+    fn caches(&self) -> Vec<&SeedCache> {
         self.streams()
     }
 
@@ -139,7 +143,7 @@ impl Memory for AttentionCache {
         }))
     }
 
-    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&KvCache, u32)> {
+    fn layer_cache(&self, il: u32, rows: LayerRows, stream: u32) -> Result<(&SeedCache, u32)> {
         match rows {
             LayerRows::State(_) => Err(no_recurrent_state(il)),
             LayerRows::Own(_) => Ok((self.stream(stream)?, il)),
@@ -151,7 +155,7 @@ impl Memory for AttentionCache {
         il: u32,
         rows: LayerRows,
         stream: u32,
-    ) -> Result<(&mut KvCache, u32)> {
+    ) -> Result<(&mut SeedCache, u32)> {
         match rows {
             LayerRows::State(_) => Err(no_recurrent_state(il)),
             LayerRows::Own(_) => Ok((self.stream_mut(stream)?, il)),

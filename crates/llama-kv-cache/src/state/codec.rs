@@ -21,7 +21,7 @@ pub use crate::state::cells::{CellExtValue, CellMeta, PayloadCells};
 use crate::state::source::ByteSource;
 pub(crate) use crate::state::source::Cursor;
 
-/// Which llama.cpp era's layout a payload uses.
+/// Which llama.cpp era's layout a payload uses (see [`Era`](crate::state::era::Era)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     /// llama.cpp b4944 (llama.node 0.3.16): `cell_count` first; single-sequence cells carry no

@@ -1,6 +1,6 @@
 //! Layer 3, state: llama.cpp's state format, without a cache.
 //!
-//! Owns the one codec of the payload format ([`codec`]: header checks, stream and layer
+//! Names the llama.cpp eras ([`era`]). Owns the one codec of the payload format ([`codec`]: header checks, stream and layer
 //! headers, payload parsing; [`cells`]: cell metadata; [`rows`]: K/V rows and transposed V),
 //! payloads of several memories ([`parts`]), where bytes come from and go to ([`source`],
 //! `sink`), the file containers ([`files`]), atomic writes and the fit of a state to a model
@@ -14,6 +14,7 @@ pub(crate) mod atomic_write;
 pub mod cells;
 pub mod codec;
 pub mod dsv4;
+pub mod era;
 pub mod files;
 pub mod fit;
 pub mod parts;
@@ -22,3 +23,4 @@ pub(crate) mod sink;
 pub mod source;
 
 pub use codec::*;
+pub use era::Era;

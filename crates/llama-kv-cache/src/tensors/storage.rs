@@ -480,7 +480,7 @@ impl std::fmt::Display for Tensor {
 
 /// Geometry shared by all layers of a cache, needed to address V.
 #[derive(Clone, Copy, Debug)]
-pub struct Layout {
+pub struct VGeometry {
     /// Cells in the cache.
     pub size: usize,
     /// V stored transposed.
@@ -525,7 +525,13 @@ impl LayerTensors {
 
     /// Reads the rows of cells `[first, first + n)` of `which`, one packed row per cell
     /// (transposed V is gathered back into rows).
-    pub fn read_rows(&self, which: Tensor, lay: Layout, first: usize, n: usize) -> Result<Vec<u8>> {
+    pub fn read_rows(
+        &self,
+        which: Tensor,
+        lay: VGeometry,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<u8>> {
         let row = self.row_size(which);
         let mut out = crate::alloc::zeroed(row * n, "the rows read")?;
         if which == Tensor::V && lay.v_trans && n > 0 {
@@ -553,7 +559,7 @@ impl LayerTensors {
     pub fn write_rows(
         &mut self,
         which: Tensor,
-        lay: Layout,
+        lay: VGeometry,
         first: usize,
         rows: &[u8],
     ) -> Result<()> {
@@ -587,7 +593,7 @@ impl LayerTensors {
     /// Applies runs of cell moves, in order, to both tensors. In host memory the transposed V
     /// is processed row by row (each row stays in cache while every run moves through it)
     /// instead of run by run over the whole tensor.
-    pub fn apply_moves(&mut self, lay: Layout, moves: &[(usize, usize, usize)]) -> Result<()> {
+    pub fn apply_moves(&mut self, lay: VGeometry, moves: &[(usize, usize, usize)]) -> Result<()> {
         let (k_row, v_row) = (self.k_row, self.v_row);
         move_rows(self.k.as_mut(), k_row, moves)?;
         if !lay.v_trans {
@@ -772,8 +778,8 @@ mod tests {
     use super::*;
     use crate::alloc::MAP_MIN;
 
-    fn layer(v_trans: bool) -> (LayerTensors, Layout) {
-        let lay = Layout {
+    fn layer(v_trans: bool) -> (LayerTensors, VGeometry) {
+        let lay = VGeometry {
             size: 4,
             v_trans,
             v_el: 2,

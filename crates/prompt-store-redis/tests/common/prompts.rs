@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use llama_kv_cache::{CacheParams, KvCache, Tensor, UBatch};
+use llama_kv_cache::{CacheParams, SeedCache, Tensor, UBatch};
 use prompt_store::PromptStore;
 use prompt_store_redis::{RedisBackend, RedisOptions};
 
@@ -44,8 +44,8 @@ pub fn prefix_hashes(tokens: &[i32]) -> Vec<u32> {
 }
 
 /// A cache whose sequence `seq` holds `tokens` evaluated at positions 0..n.
-pub fn evaluated(tokens: &[i32], seq: i32) -> KvCache {
-    let mut cache = KvCache::new(params()).unwrap();
+pub fn evaluated(tokens: &[i32], seq: i32) -> SeedCache {
+    let mut cache = SeedCache::new(params()).unwrap();
     let n = tokens.len() as u32;
     if n == 0 {
         return cache;
@@ -71,7 +71,7 @@ pub fn evaluated(tokens: &[i32], seq: i32) -> KvCache {
 /// Sequence 0's one-sequence state: cells, positions and every row. Restores here go into an
 /// empty cache, so they are byte-exact exactly when this equals the state of a cache that
 /// evaluated the restored tokens itself.
-pub fn seq0_state(cache: &KvCache) -> Vec<u8> {
+pub fn seq0_state(cache: &SeedCache) -> Vec<u8> {
     cache
         .state_write(0, llama_kv_cache::Layout::Streams, 1, None)
         .unwrap()
@@ -88,7 +88,7 @@ pub fn prompt(shared: usize, unique: usize, salt: i32) -> Vec<i32> {
         .collect()
 }
 
-pub fn snapshot(cache: &KvCache) -> Vec<u8> {
+pub fn snapshot(cache: &SeedCache) -> Vec<u8> {
     cache
         .state_write(-1, llama_kv_cache::Layout::Streams, 1, None)
         .unwrap()

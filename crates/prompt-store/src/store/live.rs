@@ -8,7 +8,7 @@
 
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::FileKind;
-use llama_kv_cache::{KvCache, KvError, Layout, Memory, MemoryKind, PartRole, ReadOptions};
+use llama_kv_cache::{KvError, Layout, Memory, MemoryKind, PartRole, ReadOptions, SeedCache};
 
 use super::{read_whole, Bound, PromptStore, PutReport, Target};
 use crate::capture::Capture;
@@ -24,13 +24,13 @@ fn parts_format(memory: &dyn Memory) -> FileFormat {
         kind,
         version: kind.rotation_version(),
         layout: Layout::StreamsRot,
-        flash_attn: !first_stream(memory).is_some_and(KvCache::v_trans),
+        flash_attn: !first_stream(memory).is_some_and(SeedCache::v_trans),
         arch: None,
     }
 }
 
 /// The first attention part's cache (today's memories always have one).
-fn first_stream(memory: &dyn Memory) -> Option<&KvCache> {
+fn first_stream(memory: &dyn Memory) -> Option<&SeedCache> {
     memory
         .attention_streams(0)
         .ok()

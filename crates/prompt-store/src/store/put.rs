@@ -7,7 +7,7 @@ use std::thread::ScopedJoinHandle;
 
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::state::files::inspect_bytes;
-use llama_kv_cache::{check_memory, check_state, Fit, KvCache, MemoryKind, ModelInfo};
+use llama_kv_cache::{check_memory, check_state, Fit, MemoryKind, ModelInfo, SeedCache};
 
 use super::presence::Presence;
 use super::record::{live_format, Bound};
@@ -52,7 +52,7 @@ impl PromptStore {
     /// counts blocks and may abort between batches.
     pub fn put(
         &self,
-        cache: &KvCache,
+        cache: &SeedCache,
         seq: i32,
         tokens: &[i32],
         progress: Option<Progress<'_>>,

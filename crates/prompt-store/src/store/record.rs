@@ -3,7 +3,7 @@
 //! binding of a put's state to it.
 
 use llama_kv_cache::state::files::FileKind;
-use llama_kv_cache::{KvCache, Layout};
+use llama_kv_cache::{Layout, SeedCache};
 
 use sha2::{Digest, Sha256};
 
@@ -35,7 +35,7 @@ pub fn is_model_record(value: &[u8]) -> bool {
 /// The format `write_file` defaults to for a store filled by `put` of a live cache: a sequence
 /// file that llama.node and node-llama-cpp read (version 2), or today's version 4 when the
 /// rows are rotated (only it records the rotation).
-pub(super) fn live_format(cache: &KvCache) -> FileFormat {
+pub(super) fn live_format(cache: &SeedCache) -> FileFormat {
     let p = cache.params();
     let rotated = p.n_rot_k != 0 || p.n_rot_v != 0;
     let kind = FileKind::Sequence;

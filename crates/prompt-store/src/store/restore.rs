@@ -4,7 +4,7 @@
 
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::{
-    CellExtValue, KvCache, KvError, Layout, MemoryKind, ReadOptions, ReadSummary, SequenceLoad,
+    CellExtValue, KvError, Layout, MemoryKind, ReadOptions, ReadSummary, SeedCache, SequenceLoad,
     Tensor,
 };
 
@@ -26,7 +26,7 @@ impl PromptStore {
     /// cache (iSWA and hybrid states are restored through `write_file`).
     pub fn restore(
         &self,
-        cache: &mut KvCache,
+        cache: &mut SeedCache,
         seq: i32,
         tokens: &[i32],
         progress: Option<Progress<'_>>,
@@ -105,7 +105,7 @@ impl PromptStore {
         &self,
         bound: &Bound,
         tokens: &[i32],
-        cache: &mut KvCache,
+        cache: &mut SeedCache,
         seq: i32,
         mut progress: Option<Progress<'_>>,
     ) -> StoreResult<u64> {

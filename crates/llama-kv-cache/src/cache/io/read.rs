@@ -4,7 +4,7 @@
 
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::rollback::CellsUndo;
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
@@ -16,7 +16,7 @@ use crate::state::{
     ambiguous, check_meta, no_layout_fits, parse_payload_form, Layout, ParsedPayload, VBlock,
 };
 
-impl KvCache {
+impl SeedCache {
     /// Checks a parsed payload's data blocks against this cache's geometry.
     pub(crate) fn check_data(&self, p: &ParsedPayload) -> Result<()> {
         let total: usize = p.streams.iter().map(|s| s.cells.len()).sum();
@@ -149,7 +149,7 @@ impl KvCache {
         self.detect_payload_among(data, seq, &candidates)
     }
 
-    /// [`KvCache::detect_payload`] among the given layouts (a file's version allows only some).
+    /// [`SeedCache::detect_payload`] among the given layouts (a file's version allows only some).
     pub fn detect_payload_among(
         &self,
         data: &[u8],
@@ -266,7 +266,7 @@ impl KvCache {
         self.apply_payload(data, &parsed, dest, opts, progress)
     }
 
-    /// Applies a payload already validated by [`KvCache::detect_payload`] for `dest`.
+    /// Applies a payload already validated by [`SeedCache::detect_payload`] for `dest`.
     pub(crate) fn apply_payload(
         &mut self,
         data: &[u8],
@@ -280,7 +280,7 @@ impl KvCache {
         })
     }
 
-    /// [`KvCache::apply_payload`] with the cells placed by `place`, which returns the undo
+    /// [`SeedCache::apply_payload`] with the cells placed by `place`, which returns the undo
     /// record that takes them back out and the cells it filled, in payload order (today's
     /// caches place by llama.cpp 0.1.161's rules, the seed's by its own).
     pub(crate) fn apply_payload_with(
@@ -289,7 +289,7 @@ impl KvCache {
         parsed: &ParsedPayload,
         dest: Option<i32>,
         progress: Option<Progress<'_>>,
-        place: impl FnOnce(&mut KvCache, &PayloadCells) -> Result<(CellsUndo, Vec<usize>)>,
+        place: impl FnOnce(&mut SeedCache, &PayloadCells) -> Result<(CellsUndo, Vec<usize>)>,
     ) -> Result<ReadSummary> {
         if let Some(p) = progress {
             if !p(0, data.len() as u64) {
@@ -471,7 +471,7 @@ impl KvCache {
         parsed: &ParsedPayload,
         placed: &[usize],
     ) -> Result<()> {
-        let lay = self.layout();
+        let lay = self.v_geometry();
         let mut offset = 0;
         for stream in &parsed.streams {
             let n = stream.cells.len();
@@ -543,21 +543,21 @@ mod tests {
     use crate::state::parse_payload;
     use crate::CacheParams;
 
-    fn cache(n_rot: u32, type_k: GgmlType) -> KvCache {
+    fn cache(n_rot: u32, type_k: GgmlType) -> SeedCache {
         let mut p = CacheParams::new(32, 2, 64, 64);
         p.n_seq_max = 2;
         p.flash_attn = true;
         p.type_k = type_k;
         p.type_v = type_k;
         (p.n_rot_k, p.n_rot_v) = (n_rot, n_rot);
-        let mut c = KvCache::new(p).unwrap();
+        let mut c = SeedCache::new(p).unwrap();
         c.find_slot(&UBatch::sequence(0, 0, 5)).unwrap();
         c.find_slot(&UBatch::sequence(1, 0, 3)).unwrap();
         c
     }
 
     /// Whether `layout` reads `data` for `c` (the full parse and checks).
-    fn reads(c: &KvCache, data: &[u8], layout: Layout) -> bool {
+    fn reads(c: &SeedCache, data: &[u8], layout: Layout) -> bool {
         parse_payload(data, layout, true)
             .and_then(|p| c.check_payload(&p, None))
             .is_ok()

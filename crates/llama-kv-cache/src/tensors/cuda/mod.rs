@@ -12,7 +12,7 @@
 //!   (a later read sees them; [`cuda_synchronize`] waits explicitly). Transfers of at least
 //!   [`staging_threshold`] bytes go through two pinned host buffers, pipelined.
 //! * [`cuda_allocator`] and [`layer_allocator`] give allocators for
-//!   [`KvCache::with_allocator`](crate::KvCache::with_allocator).
+//!   [`SeedCache::with_allocator`](crate::SeedCache::with_allocator).
 //! * [`CudaBuffer::rope`] rotates f32 / f16 / bf16 K rows on the device with a kernel compiled
 //!   by NVRTC (bit-identical to the host's [`RopeTable::rotate`](crate::RopeTable::rotate)
 //!   followed by the host's conversion back to the K type).

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
-use crate::cache::KvCache;
+use crate::cache::SeedCache;
 use crate::error::{KvError, Result};
 use crate::model::MemoryKind;
 use crate::state::cells::CellExt;
@@ -36,7 +36,7 @@ pub struct LoadedFile {
     pub summary: ReadSummary,
 }
 
-impl KvCache {
+impl SeedCache {
     /// A sequence file (`ggsq`) for `seq` with its prompt `tokens`.
     pub fn sequence_file_bytes(
         &self,
@@ -140,7 +140,7 @@ impl KvCache {
     }
 
     /// Loads the sequence file at `path` into `dest` (transactional, as
-    /// [`KvCache::load_sequence_bytes`]). A file of one memory is streamed: its payload goes
+    /// [`SeedCache::load_sequence_bytes`]). A file of one memory is streamed: its payload goes
     /// from the file into the tensors in pieces, read ahead on a second thread, so no buffer of
     /// the file's size is allocated and the reads overlap the copies. Any other file (several
     /// memories, a recurrent cache, a payload the stream refuses) is read whole and loaded as
@@ -159,7 +159,7 @@ impl KvCache {
         self.load_sequence_bytes(&read_file(path)?, dest, opts, progress)
     }
 
-    /// The streamed load of [`KvCache::load_sequence_file`]: `None` (the cache unchanged) when
+    /// The streamed load of [`SeedCache::load_sequence_file`]: `None` (the cache unchanged) when
     /// the file is not one it streams or the stream refused it; an error only when `progress`
     /// aborted it.
     fn stream_sequence_file(
@@ -246,7 +246,7 @@ impl KvCache {
     /// Loads a session file's bytes into the whole cache (transactional). The body is tried
     /// with and without the seed era's outputs block, under each payload layout and memory its
     /// version allows; exactly one reading must fit (parts as in
-    /// [`KvCache::load_sequence_bytes`]).
+    /// [`SeedCache::load_sequence_bytes`]).
     pub fn load_session_bytes(
         &mut self,
         bytes: &[u8],
@@ -284,7 +284,7 @@ impl KvCache {
     }
 
     /// `state_read` of `opts.part` of a payload of several memories (see
-    /// [`KvCache::load_sequence_bytes`]) into `seq` (-1: the whole cache).
+    /// [`SeedCache::load_sequence_bytes`]) into `seq` (-1: the whole cache).
     pub(crate) fn state_read_part(
         &mut self,
         data: &[u8],

@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use crate::cache::files::LoadedFile;
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::save_load::LoadedFile;
 use crate::error::{KvError, Result};
 use crate::memory::interface::check_progress;
 use crate::state::files::{
@@ -38,7 +38,7 @@ pub trait PartsPayload {
 /// stops there (room does not depend on the layout). The reasons of the others name them.
 ///
 /// The first fit is enough here, where the seed's cache refuses a payload two layouts read
-/// ([`KvCache::detect_payload_among`](crate::KvCache::detect_payload_among)): the layouts of
+/// ([`SeedCache::detect_payload_among`](crate::SeedCache::detect_payload_among)): the layouts of
 /// today's memories differ in each stream's data header, so no payload parses and checks
 /// under both, while the seed's layouts of a one-sequence payload can.
 pub fn read_any<M: PartsPayload>(
