@@ -1,8 +1,12 @@
-//! Layer 5, today's memories as live caches: llama.cpp 0.1.161's attention cache
-//! (`llama_kv_cache`, [`attention`]) with its streams and its sliding window, and the
-//! sliding-window memory built of two of them (`llama_kv_cache_iswa`, [`iswa`]), one face
-//! for every kind of live memory ([`interface`], as llama.cpp's `llama_memory_i`) and its parts ([`part`]), and what a model's
-//! memory is before it is built ([`plan`]).
+//! Layer 5, memories: one interface for every live memory ([`interface`]:
+//! [`Memory`](interface::Memory), as llama.cpp's `llama_memory_i`) and its implementations:
+//! the seed's cache ([`seed`]), llama.cpp 0.1.161's attention cache (`llama_kv_cache`,
+//! [`attention`], where it puts a ubatch in [`placement`]) as a cache of a stream per sequence
+//! ([`streams`]), the sliding-window memory built of two of them (`llama_kv_cache_iswa`,
+//! [`iswa`]), the recurrent memory ([`recurrent`]) and the hybrid memory of an attention part
+//! and a recurrent one ([`hybrid`]); the parts of a memory ([`part`]), the payloads and files of
+//! memories of several parts ([`parts_payload`]), and what a model's memory is before it is
+//! built ([`plan`]).
 //!
 //! Each stream of an attention cache is a [`SeedCache`](crate::SeedCache) of the layer below,
 //! which owns its cells, tensors, K-shift and state codec; this layer adds what 0.1.161 does

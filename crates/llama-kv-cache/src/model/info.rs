@@ -5,9 +5,10 @@
 //! `ssm_*`, RWKV `wkv`: `recurrent`), the trained context. This file puts them together.
 //!
 //! From that it builds a cache ([`ModelInfo::cache_params`], in `cache_params`) and the K-shift
-//! parameters ([`ModelInfo::shift_params`], in `shift`), and refuses, naming what is missing,
-//! the memories this library does not model (a second sliding-window cache, hybrid attention +
-//! recurrent).
+//! parameters ([`ModelInfo::shift_params`], in `shift`). A sliding-window or hybrid model has no
+//! one unified cache: `cache_params` refuses it, naming the memory it gets instead (iSWA or
+//! hybrid, which `memory::plan` builds), and `check_live` refuses, naming why, only the memories
+//! this library does not hold live (those with an indexer cache).
 
 use std::path::Path;
 
