@@ -479,8 +479,8 @@ pub struct FromModelOptions {
     /// One stream for all sequences (llama.cpp's `kv_unified`). Otherwise each sequence gets
     /// a stream of `nCtx / nSeqMax` cells (padded to 256), as in llama.cpp 0.1.161, whose
     /// default that is; a unified model then gets 0.1.161's `llama_kv_cache` of those streams
-    /// (kind 'kv', without the seed's own calls such as `findSlot`). Default true; ignored by
-    /// a recurrent model.
+    /// (kind 'kv-streams', without the seed's own calls such as `findSlot`). Default true;
+    /// ignored by a recurrent model.
     pub kv_unified: Option<bool>,
     /// Sliding-window models: a window cache as large as the base cache (llama.cpp's
     /// `swa_full`), which keeps every position and allows `seqAdd` / `seqDiv`. Default false.
