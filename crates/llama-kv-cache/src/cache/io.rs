@@ -17,6 +17,20 @@ mod read;
 /// Reports progress as `(bytes done, bytes total)`; returning false asks to stop.
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64) -> bool;
 
+/// Stops a long operation when its `progress` callback says so: called with the work done and
+/// the whole, it returns [`KvError::Aborted`] naming `what` when the callback returns false.
+pub fn check_progress(
+    progress: &mut Option<Progress<'_>>,
+    done: u64,
+    total: u64,
+    what: &str,
+) -> Result<()> {
+    match progress.as_mut().is_some_and(|p| !p(done, total)) {
+        true => Err(KvError::Aborted(format!("{what} aborted"))),
+        false => Ok(()),
+    }
+}
+
 /// Options for reading a payload into a cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReadOptions {
@@ -366,12 +380,7 @@ impl SeedCache {
         for (ranges, &meta_len) in plan.streams.iter().zip(&plan.meta_len) {
             self.write_stream(out, ranges, meta_len, plan, &mut |done| {
                 let done = (done - start) as u64;
-                let go_on = tick.as_mut().is_none_or(|p| p(done, total as u64));
-                if go_on {
-                    Ok(())
-                } else {
-                    Err(KvError::Aborted("state write aborted".into()))
-                }
+                check_progress(&mut tick, done, total as u64, "state write")
             })?;
         }
         debug_assert_eq!(out.written() - start, total);

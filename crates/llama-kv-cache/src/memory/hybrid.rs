@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
@@ -14,8 +14,7 @@ use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
 use crate::memory::interface::{
-    check_progress, no_stream, recurrent_placement, stream_placement, LayerRows, Memory, Placement,
-    Placements,
+    no_stream, recurrent_placement, stream_placement, LayerRows, Memory, Placement, Placements,
 };
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};

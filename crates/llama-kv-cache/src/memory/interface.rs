@@ -316,20 +316,6 @@ pub fn no_stream(stream: u32, n: u32) -> KvError {
     KvError::OutOfRange(format!("stream {stream} is out of range [0, {n})"))
 }
 
-/// Stops a long operation when its `progress` callback says so: called with the work done and
-/// the whole, it returns [`KvError::Aborted`] naming `what` when the callback returns false.
-pub fn check_progress(
-    progress: &mut Option<Progress<'_>>,
-    done: u64,
-    total: u64,
-    what: &str,
-) -> Result<()> {
-    match progress.as_mut().is_some_and(|p| !p(done, total)) {
-        true => Err(KvError::Aborted(format!("{what} aborted"))),
-        false => Ok(()),
-    }
-}
-
 /// Where a recurrent part placed one ubatch: each sequence group's state cell (the tail of
 /// its first sequence), with the group's first token.
 pub(crate) fn recurrent_placement(role: PartRole, cells: &Cells, ub: &UBatch) -> Placement {

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
@@ -12,7 +12,7 @@ use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
-use crate::memory::interface::{check_progress, stream_placement, LayerRows, Memory, Placements};
+use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::{PartInfo, PartPlan};
 use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};

@@ -6,10 +6,9 @@
 
 use std::path::Path;
 
-use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
 use crate::cache::save_load::LoadedFile;
 use crate::error::{KvError, Result};
-use crate::memory::interface::check_progress;
 use crate::state::files::{
     body_splits, file_layouts, header_bytes, parse_header, read_file, resolve_version,
     seq_data_payload, session_prefix, write_atomic_with, FileKind, WriteOptions,

@@ -4,14 +4,14 @@
 
 use std::path::Path;
 
-use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
 use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
 use crate::memory::attention::AttentionCache;
-use crate::memory::interface::{check_progress, stream_placement, LayerRows, Memory, Placements};
+use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::PartInfo;
 use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
 use crate::memory::placement::Window;

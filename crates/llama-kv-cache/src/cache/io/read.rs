@@ -2,7 +2,7 @@
 //! (detecting the layout when none is forced, refuting a twin layout that also parses), place
 //! the cells, then write the rows; a failure puts the cells and, on a device, the rows back.
 
-use crate::cache::io::{Progress, ReadOptions, ReadSummary};
+use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
 use crate::cache::rollback::CellsUndo;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
@@ -288,14 +288,10 @@ impl SeedCache {
         data: &[u8],
         parsed: &ParsedPayload,
         dest: Option<i32>,
-        progress: Option<Progress<'_>>,
+        mut progress: Option<Progress<'_>>,
         place: impl FnOnce(&mut SeedCache, &PayloadCells) -> Result<(CellsUndo, Vec<usize>)>,
     ) -> Result<ReadSummary> {
-        if let Some(p) = progress {
-            if !p(0, data.len() as u64) {
-                return Err(KvError::Aborted("state read aborted".into()));
-            }
-        }
+        check_progress(&mut progress, 0, data.len() as u64, "state read")?;
         let cells = parsed.cells()?;
         let (undo, placed) = place(self, &cells)?;
         let backup = match self.backup_if_device() {
