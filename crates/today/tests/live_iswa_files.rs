@@ -5,7 +5,7 @@
 //! the token the peer itself predicted after the whole prompt.
 
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, session_prefix, FileKind};
-use llama_kv_cache::{IswaCache, IswaParams, Layout, ModelInfo};
+use llama_kv_cache::{IswaCache, IswaParams, Layout, Memory, ModelInfo};
 use today_peer::{models_dir, spec_named, Spec};
 
 fn cache_for(spec: &Spec) -> IswaCache {

@@ -6,7 +6,8 @@
 //! `cargo test` every time; `LIVE_READER_ROUNDS=N` runs N rounds per memory (default 20,000).
 
 use llama_kv_cache::{
-    ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo, Result, UBatch,
+    ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, Memory as _, ModelInfo,
+    Result, UBatch,
 };
 use today_peer::models_dir;
 use today_peer::trace::{damaged, Rng};

@@ -3,11 +3,8 @@
 //! cache) for the attention layers and a recurrent memory for the others (Jamba, Granite 4,
 //! PLaMo 2, LFM2), fed the same ubatches, with 0.1.161's rules for what each accepts.
 
-use std::path::Path;
-
-use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
+use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
-use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
@@ -18,7 +15,7 @@ use crate::memory::interface::{
 };
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
-use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
+use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
@@ -426,58 +423,6 @@ impl HybridCache {
         }
     }
 
-    /// `seq_rm`: the recurrent part first, which may refuse (then nothing changes).
-    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        if seq != -1 {
-            self.attn.cache.check_seq("seqRm", seq)?;
-        }
-        if !self.recr.memory.seq_rm(seq, p0, p1)? {
-            return Ok(false);
-        }
-        either!(&mut self.attn.cache, c => c.seq_rm(seq, p0, p1))
-    }
-
-    /// `seq_cp` in both parts (the recurrent part shares the source's state cell).
-    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        self.attn.cache.check_seq("seqCp source", src)?;
-        self.attn.cache.check_seq("seqCp destination", dst)?;
-        either!(&mut self.attn.cache, c => c.seq_cp(src, dst, p0, p1))?;
-        self.recr.memory.seq_cp(src, dst, p0, p1)
-    }
-
-    /// `seq_keep` in both parts.
-    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        self.attn.cache.check_seq("seqKeep", seq)?;
-        either!(&mut self.attn.cache, c => c.seq_keep(seq))?;
-        self.recr.memory.seq_keep(seq)
-    }
-
-    /// `seq_add` in both parts.
-    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        self.attn.cache.check_seq("seqAdd", seq)?;
-        either!(&mut self.attn.cache, c => c.seq_add(seq, p0, p1, delta))?;
-        self.recr.memory.seq_add(seq, p0, p1, delta)
-    }
-
-    /// `seq_div` in both parts.
-    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        self.attn.cache.check_seq("seqDiv", seq)?;
-        either!(&mut self.attn.cache, c => c.seq_div(seq, p0, p1, d))?;
-        self.recr.memory.seq_div(seq, p0, p1, d)
-    }
-
-    /// Smallest position both parts hold of `seq` (0.1.161: the larger of their minima).
-    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
-        let attn = either!(&self.attn.cache, c => c.seq_pos_min(seq))?;
-        Ok(attn.max(self.recr.memory.seq_pos_min(seq)?))
-    }
-
-    /// Largest position both parts hold of `seq` (0.1.161: the smaller of their maxima).
-    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        let attn = either!(&self.attn.cache, c => c.seq_pos_max(seq))?;
-        Ok(attn.min(self.recr.memory.seq_pos_max(seq)?))
-    }
-
     /// Applies a pending K-shift of the attention part (the recurrent part keeps no
     /// rotated rows); `shift` gives the rotation per model layer. A model without RoPE needs
     /// none: its pending shift is done at once.
@@ -488,12 +433,6 @@ impl HybridCache {
         }
         let params = shift.map(|s| s.for_layers(&self.attn.layers));
         either!(&mut self.attn.cache, c => c.update(params.as_ref()))
-    }
-
-    /// Frees every cell of both parts.
-    pub fn clear(&mut self) -> Result<()> {
-        either!(&mut self.attn.cache, c => c.clear())?;
-        self.recr.memory.clear()
     }
 
     /// The state of `seq` (-1: everything) as 0.1.161 writes it: the attention part in
@@ -591,6 +530,8 @@ impl PartsPayload for HybridCache {
 }
 
 impl Memory for HybridCache {
+    parts_payload_io!();
+
     fn kind(&self) -> &'static str {
         "hybrid"
     }
@@ -645,36 +586,62 @@ impl Memory for HybridCache {
         self.attn.cache.has_shift()
     }
 
+    /// `seq_rm`: the recurrent part first, which may refuse (then nothing changes).
     fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        HybridCache::seq_rm(self, seq, p0, p1)
+        if seq != -1 {
+            self.attn.cache.check_seq("seqRm", seq)?;
+        }
+        if !self.recr.memory.seq_rm(seq, p0, p1)? {
+            return Ok(false);
+        }
+        either!(&mut self.attn.cache, c => c.seq_rm(seq, p0, p1))
     }
 
+    /// `seq_cp` in both parts (the recurrent part shares the source's state cell).
     fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        HybridCache::seq_cp(self, src, dst, p0, p1)
+        self.attn.cache.check_seq("seqCp source", src)?;
+        self.attn.cache.check_seq("seqCp destination", dst)?;
+        either!(&mut self.attn.cache, c => c.seq_cp(src, dst, p0, p1))?;
+        self.recr.memory.seq_cp(src, dst, p0, p1)
     }
 
+    /// `seq_keep` in both parts.
     fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        HybridCache::seq_keep(self, seq)
+        self.attn.cache.check_seq("seqKeep", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_keep(seq))?;
+        self.recr.memory.seq_keep(seq)
     }
 
+    /// `seq_add` in both parts.
     fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        HybridCache::seq_add(self, seq, p0, p1, delta)
+        self.attn.cache.check_seq("seqAdd", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_add(seq, p0, p1, delta))?;
+        self.recr.memory.seq_add(seq, p0, p1, delta)
     }
 
+    /// `seq_div` in both parts.
     fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        HybridCache::seq_div(self, seq, p0, p1, d)
+        self.attn.cache.check_seq("seqDiv", seq)?;
+        either!(&mut self.attn.cache, c => c.seq_div(seq, p0, p1, d))?;
+        self.recr.memory.seq_div(seq, p0, p1, d)
     }
 
+    /// Smallest position both parts hold of `seq` (0.1.161: the larger of their minima).
     fn seq_pos_min(&self, seq: i32) -> Result<i32> {
-        HybridCache::seq_pos_min(self, seq)
+        let attn = either!(&self.attn.cache, c => c.seq_pos_min(seq))?;
+        Ok(attn.max(self.recr.memory.seq_pos_min(seq)?))
     }
 
+    /// Largest position both parts hold of `seq` (0.1.161: the smaller of their maxima).
     fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        HybridCache::seq_pos_max(self, seq)
+        let attn = either!(&self.attn.cache, c => c.seq_pos_max(seq))?;
+        Ok(attn.min(self.recr.memory.seq_pos_max(seq)?))
     }
 
+    /// Frees every cell of both parts.
     fn clear(&mut self) -> Result<()> {
-        HybridCache::clear(self)
+        either!(&mut self.attn.cache, c => c.clear())?;
+        self.recr.memory.clear()
     }
 
     /// The attention part's placements, then each group's state cell in the recurrent part.
@@ -718,50 +685,8 @@ impl Memory for HybridCache {
         HybridCache::state_size(self, seq, opts.layout)
     }
 
-    fn state_write(
-        &self,
-        seq: i32,
-        opts: &WriteOptions,
-        mut progress: Option<Progress<'_>>,
-    ) -> Result<Vec<u8>> {
-        check_progress(&mut progress, 0, 1, "state write")?;
-        HybridCache::state_write(self, seq, opts.layout)
-    }
-
     fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         HybridCache::state_write_partial(self, seq, layout)
-    }
-
-    fn state_read(
-        &mut self,
-        data: &[u8],
-        seq: i32,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<ReadSummary> {
-        read_state(self, data, seq, opts, progress)
-    }
-
-    fn save_file(
-        &self,
-        path: &Path,
-        seq: Option<i32>,
-        tokens: &[i32],
-        arch: &str,
-        opts: WriteOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<()> {
-        save_file(self, path, seq, tokens, arch, opts, progress)
-    }
-
-    fn load_file(
-        &mut self,
-        path: &Path,
-        dest: Option<i32>,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<LoadedFile> {
-        load_file(self, path, dest, opts, progress)
     }
 
     fn update(&mut self, shift: Option<&ShiftParams>, _: Option<u32>) -> Result<UpdateReport> {

@@ -2,11 +2,8 @@
 //! full-attention layers and a window cache for the sliding-window layers, each an
 //! [`AttentionCache`], fed the same ubatches and the same sequence operations.
 
-use std::path::Path;
-
-use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
+use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
-use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::{KvError, Result};
@@ -14,7 +11,7 @@ use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
 use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::{PartInfo, PartPlan};
-use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
+use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::no_recurrent_state;
 use crate::memory::SwaType;
@@ -307,78 +304,11 @@ impl IswaCache {
         }
     }
 
-    /// `seq_rm` in both caches.
-    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        self.check_seq("seqRm", seq, true)?;
-        for c in self.both() {
-            c.seq_rm(seq, p0, p1)?;
-        }
-        Ok(true)
-    }
-
-    /// `seq_cp` in both caches.
-    pub fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        // checked in the window cache first so that a refusal changes neither
-        self.check_seq("seqCp source", src, false)?;
-        self.check_seq("seqCp destination", dst, false)?;
-        for c in self.both() {
-            c.seq_cp(src, dst, p0, p1)?;
-        }
-        Ok(())
-    }
-
-    /// `seq_keep` in both caches.
-    pub fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        self.check_seq("seqKeep", seq, false)?;
-        for c in self.both() {
-            c.seq_keep(seq)?;
-        }
-        Ok(())
-    }
-
-    /// `seq_add` in both caches.
-    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        self.check_seq("seqAdd", seq, false)?;
-        self.check_shift("seqAdd")?;
-        for c in self.both() {
-            c.seq_add(seq, p0, p1, delta)?;
-        }
-        Ok(())
-    }
-
-    /// `seq_div` in both caches.
-    pub fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        self.check_seq("seqDiv", seq, false)?;
-        self.check_shift("seqDiv")?;
-        for c in self.both() {
-            c.seq_div(seq, p0, p1, d)?;
-        }
-        Ok(())
-    }
-
     fn check_seq(&self, what: &str, seq: i32, any: bool) -> Result<()> {
         if any && seq == -1 {
             return Ok(());
         }
         self.swa.cache.stream_of(what, seq).map(|_| ())
-    }
-
-    /// Smallest position of `seq`, from the window cache (the base cache holds a superset).
-    pub fn seq_pos_min(&self, seq: i32) -> Result<i32> {
-        self.swa.cache.seq_pos_min(seq)
-    }
-
-    /// Largest position of `seq`.
-    pub fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        self.swa.cache.seq_pos_max(seq)
-    }
-
-    /// Frees every cell of both caches.
-    pub fn clear(&mut self) -> Result<()> {
-        for c in self.both() {
-            c.clear()?;
-        }
-        Ok(())
     }
 
     /// Whether the positions can be shifted: only with a window cache as large as the base
@@ -528,6 +458,8 @@ impl PartsPayload for IswaCache {
 }
 
 impl Memory for IswaCache {
+    parts_payload_io!();
+
     fn kind(&self) -> &'static str {
         "iswa"
     }
@@ -566,36 +498,71 @@ impl Memory for IswaCache {
         self.base.cache.has_shift() || self.swa.cache.has_shift()
     }
 
+    /// `seq_rm` in both caches.
     fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<bool> {
-        IswaCache::seq_rm(self, seq, p0, p1)
+        self.check_seq("seqRm", seq, true)?;
+        for c in self.both() {
+            c.seq_rm(seq, p0, p1)?;
+        }
+        Ok(true)
     }
 
+    /// `seq_cp` in both caches.
     fn seq_cp(&mut self, src: i32, dst: i32, p0: i32, p1: i32) -> Result<()> {
-        IswaCache::seq_cp(self, src, dst, p0, p1)
+        // checked in the window cache first so that a refusal changes neither
+        self.check_seq("seqCp source", src, false)?;
+        self.check_seq("seqCp destination", dst, false)?;
+        for c in self.both() {
+            c.seq_cp(src, dst, p0, p1)?;
+        }
+        Ok(())
     }
 
+    /// `seq_keep` in both caches.
     fn seq_keep(&mut self, seq: i32) -> Result<()> {
-        IswaCache::seq_keep(self, seq)
+        self.check_seq("seqKeep", seq, false)?;
+        for c in self.both() {
+            c.seq_keep(seq)?;
+        }
+        Ok(())
     }
 
+    /// `seq_add` in both caches.
     fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
-        IswaCache::seq_add(self, seq, p0, p1, delta)
+        self.check_seq("seqAdd", seq, false)?;
+        self.check_shift("seqAdd")?;
+        for c in self.both() {
+            c.seq_add(seq, p0, p1, delta)?;
+        }
+        Ok(())
     }
 
+    /// `seq_div` in both caches.
     fn seq_div(&mut self, seq: i32, p0: i32, p1: i32, d: i32) -> Result<()> {
-        IswaCache::seq_div(self, seq, p0, p1, d)
+        self.check_seq("seqDiv", seq, false)?;
+        self.check_shift("seqDiv")?;
+        for c in self.both() {
+            c.seq_div(seq, p0, p1, d)?;
+        }
+        Ok(())
     }
 
+    /// Smallest position of `seq`, from the window cache (the base cache holds a superset).
     fn seq_pos_min(&self, seq: i32) -> Result<i32> {
-        IswaCache::seq_pos_min(self, seq)
+        self.swa.cache.seq_pos_min(seq)
     }
 
+    /// Largest position of `seq`.
     fn seq_pos_max(&self, seq: i32) -> Result<i32> {
-        IswaCache::seq_pos_max(self, seq)
+        self.swa.cache.seq_pos_max(seq)
     }
 
+    /// Frees every cell of both caches.
     fn clear(&mut self) -> Result<()> {
-        IswaCache::clear(self)
+        for c in self.both() {
+            c.clear()?;
+        }
+        Ok(())
     }
 
     fn place(&mut self, ubatches: &[UBatch]) -> Result<Option<Placements>> {
@@ -639,50 +606,8 @@ impl Memory for IswaCache {
         IswaCache::state_size(self, seq, opts.layout)
     }
 
-    fn state_write(
-        &self,
-        seq: i32,
-        opts: &WriteOptions,
-        mut progress: Option<Progress<'_>>,
-    ) -> Result<Vec<u8>> {
-        check_progress(&mut progress, 0, 1, "state write")?;
-        IswaCache::state_write(self, seq, opts.layout)
-    }
-
     fn state_write_partial(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         IswaCache::state_write_partial(self, seq, layout)
-    }
-
-    fn state_read(
-        &mut self,
-        data: &[u8],
-        seq: i32,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<ReadSummary> {
-        read_state(self, data, seq, opts, progress)
-    }
-
-    fn save_file(
-        &self,
-        path: &Path,
-        seq: Option<i32>,
-        tokens: &[i32],
-        arch: &str,
-        opts: WriteOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<()> {
-        save_file(self, path, seq, tokens, arch, opts, progress)
-    }
-
-    fn load_file(
-        &mut self,
-        path: &Path,
-        dest: Option<i32>,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<LoadedFile> {
-        load_file(self, path, dest, opts, progress)
     }
 
     fn update(&mut self, shift: Option<&ShiftParams>, _: Option<u32>) -> Result<UpdateReport> {

@@ -189,3 +189,53 @@ pub fn load_file<M: PartsPayload>(
         None => KvError::InvalidState(format!("{} has no payload", path.display())),
     })
 }
+
+/// The state write, read and files of a [`Memory`](crate::Memory) written part by part, the
+/// same for every such memory: [`PartsPayload::write_parts`], [`read_state`], [`save_file`]
+/// and [`load_file`] of itself. Expands inside its `impl Memory`.
+macro_rules! parts_payload_io {
+    () => {
+        fn state_write(
+            &self,
+            seq: i32,
+            opts: &$crate::state::files::WriteOptions,
+            mut progress: Option<$crate::cache::io::Progress<'_>>,
+        ) -> $crate::error::Result<Vec<u8>> {
+            $crate::cache::io::check_progress(&mut progress, 0, 1, "state write")?;
+            $crate::memory::parts_payload::PartsPayload::write_parts(self, seq, opts.layout)
+        }
+
+        fn state_read(
+            &mut self,
+            data: &[u8],
+            seq: i32,
+            opts: $crate::cache::io::ReadOptions,
+            progress: Option<$crate::cache::io::Progress<'_>>,
+        ) -> $crate::error::Result<$crate::cache::io::ReadSummary> {
+            $crate::memory::parts_payload::read_state(self, data, seq, opts, progress)
+        }
+
+        fn save_file(
+            &self,
+            path: &std::path::Path,
+            seq: Option<i32>,
+            tokens: &[i32],
+            arch: &str,
+            opts: $crate::state::files::WriteOptions,
+            progress: Option<$crate::cache::io::Progress<'_>>,
+        ) -> $crate::error::Result<()> {
+            $crate::memory::parts_payload::save_file(self, path, seq, tokens, arch, opts, progress)
+        }
+
+        fn load_file(
+            &mut self,
+            path: &std::path::Path,
+            dest: Option<i32>,
+            opts: $crate::cache::io::ReadOptions,
+            progress: Option<$crate::cache::io::Progress<'_>>,
+        ) -> $crate::error::Result<$crate::cache::save_load::LoadedFile> {
+            $crate::memory::parts_payload::load_file(self, path, dest, opts, progress)
+        }
+    };
+}
+pub(crate) use parts_payload_io;

@@ -2,18 +2,15 @@
 //! sequence (`kv_unified` false), kind `kv-streams`: an [`AttentionCache`] of one part as a
 //! [`Memory`], and what every memory with attention parts asks of those parts.
 
-use std::path::Path;
-
-use crate::cache::io::{check_progress, Progress, ReadOptions, ReadSummary};
+use crate::cache::io::ReadSummary;
 use crate::cache::kshift::UpdateReport;
-use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
 use crate::memory::attention::AttentionCache;
 use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::PartInfo;
-use crate::memory::parts_payload::{load_file, read_state, save_file, PartsPayload};
+use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
 use crate::memory::placement::Window;
 use crate::memory::recurrent::no_recurrent_state;
 use crate::model::MemoryKind;
@@ -65,6 +62,8 @@ impl PartsPayload for AttentionCache {
 }
 
 impl Memory for AttentionCache {
+    parts_payload_io!();
+
     fn kind(&self) -> &'static str {
         "kv-streams"
     }
@@ -164,48 +163,6 @@ impl Memory for AttentionCache {
 
     fn state_size(&self, seq: i32, opts: &WriteOptions) -> Result<usize> {
         AttentionCache::state_size(self, seq, opts.layout)
-    }
-
-    fn state_write(
-        &self,
-        seq: i32,
-        opts: &WriteOptions,
-        mut progress: Option<Progress<'_>>,
-    ) -> Result<Vec<u8>> {
-        check_progress(&mut progress, 0, 1, "state write")?;
-        AttentionCache::state_write(self, seq, opts.layout)
-    }
-
-    fn state_read(
-        &mut self,
-        data: &[u8],
-        seq: i32,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<ReadSummary> {
-        read_state(self, data, seq, opts, progress)
-    }
-
-    fn save_file(
-        &self,
-        path: &Path,
-        seq: Option<i32>,
-        tokens: &[i32],
-        arch: &str,
-        opts: WriteOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<()> {
-        save_file(self, path, seq, tokens, arch, opts, progress)
-    }
-
-    fn load_file(
-        &mut self,
-        path: &Path,
-        dest: Option<i32>,
-        opts: ReadOptions,
-        progress: Option<Progress<'_>>,
-    ) -> Result<LoadedFile> {
-        load_file(self, path, dest, opts, progress)
     }
 
     fn update(&mut self, shift: Option<&ShiftParams>, _: Option<u32>) -> Result<UpdateReport> {

@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use llama_kv_cache::model::gguf::{self, GgufBuilder, GgufValue};
 use llama_kv_cache::{
-    CacheParams, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo,
-    SwaType, Tensor, UBatch, Window,
+    CacheParams, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, Memory,
+    ModelInfo, SwaType, Tensor, UBatch, Window,
 };
 use today_peer::{driver_path, models_dir};
 
