@@ -1,8 +1,8 @@
-// Builds a small C++ driver against llama.cpp from a `llama-cpp-sys-2` crate's source with
-// cmake, CPU only, into `<target>/<dir>/` (built once, reused by every profile and by every
-// checkout sharing the target directory: the driver's sources are copied into `<dir>/driver-src`
-// so cmake's cache never names a checkout). Included by build scripts (`include!`). Never
-// fails the build: the caller turns an error into an env var the tests report.
+// Builds small C++ drivers against llama.cpp from `llama-cpp-sys-2` crates' source with cmake,
+// CPU only, each into `<target>/<dir>/` (built once, reused by every profile and by every
+// checkout sharing the target directory: a driver's sources are copied into `<dir>/driver-src`
+// so cmake's cache never names a checkout). Included by build.rs (`include!`). Never fails the
+// build: the caller turns an error into an env var the tests report.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -10,6 +10,13 @@ use std::process::{Command, Stdio};
 
 /// One driver to build.
 struct LlamaDriver<'a> {
+    /// Prefix of the env vars the crate gets: `<env>_DRIVER` (or `<env>_DRIVER_ERROR`), and
+    /// `<env>_SKIP_BUILD` skips the build.
+    env: &'a str,
+    /// What the driver is, for messages.
+    what: &'a str,
+    /// The driver's sources (a cmake project), relative to the package.
+    sources: &'a str,
     /// `llama-cpp-sys-2-<version>`: the registry folder whose `llama.cpp/` is built.
     krate: &'a str,
     /// Folder under the target directory.
@@ -17,7 +24,7 @@ struct LlamaDriver<'a> {
     /// The cmake target (and binary name) of the driver.
     target: &'a str,
     /// More programs of the same cmake project: `(target, name)`, each handed to the crate as
-    /// `<ENV>_<name>`.
+    /// `<env>_<name>`.
     also: &'a [(&'a str, &'a str)],
     /// The manifest `cargo fetch` downloads the crate with when it is not in the registry.
     fetch_manifest: PathBuf,
@@ -25,40 +32,48 @@ struct LlamaDriver<'a> {
     extra: &'a [&'a str],
 }
 
-/// The whole build script: builds the driver unless `<ENV>_SKIP_BUILD` is set, and hands its
-/// path to the crate as `<ENV>_DRIVER` (or why there is none as `<ENV>_DRIVER_ERROR`).
-fn run_build_script(env_prefix: &str, what: &str, driver: &LlamaDriver<'_>) {
-    for file in ["build.rs", "../shared-build/llama_cmake.rs", "driver"] {
+/// The whole build script: builds each driver unless `<env>_SKIP_BUILD` is set, and hands its
+/// path to the crate as `<env>_DRIVER` (or why there is none as `<env>_DRIVER_ERROR`).
+fn run_build_script(drivers: &[LlamaDriver<'_>]) {
+    for file in ["build.rs", "build/llama_cmake.rs"] {
         println!("cargo:rerun-if-changed={file}");
     }
-    println!("cargo:rerun-if-env-changed={env_prefix}_SKIP_BUILD");
     println!("cargo:rerun-if-env-changed=CMAKE");
-    let built = if env::var_os(format!("{env_prefix}_SKIP_BUILD")).is_some() {
-        Err(format!("{what} was not built ({env_prefix}_SKIP_BUILD is set)"))
-    } else {
-        build_driver(driver)
-    };
-    match built {
-        Ok(path) => {
-            println!("cargo:rustc-env={env_prefix}_DRIVER={}", path.display());
-            for (target, name) in driver.also {
-                let program = path.with_file_name(target);
-                println!("cargo:rustc-env={env_prefix}_{name}={}", program.display());
+    let mut watch_for_cmake = false;
+    for driver in drivers {
+        let (env_prefix, what) = (driver.env, driver.what);
+        println!("cargo:rerun-if-changed={}", driver.sources);
+        println!("cargo:rerun-if-env-changed={env_prefix}_SKIP_BUILD");
+        let built = if env::var_os(format!("{env_prefix}_SKIP_BUILD")).is_some() {
+            Err(format!("{what} was not built ({env_prefix}_SKIP_BUILD is set)"))
+        } else {
+            build_driver(driver)
+        };
+        match built {
+            Ok(path) => {
+                println!("cargo:rustc-env={env_prefix}_DRIVER={}", path.display());
+                for (target, name) in driver.also {
+                    let program = path.with_file_name(target);
+                    println!("cargo:rustc-env={env_prefix}_{name}={}", program.display());
+                }
+            }
+            Err(msg) => {
+                watch_for_cmake = true;
+                let msg = msg.replace(['\n', '\r'], " | ");
+                println!("cargo:warning={what}: {msg}");
+                println!("cargo:rustc-env={env_prefix}_DRIVER_ERROR={msg}");
             }
         }
-        Err(msg) => {
-            // a cmake provided later (the set-up installs one into the venv) must be found
-            // without a `cargo clean`: watch where it will appear (a path that does not exist
-            // yet makes cargo run this script again at every build until it does) and PATH
-            println!(
-                "cargo:rerun-if-changed={}",
-                venv_cmake(&manifest_dir()).display()
-            );
-            println!("cargo:rerun-if-env-changed=PATH");
-            let msg = msg.replace(['\n', '\r'], " | ");
-            println!("cargo:warning={what}: {msg}");
-            println!("cargo:rustc-env={env_prefix}_DRIVER_ERROR={msg}");
-        }
+    }
+    if watch_for_cmake {
+        // a cmake provided later (the set-up installs one into the venv) must be found
+        // without a `cargo clean`: watch where it will appear (a path that does not exist
+        // yet makes cargo run this script again at every build until it does) and PATH
+        println!(
+            "cargo:rerun-if-changed={}",
+            venv_cmake(&manifest_dir()).display()
+        );
+        println!("cargo:rerun-if-env-changed=PATH");
     }
 }
 
@@ -78,8 +93,9 @@ fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
     let driver_src = dir.join("driver-src");
     std::fs::create_dir_all(&driver_src)
         .map_err(|e| format!("cannot create {}: {e}", driver_src.display()))?;
-    let files = std::fs::read_dir(manifest.join("driver"))
-        .map_err(|e| format!("cannot list {}/driver: {e}", manifest.display()))?;
+    let sources = manifest.join(d.sources);
+    let files = std::fs::read_dir(&sources)
+        .map_err(|e| format!("cannot list {}: {e}", sources.display()))?;
     for entry in files.flatten().filter(|e| e.path().is_file()) {
         let from = entry.path();
         let to = driver_src.join(entry.file_name());
@@ -102,6 +118,7 @@ fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
                 .into(),
         );
     }
+    forget_a_cache_made_elsewhere(&dir)?;
     let log = dir.join("build.log");
     let run = |args: &[String], what: &str| -> Result<(), String> {
         let file = std::fs::OpenOptions::new()
@@ -161,6 +178,28 @@ fn build_driver(d: &LlamaDriver<'_>) -> Result<PathBuf, String> {
         ));
     }
     Ok(driver)
+}
+
+/// A target directory copied from another checkout holds a cmake cache that names the other
+/// folder, and cmake refuses to configure over it: start that build afresh.
+fn forget_a_cache_made_elsewhere(dir: &Path) -> Result<(), String> {
+    let cache = std::fs::read_to_string(dir.join("CMakeCache.txt")).unwrap_or_default();
+    let made_in = cache
+        .lines()
+        .find_map(|l| l.strip_prefix("CMAKE_CACHEFILE_DIR:INTERNAL="));
+    match made_in {
+        Some(made_in) if Path::new(made_in) != dir => {
+            let _ = std::fs::remove_file(dir.join("CMakeCache.txt"));
+            match std::fs::remove_dir_all(dir.join("CMakeFiles")) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!(
+                    "cannot remove the cmake files {} copied from {made_in}: {e}",
+                    dir.display()
+                )),
+                _ => Ok(()),
+            }
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The cmake to run: `CMAKE` as for the cmake crate, else the one `npm test`'s set-up installs

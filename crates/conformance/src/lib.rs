@@ -1,17 +1,21 @@
-//! Differential conformance of `llama-kv-cache` against real llama.cpp 0.1.103.
+//! Conformance of `llama-kv-cache` against real llama.cpp of both eras, built from the source
+//! shipped in the crates.io package `llama-cpp-sys-2` by build.rs (one cmake helper,
+//! `build/llama_cmake.rs`, for both):
 //!
-//! - [`oracle`]: llama.cpp 0.1.103 (the source shipped in the crates.io package
-//!   `llama-cpp-sys-2` 0.1.103), built by build.rs with cmake into `kv-driver`, which applies
-//!   one op per line to a real `llama_context` and prints what the public API shows.
-//! - [`ours`]: the same ops on [`llama_kv_cache::SeedCache`], driven through 0.1.103's decode path.
-//! - [`gen`]: a seeded generator of realistic traces that never crash 0.1.103.
-//! - [`run`] / [`compare`]: both sides after every op, field by field.
-//! - [`gguf`]: the tiny models, written from Rust.
+//! - [`seed`]: llama.cpp 0.1.103, the seed this crate rebuilt: random traces applied op by op
+//!   to a real `llama_context` (`kv-driver`) and to [`llama_kv_cache::SeedCache`], compared
+//!   after every op.
+//! - [`today`]: llama.cpp 0.1.161 as a peer (`today-driver`): fixtures it writes, files we write
+//!   that it must load, and random traces of today's memories compared after every op.
+//! - [`driver`]: where each driver is ([`driver::Driver::path`], the one lookup) and how to
+//!   talk to a running one.
+//! - [`compare`]: the one comparer of both eras' traces, field by field.
+//! - [`models`]: the tiny models both eras load, all written by `interop/make_models.py`.
 
 pub mod compare;
-pub mod gen;
-pub mod gguf;
-pub mod oracle;
-pub mod ours;
-pub mod run;
-pub mod trace;
+pub mod driver;
+pub mod models;
+pub mod seed;
+pub mod today;
+
+pub use models::{model_path, models_dir, repo_root};

@@ -5,10 +5,10 @@
 //! the second byte for byte, and 0.1.161 reads our partial state into a memory of its own with
 //! the same cells as ours.
 
+use conformance::models_dir;
+use conformance::today::trace::{Oracle, TraceConfig};
 use llama_kv_cache::state::files::seq_data_envelope;
 use llama_kv_cache::{memory_for_model, Layout, Memory, ModelInfo, ReadOptions, WriteOptions};
-use today_peer::models_dir;
-use today_peer::trace::{Oracle, TraceConfig};
 
 fn config(model: &str) -> TraceConfig {
     TraceConfig {
@@ -27,7 +27,7 @@ fn memory(cfg: &TraceConfig) -> Box<dyn Memory> {
     memory_for_model(&info, &cfg.context()).unwrap()
 }
 
-fn ok(oracle: &mut Oracle, line: &str) -> today_peer::trace::Shown {
+fn ok(oracle: &mut Oracle, line: &str) -> conformance::today::trace::Shown {
     let shown = oracle.send(line).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(shown.ret, 1, "`{line}` failed in 0.1.161");
     shown

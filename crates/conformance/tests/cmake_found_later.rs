@@ -1,20 +1,16 @@
-//! The llama.cpp build scripts (`crates/shared-build/llama_cmake.rs`, used by this crate and by
-//! `crates/today`) must find a cmake that appears after a build without one: `cargo test` run
-//! before `npm test`'s set-up used to cache "cmake is not installed" until a `cargo clean`.
+//! The llama.cpp build script (`build/llama_cmake.rs`, which builds both eras' drivers) must
+//! find a cmake that appears after a build without one: `cargo test` run before `npm test`'s
+//! set-up used to cache "cmake is not installed" until a `cargo clean`.
 //!
 //! A throwaway crate laid out like ours (`crates/<pkg>/build.rs` including
-//! `crates/shared-build/llama_cmake.rs`, `interop/.venv/bin/cmake` where the set-up puts it) is
-//! built twice: without any cmake, then with a stand-in cmake in the venv that "builds" the
+//! `build/llama_cmake.rs`, `interop/.venv/bin/cmake` where the set-up puts it) is built twice: without any cmake, then with a stand-in cmake in the venv that "builds" the
 //! driver by creating it. The second build must hand the driver's path to the crate.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SHARED_BUILD: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared-build/llama_cmake.rs"
-);
+const SHARED_BUILD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/build/llama_cmake.rs");
 
 fn write(path: &Path, text: &str) {
     fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -54,10 +50,10 @@ fn build_and_run(root: &Path) -> String {
 fn regression_a_cmake_installed_after_a_failed_build_is_found_without_cargo_clean() {
     let root = std::env::temp_dir().join(format!("cmake-found-later-{}", std::process::id()));
     let _ = fs::remove_dir_all(&root);
-    fs::create_dir_all(root.join("crates/shared-build")).unwrap();
+    fs::create_dir_all(root.join("crates/fixture/build")).unwrap();
     fs::copy(
         SHARED_BUILD,
-        root.join("crates/shared-build/llama_cmake.rs"),
+        root.join("crates/fixture/build/llama_cmake.rs"),
     )
     .unwrap();
     write(
@@ -68,16 +64,19 @@ fn regression_a_cmake_installed_after_a_failed_build_is_found_without_cargo_clea
     write(
         &root.join("crates/fixture/build.rs"),
         &format!(
-            r#"include!("../shared-build/llama_cmake.rs");
+            r#"include!("build/llama_cmake.rs");
 fn main() {{
-    run_build_script("FIXTURE", "the fixture driver", &LlamaDriver {{
+    run_build_script(&[LlamaDriver {{
+        env: "FIXTURE",
+        what: "the fixture driver",
+        sources: "driver",
         krate: "llama-cpp-sys-2-0.1.103",
         dir: "fixture-driver",
         target: "fixture-driver-bin",
         also: &[],
         fetch_manifest: PathBuf::from({manifest:?}),
         extra: &[],
-    }});
+    }}]);
 }}
 "#
         ),

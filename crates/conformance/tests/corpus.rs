@@ -7,9 +7,9 @@
 
 use std::process::ExitCode;
 
-use differential::gen::GenOptions;
-use differential::oracle::{driver_path, Oracle};
-use differential::run::{load_trace, run_corpus, run_trace, work_dirs};
+use conformance::seed::gen::GenOptions;
+use conformance::seed::oracle::Oracle;
+use conformance::seed::run::{failures_dir, load_trace, run_corpus, run_trace};
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -59,14 +59,14 @@ fn main() -> ExitCode {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     files.sort();
-    let (models, failures) = work_dirs();
+    let failures = failures_dir();
     let fixtures = files.len() as u64;
-    if let Ok(mut oracle) = driver_path().and_then(|d| Oracle::spawn(&d)) {
+    if let Ok(mut oracle) = Oracle::spawn() {
         for path in files {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let res = load_trace(&text).map_err(|e| e.to_string()).and_then(|t| {
-                run_trace(&mut oracle, &models, &failures, &t).map_err(|f| f.to_string())
-            });
+            let res = load_trace(&text)
+                .map_err(|e| e.to_string())
+                .and_then(|t| run_trace(&mut oracle, &failures, &t).map_err(|f| f.to_string()));
             if let Err(e) = res {
                 fixture_failures += 1;
                 println!("MISMATCH in {}: {e}", path.display());

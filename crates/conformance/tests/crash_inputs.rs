@@ -1,9 +1,9 @@
 //! The inputs that crash llama.cpp 0.1.103 (and that the generator therefore never sends to
 //! it), applied to our cache: each is handled cleanly, with an error or a defined result.
 
-use differential::gguf::ModelKind;
-use differential::ours::Ours;
-use differential::trace::{Config, Op, Tok};
+use conformance::seed::model::ModelKind;
+use conformance::seed::ours::Ours;
+use conformance::seed::trace::{Config, Op, Tok};
 use llama_kv_cache::{
     CacheParams, GgmlType, KvError, Layout, ReadOptions, RopeParams, RopeType, SeedCache,
     ShiftParams, UBatch,
@@ -248,7 +248,7 @@ fn recurrent_state_lost_by_the_gather_is_refused_not_crashed() {
     // traces/mamba-gather-loses-a-state.trace: both sides lose seq 4's state in op 4; a further
     // decode of seq 4 aborts llama.cpp 0.1.103 (GGML_ASSERT(cell.has_seq_id(seq_id)))
     let text = include_str!("../traces/mamba-gather-loses-a-state.trace");
-    let trace = differential::run::load_trace(text).unwrap();
+    let trace = conformance::seed::run::load_trace(text).unwrap();
     let mut o = Ours::new(&trace.config).unwrap();
     for op in &trace.ops {
         o.apply(op, None).unwrap();

@@ -3,11 +3,12 @@
 //! continues them with the greedy token the original peer produced (`then_token` of their
 //! sidecars).
 
+use conformance::models_dir;
+use conformance::today::{fixtures_dir, run};
 use llama_kv_cache::convert_bytes;
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{ConvertOptions, WriteOptions};
 use serde_json::Value;
-use today_peer::{fixtures_dir, models_dir, run};
 
 fn type_id(name: &str) -> i32 {
     match name {

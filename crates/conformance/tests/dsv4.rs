@@ -5,6 +5,8 @@
 //! session as the peer saves one (it continues our file with its own next token), damaged
 //! states refused by name, and no live cache loads one.
 
+use conformance::models_dir;
+use conformance::today::{dsv4_spec, dsv4_specs, Spec};
 use llama_kv_cache::model::{MemoryKind, ModelInfo};
 use llama_kv_cache::state::dsv4::{self, Group, SectionKind};
 use llama_kv_cache::state::files::{inspect_bytes, Inspection};
@@ -12,13 +14,12 @@ use llama_kv_cache::state::fit::check_state;
 use llama_kv_cache::{
     convert_bytes, CacheParams, ConvertOptions, FileKind, GgmlType, KvError, PartRole, SeedCache,
 };
-use today_peer::{dsv4_spec, dsv4_specs, models_dir, Spec};
 
 fn fixture(spec: &Spec) -> (Vec<u8>, Vec<u8>) {
     let read = |p: std::path::PathBuf| {
         std::fs::read(&p).unwrap_or_else(|e| {
             panic!(
-                "{}: {e} (make it: cargo run -p today-peer --bin make-t161-fixtures {})",
+                "{}: {e} (make it: cargo run -p conformance --bin make-t161-fixtures {})",
                 p.display(),
                 spec.name
             )
@@ -389,7 +390,7 @@ fn damage_rounds() -> u32 {
 
 #[test]
 fn damaged_dsv4_states_inspect_convert_and_store_or_are_refused() {
-    use today_peer::trace::{damaged, Rng};
+    use conformance::today::trace::{damaged, Rng};
     // the payloads of both fixtures' sessions and sequence files, damaged (bits flipped, cut,
     // counts set to extremes, spans zeroed or repeated, bytes appended) behind their own
     // header: each is read, converted and put into a store, or refused, never a panic

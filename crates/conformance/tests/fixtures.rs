@@ -3,12 +3,13 @@
 //! like it and writes back byte for byte, and malformed copies are refused with the cache left
 //! as it was.
 
+use conformance::models_dir;
+use conformance::today::{specs, Spec};
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload, Inspection};
 use llama_kv_cache::state::parts::{Part, PartKind};
 use llama_kv_cache::{
     memory_for_model, Layout, Memory, ModelInfo, PartRole, ReadOptions, SeedCache, WriteOptions,
 };
-use today_peer::{models_dir, specs, Spec};
 
 fn read(path: &std::path::Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -33,7 +34,7 @@ fn part_bytes<'a>(bytes: &'a [u8], ins: &Inspection, part: &Part) -> &'a [u8] {
 fn cache_for(spec: &Spec, part: &Part) -> SeedCache {
     let mut p = params_for_payload(&part.payload, part.kind == PartKind::Recurrent).unwrap();
     p.n_seq_max = p.n_seq_max.max(spec.prompts.len() as u32);
-    p.size = p.size.max(p.n_seq_max).max(today_peer::CTX);
+    p.size = p.size.max(p.n_seq_max).max(conformance::today::CTX);
     SeedCache::new(p).unwrap_or_else(|e| panic!("t161-{} {}: {e}", spec.name, part.role))
 }
 

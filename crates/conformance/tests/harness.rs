@@ -1,10 +1,10 @@
 //! The harness itself, without llama.cpp: splits, restore emulation, generator, blob parser.
 
-use differential::compare::{diff, parse_blob};
-use differential::gen::{generate, GenOptions, Scenario};
-use differential::gguf::{ensure_model, ModelKind};
-use differential::ours::{split_equal, split_simple, Ours};
-use differential::trace::{Config, Obs, Op, Tok};
+use conformance::seed::blob::{compare_obs, parse_blob};
+use conformance::seed::gen::{generate, GenOptions, Scenario};
+use conformance::seed::model::{ModelKind, N_VOCAB};
+use conformance::seed::ours::{split_equal, split_simple, Ours};
+use conformance::seed::trace::{Config, Obs, Op, Tok};
 
 fn tok(pos: i32, seqs: &[i32]) -> Tok {
     Tok {
@@ -108,26 +108,54 @@ fn blob_parser_reads_our_state_and_the_diff_sees_changes() {
     assert_eq!(blob.cells, vec![(0, vec![0, 1]), (1, vec![1])]);
     assert_eq!(blob.k.len(), 2);
     assert_eq!(blob.trailing, 0);
-    let (d, _) = diff(&obs, &obs, None);
+    let (d, _) = compare_obs(&obs, &obs, None);
     assert!(d.is_empty());
     let mut other: Obs = obs.clone();
     other.pos[1] = 7;
     other.used += 1;
-    let (d, _) = diff(&obs, &other, None);
+    let (d, _) = compare_obs(&obs, &other, None);
     assert_eq!(d.len(), 2, "{d:?}");
 }
 
+/// The seed's models come from `interop/make_models.py` with every other model: the shapes
+/// the differential derives llama.cpp's numbers from must be the files' own.
 #[test]
-fn models_are_written_once_and_look_like_gguf() {
-    let dir = std::env::temp_dir().join(format!("differential-models-{}", std::process::id()));
-    for kind in [ModelKind::LlamaH16, ModelKind::Mamba] {
-        let p = ensure_model(&dir, kind).unwrap();
-        let bytes = std::fs::read(&p).unwrap();
-        assert_eq!(&bytes[..4], b"GGUF");
+fn models_come_from_make_models_with_the_shapes_the_differential_assumes() {
+    for kind in ModelKind::ALL {
+        let path = kind.path().unwrap_or_else(|e| panic!("{e}"));
+        let read = llama_kv_cache::model::gguf::read_file(&path, false).unwrap();
+        let h = &read.header;
+        let name = kind.file_name();
+        let arch = h.get("general.architecture").and_then(|v| v.as_str());
+        let arch = arch.unwrap_or_else(|| panic!("{name}: no architecture"));
         assert_eq!(
-            u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]),
-            3
+            arch == "mamba",
+            kind.recurrent(),
+            "{name}: architecture {arch}"
         );
+        let layers = h
+            .get(&format!("{arch}.block_count"))
+            .and_then(|v| v.as_int());
+        assert_eq!(layers, Some(i128::from(kind.n_layer())), "{name}: layers");
+        assert_eq!(h.tensors.len() as u32, kind.n_tensors(), "{name}: tensors");
+        match h.get("tokenizer.ggml.tokens") {
+            Some(llama_kv_cache::model::gguf::GgufValue::Array { len, .. }) => {
+                assert_eq!(*len as usize, N_VOCAB, "{name}: vocabulary")
+            }
+            other => panic!("{name}: tokens {other:?}"),
+        }
+        if !kind.recurrent() {
+            let info = llama_kv_cache::ModelInfo::from_file(&path, false).unwrap();
+            assert_eq!(
+                info.n_embd_head_k as usize,
+                kind.head_dim(),
+                "{name}: head_dim"
+            );
+            for layer in &info.layers {
+                assert_eq!(layer.n_head_kv as usize, kind.n_head_kv(), "{name}");
+                let (k, v) = kind.kv_widths();
+                assert_eq!((layer.n_embd_k_gqa, layer.n_embd_v_gqa), (k, v), "{name}");
+            }
+        }
     }
-    let _ = std::fs::remove_dir_all(dir);
 }

@@ -7,17 +7,18 @@
 //! the comparison can fail: NeoX shifted as norm, YaRN without its ramp and magnitude, a latent
 //! head rotated from its start.
 
+use conformance::models_dir;
+use conformance::today::{kshift_specs, rope_geometry, spec_named, Spec};
 use llama_kv_cache::state::files::{inspect_bytes, params_for_payload};
 use llama_kv_cache::{
     Layout, ModelInfo, ReadOptions, RopeParams, RopeType, SeedCache, ShiftParams, Tensor,
     WriteOptions,
 };
-use today_peer::{kshift_specs, models_dir, rope_geometry, spec_named, Spec};
 
 fn loaded(spec: &Spec, bytes: &[u8]) -> SeedCache {
     let ins = inspect_bytes(bytes).unwrap();
     let mut p = params_for_payload(&ins.payload, false).unwrap();
-    p.size = today_peer::CTX;
+    p.size = conformance::today::CTX;
     let mut c = SeedCache::new(p).unwrap();
     c.load_session_bytes(bytes, ReadOptions::default(), None)
         .unwrap_or_else(|e| panic!("t161-{}: {e}", spec.name));

@@ -6,8 +6,8 @@
 //! (position, pending shift, sequences), the recurrent state cells (position, sequences,
 //! tails, head, used) and each sequence's position range.
 
-use today_peer::models_dir;
-use today_peer::trace::{run_ops, run_traces, Op, TraceConfig};
+use conformance::models_dir;
+use conformance::today::trace::{run_ops, run_traces, Op, TraceConfig};
 
 fn config(model: &str, ctx: u32, n_seq: u32, unified: bool, swa_full: bool) -> TraceConfig {
     TraceConfig {

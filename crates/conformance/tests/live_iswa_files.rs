@@ -4,9 +4,10 @@
 //! a session edited live (its last token removed from both parts) continues in the peer with
 //! the token the peer itself predicted after the whole prompt.
 
+use conformance::models_dir;
+use conformance::today::{spec_named, Spec};
 use llama_kv_cache::state::files::{header_bytes, inspect_bytes, session_prefix, FileKind};
 use llama_kv_cache::{IswaCache, IswaParams, Layout, ModelInfo};
-use today_peer::{models_dir, spec_named, Spec};
 
 fn cache_for(spec: &Spec) -> IswaCache {
     let info = ModelInfo::from_file(&models_dir().join(spec.model), false)

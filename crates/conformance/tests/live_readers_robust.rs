@@ -5,11 +5,11 @@
 //! state byte for byte), and never panics. A seeded property test, not a fuzzer: it runs in
 //! `cargo test` every time; `LIVE_READER_ROUNDS=N` runs N rounds per memory (default 20,000).
 
+use conformance::models_dir;
+use conformance::today::trace::{damaged, Rng};
 use llama_kv_cache::{
     ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo, Result, UBatch,
 };
-use today_peer::models_dir;
-use today_peer::trace::{damaged, Rng};
 
 fn context(n_seq: u32) -> ContextParams {
     ContextParams {

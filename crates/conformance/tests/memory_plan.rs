@@ -4,11 +4,12 @@
 //! (`today-driver memory`: cells, layers and streams of each cache, its size in MiB as
 //! 0.1.161 prints it).
 
+use conformance::models_dir;
+use conformance::today::run;
 use llama_kv_cache::state::parts::PartRole;
 use llama_kv_cache::{
     memory_for_model, ContextParams, GgmlType, KvError, MemoryPlan, ModelInfo, PartInfo,
 };
-use today_peer::{models_dir, run};
 
 /// Large enough that the tiny models' caches are whole hundredths of a MiB apart.
 fn contexts() -> Vec<ContextParams> {

@@ -6,9 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use differential::gguf::{ensure_model, ModelKind};
-use differential::oracle::{driver_path, Oracle};
-use differential::run::work_dirs;
+use conformance::model_path;
+use conformance::seed::oracle::Oracle;
 use llama_kv_cache::model::gguf::{GgufBuilder, GgufType, GgufValue};
 use llama_kv_cache::{MemoryKind, ModelInfo};
 use serde_json::Value;
@@ -206,7 +205,7 @@ fn cases() -> Vec<(&'static str, GgufBuilder)> {
     ]
 }
 
-#[path = "../../shared-build/hparams_check.rs"]
+#[path = "common/hparams.rs"]
 mod hparams_check;
 use hparams_check::{Diffs, TINY_MODELS};
 
@@ -248,9 +247,7 @@ fn compare(m: &ModelInfo, h: &Value) -> Vec<String> {
 
 /// A folder of this test's own (the tests run in parallel and each removes its folder).
 fn scratch(test: &str) -> PathBuf {
-    let dir = work_dirs()
-        .0
-        .join(format!("model-info-{test}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("model-info-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -298,35 +295,15 @@ fn check(oracle: &mut Oracle, name: &str, path: &Path, full: bool, failures: &mu
 
 #[test]
 fn model_info_agrees_with_llama_cpp_field_by_field() {
-    let driver = driver_path().unwrap_or_else(|e| panic!("{e}"));
-    let mut oracle = Oracle::spawn(&driver).unwrap();
+    let mut oracle = Oracle::spawn().unwrap_or_else(|e| panic!("{e}"));
     let dir = scratch("agree");
     let mut failures = Vec::new();
 
-    // the tiny models the differential and interop tests run, loaded whole by llama.cpp
-    let (models, _) = work_dirs();
-    for kind in [
-        ModelKind::LlamaH16,
-        ModelKind::LlamaH32,
-        ModelKind::LlamaL64,
-        ModelKind::Mamba,
-    ] {
-        let path = ensure_model(&models, kind).unwrap();
-        check(&mut oracle, kind.file_name(), &path, true, &mut failures);
-    }
-    let interop = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../interop/models");
+    // the tiny models the differential and interop tests run, loaded whole by llama.cpp;
     // jamba came after 0.1.103
     for name in TINY_MODELS.into_iter().filter(|m| *m != "jamba.gguf") {
-        let path = interop.join(name);
-        if path.exists() {
-            check(
-                &mut oracle,
-                &format!("interop/models/{name}"),
-                &path,
-                true,
-                &mut failures,
-            );
-        }
+        let path = model_path(name).unwrap_or_else(|e| panic!("{e}"));
+        check(&mut oracle, name, &path, true, &mut failures);
     }
 
     // other architectures and RoPE settings, through llama.cpp's own load_hparams
@@ -346,8 +323,7 @@ fn model_info_agrees_with_llama_cpp_field_by_field() {
 #[test]
 fn models_llama_cpp_refuses_are_refused_too() {
     // what llama.cpp's load_hparams throws on, ModelInfo refuses as InvalidModel
-    let driver = driver_path().unwrap_or_else(|e| panic!("{e}"));
-    let mut oracle = Oracle::spawn(&driver).unwrap();
+    let mut oracle = Oracle::spawn().unwrap_or_else(|e| panic!("{e}"));
     let dir = scratch("refuse");
     let bad = [
         (
@@ -403,7 +379,7 @@ fn models_llama_cpp_refuses_are_refused_too() {
                 assert!(e.contains("hparams: ") || e.contains("died"), "{name}: {e}");
                 eprintln!("{name}: ours {}; llama.cpp {e}", ours.unwrap_err());
                 if e.contains("died") {
-                    oracle = Oracle::spawn(&driver).unwrap();
+                    oracle = Oracle::spawn().unwrap();
                 }
             }
         }

@@ -5,11 +5,12 @@
 //! `sliding_window_pattern` key and Jamba's hybrid memory are read as 0.1.161 reads them, and
 //! Qwen2-VL's M-RoPE gives its cells the extension 0.1.161 saves (`has_cell_ext()`).
 
+use conformance::models_dir;
+use conformance::today::run;
 use llama_kv_cache::{MemoryKind, ModelInfo};
 use serde_json::Value;
-use today_peer::{models_dir, run};
 
-#[path = "../../shared-build/hparams_check.rs"]
+#[path = "common/hparams.rs"]
 mod hparams_check;
 use hparams_check::{u32s, Diffs, TINY_MODELS};
 

@@ -4,12 +4,13 @@
 //! `x, y, tok`; what we write after `seqCp` and defrag continues in the peer with its next
 //! token; and positions cannot be shifted, as in the peer.
 
+use conformance::models_dir;
+use conformance::today::{specs, Spec, CTX};
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
     CellExt, CellExtValue, ConvertOptions, FileKind, KvError, ModelInfo, ReadOptions, SeedCache,
     UBatch, WriteOptions,
 };
-use today_peer::{models_dir, specs, Spec, CTX};
 
 fn spec(name: &str) -> Spec {
     specs().into_iter().find(|s| s.name == name).unwrap()

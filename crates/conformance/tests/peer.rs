@@ -2,9 +2,9 @@
 //! memory part through a cache of its own) loads into the peer, and its next greedy token is
 //! the one the peer produced when it wrote the fixture (`next2` in the sidecar).
 
+use conformance::today::specs;
 use llama_kv_cache::convert_bytes;
 use llama_kv_cache::{ConvertOptions, FileKind, WriteOptions};
-use today_peer::specs;
 
 fn temp_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("today-peer-{}", std::process::id()));

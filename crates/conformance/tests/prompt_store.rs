@@ -8,9 +8,9 @@ use std::sync::Arc;
 mod common;
 
 use common::today_file;
+use conformance::today::specs;
 use llama_kv_cache::FileKind;
 use prompt_store::{MemoryBackend, PromptStore};
-use today_peer::specs;
 
 /// Ingests both fixture files of `spec` into fresh stores, writes each back as the same kind
 /// of today's version, and checks that 0.1.161 continues it with its own tokens: the store

@@ -5,9 +5,10 @@
 //! after copying sequence 200 into 255 continues in the peer, from sequence 255, with the token
 //! the peer itself predicted for 200.
 
+use conformance::models_dir;
+use conformance::today::{spec_named, Spec};
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{GgmlType, ModelInfo, ReadOptions, SeedCache, UBatch, WriteOptions};
-use today_peer::{models_dir, spec_named, Spec};
 
 const N_SEQ: usize = 256;
 /// Two tokens per sequence, then the peer's next token for each (`next2`), and room to spare.
@@ -124,7 +125,7 @@ fn two_hundred_fifty_six_sequences_round_trip_with_the_peer() {
         format!("token={}", peer["next"][200]),
         "pos=2".into(),
     ]);
-    let cont = today_peer::run("cont", &args).unwrap();
+    let cont = conformance::today::run("cont", &args).unwrap();
     assert_eq!(cont["pos_max"], 1, "{cont}");
     assert_eq!(cont["next"], peer["next2"][200], "{cont}");
     let _ = std::fs::remove_dir_all(&dir);

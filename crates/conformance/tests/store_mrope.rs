@@ -10,13 +10,14 @@ use std::sync::Arc;
 
 use common::today_file;
 
+use conformance::models_dir;
+use conformance::today::{spec_named, Spec};
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{
     convert_bytes, CellExt, CellExtValue, ConvertOptions, FileKind, GgmlType, ModelInfo, SeedCache,
     UBatch, WriteOptions,
 };
 use prompt_store::{MemoryBackend, PromptStore};
-use today_peer::{models_dir, spec_named, Spec};
 
 /// The store's smallest blocks: the 40-token prompt is two full blocks and a tail of 8.
 const BLOCK: u32 = 16;

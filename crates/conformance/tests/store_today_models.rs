@@ -14,6 +14,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use conformance::models_dir;
+use conformance::today::run;
 use llama_kv_cache::state::files::inspect_file;
 use llama_kv_cache::{
     memory_for_model, ContextParams, FileKind, GgmlType, Layout, Memory, ModelInfo, ReadOptions,
@@ -21,7 +23,6 @@ use llama_kv_cache::{
 };
 use prompt_store::{MemoryBackend, PromptStore, WriteFileOptions};
 use serde_json::Value;
-use today_peer::{models_dir, run};
 
 const BT: u32 = 64;
 const TURNS: [usize; 2] = [200, 300];

@@ -3,7 +3,7 @@
 // Reads one op per line on stdin, applies it to a real llama_context through the public API and
 // prints one JSON line: the op's return value plus everything the public API shows of the KV
 // cache (n_tokens, used cells, seq_pos_max of every sequence, the full cache view, and the KV
-// bytes of state blobs). The protocol is described in crates/differential/src/oracle.rs.
+// bytes of state blobs). The protocol is described in crates/conformance/src/seed/oracle.rs.
 
 #include "llama.h"
 // internal headers (the driver is built from llama.cpp's source): `hparams` reads what the

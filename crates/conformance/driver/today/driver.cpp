@@ -38,7 +38,7 @@
 //       `ret` is llama_decode's result (decode), or 1/0 for the others.
 //
 //   today-driver bench model=M [context options] dir=D
-//       llama.cpp's side of the live-cache benchmark (`cargo run --release -p today-peer --bin
+//       llama.cpp's side of the live-cache benchmark (`cargo run --release -p conformance --bin
 //       bench-live`): loads the sequence states D/seq-<s>.bin into sequences 0.. (written by
 //       our core), keeps the filled state, then answers `time <op>` with {"ns": ...}: the
 //       filled state restored (untimed), the op timed once. `quit` ends it.

@@ -1,13 +1,14 @@
 //! bench-core: our Rust core's side of the same-run benchmark against llama.cpp
 //! (`bench/llama.mjs`, `npm run bench:llama`). It speaks the protocol of llama.cpp's side,
-//! `driver/kv-bench.cpp`, so the script can time both (and the JS binding) in interleaved rounds.
+//! `driver/seed/kv-bench.cpp`, so the script can time both (and the JS binding) in interleaved
+//! rounds.
 //!
 //! `paths` answers `{bench}`: the path of llama.cpp's side, built by build.rs.
-//! `setup <n_ctx> <n_seq> <dir>` writes the tiny model (2 layers, 32-wide f16 K/V rows) into
-//! `<dir>`, fills a cache of `n_ctx` cells with `n_seq` sequences of `n_ctx / n_seq` tokens, one
+//! `setup <n_ctx> <n_seq> <dir>` takes the tiny model (`llama-h16.gguf` of
+//! `interop/make_models.py`: 2 layers, 32-wide f16 K/V rows), fills a cache of `n_ctx` cells with `n_seq` sequences of `n_ctx / n_seq` tokens, one
 //! contiguous block each, and writes their states as `<dir>/seq-<s>.bin` (llama.cpp's format,
 //! which the other two sides load) and the whole cache as `<dir>/whole.bin`; answers
-//! `{model, bytes}` (bytes: the size of the K/V tensors).
+//! `{model, bytes}` (model: its path; bytes: the size of the K/V tensors).
 //! `time <op>` restores the filled cache (untimed), runs the op's untimed preparation and times
 //! the op once; answers `{ns}`.
 
@@ -15,7 +16,8 @@ use std::io::{BufRead, Write};
 use std::path::Path;
 use std::time::Instant;
 
-use differential::gguf::{ensure_model, ModelKind};
+use conformance::driver::Driver;
+use conformance::seed::model::ModelKind;
 use llama_kv_cache::{
     CacheParams, Layout, ReadOptions, RopeParams, RopeType, SeedCache, ShiftParams, Tensor, UBatch,
 };
@@ -44,7 +46,7 @@ fn read_opts() -> ReadOptions {
 
 fn setup(n_ctx: u32, n_seq: u32, dir: &Path) -> Result<(Bench, String), String> {
     let e = |e: llama_kv_cache::KvError| e.to_string();
-    let model = ensure_model(dir, MODEL).map_err(|e| e.to_string())?;
+    let model = MODEL.path()?;
     let (k, v) = MODEL.kv_widths();
     let mut params = CacheParams::new(n_ctx, MODEL.n_layer(), k, v);
     params.n_seq_max = n_seq;
@@ -240,12 +242,12 @@ fn main() {
         let words: Vec<&str> = line.split_whitespace().collect();
         let answer = match words.as_slice() {
             ["quit"] => break,
-            ["paths"] => match option_env!("DIFFERENTIAL_BENCH") {
-                Some(p) => format!("{{\"bench\":{}}}", serde_json::Value::from(p)),
-                None => error(&format!(
-                    "llama.cpp's side was not built: {}",
-                    option_env!("DIFFERENTIAL_DRIVER_ERROR").unwrap_or("unknown reason")
-                )),
+            ["paths"] => match Driver::SeedBench.path() {
+                Ok(p) => format!(
+                    "{{\"bench\":{}}}",
+                    serde_json::Value::from(p.display().to_string())
+                ),
+                Err(msg) => error(&msg),
             },
             ["setup", n_ctx, n_seq, dir] => match (n_ctx.parse(), n_seq.parse()) {
                 (Ok(n_ctx), Ok(n_seq)) => match setup(n_ctx, n_seq, Path::new(dir)) {

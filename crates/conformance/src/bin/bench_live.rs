@@ -9,19 +9,20 @@
 //! rows outweigh the cell metadata that the tiny model's 128-byte rows leave dominant; and a
 //! state set into a hybrid memory at a Qwen3.5-9B-like geometry.
 //!
-//!   cargo run --release -p today-peer --bin bench-live            (npm run bench:live)
-//!   BENCH_ROUNDS=21 cargo run --release -p today-peer --bin bench-live
+//!   cargo run --release -p conformance --bin bench-live            (npm run bench:live)
+//!   BENCH_ROUNDS=21 cargo run --release -p conformance --bin bench-live
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use conformance::driver::Driver;
+use conformance::models_dir;
 use llama_kv_cache::model::gguf::{self, GgufBuilder, GgufValue};
 use llama_kv_cache::{
     CacheParams, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams, Layout, ModelInfo,
     SwaType, Tensor, UBatch, Window,
 };
-use today_peer::{driver_path, models_dir};
 
 const CTX: u32 = 65_536;
 const N_SEQ: u32 = 8;
@@ -260,7 +261,9 @@ fn main() {
     let whole = ours.state_write(-1, Layout::StreamsRot).unwrap();
     let seq0 = std::fs::read(dir.join("seq-0.bin")).unwrap();
 
-    let driver = driver_path().unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
+    let driver = Driver::Today
+        .path()
+        .unwrap_or_else(|e| panic!("{e} (set-up: node scripts/setup.mjs)"));
     let mut peer = Command::new(driver)
         .arg("bench")
         .arg(format!(

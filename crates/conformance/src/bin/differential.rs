@@ -8,9 +8,9 @@
 
 use std::process::ExitCode;
 
-use differential::gen::{generate, GenOptions};
-use differential::oracle::{driver_path, Oracle};
-use differential::run::{load_trace, run_corpus, run_trace, save_trace, work_dirs};
+use conformance::seed::gen::{generate, GenOptions};
+use conformance::seed::oracle::Oracle;
+use conformance::seed::run::{failures_dir, load_trace, run_corpus, run_trace, save_trace};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -119,9 +119,8 @@ fn campaign(start: u64, n: u64, jobs: usize, opts: GenOptions) -> Result<(), Str
 fn replay(file: &str) -> Result<(), String> {
     let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
     let trace = load_trace(&text)?;
-    let (models, failures) = work_dirs();
-    let mut oracle = Oracle::spawn(&driver_path()?)?;
-    match run_trace(&mut oracle, &models, &failures, &trace) {
+    let mut oracle = Oracle::spawn()?;
+    match run_trace(&mut oracle, &failures_dir(), &trace) {
         Ok(c) => {
             println!("{} ops agree\n{c}", trace.ops.len());
             Ok(())

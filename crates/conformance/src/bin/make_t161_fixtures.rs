@@ -2,15 +2,15 @@
 //! peer decodes the prompts, saves a session and a sequence file, and the answers go into the
 //! JSON sidecar. Needs the models of `interop/make_models.py`.
 //!
-//! `cargo run -p today-peer --bin make-t161-fixtures [name...]` (names without `t161-`: only
+//! `cargo run -p conformance --bin make-t161-fixtures [name...]` (names without `t161-`: only
 //! those specs; none: all of them)
 
 fn main() {
     let only: Vec<String> = std::env::args().skip(1).collect();
-    for spec in today_peer::specs()
+    for spec in conformance::today::specs()
         .into_iter()
-        .chain(today_peer::kshift_specs())
-        .chain(today_peer::dsv4_specs())
+        .chain(conformance::today::kshift_specs())
+        .chain(conformance::today::dsv4_specs())
         .filter(|s| only.is_empty() || only.iter().any(|n| n == s.name))
     {
         match spec.generate() {

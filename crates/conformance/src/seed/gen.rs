@@ -10,9 +10,9 @@
 
 use llama_kv_cache::GgmlType;
 
-use crate::gguf::{n_vocab, ModelKind};
-use crate::ours::Ours;
-use crate::trace::{Config, Op, Tok, Trace};
+use crate::seed::model::{ModelKind, N_VOCAB};
+use crate::seed::ours::Ours;
+use crate::seed::trace::{Config, Op, Tok, Trace};
 
 /// splitmix64.
 #[derive(Clone, Debug)]
@@ -297,7 +297,7 @@ impl Gen {
     }
 
     fn token(&mut self) -> i32 {
-        259 + self.rng.below(n_vocab() as u64 - 259) as i32
+        259 + self.rng.below(N_VOCAB as u64 - 259) as i32
     }
 
     fn rand_seq(&mut self) -> i32 {

@@ -15,7 +15,7 @@ use llama_kv_cache::{
     ShiftParams, UBatch,
 };
 
-use crate::trace::{Config, Obs, Op, Tok};
+use crate::seed::trace::{Config, Obs, Op, Tok};
 
 /// Branch and op counters, summed over a corpus.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

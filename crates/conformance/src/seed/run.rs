@@ -3,11 +3,11 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::compare::{blob_cells, diff};
-use crate::gguf::ensure_model;
-use crate::oracle::Oracle;
-use crate::ours::{Coverage, Ours};
-use crate::trace::{Op, Trace};
+use crate::seed::blob::{blob_cells, compare_obs};
+use crate::seed::model::ModelKind;
+use crate::seed::oracle::Oracle;
+use crate::seed::ours::{Coverage, Ours};
+use crate::seed::trace::{Config, Op, Trace};
 
 /// A mismatch (or a crash of either side), with everything needed to reproduce it.
 #[derive(Clone, Debug)]
@@ -97,11 +97,10 @@ fn config_line(trace: &Trace) -> String {
     )
 }
 
-/// Runs `trace` on llama.cpp and on our cache, comparing after every op. `models` is the folder
-/// for the generated GGUF files, `failures` where a diverging trace is saved.
+/// Runs `trace` on llama.cpp and on our cache, comparing after every op; a diverging trace is
+/// saved into `failures`.
 pub fn run_trace(
     oracle: &mut Oracle,
-    models: &Path,
     failures: &Path,
     trace: &Trace,
 ) -> Result<Coverage, Box<Failure>> {
@@ -117,13 +116,10 @@ pub fn run_trace(
         })
     };
     let cfg = &trace.config;
-    let model = ensure_model(models, cfg.model).map_err(|e| {
-        fail(
-            None,
-            "init".into(),
-            vec![format!("cannot write the model: {e}")],
-        )
-    })?;
+    let model = cfg
+        .model
+        .path()
+        .map_err(|e| fail(None, "init".into(), vec![e]))?;
     let info = oracle
         .init(cfg, &model)
         .map_err(|e| fail(None, "init".into(), vec![e]))?;
@@ -175,7 +171,7 @@ pub fn run_trace(
         let kv = cells
             .as_deref()
             .map(|c| (c, ours.valid_k.as_slice(), ours.valid_v.as_slice()));
-        let (d, rows) = diff(&theirs, &mine, kv);
+        let (d, rows) = compare_obs(&theirs, &mine, kv);
         ours.cov.kv_rows_compared += rows;
         if !d.is_empty() {
             return Err(fail(Some(i), op.to_string(), d));
@@ -186,8 +182,6 @@ pub fn run_trace(
 
 /// Reads a trace saved by [`save_trace`].
 pub fn load_trace(text: &str) -> Result<Trace, String> {
-    use crate::gguf::ModelKind;
-    use crate::trace::Config;
     use llama_kv_cache::GgmlType;
     let mut config = None;
     let mut ops = Vec::new();
@@ -210,15 +204,10 @@ pub fn load_trace(text: &str) -> Result<Trace, String> {
             if w.len() != 9 {
                 return Err(format!("bad config line: {line}"));
             }
-            let model = [
-                ModelKind::LlamaH16,
-                ModelKind::LlamaH32,
-                ModelKind::LlamaL64,
-                ModelKind::Mamba,
-            ]
-            .into_iter()
-            .find(|m| m.file_name() == w[0])
-            .ok_or_else(|| format!("unknown model {}", w[0]))?;
+            let model = ModelKind::ALL
+                .into_iter()
+                .find(|m| m.file_name() == w[0])
+                .ok_or_else(|| format!("unknown model {}", w[0]))?;
             let num = |i: usize| w[i].parse::<i64>().map_err(|e| format!("{line}: {e}"));
             let ty = |i: usize| -> Result<GgmlType, String> {
                 GgmlType::from_id(num(i)? as i32).ok_or_else(|| format!("bad type in {line}"))
@@ -247,15 +236,12 @@ pub fn load_trace(text: &str) -> Result<Trace, String> {
     })
 }
 
-/// Where the corpus keeps its models and saved failures: `<target>/differential-*`.
-pub fn work_dirs() -> (PathBuf, PathBuf) {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
+/// Where diverging traces are saved: `<target>/differential-failures`.
+pub fn failures_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    (
-        target.join("differential-models"),
-        target.join("differential-failures"),
-    )
+        .unwrap_or_else(|| crate::models::repo_root().join("target"))
+        .join("differential-failures")
 }
 
 /// Result of a corpus run.
@@ -271,13 +257,12 @@ pub struct CorpusReport {
 pub fn run_corpus(
     seeds: std::ops::Range<u64>,
     jobs: usize,
-    opts: crate::gen::GenOptions,
+    opts: crate::seed::gen::GenOptions,
     mut progress: impl FnMut(u64, &Result<Coverage, Box<Failure>>) + Send,
 ) -> Result<CorpusReport, String> {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Mutex;
-    let driver = crate::oracle::driver_path()?;
-    let (models, failures) = work_dirs();
+    let failures = failures_dir();
     let next = AtomicU64::new(seeds.start);
     let report = Mutex::new(CorpusReport::default());
     let progress = Mutex::new(&mut progress);
@@ -285,14 +270,14 @@ pub fn run_corpus(
         let mut handles = Vec::new();
         for _ in 0..jobs.max(1) {
             handles.push(scope.spawn(|| -> Result<(), String> {
-                let mut oracle = Oracle::spawn(&driver)?;
+                let mut oracle = Oracle::spawn()?;
                 loop {
                     let seed = next.fetch_add(1, Ordering::Relaxed);
                     if seed >= seeds.end {
                         return Ok(());
                     }
-                    let trace = crate::gen::generate(seed, opts);
-                    let res = run_trace(&mut oracle, &models, &failures, &trace);
+                    let trace = crate::seed::gen::generate(seed, opts);
+                    let res = run_trace(&mut oracle, &failures, &trace);
                     if let Ok(mut p) = progress.lock() {
                         (*p)(seed, &res);
                     }
@@ -303,7 +288,7 @@ pub fn run_corpus(
                             r.failures.push(f);
                             drop(r);
                             // the driver may have died with llama.cpp: start a new one
-                            oracle = Oracle::spawn(&driver)?;
+                            oracle = Oracle::spawn()?;
                         }
                     }
                 }

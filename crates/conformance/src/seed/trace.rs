@@ -4,7 +4,7 @@ use std::fmt;
 
 use llama_kv_cache::GgmlType;
 
-use crate::gguf::ModelKind;
+use crate::seed::model::ModelKind;
 
 /// `GGML_KQ_MASK_PAD`: llama.cpp raises `n_batch` to at least this.
 pub const KQ_MASK_PAD: u32 = 64;

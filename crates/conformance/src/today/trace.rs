@@ -1,11 +1,10 @@
 //! The differential of today's live caches against llama.cpp 0.1.161: random traces of
 //! decodes, sequence operations and sequence state round trips, applied op by op to the
 //! peer's memory (`today-driver trace`, which prints every cell of every stream of every part)
-//! and to ours ([`IswaCache`] or [`AttentionCache`]), compared after every op.
+//! and to ours ([`IswaCache`] or [`AttentionCache`]), compared after every op
+//! ([`crate::compare`], field by field).
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use llama_kv_cache::{
     memory_for_model, AttentionCache, ContextParams, GgmlType, HybridCache, IswaCache, IswaParams,
@@ -13,7 +12,11 @@ use llama_kv_cache::{
 };
 use serde_json::Value;
 
-use crate::driver_path;
+use crate::compare::{diff, Diff, Observation};
+use crate::driver::{Driver, Session};
+
+/// How the lines of a comparison name llama.cpp.
+pub const PEER: &str = "llama.cpp 0.1.161";
 
 /// A context to run traces in.
 #[derive(Clone, Debug)]
@@ -122,6 +125,40 @@ pub struct Shown {
     pub pos: Vec<(i64, i64)>,
 }
 
+impl Observation for Shown {
+    fn compare(&self, ours: &Shown, d: &mut Diff) {
+        d.field("ret", &self.ret, &ours.ret);
+        d.field("parts", &self.parts.len(), &ours.parts.len());
+        for (i, ((size, streams), (our_size, our_streams))) in
+            self.parts.iter().zip(&ours.parts).enumerate()
+        {
+            d.field(&format!("part {i} size"), size, our_size);
+            d.items(
+                |s| format!("part {i} stream {s} cells (i:pos:shift:seqs)"),
+                &format!("part {i} streams"),
+                streams,
+                our_streams,
+            );
+        }
+        match (&self.recr, &ours.recr) {
+            (Some(r), Some(o)) => {
+                d.field("recurrent size", &r.size, &o.size);
+                d.field("recurrent head", &r.head, &o.head);
+                d.field("recurrent used", &r.used, &o.used);
+                d.field("recurrent cells (i:pos:seqs)", &r.cells, &o.cells);
+                d.field("recurrent tails", &r.tails, &o.tails);
+            }
+            (r, o) => d.field("recurrent memory", &r.is_some(), &o.is_some()),
+        }
+        d.items(
+            |s| format!("seq {s} (pos_min, pos_max)"),
+            "sequences",
+            &self.pos,
+            &ours.pos,
+        );
+    }
+}
+
 fn shown_from_json(v: &Value) -> Result<Shown, String> {
     let err = || format!("unexpected driver output {v}");
     let parts = v["parts"]
@@ -163,34 +200,23 @@ fn shown_from_json(v: &Value) -> Result<Shown, String> {
 
 /// The peer: one `today-driver trace` process.
 pub struct Oracle {
-    child: Child,
-    input: ChildStdin,
-    output: BufReader<ChildStdout>,
+    session: Session,
 }
 
 impl Oracle {
     /// Starts the driver for `cfg`.
     pub fn start(cfg: &TraceConfig, models: &Path) -> Result<Oracle, String> {
-        let mut child = Command::new(driver_path()?)
-            .arg("trace")
-            .arg(format!("model={}", models.join(&cfg.model).display()))
-            .arg(format!("ctx={}", cfg.ctx))
-            .arg(format!("seqs={}", cfg.n_seq))
-            .arg(format!("ubatch={}", cfg.n_ubatch))
-            .arg(format!("unified={}", u8::from(cfg.unified)))
-            .arg(format!("swa_full={}", u8::from(cfg.swa_full)))
-            // an assertion of the peer ends it with its message, without attaching a debugger
-            .env("GGML_NO_BACKTRACE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start the 0.1.161 driver: {e}"))?;
-        let input = child.stdin.take().expect("piped");
-        let output = BufReader::new(child.stdout.take().expect("piped"));
+        let args = [
+            "trace".to_string(),
+            format!("model={}", models.join(&cfg.model).display()),
+            format!("ctx={}", cfg.ctx),
+            format!("seqs={}", cfg.n_seq),
+            format!("ubatch={}", cfg.n_ubatch),
+            format!("unified={}", u8::from(cfg.unified)),
+            format!("swa_full={}", u8::from(cfg.swa_full)),
+        ];
         Ok(Oracle {
-            child,
-            input,
-            output,
+            session: Session::spawn(Driver::Today, &args)?,
         })
     }
 
@@ -203,27 +229,7 @@ impl Oracle {
     /// in-memory sequence state, `savep`/`loadp` of its `PARTIAL_ONLY` form, `dump PATH` /
     /// `undump PATH` of the saved bytes) and reads what the memory shows.
     pub fn send(&mut self, op: &str) -> Result<Shown, String> {
-        writeln!(self.input, "{op}").map_err(|e| format!("driver stdin: {e}"))?;
-        let mut line = String::new();
-        self.output
-            .read_line(&mut line)
-            .map_err(|e| format!("driver stdout: {e}"))?;
-        if line.is_empty() {
-            return Err(format!("the driver ended at `{op}`"));
-        }
-        let v: Value =
-            serde_json::from_str(&line).map_err(|e| format!("driver said {line:?}: {e}"))?;
-        if let Some(e) = v.get("error") {
-            return Err(format!("driver error at `{op}`: {e}"));
-        }
-        shown_from_json(&v)
-    }
-}
-
-impl Drop for Oracle {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        shown_from_json(&self.session.roundtrip(op)?)
     }
 }
 
@@ -754,11 +760,13 @@ fn compare(oracle: &mut Oracle, ours: &mut OurSide, op: &Op, ops: &[Op]) -> Resu
 }
 
 fn check_same(theirs: &Shown, mine: &Shown, op: &Op, ops: &[Op]) -> Result<(), String> {
-    if theirs != mine {
+    let d = diff(PEER, theirs, mine);
+    if !d.is_empty() {
         return Err(format!(
-            "after op {} `{}`:\n0.1.161: {theirs:?}\nours:    {mine:?}\n{}",
+            "after op {} `{}`:\n  - {}\n{}",
             ops.len() - 1,
             op.line(),
+            d.join("\n  - "),
             listing(ops)
         ));
     }

@@ -1,14 +1,15 @@
-// Shared by the `model_info` tests of `differential` (llama.cpp 0.1.103) and `today-peer`
-// (0.1.161), included with `#[path]`: reads a driver's `hparams` JSON and collects the fields
-// where `ModelInfo` differs from it.
+// Shared by the `model_info` tests of both eras (`model_info_seed.rs`: llama.cpp 0.1.103,
+// `model_info_today.rs`: 0.1.161), included with `#[path]`: reads a driver's `hparams` JSON
+// and collects the fields where `ModelInfo` differs from it.
 
 use llama_kv_cache::ModelInfo;
 use serde_json::Value;
 
 /// The tiny models of `interop/make_models.py`.
-pub const TINY_MODELS: [&str; 9] = [
+pub const TINY_MODELS: [&str; 10] = [
     "llama-h16.gguf",
     "llama-h32.gguf",
+    "llama-l64.gguf",
     "llama-h64.gguf",
     "mamba.gguf",
     "gemma3-swa.gguf",
