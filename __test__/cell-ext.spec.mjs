@@ -3,7 +3,7 @@
 // built for such a model keeps them (`cellExt`, `cells().ext`), places ubatches with them,
 // loads and saves llama.cpp 0.1.161's own files byte for byte, and refuses to shift
 // positions; a cache without them refuses such files by name and stays as it was. The prompt
-// store keeps them in its blocks and checkpoints. The peer's side (its own files, and ours continuing in it) runs in crates/today's cargo tests.
+// store keeps them in its blocks and checkpoints. The peer's side (its own files, and ours continuing in it) runs in crates/conformance's cargo tests.
 import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'

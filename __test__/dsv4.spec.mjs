@@ -1,5 +1,5 @@
 // DeepSeek V4's states from JS: llama.cpp 0.1.161's own files of a tiny deepseek4 model
-// (fixtures/dsv4, written by crates/today's peer) inspected part by part, converted (whole, one
+// (fixtures/dsv4, written by crates/conformance's 0.1.161 peer) inspected part by part, converted (whole, one
 // sequence, one part), checked against the model, and refused by live caches with a code.
 import test from 'ava'
 import fs from 'node:fs'

@@ -539,7 +539,7 @@ mtest('CLI inspect --model adds the fit verdict and exits 3 when the state does 
 })
 
 // ---- live iSWA memories (llama.cpp 0.1.161's llama_kv_cache_iswa) ----------------------------------------
-// The cell-by-cell differential against 0.1.161 itself runs in crates/today (tests/live_iswa.rs); these
+// The cell-by-cell differential against 0.1.161 itself runs in crates/conformance (tests/live_caches.rs); these
 // check the JS face: kind, parts, placement, layer routing, state I/O, shifts and refusals.
 
 const gemma = (o = {}) => KvCache.fromModel(model('gemma3-swa.gguf'), { nCtx: 512, nSeqMax: 2, nUbatch: 16, ...o })

@@ -1,7 +1,7 @@
 // llama.cpp 0.1.161's files (session v11 / sequence v4) from JS: inspection with parts and
 // rotation, loading one part, the rotation option, conversion between versions, and typed
 // refusals of malformed files that leave the cache unchanged. The peer runs in
-// crates/today's cargo tests; the fixtures it wrote are t161-* (sidecar t161-<name>.json).
+// crates/conformance's cargo tests; the fixtures it wrote are t161-* (sidecar t161-<name>.json).
 import test from 'ava'
 import fs from 'node:fs'
 import os from 'node:os'
@@ -107,7 +107,7 @@ test('a rotated quantized cache loads a v11 session with the same rotation, writ
   t.regex(e.message, /nRotK 64/)
   t.false(fs.existsSync(path.join(dir, 'v9.ggsn')))
   // the K-shift of a rotated K (rotate back, RoPE, rotate forward; compared with 0.1.161's own
-  // shift bit for bit in crates/today/tests/kshift.rs)
+  // shift bit for bit in crates/conformance/tests/kshift.rs)
   const before = c.readK(0, 5, 1)
   c.seqRm(0, 2, 4)
   c.seqAdd(0, 4, -1, -2)

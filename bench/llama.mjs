@@ -1,5 +1,5 @@
 // Same-run benchmark against llama.cpp 0.1.103: llama.cpp's own KV cache operations through its
-// C API (crates/differential/driver/kv-bench.cpp), our Rust core (the differential crate's
+// C API (crates/conformance/driver/seed/kv-bench.cpp), our Rust core (the conformance crate's
 // `bench-core`, built without the `cuda` feature) and our JS binding (the addon as shipped), on
 // one workload, in interleaved rounds.
 //

@@ -8,6 +8,8 @@ Models
   llama-h16.gguf  llama, 2 layers, n_embd 64,  n_head 4, n_head_kv 2 (head_dim 16), n_ff 128
   llama-h32.gguf  llama, 2 layers, n_embd 128, n_head 4, n_head_kv 2 (head_dim 32), n_ff 128
   mamba.gguf      mamba, 2 layers, n_embd 64, d_inner 128, d_state 16, d_conv 4, dt_rank 4
+  llama-l64.gguf  llama, 64 layers, n_embd 64, n_head 4, n_head_kv 2 (head_dim 16), n_ff 32: the
+                  seed's defrag move cap (170 moves) is reached with few cells
   llama-h64.gguf  llama, 2 layers, n_embd 128, n_head 2, n_head_kv 1 (head_dim 64): quantized
                   K/V of llama.cpp 0.1.161 are Hadamard-rotated (n_rot 64)
   gemma3-swa.gguf gemma3, 2 layers, n_embd 128, n_head 2, n_head_kv 1 (head_dim 64), window 4,
@@ -647,6 +649,7 @@ def main():
     write_llama(os.path.join(out, "llama-h16.gguf"), 64, 4, 2, 128, 2, seed=16)
     write_llama(os.path.join(out, "llama-h32.gguf"), 128, 4, 2, 128, 2, seed=32)
     write_mamba(os.path.join(out, "mamba.gguf"), 64, 128, 16, 4, 4, 2, seed=64)
+    write_llama(os.path.join(out, "llama-l64.gguf"), 64, 4, 2, 32, 64, seed=1664)
     write_llama(os.path.join(out, "llama-h64.gguf"), 128, 2, 1, 128, 2, seed=6464)
     write_gemma3_swa(os.path.join(out, "gemma3-swa.gguf"), 128, 2, 1, 128, 2, 4, 2, seed=3)
     write_jamba(os.path.join(out, "jamba.gguf"), 64, 4, 2, 128, 16, 4, 4, seed=1612)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Differential campaigns of crates/llama-kv-cache against real llama.cpp 0.1.103 (the source in
-# the crates.io package llama-cpp-sys-2 0.1.103, built with cmake by crates/differential/build.rs).
+# the crates.io package llama-cpp-sys-2 0.1.103, built with cmake by crates/conformance/build.rs).
 #
 #   scripts/differential.sh build              build the oracle (once, cached in target/) and the runner
 #   scripts/differential.sh [N] [--start SEED] [--jobs J] [--known-divergences]
@@ -17,7 +17,7 @@ if ! command -v cmake >/dev/null 2>&1; then
     echo "differential: cmake is required to build llama.cpp: apt-get install -y cmake g++" >&2
     exit 1
 fi
-cargo build --release -p differential --bin differential
+cargo build --release -p conformance --bin differential
 bin="${CARGO_TARGET_DIR:-target}/release/differential"
 
 case "${1:-}" in

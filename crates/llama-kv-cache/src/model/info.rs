@@ -432,7 +432,7 @@ mod tests {
         m.shift_params(None).unwrap().rope.attn_factor
     }
 
-    /// Regression (found against llama.cpp 0.1.161's own shift of an f32 K, crates/today):
+    /// Regression (found against llama.cpp 0.1.161's own shift of an f32 K, crates/conformance):
     /// the YaRN attention factor was `rope.scaling.attn_factor` as 0.1.103 passes it; 0.1.161
     /// computes `get_mscale(f, 1) * (1 / (1 + 0.1 ln f)) * attn_factor` in f32.
     #[test]
