@@ -23,6 +23,7 @@ use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::cells::Cell;
 use crate::error::{KvError, Result};
+use crate::memory::parts_payload::CheckedPayload;
 use crate::memory::placement::{
     find_cells, head_after_rm, put_tokens, touched_by, StreamSlot, Window,
 };
@@ -44,6 +45,16 @@ impl CheckedRead {
     /// Bytes of the payload.
     pub(crate) fn len(&self) -> usize {
         self.parsed.len
+    }
+}
+
+impl CheckedPayload for CheckedRead {
+    fn layout(&self) -> Layout {
+        self.parsed.layout
+    }
+
+    fn has_no_data_header(&self) -> bool {
+        self.parsed.has_no_data_header()
     }
 }
 

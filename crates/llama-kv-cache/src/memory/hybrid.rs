@@ -15,7 +15,7 @@ use crate::memory::interface::{
 };
 use crate::memory::iswa::{ContextParams, IswaCache, IswaChecked, IswaParams};
 use crate::memory::part::{planned, PartInfo, PartPlan};
-use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
+use crate::memory::parts_payload::{parts_payload_io, CheckedPayload, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::{no_recurrent_state, RecurrentMemory};
 use crate::model::{LayerMemory, MemoryKind, ModelInfo, RopeKind};
@@ -454,28 +454,6 @@ impl HybridCache {
         Ok(out)
     }
 
-    /// Reads a `PARTIAL_ONLY` state: the recurrent part (and a hybrid-iSWA memory's window
-    /// cache before it), all checked before any changes; the attention cache keeps what it
-    /// holds, as in llama.cpp.
-    pub fn state_read_partial(
-        &mut self,
-        data: &[u8],
-        seq: i32,
-        layout: Layout,
-    ) -> Result<ReadSummary> {
-        let AttentionPart::Window(c) = &mut self.attn.cache else {
-            return self.recr.memory.state_read(data, seq);
-        };
-        let swa = c.check_swa(data, seq, layout)?;
-        let (first, second) = data.split_at(swa.len());
-        self.recr.memory.check_read(second, seq)?;
-        let mut a = c.apply_swa(first, swa, seq)?;
-        let r = self.recr.memory.state_read(second, seq)?;
-        a.cells += r.cells;
-        a.placed.extend(r.placed);
-        Ok(a)
-    }
-
     /// Bytes of [`HybridCache::state_write`]`(seq, layout)`.
     pub fn state_size(&self, seq: i32, layout: Layout) -> Result<usize> {
         let recr = self.recr.memory.cache().state_size(seq, Layout::Seed, 1)?;
@@ -484,18 +462,9 @@ impl HybridCache {
 
     /// Reads a payload of both parts into `seq` (-1: everything); both are parsed and
     /// checked before either changes.
-    pub fn state_read(
-        &mut self,
-        data: &[u8],
-        seq: i32,
-        layout: Layout,
-    ) -> Result<[ReadSummary; 2]> {
-        let attn = self.attn.cache.check_read(data, seq, layout)?;
-        let (first, second) = data.split_at(attn.len());
-        self.recr.memory.check_read(second, seq)?;
-        let a = self.attn.cache.apply_read(first, attn, seq)?;
-        let r = self.recr.memory.state_read(second, seq)?;
-        Ok([a, r])
+    pub fn state_read(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
+        let checked = self.check_payload(data, seq, layout, false)?;
+        self.apply_payload(data, checked, seq)
     }
 }
 
@@ -516,16 +485,90 @@ fn part_params(
     p
 }
 
+/// A read of a hybrid memory's payload, checked in every part it reads; the recurrent state
+/// follows the attention part's bytes.
+pub(crate) enum HybridRead {
+    /// Both parts.
+    Both(AttentionChecked),
+    /// A partial state of a hybrid-iSWA memory: its window cache, then the recurrent state.
+    Window(CheckedRead),
+    /// A partial state of the recurrent part alone, which every layout reads alike.
+    Recurrent(Layout),
+}
+
+impl HybridRead {
+    /// Bytes of the attention part's read.
+    fn attention_len(&self) -> usize {
+        match self {
+            HybridRead::Both(a) => a.len(),
+            HybridRead::Window(c) => c.len(),
+            HybridRead::Recurrent(_) => 0,
+        }
+    }
+}
+
+impl CheckedPayload for HybridRead {
+    fn layout(&self) -> Layout {
+        match self {
+            HybridRead::Both(AttentionChecked::Full(c)) | HybridRead::Window(c) => c.layout(),
+            HybridRead::Both(AttentionChecked::Window(c)) => c.layout(),
+            HybridRead::Recurrent(layout) => *layout,
+        }
+    }
+
+    fn has_no_data_header(&self) -> bool {
+        match self {
+            HybridRead::Both(AttentionChecked::Full(c)) | HybridRead::Window(c) => {
+                c.has_no_data_header()
+            }
+            HybridRead::Both(AttentionChecked::Window(c)) => c.has_no_data_header(),
+            HybridRead::Recurrent(_) => true,
+        }
+    }
+}
+
 impl PartsPayload for HybridCache {
     const NAME: &'static str = "hybrid";
+    type Checked = HybridRead;
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         HybridCache::state_write(self, seq, layout)
     }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        HybridCache::state_read(self, data, seq, layout).map(ReadSummary::together)
+    /// A partial state is the recurrent part's, after the window cache's in hybrid-iSWA; the
+    /// attention cache keeps what it holds, as in llama.cpp.
+    fn check_payload(
+        &self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+        partial: bool,
+    ) -> Result<HybridRead> {
+        let read = match (partial, &self.attn.cache) {
+            (false, part) => HybridRead::Both(part.check_read(data, seq, layout)?),
+            (true, AttentionPart::Window(c)) => HybridRead::Window(c.check_swa(data, seq, layout)?),
+            (true, AttentionPart::Full(_)) => HybridRead::Recurrent(layout),
+        };
+        self.recr
+            .memory
+            .check_read(&data[read.attention_len()..], seq)?;
+        Ok(read)
     }
-    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.state_read_partial(data, seq, layout)
+    fn apply_payload(&mut self, data: &[u8], checked: HybridRead, seq: i32) -> Result<ReadSummary> {
+        let (first, second) = data.split_at(checked.attention_len());
+        let attention = match (checked, &mut self.attn.cache) {
+            (HybridRead::Both(a), part) => Some(part.apply_read(first, a, seq)?),
+            (HybridRead::Window(c), AttentionPart::Window(iswa)) => {
+                Some(iswa.apply_swa(first, c, seq)?)
+            }
+            (HybridRead::Recurrent(_), _) => None,
+            (HybridRead::Window(_), AttentionPart::Full(_)) => {
+                unreachable!("a window cache's read is applied to the window cache that checked it")
+            }
+        };
+        let recurrent = self.recr.memory.state_read(second, seq)?;
+        Ok(match attention {
+            Some(a) => ReadSummary::together([a, recurrent]),
+            None => recurrent,
+        })
     }
 }
 

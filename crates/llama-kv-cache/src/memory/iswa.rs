@@ -11,7 +11,7 @@ use crate::ggml_type::GgmlType;
 use crate::memory::attention::{AttentionCache, CheckedRead, Snapshot};
 use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::{PartInfo, PartPlan};
-use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
+use crate::memory::parts_payload::{parts_payload_io, CheckedPayload, PartsPayload};
 use crate::memory::placement::{StreamSlot, Window};
 use crate::memory::recurrent::no_recurrent_state;
 use crate::memory::SwaType;
@@ -444,16 +444,63 @@ impl IswaCache {
     }
 }
 
+/// A read of an iSWA memory's payload, checked: both caches', or in a partial state the
+/// window cache's.
+pub(crate) enum IswaRead {
+    Both(IswaChecked),
+    Window(CheckedRead),
+}
+
+impl CheckedPayload for IswaChecked {
+    fn layout(&self) -> Layout {
+        self.base.layout()
+    }
+
+    fn has_no_data_header(&self) -> bool {
+        self.base.has_no_data_header() && self.swa.has_no_data_header()
+    }
+}
+
+impl CheckedPayload for IswaRead {
+    fn layout(&self) -> Layout {
+        match self {
+            IswaRead::Both(c) => c.layout(),
+            IswaRead::Window(c) => c.layout(),
+        }
+    }
+
+    fn has_no_data_header(&self) -> bool {
+        match self {
+            IswaRead::Both(c) => c.has_no_data_header(),
+            IswaRead::Window(c) => c.has_no_data_header(),
+        }
+    }
+}
+
 impl PartsPayload for IswaCache {
     const NAME: &'static str = "iSWA";
+    type Checked = IswaRead;
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         IswaCache::state_write(self, seq, layout)
     }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        IswaCache::state_read(self, data, seq, layout).map(ReadSummary::together)
+    /// A partial state is the window cache's.
+    fn check_payload(
+        &self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+        partial: bool,
+    ) -> Result<IswaRead> {
+        Ok(match partial {
+            true => IswaRead::Window(self.swa.cache.check_read(data, seq, layout, true)?),
+            false => IswaRead::Both(self.check_parts(data, seq, layout, true)?),
+        })
     }
-    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.state_read_partial(data, seq, layout)
+    fn apply_payload(&mut self, data: &[u8], checked: IswaRead, seq: i32) -> Result<ReadSummary> {
+        match checked {
+            IswaRead::Both(c) => self.apply_parts(data, c, seq).map(ReadSummary::together),
+            IswaRead::Window(c) => self.swa.cache.apply_read(data, c, seq),
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! State payloads and files of today's memories, written part by part (iSWA: base and window
 //! caches; hybrid: attention cache and recurrent memory; a unified model's cache of a stream
 //! per sequence: one part): reading a payload whose layout is not given, and llama.cpp's
-//! session and sequence files. A read checks every part before any changes, so trying a
-//! layout that does not fit changes nothing.
+//! session and sequence files. A read checks every part before any changes, so every layout
+//! can be tried without changing anything, and the one rule of every memory's payloads picks
+//! the layout (`detect_layout`: exactly one must read it).
 
 use std::path::Path;
 
@@ -13,68 +14,83 @@ use crate::state::files::{
     body_splits, file_layouts, header_bytes, parse_header, read_file, resolve_version,
     seq_data_payload, session_prefix, write_atomic_with, FileKind, WriteOptions,
 };
-use crate::state::Layout;
+use crate::state::{detect_layout, Layout};
 
-/// A memory whose payload is written part by part, and read whole.
-pub trait PartsPayload {
+/// A memory whose payload is written part by part, and read whole: checked in every part it
+/// reads first, then applied, so that a layout can be tried without changing anything.
+pub(crate) trait PartsPayload {
     /// What it is, for messages: `"iSWA"`, `"hybrid"` or `"per-sequence-stream"`.
     const NAME: &'static str;
+    /// A payload parsed and checked against every part it reads, nothing changed yet.
+    type Checked: CheckedPayload;
     /// The payload of `seq` (-1: everything) in `layout`.
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>>;
-    /// Reads a payload into `seq` (-1: everything), every part checked before any changes;
+    /// Parses and checks a payload of `seq` (-1: everything) in `layout` against every part it
+    /// reads, room included, changing nothing. `partial`: llama.cpp's `PARTIAL_ONLY` state (a
+    /// context checkpoint), whose other parts keep what they hold; a memory of one part writes
+    /// and reads its whole state there, as llama.cpp does.
+    fn check_payload(
+        &self,
+        data: &[u8],
+        seq: i32,
+        layout: Layout,
+        partial: bool,
+    ) -> Result<Self::Checked>;
+    /// Applies a read [`PartsPayload::check_payload`] accepted, the memory unchanged since;
     /// what the parts read, together.
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary>;
-    /// Reads llama.cpp's `PARTIAL_ONLY` state (a context checkpoint) into `seq`, checked
-    /// before any changes; the other parts keep what they hold. A memory of one part writes
-    /// and reads its whole state, as llama.cpp does.
-    fn read_partial_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        self.read_parts(data, seq, layout)
-    }
+    fn apply_payload(
+        &mut self,
+        data: &[u8],
+        checked: Self::Checked,
+        seq: i32,
+    ) -> Result<ReadSummary>;
 }
 
-/// Reads `data` into `seq` under each of `layouts` in turn (0.1.161's first), keeping the
-/// first that fits (`partial`: as llama.cpp's `PARTIAL_ONLY` state); a read that finds no room
-/// stops there (room does not depend on the layout). The reasons of the others name them.
-///
-/// The first fit is enough here, where the seed's cache refuses a payload two layouts read
-/// ([`SeedCache::detect_payload_among`](crate::SeedCache::detect_payload_among)): the layouts of
-/// today's memories differ in each stream's data header, so no payload parses and checks
-/// under both, while the seed's layouts of a one-sequence payload can.
-pub fn read_any<M: PartsPayload>(
+/// What the check of a payload found, as [`detect_layout`] compares two of them.
+pub(crate) trait CheckedPayload {
+    /// The layout it was read in.
+    fn layout(&self) -> Layout;
+    /// Whether no attention part has a data header: every layout with a stream prefix reads
+    /// it alike.
+    fn has_no_data_header(&self) -> bool;
+}
+
+/// Checks and applies a payload of `seq` (`partial`: a `PARTIAL_ONLY` state) in one of
+/// `layouts` ([`payload_layouts`]), found by the rule every memory's payloads follow
+/// ([`detect_layout`]): exactly one layout must read it.
+pub(crate) fn read_any<M: PartsPayload>(
     m: &mut M,
     data: &[u8],
     seq: i32,
     layouts: &[Layout],
     partial: bool,
 ) -> Result<ReadSummary> {
-    let mut why = Vec::new();
-    for &layout in layouts {
-        let read = match partial {
-            true => m.read_partial_parts(data, seq, layout),
-            false => m.read_parts(data, seq, layout),
-        };
-        match read {
-            Ok(summary) => return Ok(summary),
-            Err(e @ KvError::NoSpace(_)) => return Err(e),
-            Err(e) => why.push(format!("{layout}: {e}")),
-        }
-    }
     let what = if partial {
         "a partial state"
     } else {
         "a state"
     };
-    Err(KvError::InvalidState(format!(
-        "not {what} of this {} memory ({})",
-        M::NAME,
-        why.join("; ")
-    )))
+    let checked = detect_layout(
+        layouts,
+        |layout, _| m.check_payload(data, seq, layout, partial),
+        |c| c.layout(),
+        |a, b| a.has_no_data_header() && b.has_no_data_header(),
+        |why| {
+            let why: Vec<String> = why.iter().map(|(l, e)| format!("{l}: {e}")).collect();
+            KvError::InvalidState(format!(
+                "not {what} of this {} memory ({})",
+                M::NAME,
+                why.join("; ")
+            ))
+        },
+    )?;
+    m.apply_payload(data, checked, seq)
 }
 
 /// [`Memory::state_read`](crate::Memory::state_read) of a memory written part by part: the
 /// payload (or the in-memory form of `llama_state_seq_get_data`) in the layout given, or in
 /// whichever fits.
-pub fn read_state<M: PartsPayload>(
+pub(crate) fn read_state<M: PartsPayload>(
     m: &mut M,
     data: &[u8],
     seq: i32,
@@ -104,7 +120,7 @@ pub fn payload_layouts(forced: Option<Layout>) -> Vec<Layout> {
 /// Saves `seq` (`None`: every sequence, as a session file with `arch`) with its prompt
 /// `tokens` at `path`, atomically: the payload is written before the file is created, so a
 /// refusal leaves nothing behind.
-pub fn save_file<M: PartsPayload>(
+pub(crate) fn save_file<M: PartsPayload>(
     m: &M,
     path: &Path,
     seq: Option<i32>,
@@ -134,7 +150,7 @@ pub fn save_file<M: PartsPayload>(
 /// Loads the file at `path`: a sequence file into `dest`, a session file (`dest` `None`)
 /// into the whole memory. Each body and layout the file's version allows is tried, as
 /// [`read_any`] does.
-pub fn load_file<M: PartsPayload>(
+pub(crate) fn load_file<M: PartsPayload>(
     m: &mut M,
     path: &Path,
     dest: Option<i32>,

@@ -7,7 +7,7 @@ use crate::cache::kshift::UpdateReport;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
 use crate::error::Result;
-use crate::memory::attention::AttentionCache;
+use crate::memory::attention::{AttentionCache, CheckedRead};
 use crate::memory::interface::{stream_placement, LayerRows, Memory, Placements};
 use crate::memory::part::PartInfo;
 use crate::memory::parts_payload::{parts_payload_io, PartsPayload};
@@ -53,11 +53,20 @@ impl AttentionCache {
 
 impl PartsPayload for AttentionCache {
     const NAME: &'static str = "per-sequence-stream";
+    type Checked = CheckedRead;
     fn write_parts(&self, seq: i32, layout: Layout) -> Result<Vec<u8>> {
         AttentionCache::state_write(self, seq, layout)
     }
-    fn read_parts(&mut self, data: &[u8], seq: i32, layout: Layout) -> Result<ReadSummary> {
-        AttentionCache::state_read(self, data, seq, layout)
+    fn check_payload(&self, data: &[u8], seq: i32, layout: Layout, _: bool) -> Result<CheckedRead> {
+        self.check_read(data, seq, layout, true)
+    }
+    fn apply_payload(
+        &mut self,
+        data: &[u8],
+        checked: CheckedRead,
+        seq: i32,
+    ) -> Result<ReadSummary> {
+        self.apply_read(data, checked, seq)
     }
 }
 

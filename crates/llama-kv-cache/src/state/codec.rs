@@ -641,6 +641,48 @@ fn parse_payload_as<S: ByteSource + ?Sized>(
     })
 }
 
+/// The one rule that finds a payload's layout when none is given, for every memory: each
+/// candidate is tried in the order given (`attempt` parses and checks the payload against the
+/// memory without changing it; it sees the fits found so far, so a twin layout can be refuted
+/// from one of them) and exactly one must fit. Two that fit but read alike (`alike`: a payload
+/// of empty streams has no data header, so the streams and streams-rot layouts read it the
+/// same) count once, as the older layout. A payload two layouts read differently is refused as
+/// ambiguous, naming both: reading it either way could be wrong, and the caller can say which.
+/// A check that finds no room ends the search (room does not depend on the layout); `no_fit`
+/// makes the error of a payload no candidate reads, from each one's reason.
+pub fn detect_layout<T>(
+    candidates: &[Layout],
+    mut attempt: impl FnMut(Layout, &[T]) -> Result<T>,
+    layout_of: impl Fn(&T) -> Layout,
+    alike: impl Fn(&T, &T) -> bool,
+    no_fit: impl FnOnce(Vec<(Layout, KvError)>) -> KvError,
+) -> Result<T> {
+    let mut fits: Vec<T> = Vec::new();
+    let mut errors = Vec::new();
+    for &l in candidates {
+        match attempt(l, &fits) {
+            Ok(fit) => fits.push(fit),
+            Err(e @ KvError::NoSpace(_)) => return Err(e),
+            Err(e) => errors.push((l, e)),
+        }
+    }
+    if let [a, b] = fits.as_slice() {
+        if alike(a, b) {
+            let newer = if layout_of(a).era() > layout_of(b).era() {
+                0
+            } else {
+                1
+            };
+            fits.remove(newer);
+        }
+    }
+    match fits.len() {
+        1 => Ok(fits.remove(0)),
+        0 => Err(no_fit(errors)),
+        _ => Err(ambiguous(fits.iter().map(layout_of))),
+    }
+}
+
 /// The error of a payload that fits none of the candidate layouts, from each one's error.
 pub(crate) fn no_layout_fits(mut errors: Vec<(Layout, KvError)>) -> KvError {
     if errors.len() == 1 {
@@ -758,4 +800,64 @@ pub(crate) fn check_meta(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A candidate's reading in the tests: its layout and what it read.
+    type Reading = (Layout, &'static str);
+
+    /// [`detect_layout`] over `candidates`, each read as `reads` says (`None`: it does not
+    /// fit, `Some("")`: no room), two readings alike when they read the same thing.
+    fn detect(candidates: &[Layout], reads: &[Option<&'static str>]) -> Result<Reading> {
+        detect_layout(
+            candidates,
+            |l, _| match reads[candidates.iter().position(|&c| c == l).unwrap()] {
+                None => Err(KvError::InvalidState(format!("not {l}"))),
+                Some("") => Err(KvError::NoSpace("full".into())),
+                Some(what) => Ok((l, what)),
+            },
+            |r: &Reading| r.0,
+            |a, b| a.1 == b.1,
+            no_layout_fits,
+        )
+    }
+
+    #[test]
+    fn detect_layout_takes_the_one_layout_that_reads_a_payload() {
+        let all = [Layout::StreamsRot, Layout::Streams, Layout::Seed];
+        let got = detect(&all, &[None, Some("cells"), None]).unwrap();
+        assert_eq!(got, (Layout::Streams, "cells"));
+    }
+
+    #[test]
+    fn detect_layout_refuses_a_payload_two_layouts_read_differently() {
+        let all = [Layout::Streams, Layout::Seed];
+        let e = detect(&all, &[Some("one way"), Some("another way")]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("ambiguous: it parses as streams and seed"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn detect_layout_counts_two_alike_readings_once_as_the_older_layout() {
+        let twins = [Layout::StreamsRot, Layout::Streams];
+        let got = detect(&twins, &[Some("empty"), Some("empty")]).unwrap();
+        assert_eq!(got.0, Layout::Streams);
+    }
+
+    #[test]
+    fn detect_layout_stops_at_no_room_and_names_every_reason_otherwise() {
+        let all = [Layout::StreamsRot, Layout::Streams, Layout::Seed];
+        let e = detect(&all, &[Some(""), Some("cells"), None]).unwrap_err();
+        assert!(matches!(e, KvError::NoSpace(_)), "{e}");
+        let e = detect(&all, &[None, None, None]).unwrap_err().to_string();
+        for l in all {
+            assert!(e.contains(&format!("as {l}: not {l}")), "{e}");
+        }
+    }
 }

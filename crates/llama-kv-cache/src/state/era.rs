@@ -5,8 +5,8 @@ use std::fmt;
 
 use crate::state::codec::Layout;
 
-/// A llama.cpp era: the versions whose state payloads share one layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A llama.cpp era: the versions whose state payloads share one layout. Ordered oldest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Era {
     /// llama.cpp b4944, the seed this crate rebuilt (llama.node 0.3.16; llama-cpp-sys-2
     /// 0.1.103 builds it for the differential suite): one unified cache, payloads without a

@@ -13,7 +13,7 @@ use crate::state::codec::recurrent_tails;
 use crate::state::rows::{write_columns, write_rows};
 use crate::state::source::Cursor;
 use crate::state::{
-    ambiguous, check_meta, no_layout_fits, parse_payload_form, Layout, ParsedPayload, VBlock,
+    check_meta, detect_layout, no_layout_fits, parse_payload_form, Layout, ParsedPayload, VBlock,
 };
 
 impl SeedCache {
@@ -171,40 +171,29 @@ impl SeedCache {
             (Layout::StreamsRot | Layout::Streams, _) => 1,
             (Layout::Seed, _) => 2,
         });
-        let mut fits: Vec<ParsedPayload> = Vec::new();
-        let mut errors = Vec::new();
-        for l in candidates {
-            // the twin of a layout that fits parses the same metadata: its first data header
-            // decides it without a second parse of every cell
-            if let Some(e) = fits.iter().find_map(|p| self.refute_twin(data, p, l)) {
-                errors.push((l, e));
-                continue;
-            }
-            let parse = |no_v| parse_payload_form(data, l, self.params.cell_ext, no_v, true);
-            let attempt = parse(self.params.no_v)
-                // a payload without V blocks where this cache keeps V (or the other way round)
-                // parses only the other way: its check then names the difference
-                .or_else(|e| parse(!self.params.no_v).map_err(|_| e))
-                .and_then(|p| {
-                    check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
-                    self.check_data(&p)?;
-                    Ok(p)
-                });
-            match attempt {
-                Ok(p) => fits.push(p),
-                Err(e) => errors.push((l, e)),
-            }
-        }
-        // a payload of empty streams has no data header: the streams and streams-rot layouts
-        // read it the same, so it is not ambiguous
-        if fits.len() == 2 && fits.iter().all(|p| p.has_no_data_header()) {
-            fits.retain(|p| p.layout != Layout::StreamsRot);
-        }
-        match fits.len() {
-            1 => Ok(fits.remove(0)),
-            0 => Err(no_layout_fits(errors)),
-            _ => Err(ambiguous(fits.iter().map(|p| p.layout))),
-        }
+        detect_layout(
+            &candidates,
+            |l, fits: &[ParsedPayload]| {
+                // the twin of a layout that fits parses the same metadata: its first data
+                // header decides it without a second parse of every cell
+                if let Some(e) = fits.iter().find_map(|p| self.refute_twin(data, p, l)) {
+                    return Err(e);
+                }
+                let parse = |no_v| parse_payload_form(data, l, self.params.cell_ext, no_v, true);
+                parse(self.params.no_v)
+                    // a payload without V blocks where this cache keeps V (or the other way
+                    // round) parses only the other way: its check then names the difference
+                    .or_else(|e| parse(!self.params.no_v).map_err(|_| e))
+                    .and_then(|p| {
+                        check_meta(&p, seq, self.params.recurrent, self.params.n_seq_max)?;
+                        self.check_data(&p)?;
+                        Ok(p)
+                    })
+            },
+            |p| p.layout,
+            |a, b| a.has_no_data_header() && b.has_no_data_header(),
+            no_layout_fits,
+        )
     }
 
     /// Whether `twin`, the other of the streams and streams-rot layouts, certainly does not
