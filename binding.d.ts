@@ -206,10 +206,15 @@ export declare class KvCache {
   /** Whether CUDA memory can be used here, and why not. */
   static cudaStatus(): CudaStatus
   /**
-   * Whether clear(), seqRm, seqKeep and defrag hand the memory of host tensors back to the
-   * OS (the `releaseMemory` option).
+   * How the memory of host tensors goes back to the OS: the `releaseMemory` option (`true`:
+   * by decay, `'now'`, or `false`).
    */
-  get releaseMemory(): boolean
+  get releaseMemory(): boolean | 'now'
+  /**
+   * Hands back to the OS now the pages of every free cell, also those still within the
+   * decay's delay: for an app about to go idle, or before measuring its memory.
+   */
+  releaseUnused(): void
   /**
    * Host tensor bytes the cache holds in memory now: tensors are mapped lazily by the OS, so
    * a tensor counts once it is written, and no longer once `clear()` has handed its memory
@@ -736,6 +741,10 @@ export interface FromModelOptions {
   nUbatch?: number
   /** Where the tensors live, as in `new KvCache`. */
   device?: string | string[]
+  /** How freed memory goes back to the OS, as in `new KvCache` (every part of the memory). */
+  releaseMemory?: boolean | 'now'
+  /** The decay's delay in milliseconds, as in `new KvCache`. */
+  releaseDelayMs?: number
 }
 
 /** The structure of a llama.cpp state file. */
@@ -877,13 +886,19 @@ export interface KvCacheOptions {
    */
   device?: string | string[]
   /**
-   * Whether clear() hands the memory of host tensors (of 1 MiB or more) back to the OS
-   * instead of zeroing it in place, so a cleared cache stops costing RSS; and whether seqRm,
-   * seqKeep and defrag hand back the pages of the cells they free, when they free 1 MiB or
-   * more. Turn it off for a cache cleared and refilled in a tight loop, where faulting the
-   * pages back in costs more. Default true.
+   * How the memory of host tensors goes back to the OS. `true` (the default): clear()
+   * hands it back at once, and the pages of the cells seqRm, seqKeep and defrag free (1 MiB
+   * or more) once they stayed free for `releaseDelayMs`, as allocators purge, so a decode
+   * loop that refills cells soon pays nothing; more than 256 MiB awaiting release goes
+   * back at once. `'now'`: inside the operation that frees them. `false`: never (clear()
+   * zeroes in place), for a cache cleared and refilled in a tight loop.
    */
-  releaseMemory?: boolean
+  releaseMemory?: boolean | 'now'
+  /**
+   * How long freed cells stay resident before their pages go back, in milliseconds, with
+   * `releaseMemory: true`. Default 1000.
+   */
+  releaseDelayMs?: number
 }
 
 /** Types and row sizes of one layer. */

@@ -73,7 +73,6 @@ export type SeedOnly =
   | 'readV'
   | 'readVF32'
   | 'recurrent'
-  | 'releaseMemory'
   | 'rowSize'
   | 'scheduleDefrag'
   | 'seqCellCount'

@@ -65,6 +65,7 @@ const CALLS = {
   seqPosMin: (c) => c.seqPosMin(0),
   seqCellCount: (c) => c.seqCellCount(0),
   clear: (c) => c.clear(),
+  releaseUnused: (c) => c.releaseUnused(),
   findSlot: (c) => c.findSlot({ pos: [4], seqIds: [0] }),
   findSlotPacked: (c) => c.findSlotPacked(Int32Array.of(4), Int32Array.of(0)),
   prepareBatch: (c) => c.prepareBatch({ pos: [4], seqIds: [0] }),

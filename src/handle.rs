@@ -3,7 +3,7 @@
 //! Which call may take the lock when (the FIFO of async work, the `ERR_KV_BUSY` refusal of
 //! synchronous calls meanwhile) is [`crate::queue`]'s.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use llama_kv_cache as core;
@@ -18,7 +18,16 @@ pub struct Handle {
     env: JsEnv,
     /// Host tensor bytes V8 was told about.
     external: AtomicI64,
+    /// The release clock ([`crate::decay`]) holds, or is about to take, the lock: a
+    /// synchronous call that finds the lock held waits for it (the release is brief) instead
+    /// of throwing `ERR_KV_BUSY`.
+    releasing: AtomicBool,
+    /// The cache is on the release clock's list; set and cleared under the lock.
+    pub release_scheduled: AtomicBool,
 }
+
+/// The lock of a cache, held.
+type CacheGuard<'a> = MutexGuard<'a, Option<Box<dyn core::Memory>>>;
 
 /// A JS thread's env.
 struct JsEnv(napi::sys::napi_env);
@@ -37,6 +46,8 @@ impl Handle {
             cache: Mutex::new(None),
             env: JsEnv(env.raw()),
             external: AtomicI64::new(0),
+            releasing: AtomicBool::new(false),
+            release_scheduled: AtomicBool::new(false),
         };
         handle.account(cache.as_ref());
         *handle.cache.lock().unwrap_or_else(|p| p.into_inner()) = Some(cache);
@@ -83,7 +94,7 @@ impl Handle {
     /// disposed. The caller has checked that no async work is queued.
     pub fn try_with<T>(&self, f: impl FnOnce(&mut dyn core::Memory) -> JsResult<T>) -> JsResult<T> {
         guard(|| {
-            let mut lock = match self.cache.try_lock() {
+            let mut lock = match self.lock_unless_busy() {
                 Ok(lock) => lock,
                 Err(TryLockError::WouldBlock) => {
                     return Err(err(Code::Busy, "the cache is busy with an async operation"))
@@ -97,6 +108,37 @@ impl Handle {
         })
     }
 
+    /// The lock, unless an async operation or a stream holds it; while the release clock
+    /// holds it, waits for it.
+    fn lock_unless_busy(&self) -> Result<CacheGuard<'_>, TryLockError<CacheGuard<'_>>> {
+        loop {
+            match self.cache.try_lock() {
+                Err(TryLockError::WouldBlock) if self.releasing.load(Ordering::SeqCst) => {
+                    std::thread::yield_now()
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Runs `f` on the cache from the release clock's thread, if no one holds it: `Ok(None)`
+    /// when the cache was disposed, `Err(())` when it is busy. Synchronous calls meanwhile
+    /// wait instead of failing ([`Handle::try_with`]).
+    pub fn try_with_in_background<T>(
+        &self,
+        f: impl FnOnce(&mut dyn core::Memory) -> T,
+    ) -> Result<Option<T>, ()> {
+        self.releasing.store(true, Ordering::SeqCst);
+        let out = match self.cache.try_lock() {
+            Ok(mut lock) => Ok(lock.as_mut().map(|c| f(c.as_mut()))),
+            // a poisoned cache is refused by every call: nothing to release for it
+            Err(TryLockError::Poisoned(_)) => Ok(None),
+            Err(TryLockError::WouldBlock) => Err(()),
+        };
+        self.releasing.store(false, Ordering::SeqCst);
+        out
+    }
+
     /// Locks the cache for a task on the threadpool or a stream (tasks queue behind each
     /// other, so this waits only for a synchronous call that got in first).
     pub fn lock_for_task(&self) -> JsResult<MutexGuard<'_, Option<Box<dyn core::Memory>>>> {
@@ -105,7 +147,7 @@ impl Handle {
 
     /// Takes the cache out for `dispose()`, also after an internal error poisoned it.
     pub fn take_for_dispose(&self) -> JsResult<Option<Box<dyn core::Memory>>> {
-        match self.cache.try_lock() {
+        match self.lock_unless_busy() {
             Ok(mut lock) => Ok(lock.take()),
             Err(TryLockError::WouldBlock) => Err(err(
                 Code::Busy,

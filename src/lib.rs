@@ -6,6 +6,7 @@
 #![cfg_attr(test, allow(dead_code))]
 
 mod args;
+mod decay;
 mod device;
 mod error;
 mod handle;

@@ -491,11 +491,17 @@ pub struct FromModelOptions {
     /// Where the tensors live, as in `new KvCache`.
     #[napi(ts_type = "string | string[]")]
     pub device: Option<Either<String, Vec<String>>>,
+    /// How freed memory goes back to the OS, as in `new KvCache` (every part of the memory).
+    #[napi(ts_type = "boolean | 'now'")]
+    pub release_memory: Option<Either<bool, String>>,
+    /// The decay's delay in milliseconds, as in `new KvCache`.
+    pub release_delay_ms: Option<f64>,
 }
 
 crate::args::option_names!(
     FromModelOptions:
     "nCtx", "nSeqMax", "typeK", "typeV", "flashAttn", "kvUnified", "swaFull", "nUbatch", "device",
+    "releaseMemory", "releaseDelayMs",
 );
 
 /// The context `options` describe, as llama.cpp 0.1.161's `llama_context_params`.
@@ -533,6 +539,10 @@ impl KvCache {
             let path = args::path("ggufPath", &gguf_path)?;
             let o = options.map(|o| o.0);
             let ctx = context_of(o.as_ref())?;
+            let release = match &o {
+                Some(o) => options::release(o.release_memory.clone(), o.release_delay_ms)?,
+                None => None,
+            };
             let device = o.and_then(|o| o.device);
 
             let read = gguf::read_file(&path, false).map_err(from_core)?;
@@ -548,7 +558,9 @@ impl KvCache {
             if let Some(params) = blueprint.seed_params() {
                 let per_seq = params.size / ctx.n_seq_max.max(1);
                 let shift = model.shift_params(factors(per_seq)?);
-                return KvCache::from_params(&env, params.clone(), &device, shift);
+                let cache = KvCache::from_params(&env, params.clone(), &device, shift)?;
+                cache.set_release(release)?;
+                return Ok(cache);
             }
             // today's memories: built as llama.cpp 0.1.161 builds them for the context
             if device.is_some() {
@@ -562,7 +574,9 @@ impl KvCache {
             let memory = blueprint.build().map_err(from_core)?;
             let size = ctx.cells_per_stream(model.n_ctx_train).map_err(from_core)?;
             let shift = model.shift_params(factors(size)?);
-            Ok(KvCache::from_memory(&env, memory, shift))
+            let cache = KvCache::from_memory(&env, memory, shift);
+            cache.set_release(release)?;
+            Ok(cache)
         })
     }
 

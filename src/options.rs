@@ -2,11 +2,66 @@
 //! packed ubatches, finite floats. The option objects that hold them are converted by the
 //! class methods that take them.
 
-use llama_kv_cache::{CellExt, CellExtValue, GgmlType, UBatch};
+use std::time::Duration;
+
+use llama_kv_cache::{CellExt, CellExtValue, GgmlType, Release, UBatch};
 use napi::bindgen_prelude::*;
 
 use crate::args::{u32v, Num};
 use crate::error::{err, Code, JsResult};
+
+/// The longest decay delay: a day, far past any use, and a bound that keeps the deadline
+/// arithmetic of the release clock finite.
+const DELAY_MAX_MS: f64 = 86_400_000.0;
+
+/// The `releaseMemory` and `releaseDelayMs` options (`None`: the default, decay after a
+/// second).
+pub fn release(
+    mode: Option<Either<bool, String>>,
+    delay_ms: Option<f64>,
+) -> JsResult<Option<Release>> {
+    let delay = delay_ms
+        .map(|ms| match ms.is_finite() && (0.0..=DELAY_MAX_MS).contains(&ms) {
+            true => Ok(Duration::from_secs_f64(ms / 1000.0)),
+            false => Err(err(
+                Code::InvalidArg,
+                format!("releaseDelayMs must be a number of milliseconds in [0, {DELAY_MAX_MS}], got {ms}"),
+            )),
+        })
+        .transpose()?;
+    let decay = |delay: Option<Duration>| match (Release::DECAY, delay) {
+        (Release::Decay { watermark, .. }, Some(delay)) => Release::Decay { delay, watermark },
+        (default, _) => default,
+    };
+    let release = match mode {
+        None if delay.is_none() => return Ok(None),
+        None | Some(Either::A(true)) => decay(delay),
+        Some(Either::A(false)) => Release::Off,
+        Some(Either::B(now)) if now == "now" => Release::Now,
+        Some(Either::B(other)) => {
+            return Err(err(
+                Code::InvalidArg,
+                format!("releaseMemory must be true, false or 'now', got {other:?}"),
+            ))
+        }
+    };
+    if delay.is_some() && !matches!(release, Release::Decay { .. }) {
+        return Err(err(
+            Code::InvalidArg,
+            "releaseDelayMs is the delay of releaseMemory: true; with false or 'now' there is none",
+        ));
+    }
+    Ok(Some(release))
+}
+
+/// The `releaseMemory` value of `release`.
+pub fn release_name(release: Release) -> Either<bool, &'static str> {
+    match release {
+        Release::Decay { .. } => Either::A(true),
+        Release::Now => Either::B("now"),
+        Release::Off => Either::A(false),
+    }
+}
 
 /// A KV type name.
 pub fn ggml_type(name: &str, v: Option<String>, default: GgmlType) -> JsResult<GgmlType> {

@@ -12,12 +12,13 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use llama_kv_cache as core;
 use napi::bindgen_prelude::*;
 use napi::sys;
 
+use crate::decay;
 use crate::error::{err, Code, JsResult};
 use crate::handle::Handle;
 
@@ -159,7 +160,7 @@ impl Queue {
 /// A cache's handle and the queue of its async operations, shared by the `KvCache` object,
 /// its tasks, its state streams and its slot restorers.
 pub struct Shared {
-    pub handle: Handle,
+    pub handle: Arc<Handle>,
     pub queue: Queue,
 }
 
@@ -167,7 +168,7 @@ impl Shared {
     /// The shared state of a new cache.
     pub fn new(handle: Handle) -> Self {
         Shared {
-            handle,
+            handle: Arc::new(handle),
             queue: Queue::default(),
         }
     }
@@ -181,6 +182,10 @@ impl Shared {
                 "the cache is busy with an async operation; await it first",
             ));
         }
-        self.handle.try_with(f)
+        self.handle.try_with(|m| {
+            let out = f(m);
+            decay::schedule(&self.handle, m);
+            out
+        })
     }
 }

@@ -149,7 +149,9 @@ impl<J: Job + 'static> Task for CacheTask<J> {
                 .as_mut()
                 .ok_or_else(|| err(Code::Disposed, "the cache was disposed"))?;
             let mut poll = self.control.poll();
-            self.job.run(cache.as_mut(), &mut poll)
+            let out = self.job.run(cache.as_mut(), &mut poll);
+            crate::decay::schedule(&self.shared.handle, cache.as_ref());
+            out
         });
         result.map_err(|e| {
             let reason = e.reason.clone();

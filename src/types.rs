@@ -61,19 +61,24 @@ pub struct KvCacheOptions {
     /// without one, construction fails with ERR_KV_CUDA_UNAVAILABLE.
     #[napi(ts_type = "string | string[]")]
     pub device: Option<Either<String, Vec<String>>>,
-    /// Whether clear() hands the memory of host tensors (of 1 MiB or more) back to the OS
-    /// instead of zeroing it in place, so a cleared cache stops costing RSS; and whether seqRm,
-    /// seqKeep and defrag hand back the pages of the cells they free, when they free 1 MiB or
-    /// more. Turn it off for a cache cleared and refilled in a tight loop, where faulting the
-    /// pages back in costs more. Default true.
-    pub release_memory: Option<bool>,
+    /// How the memory of host tensors goes back to the OS. `true` (the default): clear()
+    /// hands it back at once, and the pages of the cells seqRm, seqKeep and defrag free (1 MiB
+    /// or more) once they stayed free for `releaseDelayMs`, as allocators purge, so a decode
+    /// loop that refills cells soon pays nothing; more than 256 MiB awaiting release goes
+    /// back at once. `'now'`: inside the operation that frees them. `false`: never (clear()
+    /// zeroes in place), for a cache cleared and refilled in a tight loop.
+    #[napi(ts_type = "boolean | 'now'")]
+    pub release_memory: Option<Either<bool, String>>,
+    /// How long freed cells stay resident before their pages go back, in milliseconds, with
+    /// `releaseMemory: true`. Default 1000.
+    pub release_delay_ms: Option<f64>,
 }
 
 crate::args::option_names!(
     KvCacheOptions:
     "size", "nLayer", "nEmbdKGqa", "nEmbdVGqa", "nEmbdKS", "nEmbdVS", "typeK", "typeV", "flashAttn",
     "recurrent", "canShift", "nSeqMax", "cellExt", "mrope", "noV", "nRotK", "nRotV", "device",
-    "releaseMemory",
+    "releaseMemory", "releaseDelayMs",
 );
 
 /// A CUDA device.

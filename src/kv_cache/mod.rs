@@ -95,6 +95,14 @@ impl KvCache {
         self.shared.with(f)
     }
 
+    /// Sets how the memory goes back to the OS (`None`: the default).
+    pub(crate) fn set_release(&self, release: Option<core::Release>) -> JsResult<()> {
+        match release {
+            Some(r) => self.with_memory(|m| m.set_release(r).map_err(from_core)),
+            None => Ok(()),
+        }
+    }
+
     /// Runs `job` on the calling thread (refused while the cache is busy).
     pub(crate) fn run_sync<J: Job>(&self, mut job: J) -> JsResult<J::Js> {
         self.with_memory(|c| {
@@ -205,13 +213,9 @@ impl KvCache {
                 // the constructor's recurrent cache is the seed's; fromModel builds 0.1.161's
                 recurrent_rules: core::RecurrentRules::Seed,
             };
+            let release = options::release(options.release_memory, options.release_delay_ms)?;
             let cache = KvCache::from_params(&env, params, &options.device, None)?;
-            if let Some(on) = options.release_memory {
-                cache.with("releaseMemory", |c| {
-                    c.set_release_memory(on);
-                    Ok(())
-                })?;
-            }
+            cache.set_release(release)?;
             Ok(cache)
         })
     }
@@ -251,11 +255,22 @@ impl KvCache {
         crate::device::status()
     }
 
-    /// Whether clear(), seqRm, seqKeep and defrag hand the memory of host tensors back to the
-    /// OS (the `releaseMemory` option).
-    #[napi(getter)]
-    pub fn release_memory(&self) -> Result<bool, Code> {
-        self.with("releaseMemory", |c| Ok(c.release_memory()))
+    /// How the memory of host tensors goes back to the OS: the `releaseMemory` option (`true`:
+    /// by decay, `'now'`, or `false`).
+    #[napi(getter, ts_return_type = "boolean | 'now'")]
+    pub fn release_memory(&self) -> Result<Either<bool, &'static str>, Code> {
+        self.with_memory(|m| Ok(options::release_name(m.release())))
+    }
+
+    /// Hands back to the OS now the pages of every free cell, also those still within the
+    /// decay's delay: for an app about to go idle, or before measuring its memory.
+    #[napi]
+    pub fn release_unused(&self) -> Result<(), Code> {
+        self.with_memory(|m| {
+            let released = m.release_unused().map_err(from_core);
+            self.shared.handle.account(m);
+            released
+        })
     }
 
     /// Host tensor bytes the cache holds in memory now: tensors are mapped lazily by the OS, so

@@ -49,6 +49,7 @@ pub use cache::convert::{convert_bytes, convert_file, ConvertOptions};
 pub use cache::defrag::{CellMove, DefragReport, DEFAULT_MAX_NODES};
 pub use cache::io::{Progress, ReadOptions, ReadSummary};
 pub use cache::kshift::UpdateReport;
+pub use cache::release_policy::Release;
 pub use cache::restorer::SlotRestorer;
 pub use cache::save_load::LoadedFile;
 pub use cache::sequence_load::SequenceLoad;

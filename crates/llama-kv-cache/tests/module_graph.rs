@@ -37,6 +37,7 @@ const BINDING_LAYERS: &[(&str, &[&str])] = &[
     ("plain option and result types", &["types"]),
     ("callbacks", &["signal", "move_list", "device"]),
     ("the shared cache handle", &["handle"]),
+    ("the release clock", &["decay"]),
     ("scheduling", &["queue"]),
     ("tasks and jobs", &["tasks"]),
     ("jobs", &["jobs"]),

@@ -13,6 +13,7 @@ pub mod defrag;
 pub mod io;
 pub mod kshift;
 mod release;
+pub mod release_policy;
 pub mod restorer;
 pub(crate) mod rollback;
 pub mod save_load;
@@ -22,6 +23,7 @@ pub mod slot;
 pub mod stream;
 pub mod view;
 
+use crate::cache::release_policy::{Pending, Release};
 use crate::cells::{Cells, MAX_SEQ};
 use crate::error::{KvError, Result};
 use crate::ggml_type::GgmlType;
@@ -41,9 +43,11 @@ pub struct SeedCache {
     pub(crate) has_shift: bool,
     pub(crate) do_defrag: bool,
     pub(crate) layers: Vec<LayerTensors>,
-    /// Whether `clear` and the operations that free cells hand the tensors' memory back to the
-    /// OS ([`SeedCache::set_release_memory`]).
-    pub(crate) release_memory: bool,
+    /// How `clear` and the operations that free cells hand the tensors' memory back to the OS
+    /// ([`SeedCache::set_release`]).
+    pub(crate) release: Release,
+    /// Freed cells awaiting release by decay.
+    pub(crate) pending: Pending,
 }
 
 impl SeedCache {
@@ -106,7 +110,8 @@ impl SeedCache {
             has_shift: false,
             do_defrag: false,
             layers,
-            release_memory: true,
+            release: Release::default(),
+            pending: Pending::default(),
             params,
         })
     }
@@ -257,13 +262,15 @@ impl SeedCache {
         out
     }
 
-    /// Frees every cell and zeroes the tensors. As in the seed, deltas and the pending
-    /// shift/defrag flags are left alone.
+    /// Frees every cell and zeroes the tensors, handing the memory of host tensors (of 1 MiB or
+    /// more) back to the OS at once unless [`Release::Off`]. As in the seed, deltas and the
+    /// pending shift/defrag flags are left alone.
     pub fn clear(&mut self) -> Result<()> {
         self.cells.reset();
         self.head = 0;
+        self.pending = Pending::default();
         for l in &mut self.layers {
-            if self.release_memory {
+            if self.release != Release::Off {
                 l.k.release()?;
                 l.v.release()?;
             } else {
@@ -272,20 +279,6 @@ impl SeedCache {
             }
         }
         Ok(())
-    }
-
-    /// Whether [`SeedCache::clear`] hands the memory of host tensors (of 1 MiB or more) back to
-    /// the OS instead of zeroing it in place, and `seq_rm`, `seq_keep` and defrag the pages of
-    /// the cells they free (see `release`). On by default: an app that cleared a long chat
-    /// no longer pays for it. Turn it off for a cache that is cleared and refilled in a tight
-    /// loop, where faulting the pages back in costs more than keeping them.
-    pub fn set_release_memory(&mut self, on: bool) {
-        self.release_memory = on;
-    }
-
-    /// See [`SeedCache::set_release_memory`].
-    pub fn release_memory(&self) -> bool {
-        self.release_memory
     }
 
     /// Where V of a cell is: the geometry every layer shares.

@@ -147,6 +147,11 @@ impl AttentionCache {
             .ok_or_else(|| KvError::OutOfRange(format!("stream {s} is out of range [0, {n})")))
     }
 
+    /// Every stream, to change.
+    pub(crate) fn streams_mut(&mut self) -> Vec<&mut SeedCache> {
+        self.streams.iter_mut().collect()
+    }
+
     /// The stream of sequence `seq`, checked.
     pub fn stream_of(&self, what: &str, seq: i32) -> Result<usize> {
         let s = self.streams[0].check_seq(what, seq)?;

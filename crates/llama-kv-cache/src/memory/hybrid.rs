@@ -617,6 +617,15 @@ impl Memory for HybridCache {
         all
     }
 
+    fn caches_mut(&mut self) -> Vec<&mut SeedCache> {
+        let mut all = match &mut self.attn.cache {
+            AttentionPart::Full(c) => c.streams_mut(),
+            AttentionPart::Window(c) => c.caches_mut(),
+        };
+        all.push(self.recr.memory.cache_mut());
+        all
+    }
+
     fn n_seq_max(&self) -> u32 {
         self.recr.memory.cache().params().n_seq_max
     }

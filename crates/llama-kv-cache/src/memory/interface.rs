@@ -6,9 +6,11 @@
 //! views) is reached through [`Memory::seed`].
 
 use std::path::Path;
+use std::time::Instant;
 
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
+use crate::cache::release_policy::Release;
 use crate::cache::save_load::LoadedFile;
 use crate::cache::SeedCache;
 use crate::cells::ubatch::UBatch;
@@ -56,6 +58,9 @@ pub trait Memory: Send {
 
     /// Every cache of the memory: each stream of each attention part, and a recurrent part.
     fn caches(&self) -> Vec<&SeedCache>;
+
+    /// [`Memory::caches`], to change.
+    fn caches_mut(&mut self) -> Vec<&mut SeedCache>;
 
     /// Sequences.
     fn n_seq_max(&self) -> u32;
@@ -185,6 +190,13 @@ pub trait Memory: Send {
         Ok(None)
     }
 
+    /// When the next span of freed cells awaiting release by decay is due, in any cache.
+    fn next_release(&self) -> Option<Instant> {
+        (self.caches().into_iter())
+            .filter_map(SeedCache::next_release)
+            .min()
+    }
+
     /// The seed's cache, when this memory is one.
     fn seed(&self) -> Option<&SeedCache> {
         None
@@ -235,6 +247,35 @@ impl dyn Memory + '_ {
             .into_iter()
             .map(SeedCache::host_resident_bytes)
             .sum()
+    }
+
+    /// Sets how every cache of the memory hands freed memory back ([`Release`]).
+    pub fn set_release(&mut self, release: Release) -> Result<()> {
+        (self.caches_mut().into_iter()).try_for_each(|c| c.set_release(release))
+    }
+
+    /// How the memory hands freed memory back (every cache alike).
+    pub fn release(&self) -> Release {
+        self.caches()
+            .first()
+            .map_or(Release::default(), |c| c.release())
+    }
+
+    /// Hands back what has stayed free for the delay by `now` in every cache
+    /// ([`SeedCache::release_due`]); when the next is due.
+    pub fn release_due(&mut self, now: Instant) -> Result<Option<Instant>> {
+        let mut next: Option<Instant> = None;
+        for c in self.caches_mut() {
+            if let Some(due) = c.release_due(now)? {
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
+        }
+        Ok(next)
+    }
+
+    /// Hands back now the pages of every free cell of every cache.
+    pub fn release_unused(&mut self) -> Result<()> {
+        (self.caches_mut().into_iter()).try_for_each(SeedCache::release_unused)
     }
 
     /// Bytes of all K tensors (a recurrent part's R), over every part.

@@ -533,6 +533,12 @@ impl Memory for IswaCache {
         [self.base.cache.streams(), self.swa.cache.streams()].concat()
     }
 
+    fn caches_mut(&mut self) -> Vec<&mut SeedCache> {
+        let mut all = self.base.cache.streams_mut();
+        all.extend(self.swa.cache.streams_mut());
+        all
+    }
+
     fn n_seq_max(&self) -> u32 {
         self.base.cache.params().n_seq_max
     }

@@ -2,6 +2,7 @@
 //! [`Memory`]: one part of one stream, its own streamed files and in-place state writes.
 
 use std::path::Path;
+use std::time::Instant;
 
 use crate::cache::io::{Progress, ReadOptions, ReadSummary};
 use crate::cache::kshift::UpdateReport;
@@ -55,6 +56,10 @@ impl Memory for SeedCache {
     }
 
     fn caches(&self) -> Vec<&SeedCache> {
+        vec![self]
+    }
+
+    fn caches_mut(&mut self) -> Vec<&mut SeedCache> {
         vec![self]
     }
 
@@ -208,6 +213,10 @@ impl Memory for SeedCache {
         max_nodes: Option<u32>,
     ) -> Result<UpdateReport> {
         SeedCache::update(self, shift, max_nodes)
+    }
+
+    fn next_release(&self) -> Option<Instant> {
+        SeedCache::next_release(self)
     }
 
     fn seed(&self) -> Option<&SeedCache> {

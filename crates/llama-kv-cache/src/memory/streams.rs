@@ -94,6 +94,10 @@ impl Memory for AttentionCache {
         self.streams()
     }
 
+    fn caches_mut(&mut self) -> Vec<&mut SeedCache> {
+        self.streams_mut()
+    }
+
     fn n_seq_max(&self) -> u32 {
         self.params().n_seq_max
     }
