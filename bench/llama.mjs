@@ -5,6 +5,7 @@
 //
 //   npm run bench:llama                    # builds all three, runs 4,096 and 65,536 cells + 8B rows
 //   BENCH_ROUNDS=15 BENCH_BIG=0 node bench/llama.mjs
+//   BENCH_RELEASE=now node bench/llama.mjs  # the JS cache's releaseMemory: true (default), now, false
 //
 // Workload (the issue's): 8 sequences filling the cache in one contiguous block each, f16 K/V,
 // 2 layers with 32-wide rows, V transposed (no flash attention), one thread. Every round restores
@@ -29,6 +30,8 @@ const { KvCache } = require(path.join(root, 'index.js'))
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 11)
 const SIZES = (process.env.BENCH_SIZES ?? '4096,65536').split(',').map(Number)
 const N_SEQ = 8
+// the JS side's releaseMemory (the default unless BENCH_RELEASE says 'now' or 'false')
+const RELEASE = { now: { releaseMemory: 'now' }, false: { releaseMemory: false } }[process.env.BENCH_RELEASE] ?? {}
 const target = process.env.CARGO_TARGET_DIR ?? path.join(root, 'target')
 
 const pad = (s, n) => String(s).padStart(n)
@@ -58,7 +61,7 @@ class Peer {
 /** Our JS binding on the same workload, with the same ops as the two peers. */
 class JsSide {
   constructor(size, dir) {
-    this.cache = new KvCache({ size, nLayer: 2, nEmbdKGqa: 32, nSeqMax: N_SEQ, typeK: 'f16', typeV: 'f16' })
+    this.cache = new KvCache({ size, nLayer: 2, nEmbdKGqa: 32, nSeqMax: N_SEQ, typeK: 'f16', typeV: 'f16', ...RELEASE })
     this.len = size / N_SEQ
     this.seqBlobs = Array.from({ length: N_SEQ }, (_, s) => fs.readFileSync(path.join(dir, `seq-${s}.bin`)))
     this.whole = fs.readFileSync(path.join(dir, 'whole.bin'))
@@ -395,7 +398,7 @@ async function big() {
 const core = new Peer('bench-core', path.join(target, 'release', 'bench-core'))
 const { bench } = await core.ask('paths')
 const llama = new Peer('llama.cpp kv-bench', bench)
-console.log(`# llama.cpp 0.1.103 (C API) vs our Rust core vs our JS binding, same run (node ${process.version}, ${os.cpus()[0].model})`)
+console.log(`# llama.cpp 0.1.103 (C API) vs our Rust core vs our JS binding (releaseMemory: ${RELEASE.releaseMemory ?? 'default'}), same run (node ${process.version}, ${os.cpus()[0].model})`)
 try {
   for (const size of SIZES) await sameRun(size, core, llama)
 } finally {
