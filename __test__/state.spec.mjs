@@ -79,9 +79,10 @@ test('stateRead reads a view into a larger buffer in place, sync and async', asy
   t.deepEqual(c.stateWriteSync(3, { layout: 'seed' }), a.stateWriteSync(1, { layout: 'seed' }))
 })
 
-test('async stateRead of multi-MiB payloads, copied into reused staging memory or transferred, loads what stateReadSync loads', async (t) => {
+test.serial('async stateRead of multi-MiB payloads, copied into reused staging memory or transferred, loads what stateReadSync loads', async (t) => {
   // 1 MiB and more is copied into staging memory that the next copy reuses: a smaller
   // payload after a larger one must read its own bytes only
+  // (serial: its JS work would delay the progress report the abort test below waits for)
   const geometry = { size: 512, nLayer: 4, nEmbdKGqa: 512, typeK: 'f16', typeV: 'f16' }
   const source = (cells, seed) => {
     const c = new KvCache(geometry)
