@@ -120,7 +120,8 @@ export declare class KvCache {
   stateReadSync(data: Uint8Array, seqId?: number, options?: LoadOptions): ReadResult
   /**
    * Restores a state on the threadpool (transactional). `data` is copied at the call, so it
-   * may be reused or transferred at once.
+   * may be reused or transferred at once; with `{ transfer: true }` the call takes it
+   * instead (detaching it, see `LoadOptions.transfer`).
    */
   stateRead(data: Uint8Array, seqId?: number, options?: LoadOptions): Promise<ReadResult>
   /**
@@ -964,6 +965,18 @@ export interface LoadOptions {
    * hybrid's recurrent part; the other parts keep what they hold. Default false.
    */
   partial?: boolean
+  /**
+   * Async `stateRead`: the call takes `data` instead of copying it, as a transfer list
+   * does: its ArrayBuffer moves (without a copy) into one only the call holds, so `data`
+   * and every view of that ArrayBuffer are detached (`byteLength` 0) from the call on, and
+   * nothing the program does to them can reach the bytes being read. For a payload the
+   * program drops after the load (read from a file or a socket); it saves the copy, the
+   * async call's cost over `stateReadSync`. `data` must view its whole ArrayBuffer:
+   * otherwise (Node's pooled small Buffers, `subarray`s), or when it cannot be transferred
+   * (a SharedArrayBuffer), it is copied as without the option, and stays usable.
+   * `stateReadSync` reads in place either way. Default false.
+   */
+  transfer?: boolean
   /** Called with `(doneBytes, totalBytes)`. */
   onProgress?: (done: number, total: number) => void
   /**

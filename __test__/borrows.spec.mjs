@@ -64,6 +64,29 @@ test('async stateRead reads a copy: the caller may reuse its buffer as soon as t
   t.true(r.matchesReference)
 })
 
+test('async stateRead { transfer: true } takes the payload: it is detached at the call, a transfer of it moves no memory, and the load equals the default one', async (t) => {
+  const r = await runCase('state-read-transfer')
+  t.is(r.outcome, 'result', r.message)
+  t.true(r.taken, 'data is detached at the call')
+  t.is(r.grabbed, 0, 'the program cannot transfer the bytes away')
+  t.true(r.matchesReference)
+})
+
+test('async stateRead { transfer: true } of a view of part of its ArrayBuffer copies it: the caller may reuse it at once', async (t) => {
+  const r = await runCase('state-read-transfer-partial')
+  t.is(r.outcome, 'result', r.message)
+  t.true(r.kept, 'a partial view is not detached')
+  t.true(r.matchesReference)
+})
+
+test('async stateRead { transfer: true } of a payload a getter detached first is a typed error, the cache unchanged', async (t) => {
+  const r = await runCase('state-read-transfer-detached')
+  t.true(r.detached)
+  t.is(r.outcome, 'error', 'a detached buffer holds no state')
+  typedErrorOrCorrect(t, r)
+  t.true(r.unchanged)
+})
+
 test('regression: a destination transferred away and collected while async stateWriteInto runs rejects with ERR_KV_INVALID_ARG naming the buffer, not a write to freed memory', async (t) => {
   const r = await runCase('state-write-into-async')
   t.true(r.detached)

@@ -79,6 +79,51 @@ test('stateRead reads a view into a larger buffer in place, sync and async', asy
   t.deepEqual(c.stateWriteSync(3, { layout: 'seed' }), a.stateWriteSync(1, { layout: 'seed' }))
 })
 
+test.serial('async stateRead of multi-MiB payloads, copied into reused staging memory or transferred, loads what stateReadSync loads', async (t) => {
+  // 1 MiB and more is copied into staging memory that the next copy reuses: a smaller
+  // payload after a larger one must read its own bytes only
+  // (serial: its JS work would delay the progress report the abort test below waits for)
+  const geometry = { size: 512, nLayer: 4, nEmbdKGqa: 512, typeK: 'f16', typeV: 'f16' }
+  const source = (cells, seed) => {
+    const c = new KvCache(geometry)
+    c.findSlot({ pos: Int32Array.from({ length: cells }, (_, i) => i), seqIds: new Array(cells).fill(0) })
+    const rows = Buffer.alloc(cells * 1024)
+    for (let i = 0; i < rows.length; i += 2) rows.writeUInt16LE(0x3c00 ^ ((i * seed) >>> 7) & 0x3ff, i)
+    for (let il = 0; il < 4; il++) {
+      c.writeK(il, 0, rows)
+      c.writeV(il, 0, rows)
+    }
+    return c.stateWriteSync(0)
+  }
+  const large = source(500, 2654435761)
+  const smaller = source(300, 40503)
+  t.true(smaller.length > 1 << 20)
+  for (const [blob, options] of [[large, undefined], [smaller, undefined], [large, { transfer: true }]]) {
+    const expected = new KvCache(geometry)
+    expected.stateReadSync(blob, 0)
+    const c = new KvCache(geometry)
+    const data = Buffer.from(blob)
+    const pending = c.stateRead(data, 0, options)
+    t.is(data.length, options ? 0 : blob.length, options ? 'taken' : 'copied')
+    if (!options) data.fill(0xff)
+    await pending
+    t.deepEqual(c.stateWriteSync(0), expected.stateWriteSync(0))
+  }
+})
+
+test('transfer is an option of stateRead only: the file loaders refuse it', async (t) => {
+  const a = filled()
+  const dir = tmp()
+  const file = path.join(dir, 'seq.bin')
+  a.saveSequenceFileSync(file, 0, [1, 2, 3])
+  const c = make()
+  const refused = { code: 'ERR_KV_INVALID_ARG', message: /transfer is an option of stateRead/ }
+  t.throws(() => c.loadSequenceFileSync(file, 0, { transfer: true }), refused)
+  t.throws(() => c.loadSequenceFile(file, 0, { transfer: true }), refused)
+  t.is(c.stateReadSync(a.stateWriteSync(0), 0, { transfer: true }).cells, a.seqCellCount(0))
+  fs.rmSync(dir, { recursive: true, force: true })
+})
+
 test('a sequence restores into another id', (t) => {
   const a = filled()
   const blob = a.stateWriteSync(1)

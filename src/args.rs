@@ -222,12 +222,114 @@ impl<T: Element> View<T> {
 impl View<u8> {
     /// A copy of the bytes in Rust-owned memory, for work on the threadpool: JS may detach or
     /// free the buffer while the work runs, and Node-API cannot pin it. Costs one memcpy of the
-    /// bytes and as much memory again while the work runs; an allocation failure is an
-    /// `ERR_KV_BACKEND` error, not an abort. Call it after the other arguments are converted.
-    pub fn copy(&self, name: &str) -> JsResult<llama_kv_cache::alloc::OwnedBytes> {
+    /// bytes into staging memory reused from the previous copy (see
+    /// [`llama_kv_cache::staging`]); an allocation failure is an `ERR_KV_BACKEND` error, not an
+    /// abort. Call it after the other arguments are converted.
+    pub fn copy(&self, name: &str) -> JsResult<Payload> {
         // SAFETY: the slice is copied at once, with no JS in between
         let bytes = unsafe { self.borrow(name)? };
-        llama_kv_cache::alloc::copy_bytes(bytes, &format!("a copy of {name}")).map_err(from_core)
+        llama_kv_cache::staging::stage_bytes(bytes, &format!("a copy of {name}"))
+            .map(Payload::Copied)
+            .map_err(from_core)
+    }
+
+    /// The bytes for work on the threadpool without a copy: the array's ArrayBuffer is
+    /// transferred (`structuredClone(buffer, { transfer: [buffer] })`, which moves its memory
+    /// without copying it) into a clone that only this call holds, so the caller's array and
+    /// every view of that ArrayBuffer are detached from now on. Nothing JS can reach then
+    /// owns the memory: no write, resize, transfer or collection can touch it until the work
+    /// drops the clone. An array that cannot be transferred whole (a view of part of its
+    /// ArrayBuffer, as Node's pooled small Buffers are; a SharedArrayBuffer; an ArrayBuffer
+    /// marked untransferable) is copied as [`View::copy`] does. Call it after the other
+    /// arguments are converted.
+    pub fn take(&self, name: &str) -> JsResult<Payload> {
+        match self.transfer(name)? {
+            Some(taken) => Ok(Payload::Taken(taken)),
+            None => self.copy(name),
+        }
+    }
+
+    /// [`View::take`]'s transfer: the clone as a Uint8Array held by reference, or `None` when
+    /// the array is not a whole, transferable ArrayBuffer (nothing was detached then).
+    fn transfer(&self, name: &str) -> JsResult<Option<Uint8Array>> {
+        let (data, len) = self.info(name)?;
+        let env = self.env;
+        let (mut kind, mut view_len, mut view_data, mut buffer, mut offset) = (
+            -1,
+            0usize,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0usize,
+        );
+        let (mut buffer_data, mut buffer_len) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: env and value come from napi for this call; out-pointers to locals. A
+        // SharedArrayBuffer fails `napi_get_arraybuffer_info` (it is no ArrayBuffer)
+        let whole = unsafe {
+            sys::napi_get_typedarray_info(
+                env,
+                self.value,
+                &mut kind,
+                &mut view_len,
+                &mut view_data,
+                &mut buffer,
+                &mut offset,
+            ) == sys::Status::napi_ok
+                && sys::napi_get_arraybuffer_info(env, buffer, &mut buffer_data, &mut buffer_len)
+                    == sys::Status::napi_ok
+        };
+        if !whole || len == 0 || data.is_null() || offset != 0 || buffer_len != len {
+            return Ok(None);
+        }
+        let Some(clone) = structured_clone_transfer(env, buffer) else {
+            return Ok(None);
+        };
+        // the clone must hold the very memory the caller's ArrayBuffer held, which is now
+        // detached (byte length 0: `napi_is_detached_arraybuffer` is Node-API 7, and this
+        // addon targets 6): then nothing JS can reach owns that memory
+        let (mut clone_data, mut clone_len) = (std::ptr::null_mut(), 0usize);
+        let (mut left_data, mut left_len) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: as above
+        let moved = unsafe {
+            sys::napi_get_arraybuffer_info(env, buffer, &mut left_data, &mut left_len)
+                == sys::Status::napi_ok
+                && sys::napi_get_arraybuffer_info(env, clone, &mut clone_data, &mut clone_len)
+                    == sys::Status::napi_ok
+        };
+        let detached = moved && left_len == 0;
+        if !(moved && detached && clone_data == data.cast() && clone_len == len) {
+            if detached {
+                return Err(err(
+                    Code::InvalidArg,
+                    format!(
+                        "{name} was detached but its memory did not move into the clone \
+                         (globalThis.structuredClone was replaced?)"
+                    ),
+                ));
+            }
+            return Ok(None);
+        }
+        let mut view = std::ptr::null_mut();
+        // SAFETY: `clone` is an ArrayBuffer of `len` bytes on this thread; the Uint8Array made
+        // over it holds it by reference for as long as the work holds the Uint8Array
+        let held = unsafe {
+            if sys::napi_create_typedarray(
+                env,
+                sys::TypedarrayType::uint8_array,
+                len,
+                clone,
+                0,
+                &mut view,
+            ) != sys::Status::napi_ok
+            {
+                return Err(err(
+                    Code::Internal,
+                    format!("cannot view the clone of {name}"),
+                ));
+            }
+            Uint8Array::from_napi_value(env, view)
+        };
+        held.map(Some)
+            .map_err(|e| err(Code::Internal, format!("{name}: {}", e.reason)))
     }
 
     /// The array itself, held (a reference) past this call, with its length now: for a task
@@ -238,6 +340,82 @@ impl View<u8> {
         let held = unsafe { Uint8Array::from_napi_value(self.env, self.value) }
             .map_err(|e| err(Code::InvalidArg, format!("{name}: {}", e.reason)))?;
         Ok((held, len))
+    }
+}
+
+/// Bytes an async call reads on the threadpool, owned by the call (see [`View::copy`] and
+/// [`View::take`]).
+pub enum Payload {
+    /// A copy in staging memory.
+    Copied(llama_kv_cache::staging::Staged),
+    /// The caller's memory, moved into an ArrayBuffer only the call holds.
+    Taken(Uint8Array),
+}
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Payload::Copied(staged) => staged,
+            Payload::Taken(taken) => taken,
+        }
+    }
+}
+
+/// `structuredClone(buffer, { transfer: [buffer] })`: the ArrayBuffer that took `buffer`'s
+/// memory, or `None` when the clone threw (an untransferable or detached buffer; the
+/// exception is cleared, and `buffer` is as it was).
+fn structured_clone_transfer(
+    env: sys::napi_env,
+    buffer: sys::napi_value,
+) -> Option<sys::napi_value> {
+    let (mut global, mut clone_fn, mut options, mut list, mut out) = (
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
+    // SAFETY: on the JS thread of `env` during a call; every value is made here or is
+    // `buffer`, an ArrayBuffer of this env; out-pointers to locals
+    unsafe {
+        let ok = |status| status == sys::Status::napi_ok;
+        let made = ok(sys::napi_get_global(env, &mut global))
+            && ok(sys::napi_get_named_property(
+                env,
+                global,
+                c"structuredClone".as_ptr(),
+                &mut clone_fn,
+            ))
+            && ok(sys::napi_create_array_with_length(env, 1, &mut list))
+            && ok(sys::napi_set_element(env, list, 0, buffer))
+            && ok(sys::napi_create_object(env, &mut options))
+            && ok(sys::napi_set_named_property(
+                env,
+                options,
+                c"transfer".as_ptr(),
+                list,
+            ));
+        if made
+            && ok(sys::napi_call_function(
+                env,
+                global,
+                clone_fn,
+                2,
+                [buffer, options].as_ptr(),
+                &mut out,
+            ))
+        {
+            return Some(out);
+        }
+        // a DataCloneError (or a failed step above) leaves an exception pending: the call goes
+        // on with a copy instead
+        let mut pending = false;
+        sys::napi_is_exception_pending(env, &mut pending);
+        if pending {
+            let mut exception = std::ptr::null_mut();
+            sys::napi_get_and_clear_last_exception(env, &mut exception);
+        }
+        None
     }
 }
 

@@ -298,9 +298,10 @@ pub fn read_result(s: core::ReadSummary) -> ReadResult {
 }
 
 /// `stateRead`: restores a payload. The sync form reads the caller's buffer in place (`&[u8]`:
-/// no JS runs meanwhile, and a multi-GiB state needs no second copy); the async form reads a
-/// copy made at the call (`Vec<u8>`, see [`crate::args::View::copy`]), since JS may detach the
-/// buffer while the threadpool reads.
+/// no JS runs meanwhile, and a multi-GiB state needs no second copy); the async form reads
+/// memory the call owns ([`crate::args::Payload`]: a copy made at the call, or the caller's
+/// ArrayBuffer taken with `transfer`), since JS may detach the buffer while the threadpool
+/// reads.
 pub struct StateReadJob<D> {
     pub data: D,
     pub seq: i32,

@@ -174,6 +174,68 @@ const cases = {
     return { ...r, matchesReference: r.outcome === 'result' && snapshot(c) === snapshot(ref) }
   },
 
+  // async stateRead { transfer: true }: the call takes the payload's ArrayBuffer; the program
+  // then tries to transfer it away, collects and churns memory, as a program breaking the
+  // promise would
+  async 'state-read-transfer'() {
+    const a = filled()
+    const saved = new Uint8Array(a.stateWriteSync())
+    const data = new Uint8Array(saved)
+    const ref = make()
+    ref.stateReadSync(saved)
+    const c = make()
+    const pending = c.stateRead(data, -1, { transfer: true })
+    const taken = data.byteLength === 0
+    // a transfer of the taken buffer finds no memory to move (Node 20 makes an empty clone,
+    // later versions throw DataCloneError); then collect and churn as detachAndFree does
+    let grabbed = 0
+    try {
+      grabbed = structuredClone(data.buffer, { transfer: [data.buffer] }).byteLength
+    } catch {}
+    detachAndFree(new Uint8Array(16).buffer)
+    // a write finds no memory either: the view's length is 0 (indexed writes are dropped,
+    // fill throws)
+    data[0] = 0xff
+    const r = await outcome(() => pending)
+    return { ...r, taken, grabbed, matchesReference: r.outcome === 'result' && snapshot(c) === snapshot(ref) }
+  },
+
+  // async stateRead { transfer: true } of a view of part of its ArrayBuffer: copied, so the
+  // caller's buffer stays usable and may be reused at once
+  async 'state-read-transfer-partial'() {
+    const a = filled()
+    const bytes = a.stateWriteSync()
+    const whole = new Uint8Array(bytes.length + 16)
+    whole.set(bytes, 8)
+    const data = whole.subarray(8, 8 + bytes.length)
+    const ref = make()
+    ref.stateReadSync(data)
+    const c = make()
+    const pending = c.stateRead(data, -1, { transfer: true })
+    const kept = data.byteLength === bytes.length
+    whole.fill(0xff)
+    const r = await outcome(() => pending)
+    return { ...r, kept, matchesReference: r.outcome === 'result' && snapshot(c) === snapshot(ref) }
+  },
+
+  // async stateRead { transfer: true }: an options getter detaches the payload first; the call
+  // finds nothing to take and refuses the empty payload, the cache unchanged
+  async 'state-read-transfer-detached'() {
+    const a = filled()
+    const data = new Uint8Array(a.stateWriteSync())
+    const c = make()
+    const before = snapshot(c)
+    const r = await outcome(() =>
+      c.stateRead(data, -1, {
+        get transfer() {
+          detachAndFree(data.buffer)
+          return true
+        },
+      }),
+    )
+    return { ...r, detached: data.byteLength === 0, unchanged: snapshot(c) === before }
+  },
+
   // async stateWriteInto: the destination is transferred away and collected right after the call
   async 'state-write-into-async'() {
     const a = filled()

@@ -71,6 +71,16 @@ pub struct LoadOptions {
     /// `stateWrite(seq, { partial: true })` writes it): an iSWA memory's window cache, a
     /// hybrid's recurrent part; the other parts keep what they hold. Default false.
     pub partial: Option<bool>,
+    /// Async `stateRead`: the call takes `data` instead of copying it, as a transfer list
+    /// does: its ArrayBuffer moves (without a copy) into one only the call holds, so `data`
+    /// and every view of that ArrayBuffer are detached (`byteLength` 0) from the call on, and
+    /// nothing the program does to them can reach the bytes being read. For a payload the
+    /// program drops after the load (read from a file or a socket); it saves the copy, the
+    /// async call's cost over `stateReadSync`. `data` must view its whole ArrayBuffer:
+    /// otherwise (Node's pooled small Buffers, `subarray`s), or when it cannot be transferred
+    /// (a SharedArrayBuffer), it is copied as without the option, and stays usable.
+    /// `stateReadSync` reads in place either way. Default false.
+    pub transfer: Option<bool>,
     /// Called with `(doneBytes, totalBytes)`.
     #[napi(ts_type = "(done: number, total: number) => void")]
     pub on_progress: Option<ProgressFn>,
@@ -82,7 +92,7 @@ pub struct LoadOptions {
 
 crate::args::option_names!(
     LoadOptions:
-    "layout", "part", "allowScattered", "partial", "onProgress", "signal",
+    "layout", "part", "allowScattered", "partial", "transfer", "onProgress", "signal",
 );
 
 #[napi]
@@ -243,7 +253,8 @@ impl KvCache {
     }
 
     /// Restores a state on the threadpool (transactional). `data` is copied at the call, so it
-    /// may be reused or transferred at once.
+    /// may be reused or transferred at once; with `{ transfer: true }` the call takes it
+    /// instead (detaching it, see `LoadOptions.transfer`).
     #[napi(ts_return_type = "Promise<ReadResult>")]
     pub fn state_read(
         &self,
@@ -253,10 +264,13 @@ impl KvCache {
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<JsPromise, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
-        let (opts, progress, signal) = load_options(options)?;
-        // JS may detach `data` while the threadpool reads: the task reads a copy (one memcpy
-        // of the payload, and its size in memory until the task ends)
-        let data = data.copy("data")?;
+        let (opts, progress, signal, transfer) = load_options(options)?;
+        // JS may detach `data` while the threadpool reads: the task reads memory it owns, a
+        // copy (one memcpy of the payload into reused staging memory) or the caller's taken
+        let data = match transfer {
+            true => data.take("data")?,
+            false => data.copy("data")?,
+        };
         self.run_async(&env, StateReadJob { data, seq, opts }, progress, signal)
     }
 
@@ -317,7 +331,7 @@ impl KvCache {
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<LoadedFile, Code> {
         let dest = i32v("destSeqId", dest_seq_id)?;
-        let (opts, ..) = load_options(options)?;
+        let (opts, ..) = file_load_options(options)?;
         self.run_sync(LoadFileJob {
             path: args::path("path", &path)?,
             dest: Some(dest),
@@ -335,7 +349,7 @@ impl KvCache {
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<JsPromise, Code> {
         let dest = i32v("destSeqId", dest_seq_id)?;
-        let (opts, progress, signal) = load_options(options)?;
+        let (opts, progress, signal) = file_load_options(options)?;
         self.run_async(
             &env,
             LoadFileJob {
@@ -397,7 +411,7 @@ impl KvCache {
         #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<LoadedFile, Code> {
-        let (opts, ..) = load_options(options)?;
+        let (opts, ..) = file_load_options(options)?;
         self.run_sync(LoadFileJob {
             path: args::path("path", &path)?,
             dest: None,
@@ -413,7 +427,7 @@ impl KvCache {
         #[napi(ts_arg_type = "string | Uint8Array")] path: Unknown<'_>,
         #[napi(ts_arg_type = "LoadOptions")] options: Option<Obj<LoadOptions>>,
     ) -> Result<JsPromise, Code> {
-        let (opts, progress, signal) = load_options(options)?;
+        let (opts, progress, signal) = file_load_options(options)?;
         self.run_async(
             &env,
             LoadFileJob {
@@ -487,11 +501,25 @@ fn write_options(options: Option<Obj<SaveOptions>>) -> JsResult<WriteParts> {
     ))
 }
 
-type LoadParts = (ReadOptions, Option<ProgressFn>, Option<Signal>);
+type LoadParts = (ReadOptions, Option<ProgressFn>, Option<Signal>, bool);
+
+/// The options of the file loaders, which read their own bytes: nothing to transfer.
+fn file_load_options(
+    options: Option<Obj<LoadOptions>>,
+) -> JsResult<(ReadOptions, Option<ProgressFn>, Option<Signal>)> {
+    let (opts, progress, signal, transfer) = load_options(options)?;
+    if transfer {
+        return Err(err(
+            Code::InvalidArg,
+            "transfer is an option of stateRead: the file loaders read the file themselves",
+        ));
+    }
+    Ok((opts, progress, signal))
+}
 
 fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
     let Some(Obj(o)) = options else {
-        return Ok((ReadOptions::default(), None, None));
+        return Ok((ReadOptions::default(), None, None, false));
     };
     let opts = ReadOptions {
         layout: jobs::layout(o.layout.as_deref())?,
@@ -499,5 +527,5 @@ fn load_options(options: Option<Obj<LoadOptions>>) -> JsResult<LoadParts> {
         part: jobs::part(o.part.as_deref())?,
         partial: o.partial.unwrap_or(false),
     };
-    Ok((opts, o.on_progress, o.signal))
+    Ok((opts, o.on_progress, o.signal, o.transfer.unwrap_or(false)))
 }

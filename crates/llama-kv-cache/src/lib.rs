@@ -21,7 +21,7 @@
 
 // The layers, from the bottom: each module may import only those above it in this list (the
 // module-graph test in tests/module_graph.rs holds the code to it).
-//   base:    error, alloc, ggml_type, cell_ext, params
+//   base:    error, alloc, ggml_type, cell_ext, staging (on alloc), params
 //   layer 1: cells, tensors
 //   layer 2: model
 //   layer 3: state (the codec and the file containers, without a cache)
@@ -33,6 +33,7 @@ mod cell_ext;
 mod error;
 mod ggml_type;
 mod params;
+pub mod staging;
 
 pub mod cells;
 pub mod tensors;

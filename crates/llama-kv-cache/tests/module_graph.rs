@@ -20,6 +20,7 @@ const CORE_LAYERS: &[(&str, &[&str])] = &[
         "allocation, element types and cell extensions",
         &["alloc", "ggml_type", "cell_ext"],
     ),
+    ("staging memory for payload copies", &["staging"]),
     ("cache parameters", &["params"]),
     ("cells and tensors", &["cells", "tensors"]),
     ("models", &["model"]),
