@@ -405,7 +405,9 @@ export declare class PromptStore {
   /**
    * This object's figures in the Prometheus text exposition format: per tier the values
    * found and missed, bytes read and written and evictions; corrupt and rejected blocks;
-   * latency histograms of lookup, put and restore.
+   * latency histograms of lookup, put and restore. Every series is labelled
+   * `namespace="..."` (the store's `namespace`, `""` when none), the per-tier ones
+   * `tier="memory|dir|redis"` too.
    */
   metrics(): Promise<string>
   /** `metrics` on the calling thread. */

@@ -58,15 +58,15 @@ test('metrics(): Prometheus text per tier and per call, served over HTTP as docs
     return Number(found?.split(' ').pop())
   }
   // the blocks, and the store's small model record
-  const written = value('llama_kv_store_written_bytes_total{tier="memory"}')
+  const written = value('llama_kv_store_written_bytes_total{namespace="",tier="memory"}')
   t.true(written >= put.bytesWritten && written < put.bytesWritten + 1024, `${written} for ${put.bytesWritten}`)
-  t.is(value('llama_kv_store_written_bytes_total{tier="dir"}'), written, 'written through')
-  t.true(value('llama_kv_store_hits_total{tier="memory"}') >= 6, 'the restore read the memory tier')
-  t.is(value('llama_kv_store_hits_total{tier="dir"}'), 0, 'and never the dir tier')
-  t.is(value('llama_kv_store_evictions_total{tier="memory"}'), 0)
+  t.is(value('llama_kv_store_written_bytes_total{namespace="",tier="dir"}'), written, 'written through')
+  t.true(value('llama_kv_store_hits_total{namespace="",tier="memory"}') >= 6, 'the restore read the memory tier')
+  t.is(value('llama_kv_store_hits_total{namespace="",tier="dir"}'), 0, 'and never the dir tier')
+  t.is(value('llama_kv_store_evictions_total{namespace="",tier="memory"}'), 0)
   for (const op of ['lookup', 'put', 'restore']) {
-    t.is(value(`llama_kv_store_call_duration_seconds_count{op="${op}"}`), 1, op)
-    t.is(value(`llama_kv_store_call_duration_seconds_bucket{op="${op}",le="+Inf"}`), 1, op)
+    t.is(value(`llama_kv_store_call_duration_seconds_count{namespace="",op="${op}"}`), 1, op)
+    t.is(value(`llama_kv_store_call_duration_seconds_bucket{namespace="",op="${op}",le="+Inf"}`), 1, op)
   }
   t.is(store.metricsSync().split('\n').filter((l) => l.startsWith('# TYPE')).length, 8)
 })
@@ -96,6 +96,52 @@ test('metrics(): the counters parse with a Prometheus text parser and match stat
   // (that parser folds every labelled histogram series into one, so the histograms are checked
   // as text in the test above)
   t.is(families.find((f) => f.name === 'llama_kv_store_call_duration_seconds')?.type, 'HISTOGRAM')
+})
+
+test('metrics(): two stores of one process in different namespaces give series told apart by their namespace label', async (t) => {
+  const dir = tmp()
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const a = new PromptStore({ model: 'm', blockTokens: 16, namespace: 'tenant-a', tiers: ['memory', 'dir'], path: dir })
+  const b = new PromptStore({ model: 'm', blockTokens: 16, namespace: 'tenant-b' })
+  await a.put(cache, 0, tokens)
+  t.is(await a.restore(emptyCache(), 0, tokens), 96)
+  t.is(await b.lookup(tokens), 0, 'the namespaces share nothing')
+  // both stores' series, as one Prometheus stores them (a text exposition holds each family once:
+  // each store's is parsed on its own)
+  const families = [...parsePrometheus(await a.metrics()), ...parsePrometheus(b.metricsSync())]
+  const series = (name) => families.filter((f) => f.name === name).flatMap((f) => f.metrics)
+  for (const family of families.filter((f) => f.type === 'COUNTER')) {
+    for (const m of family.metrics) t.true(['tenant-a', 'tenant-b'].includes(m.labels.namespace), `${family.name} ${JSON.stringify(m.labels)}`)
+  }
+  const hits = series('llama_kv_store_hits_total')
+  t.deepEqual(hits.map((m) => m.labels), [
+    { namespace: 'tenant-a', tier: 'memory' },
+    { namespace: 'tenant-a', tier: 'dir' },
+    { namespace: 'tenant-b', tier: 'memory' },
+  ])
+  t.true(Number(hits[0].value) >= 6, 'a\'s restore read its near tier')
+  t.is(Number(hits[2].value), 0, 'b found nothing')
+  t.is(Number(series('llama_kv_store_misses_total').find((m) => m.labels.namespace === 'tenant-b').value) > 0, true)
+  t.deepEqual(series('llama_kv_store_corrupt_blocks_total').map((m) => m.labels), [{ namespace: 'tenant-a' }, { namespace: 'tenant-b' }])
+  const text = a.metricsSync()
+  t.true(text.includes('llama_kv_store_call_duration_seconds_count{namespace="tenant-a",op="restore"} 1'), text)
+})
+
+test('metrics(): a namespace holding a quote, a backslash and a newline is escaped as the text format wants', async (t) => {
+  const namespace = 'te"n\\ant\nx'
+  const store = new PromptStore({ model: 'm', blockTokens: 16, namespace })
+  const text = await store.metrics()
+  t.true(text.includes('llama_kv_store_rejected_blocks_total{namespace="te\\"n\\\\ant\\nx"} 0'), text)
+  const series = text.split('\n').filter((l) => l && !l.startsWith('#'))
+  t.true(series.every((l) => l.startsWith(l.split('{')[0] + '{namespace="te\\"n\\\\ant\\nx"')), 'every series, histograms included')
+  const families = parsePrometheus(text)
+  t.is(families.length, 8)
+  for (const family of families.filter((f) => f.type === 'COUNTER')) {
+    t.true(family.metrics.length > 0, family.name)
+    for (const m of family.metrics) t.is(m.labels.namespace, namespace, family.name)
+  }
+  t.deepEqual(families.find((f) => f.name === 'llama_kv_store_hits_total').metrics[0].labels, { namespace, tier: 'memory' })
 })
 
 test('lookup returns the stored prefix of a diverging prompt in tokens', async (t) => {

@@ -764,7 +764,9 @@ impl PromptStore {
 
     /// This object's figures in the Prometheus text exposition format: per tier the values
     /// found and missed, bytes read and written and evictions; corrupt and rejected blocks;
-    /// latency histograms of lookup, put and restore.
+    /// latency histograms of lookup, put and restore. Every series is labelled
+    /// `namespace="..."` (the store's `namespace`, `""` when none), the per-tier ones
+    /// `tier="memory|dir|redis"` too.
     #[napi(ts_return_type = "Promise<string>")]
     pub fn metrics(&self, env: Env) -> Result<AsyncTask<StoreTask<MetricsJob>>, Code> {
         self.run_async(&env, MetricsJob, None, None)

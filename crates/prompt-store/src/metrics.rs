@@ -3,7 +3,9 @@
 //! it passes on), and each tier's evictions; per store, the blocks rejected or found corrupt and
 //! latency histograms of `lookup`, `put` and `restore` ([`Latency`]). Rendered in the text
 //! exposition format (version 0.0.4) by [`render`]: a dozen families, written here rather than
-//! pulled in with a metrics crate and its registry.
+//! pulled in with a metrics crate and its registry. Every series carries the store's
+//! `namespace`, so the series of several stores (tenants of one process, or a fleet scraped
+//! into one Prometheus) stay apart.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -199,6 +201,8 @@ pub struct Latencies {
 
 /// The figures [`render`] writes.
 pub struct Snapshot<'a> {
+    /// The store's namespace (`""` when it names none): a label of every series.
+    pub namespace: &'a str,
     /// Per tier, nearest first.
     pub tiers: Vec<TierMetrics>,
     /// Values that failed verification: damaged, and written without this store's secret.
@@ -238,12 +242,13 @@ pub fn render(s: &Snapshot<'_>) -> String {
             |t| t.evictions,
         ),
     ];
+    let ns = ("namespace", s.namespace);
     let mut out = String::new();
     for (name, help, field) in per_tier {
         header(&mut out, name, "counter", help);
         for t in &s.tiers {
             if let Some(v) = field(t) {
-                let _ = writeln!(out, "{name}{{tier=\"{}\"}} {v}", t.name);
+                let _ = writeln!(out, "{name}{} {v}", labels(&[ns, ("tier", t.name)]));
             }
         }
     }
@@ -260,7 +265,7 @@ pub fn render(s: &Snapshot<'_>) -> String {
         ),
     ] {
         header(&mut out, name, "counter", help);
-        let _ = writeln!(out, "{name} {v}");
+        let _ = writeln!(out, "{name}{} {v}", labels(&[ns]));
     }
     let name = "llama_kv_store_call_duration_seconds";
     header(
@@ -277,15 +282,37 @@ pub fn render(s: &Snapshot<'_>) -> String {
             .chain(["+Inf".to_string()]);
         for (i, bound) in bounds.enumerate() {
             cumulative += l.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{op=\"{op}\",le=\"{bound}\"}} {cumulative}"
-            );
+            let le = labels(&[ns, ("op", op), ("le", &bound)]);
+            let _ = writeln!(out, "{name}_bucket{le} {cumulative}");
         }
         let sum = l.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum{{op=\"{op}\"}} {sum}");
-        let _ = writeln!(out, "{name}_count{{op=\"{op}\"}} {cumulative}");
+        let op = labels(&[ns, ("op", op)]);
+        let _ = writeln!(out, "{name}_sum{op} {sum}");
+        let _ = writeln!(out, "{name}_count{op} {cumulative}");
     }
+    out
+}
+
+/// `{a="x",b="y"}`, each value escaped as the text format wants (a namespace is the app's
+/// string: a tenant id may hold anything).
+fn labels(pairs: &[(&str, &str)]) -> String {
+    let mut out = String::from("{");
+    for (i, (name, value)) in pairs.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{name}=\"");
+        for c in value.chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                '"' => out.push_str("\\\""),
+                '\n' => out.push_str("\\n"),
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+    out.push('}');
     out
 }
 
@@ -348,6 +375,7 @@ mod tests {
         lookup.observe(Duration::from_millis(20));
         drop(put.start());
         let text = render(&Snapshot {
+            namespace: "",
             tiers: vec![TierMetrics {
                 name: "redis",
                 hits: 3,
@@ -362,18 +390,18 @@ mod tests {
         });
         for line in [
             "# TYPE llama_kv_store_hits_total counter",
-            "llama_kv_store_hits_total{tier=\"redis\"} 3",
-            "llama_kv_store_written_bytes_total{tier=\"redis\"} 20",
-            "llama_kv_store_corrupt_blocks_total 2",
-            "llama_kv_store_rejected_blocks_total 1",
+            "llama_kv_store_hits_total{namespace=\"\",tier=\"redis\"} 3",
+            "llama_kv_store_written_bytes_total{namespace=\"\",tier=\"redis\"} 20",
+            "llama_kv_store_corrupt_blocks_total{namespace=\"\"} 2",
+            "llama_kv_store_rejected_blocks_total{namespace=\"\"} 1",
             "# TYPE llama_kv_store_call_duration_seconds histogram",
-            "llama_kv_store_call_duration_seconds_bucket{op=\"lookup\",le=\"0.0005\"} 1",
-            "llama_kv_store_call_duration_seconds_bucket{op=\"lookup\",le=\"0.01\"} 1",
-            "llama_kv_store_call_duration_seconds_bucket{op=\"lookup\",le=\"0.05\"} 2",
-            "llama_kv_store_call_duration_seconds_bucket{op=\"lookup\",le=\"+Inf\"} 2",
-            "llama_kv_store_call_duration_seconds_count{op=\"lookup\"} 2",
-            "llama_kv_store_call_duration_seconds_count{op=\"put\"} 1",
-            "llama_kv_store_call_duration_seconds_count{op=\"restore\"} 0",
+            "llama_kv_store_call_duration_seconds_bucket{namespace=\"\",op=\"lookup\",le=\"0.0005\"} 1",
+            "llama_kv_store_call_duration_seconds_bucket{namespace=\"\",op=\"lookup\",le=\"0.01\"} 1",
+            "llama_kv_store_call_duration_seconds_bucket{namespace=\"\",op=\"lookup\",le=\"0.05\"} 2",
+            "llama_kv_store_call_duration_seconds_bucket{namespace=\"\",op=\"lookup\",le=\"+Inf\"} 2",
+            "llama_kv_store_call_duration_seconds_count{namespace=\"\",op=\"lookup\"} 2",
+            "llama_kv_store_call_duration_seconds_count{namespace=\"\",op=\"put\"} 1",
+            "llama_kv_store_call_duration_seconds_count{namespace=\"\",op=\"restore\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -390,5 +418,40 @@ mod tests {
             text.lines().filter(|l| l.starts_with("# HELP")).count()
         );
         assert_eq!(families, 8);
+    }
+
+    #[test]
+    fn every_series_carries_the_namespace_escaped() {
+        let latency = Latency::default();
+        let text = render(&Snapshot {
+            namespace: "a\"b\\c\nd",
+            tiers: vec![TierMetrics {
+                name: "memory",
+                hits: 1,
+                misses: 0,
+                bytes_read: 0,
+                bytes_written: 0,
+                evictions: Some(0),
+            }],
+            corrupt: 0,
+            rejected: 0,
+            latencies: [
+                ("lookup", &latency),
+                ("put", &latency),
+                ("restore", &latency),
+            ],
+        });
+        let series: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(series.len(), 5 + 2 + 3 * (BUCKETS.len() + 3));
+        for line in series {
+            assert!(
+                line.contains("{namespace=\"a\\\"b\\\\c\\nd\""),
+                "{line:?} lacks the escaped namespace"
+            );
+        }
+        assert!(text
+            .lines()
+            .any(|l| l
+                == "llama_kv_store_hits_total{namespace=\"a\\\"b\\\\c\\nd\",tier=\"memory\"} 1"));
     }
 }

@@ -70,7 +70,9 @@ impl PromptStore {
 
     /// This store object's figures in the Prometheus text exposition format: per tier the
     /// values found and missed, bytes read and written and evictions; corrupt and rejected
-    /// blocks; latency histograms of lookup, put and restore. Serve it from an HTTP handler.
+    /// blocks; latency histograms of lookup, put and restore. Every series is labelled with
+    /// the store's `namespace` (`""` when none), the per-tier ones with `tier` too. Serve it
+    /// from an HTTP handler.
     pub fn metrics(&self) -> StoreResult<String> {
         let mut tiers = self.backend.tier_metrics();
         if let (true, [only]) = (self.single_backend, tiers.as_mut_slice()) {
@@ -79,6 +81,7 @@ impl PromptStore {
         }
         let l = &self.latency;
         Ok(render(&Snapshot {
+            namespace: &self.namespace,
             tiers,
             corrupt: self.counters.corrupt.load(Ordering::Relaxed),
             rejected: self.counters.rejected.load(Ordering::Relaxed),
