@@ -129,6 +129,29 @@ fn put_then_restore_is_byte_exact_for_every_v_layout_and_type() {
 }
 
 #[test]
+fn a_restore_of_a_prompts_first_n_tokens_loads_its_longest_restore_point_up_to_n() {
+    // what `maxLoadTokens` asks for: blocks to 96 and checkpoints at 40 and 100
+    let store = memory_store();
+    let (turn, _) = prompt(40);
+    let (src, toks) = prompt(100);
+    store.put(&turn, 0, &toks[..40], None).unwrap();
+    store.put(&src, 0, &toks, None).unwrap();
+    for (max, point) in [(100, 100), (99, 96), (50, 48), (47, 40), (39, 32), (15, 0)] {
+        let mut dst = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();
+        let loaded = store.restore(&mut dst, 0, &toks[..max], None).unwrap();
+        assert_eq!(loaded, point, "at most {max}");
+        assert_eq!(store.lookup(&toks[..max]).unwrap(), point);
+        assert_eq!(
+            rows_by_position(&dst, 0),
+            rows_by_position(&src, 0)[..point as usize]
+        );
+        if point > 0 {
+            assert_eq!(dst.seq_pos_max(0).unwrap(), point as i32 - 1);
+        }
+    }
+}
+
+#[test]
 fn a_corrupt_checkpoint_is_a_counted_miss_and_the_restore_falls_back_to_the_blocks() {
     let store = memory_store();
     let mut src = SeedCache::new(params(false, GgmlType::F16, 128)).unwrap();

@@ -24,6 +24,9 @@ impl PromptStore {
     /// The sequence's previous cells are replaced. When nothing is stored, returns 0 and leaves
     /// the cache unchanged. The cache must be of the store's shape: a unified or recurrent
     /// cache (iSWA and hybrid states are restored through `write_file`).
+    /// To load at most N tokens, restore `&tokens[..N]`: blocks and checkpoints are keyed by
+    /// the tokens before them only, so its restore points are the prompt's up to N, and the
+    /// longest of them loads (a block boundary, or a checkpoint where the memory needs one).
     pub fn restore(
         &self,
         cache: &mut SeedCache,
