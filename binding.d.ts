@@ -379,10 +379,11 @@ export declare class PromptStore {
    * nothing is stored, returns 0 and leaves the cache unchanged. Every kind of cache of the
    * store's model; an iSWA or hybrid one needs the store's model record (written by every
    * put), and its window cache gets only the window unless it is as large as the base.
+   * `maxLoadTokens` caps what is loaded at the longest restore point not longer than it.
    */
-  restore(cache: import('./index').AnyKvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreCallOptions): Promise<number>
+  restore(cache: import('./index').AnyKvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreRestoreOptions): Promise<number>
   /** `restore` on the calling thread. */
-  restoreSync(cache: import('./index').AnyKvCache, seqId: number, tokens: ArrayLike<number> | Int32Array): number
+  restoreSync(cache: import('./index').AnyKvCache, seqId: number, tokens: ArrayLike<number> | Int32Array, options?: StoreRestoreSyncOptions): number
   /**
    * Ingests a llama.cpp session or sequence file (any version and layout this package reads)
    * holding one sequence, with the file's tokens: for apps whose llama.cpp owns its cache.
@@ -1593,6 +1594,27 @@ export interface StorePutResult {
    * later put reaches these once they are back. Empty when every tier took it.
    */
   degraded: Array<string>
+}
+
+/** Options of `restore`. */
+export interface StoreRestoreOptions {
+  /**
+   * Load at most this many tokens of the prompt (a positive integer): the restore serves the
+   * longest restore point not longer than it (a block boundary, or a checkpoint where the
+   * memory needs one: iSWA with the window only, hybrid, recurrent), as a restore of the
+   * prompt's first `maxLoadTokens` tokens would. Default: no limit.
+   */
+  maxLoadTokens?: number
+  /** Called with `(tokensLoaded, tokensOfTheRestorePoint)`. */
+  onProgress?: (done: number, total: number) => void
+  /** Aborts the restore while queued or between blocks (what it loaded is rolled back). */
+  signal?: AbortSignal
+}
+
+/** Options of `restoreSync`. */
+export interface StoreRestoreSyncOptions {
+  /** As `restore`'s: load at most this many tokens of the prompt. */
+  maxLoadTokens?: number
 }
 
 /** Counts of a store. */

@@ -1105,6 +1105,33 @@ for (const [name, make] of [
   })
 }
 
+for (const [name, make, point, under] of [
+  ['an iSWA memory (window only)', () => gemma(), 280, 0],
+  ['an iSWA memory with swaFull', () => gemma({ swaFull: true }), 336, 272],
+  ['a hybrid memory (Jamba)', () => KvCache.fromModel(model('jamba.gguf'), { nCtx: 512, nSeqMax: 2 }), 280, 0],
+]) {
+  mtest(`restore with maxLoadTokens on ${name} loads the longest restore point not past it: a checkpoint where the memory needs one`, async (t) => {
+    const c = make()
+    const tokens = Array.from({ length: 340 }, (_, i) => 11 + i)
+    // a turn ends at 280, the next at 340 (past the 256 cells of a window-only cache, which then
+    // keeps its window in checkpoints only): checkpoints at both, blocks up to 336
+    fillGroup(c, 0, 280, 4)
+    const store = new PromptStore({ model: `cap-${name}`, blockTokens: 16 })
+    t.like(await store.put(c, 0, tokens.slice(0, 280)), { tokens: 280 })
+    const turn = c.stateWriteSync(0, { layout: 'streams-rot' })
+    for (let p0 = 280; p0 < 340; p0 += 16) fillUbatch(c, 0, p0, Math.min(16, 340 - p0), 4)
+    t.like(await store.put(c, 0, tokens), { tokens: 340 })
+    // 336 has no checkpoint: only a memory whose window cache keeps every position restores there
+    const d = make()
+    t.is(await store.restore(d, 0, tokens, { maxLoadTokens: 339 }), point)
+    t.is(store.lookupSync(tokens.slice(0, 339)), point)
+    t.is(d.seqPosMax(0), point - 1)
+    if (point === 280) t.deepEqual(d.stateWriteSync(0, { layout: 'streams-rot' }), turn, 'the memory holds the first turn exactly')
+    t.is(store.restoreSync(make(), 0, tokens, { maxLoadTokens: 340 }), 340)
+    t.is(store.restoreSync(make(), 0, tokens, { maxLoadTokens: 279 }), under)
+  })
+}
+
 mtest('regression: PromptStore.restore into a live memory with a stream per sequence (kvUnified: false) assembled a one-stream payload, which the memory refused', async (t) => {
   for (const name of ['gemma3-swa.gguf', 'jamba.gguf', 'lfm2-swa.gguf']) {
     const make = (kvUnified) => KvCache.fromModel(model(name), { nCtx: 768, nSeqMax: 3, kvUnified, nUbatch: 64 })

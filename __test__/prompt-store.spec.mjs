@@ -144,6 +144,54 @@ test('metrics(): a namespace holding a quote, a backslash and a newline is escap
   t.deepEqual(families.find((f) => f.name === 'llama_kv_store_hits_total').metrics[0].labels, { namespace, tier: 'memory' })
 })
 
+/** A cache whose sequence 0 holds `n` tokens with rows made of them, and those tokens. */
+const longPrompt = (n) => {
+  const cache = emptyCache({ size: 512 })
+  const tokens = Array.from({ length: n }, (_, i) => 7 + i)
+  cache.findSlot({ pos: tokens.map((_, i) => i), seqIds: tokens.map(() => 0) })
+  for (let il = 0; il < 2; il++) {
+    for (let i = 0; i < n; i++) {
+      cache.writeKF32(il, i, Float32Array.from({ length: 32 }, (_, j) => tokens[i] + il + j / 64))
+      cache.writeVF32(il, i, Float32Array.from({ length: 32 }, (_, j) => -(tokens[i] + il + j / 64)))
+    }
+  }
+  return { cache, tokens }
+}
+
+test('restore with maxLoadTokens 100 of a stored 256-token prompt loads the 96 tokens of its last block boundary below 100', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = longPrompt(256)
+  t.like(await store.put(cache, 0, tokens), { tokens: 256 })
+  const dst = emptyCache({ size: 512 })
+  t.is(await store.restore(dst, 0, tokens, { maxLoadTokens: 100 }), 96)
+  t.deepEqual([dst.seqPosMin(0), dst.seqPosMax(0), dst.usedCells], [0, 95, 96])
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+  const sync = emptyCache({ size: 512 })
+  t.is(store.restoreSync(sync, 1, tokens, { maxLoadTokens: 100 }), 96)
+  t.is(sync.seqPosMax(1), 95)
+  t.is(store.restoreSync(emptyCache({ size: 512 }), 0, tokens, { maxLoadTokens: 15 }), 0, 'under one block: nothing')
+  t.is(store.restoreSync(emptyCache({ size: 512 }), 0, tokens, { maxLoadTokens: 1e9 }), 256, 'past the prompt: all of it')
+  // a checkpoint where a turn ended inside a block is a restore point too
+  const turn = longPrompt(100)
+  t.like(await store.put(turn.cache, 0, tokens.slice(0, 100)), { tokens: 100, checkpointsWritten: 1 })
+  t.is(await store.restore(emptyCache({ size: 512 }), 0, tokens, { maxLoadTokens: 100 }), 100)
+  t.is(await store.restore(emptyCache({ size: 512 }), 0, tokens, { maxLoadTokens: 99 }), 96)
+})
+
+test('restore refuses a maxLoadTokens that is not a positive integer with ERR_KV_INVALID_ARG naming it', async (t) => {
+  const store = new PromptStore({ model: 'm', blockTokens: 16 })
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  for (const [bad, shown] of [[0, '0'], [-16, '-16'], [1.5, '1.5'], [NaN, 'NaN'], [Infinity, 'inf']]) {
+    const message = new RegExp(`maxLoadTokens must be a positive integer, got ${shown}$`)
+    t.throws(() => store.restoreSync(emptyCache(), 0, tokens, { maxLoadTokens: bad }), { code: 'ERR_KV_INVALID_ARG', message })
+    await t.throwsAsync(async () => store.restore(emptyCache(), 0, tokens, { maxLoadTokens: bad }), { code: 'ERR_KV_INVALID_ARG', message })
+  }
+  t.throws(() => store.restoreSync(emptyCache(), 0, tokens, { maxLoadTokens: '16' }), { code: 'ERR_KV_INVALID_ARG' })
+  t.throws(() => store.restoreSync(emptyCache(), 0, tokens, { signal: AbortSignal.abort() }), { code: 'ERR_KV_INVALID_ARG', message: /unknown option 'signal'/ })
+  t.throws(() => store.restoreSync(emptyCache(), 0, tokens, { maxTokens: 16 }), { code: 'ERR_KV_INVALID_ARG', message: /unknown option 'maxTokens'/ })
+})
+
 test('lookup returns the stored prefix of a diverging prompt in tokens', async (t) => {
   const store = new PromptStore({ model: 'm', blockTokens: 16 })
   const a = promptCache(KvCache, 0)

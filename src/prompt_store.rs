@@ -36,6 +36,33 @@ pub struct StoreCallOptions {
 
 crate::args::option_names!(StoreCallOptions: "onProgress", "signal");
 
+/// Options of `restore`.
+#[napi(object, object_to_js = false)]
+pub struct StoreRestoreOptions {
+    /// Load at most this many tokens of the prompt (a positive integer): the restore serves the
+    /// longest restore point not longer than it (a block boundary, or a checkpoint where the
+    /// memory needs one: iSWA with the window only, hybrid, recurrent), as a restore of the
+    /// prompt's first `maxLoadTokens` tokens would. Default: no limit.
+    pub max_load_tokens: Option<f64>,
+    /// Called with `(tokensLoaded, tokensOfTheRestorePoint)`.
+    #[napi(ts_type = "(done: number, total: number) => void")]
+    pub on_progress: Option<ProgressFn>,
+    /// Aborts the restore while queued or between blocks (what it loaded is rolled back).
+    #[napi(ts_type = "AbortSignal")]
+    pub signal: Option<Signal>,
+}
+
+crate::args::option_names!(StoreRestoreOptions: "maxLoadTokens", "onProgress", "signal");
+
+/// Options of `restoreSync`.
+#[napi(object, object_to_js = false)]
+pub struct StoreRestoreSyncOptions {
+    /// As `restore`'s: load at most this many tokens of the prompt.
+    pub max_load_tokens: Option<f64>,
+}
+
+crate::args::option_names!(StoreRestoreSyncOptions: "maxLoadTokens");
+
 /// Options of `writeFile`. Every option left out is what the store's first ingested file was
 /// (a store filled by `put` of a cache: a sequence file of today's version).
 #[napi(object, object_to_js = false)]
@@ -448,6 +475,23 @@ fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option
     o.map_or((None, None), |Obj(o)| (o.on_progress, o.signal))
 }
 
+/// The prompt a restore with `maxLoadTokens` loads from: its first `max` tokens, whose restore
+/// points are the prompt's restore points up to `max` (blocks and checkpoints are keyed by the
+/// tokens before them only).
+fn load_prefix(mut tokens: Tokens, max: Option<f64>) -> JsResult<Tokens> {
+    if let Some(max) = max {
+        if !(max.is_finite() && max.fract() == 0.0 && max >= 1.0) {
+            return Err(err(
+                Code::InvalidArg,
+                format!("maxLoadTokens must be a positive integer, got {max}"),
+            ));
+        }
+        // past usize::MAX, `as` saturates: no limit
+        tokens.0.truncate(max as usize);
+    }
+    Ok(tokens)
+}
+
 impl PromptStore {
     /// The open store, or `ERR_KV_DISPOSED` once `close()` was called.
     fn store(&self) -> JsResult<Arc<store::PromptStore>> {
@@ -491,10 +535,9 @@ impl PromptStore {
         cache: CacheArg,
         seq_id: Num,
         tokens: Tokens,
-        options: Option<Obj<StoreCallOptions>>,
+        (progress, signal): (Option<ProgressFn>, Option<Signal>),
     ) -> JsResult<JsPromise> {
         let job = J::new(self.store()?, i32v("seqId", seq_id)?, tokens.0);
-        let (progress, signal) = call_options(options);
         cache.0.run_async(env, job, progress, signal)
     }
 }
@@ -610,7 +653,7 @@ impl PromptStore {
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
         #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
     ) -> Result<JsPromise, Code> {
-        self.seq_async::<PutJob>(&env, cache, seq_id, tokens, options)
+        self.seq_async::<PutJob>(&env, cache, seq_id, tokens, call_options(options))
     }
 
     /// `put` on the calling thread.
@@ -676,6 +719,7 @@ impl PromptStore {
     /// nothing is stored, returns 0 and leaves the cache unchanged. Every kind of cache of the
     /// store's model; an iSWA or hybrid one needs the store's model record (written by every
     /// put), and its window cache gets only the window unless it is as large as the base.
+    /// `maxLoadTokens` caps what is loaded at the longest restore point not longer than it.
     #[napi(ts_return_type = "Promise<number>")]
     pub fn restore(
         &self,
@@ -683,9 +727,13 @@ impl PromptStore {
         #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
-        #[napi(ts_arg_type = "StoreCallOptions")] options: Option<Obj<StoreCallOptions>>,
+        #[napi(ts_arg_type = "StoreRestoreOptions")] options: Option<Obj<StoreRestoreOptions>>,
     ) -> Result<JsPromise, Code> {
-        self.seq_async::<RestoreJob>(&env, cache, seq_id, tokens, options)
+        let (max, call) = options.map_or((None, (None, None)), |Obj(o)| {
+            (o.max_load_tokens, (o.on_progress, o.signal))
+        });
+        let tokens = load_prefix(tokens, max)?;
+        self.seq_async::<RestoreJob>(&env, cache, seq_id, tokens, call)
     }
 
     /// `restore` on the calling thread.
@@ -695,7 +743,11 @@ impl PromptStore {
         #[napi(ts_arg_type = "import('./index').AnyKvCache")] cache: CacheArg,
         #[napi(ts_arg_type = "number")] seq_id: Num,
         #[napi(ts_arg_type = "ArrayLike<number> | Int32Array")] tokens: Tokens,
+        #[napi(ts_arg_type = "StoreRestoreSyncOptions")] options: Option<
+            Obj<StoreRestoreSyncOptions>,
+        >,
     ) -> Result<f64, Code> {
+        let tokens = load_prefix(tokens, options.and_then(|Obj(o)| o.max_load_tokens))?;
         self.seq_sync::<RestoreJob>(cache, seq_id, tokens)
     }
 
