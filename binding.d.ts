@@ -1356,10 +1356,21 @@ export interface PromptStoreOptions {
   /** Tokens per block, 16 to 4096. Default 256. */
   blockTokens?: number
   /**
-   * Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
-   * it. Default: unbounded. (Redis has its own: `maxmemory`.)
+   * Byte budget of the memory and dir tiers: blocks are evicted beyond it (see `policy`).
+   * Default: unbounded. (Redis has its own: `maxmemory`.)
    */
   maxBytes?: number
+  /**
+   * How the memory tier chooses what to evict beyond `maxBytes`. 'lru' (the default): least
+   * recently used first. 's3fifo': S3-FIFO, which keeps the blocks that are read again (the
+   * system prompts and documents every request shares) through a burst of prompts used once;
+   * in a store with `tiers`, it also admits a block into the memory tier only at its second
+   * use (a put writes the farther tiers; a read that finds the block there copies it into
+   * memory). The dir tier evicts least recently used files whatever the policy (its order
+   * is the files' modification times, shared by every process), so 's3fifo' needs the
+   * memory tier.
+   */
+  policy?: 'lru' | 's3fifo'
   /**
    * A tenant: mixed into the root of every key, so two namespaces on one directory or
    * server share no block, and nothing done in one (lookups, put counts) shows in the

@@ -239,6 +239,33 @@ test('bad arguments are ERR_KV_INVALID_ARG naming the value', (t) => {
   t.throws(() => store.writeFileSync([1], '/tmp/x', { kind: 'slot' }), { code: 'ERR_KV_INVALID_ARG', message: /slot/ })
 })
 
+test("policy 's3fifo': blocks round-trip, a tiered store admits them into memory at their second use, and unknown values are refused", async (t) => {
+  const { cache, tokens } = promptCache(KvCache, 0)
+  const store = new PromptStore({ model: 'm', blockTokens: 16, maxBytes: 1 << 20, policy: 's3fifo' })
+  t.like(await store.put(cache, 0, tokens), { blocksWritten: 6 })
+  const dst = emptyCache()
+  t.is(await store.restore(dst, 0, tokens), 96)
+  t.deepEqual(rows(dst, 96), rows(cache, 96))
+
+  const dir = tmp()
+  t.teardown(() => fs.rmSync(dir, { recursive: true, force: true }))
+  const tiered = new PromptStore({ model: 'm', blockTokens: 16, tiers: ['memory', 'dir'], path: dir, maxBytes: 1 << 20, policy: 's3fifo' })
+  await tiered.put(cache, 0, tokens)
+  const hits = (tier) => {
+    const line = tiered.metricsSync().split('\n').find((l) => l.startsWith(`llama_kv_store_hits_total{tier="${tier}"} `))
+    return Number(line?.split(' ').pop())
+  }
+  t.is(await tiered.restore(emptyCache(), 0, tokens), 96)
+  t.is(hits('memory'), 0, 'the put skipped the memory tier')
+  t.true(hits('dir') >= 6, 'the first restore read the dir tier')
+  t.is(await tiered.restore(emptyCache(), 0, tokens), 96)
+  t.true(hits('memory') >= 6, 'and copied the blocks into memory for the second')
+
+  t.throws(() => new PromptStore({ model: 'm', policy: 'arc' }), { code: 'ERR_KV_INVALID_ARG', message: /policy.*"arc"/ })
+  t.throws(() => new PromptStore({ model: 'm', path: dir, policy: 's3fifo' }), { code: 'ERR_KV_INVALID_ARG', message: /memory tier/ })
+  t.notThrows(() => new PromptStore({ model: 'm', path: dir, policy: 'lru' }))
+})
+
 test('a store directory that cannot be created is ERR_KV_STORE_IO', (t) => {
   const file = path.join(tmp(), 'file')
   fs.writeFileSync(file, 'x')

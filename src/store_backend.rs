@@ -9,7 +9,7 @@ use std::time::Duration;
 use napi::bindgen_prelude::Uint8Array;
 use napi::Either;
 use napi_derive::napi;
-use prompt_store::{Backend, DirBackend, MemoryBackend, TieredBackend};
+use prompt_store::{Backend, DirBackend, EvictionPolicy, MemoryBackend, TieredBackend};
 use prompt_store_redis::{
     ConnectOptions, Credentials, HostPort, RedisBackend, RedisOptions, Servers, TlsOptions,
     DEFAULT_PREFIX, DEFAULT_TIMEOUT,
@@ -76,9 +76,19 @@ pub struct PromptStoreOptions {
     pub tiers: Option<Vec<String>>,
     /// Tokens per block, 16 to 4096. Default 256.
     pub block_tokens: Option<f64>,
-    /// Byte budget of the memory and dir tiers: least recently used blocks are evicted beyond
-    /// it. Default: unbounded. (Redis has its own: `maxmemory`.)
+    /// Byte budget of the memory and dir tiers: blocks are evicted beyond it (see `policy`).
+    /// Default: unbounded. (Redis has its own: `maxmemory`.)
     pub max_bytes: Option<f64>,
+    /// How the memory tier chooses what to evict beyond `maxBytes`. 'lru' (the default): least
+    /// recently used first. 's3fifo': S3-FIFO, which keeps the blocks that are read again (the
+    /// system prompts and documents every request shares) through a burst of prompts used once;
+    /// in a store with `tiers`, it also admits a block into the memory tier only at its second
+    /// use (a put writes the farther tiers; a read that finds the block there copies it into
+    /// memory). The dir tier evicts least recently used files whatever the policy (its order
+    /// is the files' modification times, shared by every process), so 's3fifo' needs the
+    /// memory tier.
+    #[napi(ts_type = "'lru' | 's3fifo'")]
+    pub policy: Option<String>,
     /// A tenant: mixed into the root of every key, so two namespaces on one directory or
     /// server share no block, and nothing done in one (lookups, put counts) shows in the
     /// other. Default '' (one namespace shared by every store that names none).
@@ -96,7 +106,7 @@ crate::args::option_names!(
     PromptStoreOptions:
     "model", "path", "url", "sentinels", "name", "db", "cluster", "username", "password",
     "sentinelPassword", "tls", "prefix", "ttlSeconds", "timeoutMs", "tiers", "blockTokens",
-    "maxBytes", "namespace", "secret",
+    "maxBytes", "policy", "namespace", "secret",
 );
 
 /// A Redis server's address.
@@ -346,6 +356,25 @@ fn redis_options(o: &PromptStoreOptions) -> JsResult<RedisOptions> {
     })
 }
 
+/// `policy`, checked against the tiers it applies to.
+fn policy(o: &PromptStoreOptions, tiers: &[Tier]) -> JsResult<EvictionPolicy> {
+    let Some(name) = &o.policy else {
+        return Ok(EvictionPolicy::Lru);
+    };
+    let policy = EvictionPolicy::parse(name).ok_or_else(|| {
+        invalid(format!(
+            "policy: unknown policy {name:?} (expected 'lru' or 's3fifo')"
+        ))
+    })?;
+    if policy != EvictionPolicy::Lru && !tiers.contains(&Tier::Memory) {
+        return Err(invalid(format!(
+            "policy {name:?} applies to the memory tier, which this store has not (the dir tier \
+             evicts least recently used files)"
+        )));
+    }
+    Ok(policy)
+}
+
 /// The backend for `o`: one tier as itself, several as a `TieredBackend`.
 pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
     let max_bytes = match o.max_bytes {
@@ -358,6 +387,7 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
         m => m.map(|m| m as u64),
     };
     let tiers = tiers(o)?;
+    let policy = policy(o, &tiers)?;
     if !tiers.contains(&Tier::Redis) {
         for (given, name) in [
             (o.prefix.is_some(), "prefix"),
@@ -381,7 +411,7 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
     let mut backends: Vec<Arc<dyn Backend>> = Vec::with_capacity(tiers.len());
     for tier in &tiers {
         backends.push(match (tier, &o.path, redis_given(o)) {
-            (Tier::Memory, _, _) => Arc::new(MemoryBackend::new(max_bytes)),
+            (Tier::Memory, _, _) => Arc::new(MemoryBackend::with_policy(max_bytes, policy)),
             (Tier::Dir, Some(path), _) => {
                 Arc::new(DirBackend::open(path, max_bytes).map_err(from_store)?)
             }
@@ -399,5 +429,11 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
     if backends.len() == 1 {
         return Ok(backends.pop().expect("one backend"));
     }
-    Ok(Arc::new(TieredBackend::new(backends).map_err(from_store)?))
+    let tiered = TieredBackend::new(backends).map_err(from_store)?;
+    // admission goes with the frequency-aware policy: a block used once stays out of memory
+    let near_is_memory = tiers[0] == Tier::Memory;
+    Ok(Arc::new(match policy {
+        EvictionPolicy::S3Fifo if near_is_memory => tiered.admit_on_reuse(),
+        _ => tiered,
+    }))
 }

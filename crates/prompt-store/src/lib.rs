@@ -15,7 +15,7 @@
 //! one-sequence payload and loads it with the transactional
 //! [`llama_kv_cache::SeedCache::state_read`].
 //!
-//! Storage is behind the [`Backend`] trait: [`MemoryBackend`] (in-process, LRU byte budget) and
+//! Storage is behind the [`Backend`] trait: [`MemoryBackend`] (in-process, byte budget, LRU or S3-FIFO eviction) and
 //! [`DirBackend`] (content-addressed files shared by processes, LRU byte budget);
 //! [`TieredBackend`] puts several in front of each other (the Redis backend lives in the
 //! `prompt-store-redis` crate).
@@ -42,7 +42,7 @@ pub use geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, LayerGeometry,
     FORMAT_VERSION,
 };
-pub use memory::MemoryBackend;
+pub use memory::{EvictionPolicy, MemoryBackend};
 pub use shape::{FileFormat, KvShape, Shape};
 pub use store::{
     is_model_record, LookupDetail, LookupReason, PromptStore, PutReport, StoreStats,

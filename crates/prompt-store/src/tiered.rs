@@ -32,6 +32,7 @@ struct TierState {
 pub struct TieredBackend {
     tiers: Vec<Arc<dyn Backend>>,
     states: Vec<Mutex<TierState>>,
+    admit_on_reuse: bool,
 }
 
 impl TieredBackend {
@@ -47,7 +48,20 @@ impl TieredBackend {
             .map(|t| Arc::new(Metered::new(t)) as Arc<dyn Backend>)
             .collect();
         let states = tiers.iter().map(|_| Mutex::default()).collect();
-        Ok(TieredBackend { tiers, states })
+        Ok(TieredBackend {
+            tiers,
+            states,
+            admit_on_reuse: false,
+        })
+    }
+
+    /// Admission: puts skip the nearest tier, and a block enters it only when a read finds it
+    /// in a farther one (its second use). A prompt used once then never takes the nearest
+    /// tier's room from the blocks that are used again. A put that no farther tier takes (all
+    /// down) still lands in the nearest one.
+    pub fn admit_on_reuse(mut self) -> TieredBackend {
+        self.admit_on_reuse = true;
+        self
     }
 
     /// The tiers, nearest first (for per-tier statistics).
@@ -224,13 +238,17 @@ impl Backend for TieredBackend {
         Ok(self.put_many(&[(*key, value)])?[0])
     }
 
-    /// Writes through to every working tier, farthest (shared) first; an entry counts as
-    /// stored when any tier stored it.
+    /// Writes through to every working tier, farthest (shared) first (with
+    /// [`TieredBackend::admit_on_reuse`], not the nearest one while a farther one took it); an
+    /// entry counts as stored when any tier stored it.
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
         let mut stored = vec![false; entries.len()];
         let mut answered = false;
         let mut failure = None;
         for i in (0..self.tiers.len()).rev() {
+            if i == 0 && self.admit_on_reuse && answered {
+                break;
+            }
             if let Some(written) = self.try_tier(i, &mut failure, |t| t.put_many(entries)) {
                 answered = true;
                 for (flag, w) in stored.iter_mut().zip(written) {
@@ -448,5 +466,20 @@ mod tests {
             TieredBackend::new(Vec::new()),
             Err(StoreError::InvalidArg(_))
         ));
+    }
+
+    #[test]
+    fn admission_on_reuse_puts_a_block_in_the_near_tier_at_its_second_use() {
+        let near = Arc::new(MemoryBackend::new(None));
+        let far = Arc::new(MemoryBackend::new(None));
+        let tiered = TieredBackend::new(vec![near.clone(), far.clone()])
+            .unwrap()
+            .admit_on_reuse();
+        let key = Key([5; 32]);
+        assert!(tiered.put_if_absent(&key, b"v").unwrap());
+        assert_eq!(near.contains_many(&[key]).unwrap(), [false]);
+        assert_eq!(far.contains_many(&[key]).unwrap(), [true]);
+        assert_eq!(tiered.get_many(&[key]).unwrap(), [Some(b"v".to_vec())]);
+        assert_eq!(near.contains_many(&[key]).unwrap(), [true]);
     }
 }
