@@ -252,8 +252,8 @@ test("policy 's3fifo': blocks round-trip, a tiered store admits them into memory
   const tiered = new PromptStore({ model: 'm', blockTokens: 16, tiers: ['memory', 'dir'], path: dir, maxBytes: 1 << 20, policy: 's3fifo' })
   await tiered.put(cache, 0, tokens)
   const hits = (tier) => {
-    const line = tiered.metricsSync().split('\n').find((l) => l.startsWith(`llama_kv_store_hits_total{tier="${tier}"} `))
-    return Number(line?.split(' ').pop())
+    const family = parsePrometheus(tiered.metricsSync()).find((f) => f.name === 'llama_kv_store_hits_total')
+    return Number(family?.metrics.find((m) => m.labels.tier === tier)?.value)
   }
   t.is(await tiered.restore(emptyCache(), 0, tokens), 96)
   t.is(hits('memory'), 0, 'the put skipped the memory tier')
