@@ -9,8 +9,10 @@
 //! Nothing in the trait assumes a single tier.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::error::StoreResult;
+use crate::events::EventHub;
 
 /// A 32-byte BLAKE3 chain key (or fingerprint).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -193,6 +195,11 @@ pub trait Backend: Send + Sync {
     fn tier_metrics(&self) -> Vec<TierMetrics> {
         Vec::new()
     }
+
+    /// Reports to `hub` what this backend stores and evicts (see [`crate::events`]): a backend
+    /// that evicts on its own reports its evictions to `hub.tier(self.name())`; wrappers pass
+    /// it on. The default reports nothing (a Redis server's own evictions are not seen).
+    fn observe(&self, _hub: &Arc<EventHub>) {}
 
     /// Housekeeping: recount what is stored, enforce the byte budget, and remove leftovers of
     /// interrupted writes. Returns the usage afterwards. The default only reports usage.

@@ -19,6 +19,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use fs4::fs_std::FileExt;
@@ -27,6 +28,7 @@ use llama_kv_cache::state::source::read_ahead;
 
 use crate::backend::{Backend, Key, Usage};
 use crate::error::{io_error, StoreError, StoreResult};
+use crate::events::{EventHub, TierEvents, HEAD_BYTES};
 
 /// Leftover temporary files older than this are removed by [`Backend::gc`] (a writer that
 /// crashed mid-write).
@@ -37,6 +39,8 @@ pub struct DirBackend {
     root: PathBuf,
     max_bytes: Option<u64>,
     tmp_seq: AtomicU64,
+    /// Where this process's evictions are reported, once someone observes this tier.
+    events: OnceLock<Arc<TierEvents>>,
 }
 
 /// The shared counters in `DIR/usage`.
@@ -94,6 +98,7 @@ impl DirBackend {
             root,
             max_bytes,
             tmp_seq: AtomicU64::new(0),
+            events: OnceLock::new(),
         };
         // make sure the lock file can be created now, rather than at the first put
         drop(b.lock()?);
@@ -200,9 +205,13 @@ impl DirBackend {
             evictions,
         };
         let target = max - max / 10;
+        let events = self.events.get().filter(|e| e.wanted());
         for (_, len, path) in files {
             if c.bytes <= target {
                 break;
+            }
+            if let Some(events) = events {
+                report_eviction(events, &path);
             }
             match fs::remove_file(&path) {
                 Ok(()) => {
@@ -276,6 +285,20 @@ impl DirBackend {
     }
 }
 
+/// Reports the block file at `path` as evicted: its key from its name, its fingerprint from
+/// its first bytes (a file another process removed meanwhile reads short and is not named).
+fn report_eviction(events: &TierEvents, path: &Path) {
+    let key = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(Key::from_hex);
+    let mut head = [0u8; HEAD_BYTES];
+    let read = File::open(path).and_then(|mut f| f.read_exact(&mut head));
+    if let (Some(key), Ok(())) = (key, read) {
+        events.evicted(&key, &head);
+    }
+}
+
 impl Backend for DirBackend {
     fn name(&self) -> &'static str {
         "dir"
@@ -346,6 +369,10 @@ impl Backend for DirBackend {
             let _ = fs::remove_file(&tmp);
         }
         result
+    }
+
+    fn observe(&self, hub: &Arc<EventHub>) {
+        let _ = self.events.set(hub.tier(self.name()));
     }
 
     fn remove(&self, key: &Key) -> StoreResult<()> {

@@ -26,6 +26,7 @@ mod capture;
 pub mod checkpoint;
 mod dir;
 mod error;
+pub mod events;
 mod geometry;
 mod memory;
 pub mod metrics;

@@ -8,6 +8,7 @@ use quick_cache::{OptionsBuilder, Weighter};
 
 use crate::backend::{visit_each, Backend, Key, Usage};
 use crate::error::StoreResult;
+use crate::events::{EventHub, TierEvents};
 
 /// Which value the memory tier evicts when a put takes it over its byte budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,7 +54,23 @@ impl Weighter<Key, Arc<[u8]>> for ByLen {
     }
 }
 
-type S3Fifo = quick_cache::unsync::Cache<Key, Arc<[u8]>, ByLen>;
+/// Collects the values a call evicts, to report them (`quick_cache` calls it per eviction).
+#[derive(Clone, Default)]
+struct Collect;
+
+impl quick_cache::Lifecycle<Key, Arc<[u8]>> for Collect {
+    type RequestState = Vec<(Key, Arc<[u8]>)>;
+
+    fn on_evict(&self, evicted: &mut Self::RequestState, key: Key, value: Arc<[u8]>) {
+        evicted.push((key, value));
+    }
+}
+
+type S3Fifo =
+    quick_cache::unsync::Cache<Key, Arc<[u8]>, ByLen, quick_cache::DefaultHashBuilder, Collect>;
+
+/// What one insert evicted.
+type Evicted = Vec<(Key, Arc<[u8]>)>;
 
 /// The values in their eviction order.
 enum Values {
@@ -88,6 +105,18 @@ impl Values {
         }
     }
 
+    /// Every value held, as key and value (in no particular order).
+    fn heads(&self) -> Vec<(Key, &[u8])> {
+        match self {
+            Values::Lru(v) => v.iter().map(|(k, v)| (*k, &v[..])).collect(),
+            Values::S3Fifo(v, _) => v
+                .iter()
+                .flat_map(|c| c.iter())
+                .map(|(k, v)| (*k, &v[..]))
+                .collect(),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Values::Lru(v) => v.len(),
@@ -104,20 +133,25 @@ impl Values {
 
     /// Adds an absent value and evicts down to `max` bytes (S3-FIFO: its own budget), given
     /// the bytes held before.
-    /// Returns the bytes held after and how many values were evicted.
-    fn insert(&mut self, key: Key, value: Arc<[u8]>, bytes: u64, max: Option<u64>) -> (u64, u64) {
-        let before = self.len() as u64;
+    /// Returns the bytes held after and the values evicted.
+    fn insert(
+        &mut self,
+        key: Key,
+        value: Arc<[u8]>,
+        bytes: u64,
+        max: Option<u64>,
+    ) -> (u64, Evicted) {
         let mut bytes = bytes + value.len() as u64;
         match self {
             Values::Lru(values) => {
                 values.put(key, value);
-                let mut evicted = 0;
+                let mut evicted = Vec::new();
                 while max.is_some_and(|max| bytes > max) {
-                    let Some((_, v)) = values.pop_lru() else {
+                    let Some((k, v)) = values.pop_lru() else {
                         break;
                     };
                     bytes -= v.len() as u64;
-                    evicted += 1;
+                    evicted.push((k, v));
                 }
                 (bytes, evicted)
             }
@@ -135,12 +169,13 @@ impl Values {
                         .ghost_allocation(1.0)
                         .build()
                         .expect("valid by construction: a ghost allocation within 0..=1");
-                    S3Fifo::with_options(options, ByLen, Default::default(), Default::default())
+                    S3Fifo::with_options(options, ByLen, Default::default(), Collect)
                 });
-                values.insert(key, value);
+                let mut evicted = Vec::new();
+                values.insert_with_lifecycle(key, value, &mut evicted);
                 // every value weighs its length (values are never empty: a block has a header)
                 bytes = values.weight();
-                (bytes, before + 1 - values.len() as u64)
+                (bytes, evicted)
             }
         }
     }
@@ -150,6 +185,8 @@ struct Inner {
     values: Values,
     bytes: u64,
     evictions: u64,
+    /// Where evictions are reported, once someone observes this tier.
+    events: Option<Arc<TierEvents>>,
 }
 
 /// An in-process backend with a byte budget. Cloning values out keeps the lock short.
@@ -177,6 +214,7 @@ impl MemoryBackend {
                 values,
                 bytes: 0,
                 evictions: 0,
+                events: None,
             }),
             max_bytes,
         }
@@ -185,6 +223,16 @@ impl MemoryBackend {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // a panic while holding the lock cannot leave the map half-updated in a harmful way
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The values go with the tier: a router must forget them.
+impl Drop for MemoryBackend {
+    fn drop(&mut self) {
+        let inner = self.lock();
+        if let Some(events) = inner.events.as_ref().filter(|e| e.wanted()) {
+            events.dropped(inner.values.heads());
+        }
     }
 }
 
@@ -247,8 +295,17 @@ impl Backend for MemoryBackend {
             .values
             .insert(*key, Arc::from(value), bytes, self.max_bytes);
         inner.bytes = bytes;
-        inner.evictions += evicted;
+        inner.evictions += evicted.len() as u64;
+        if let Some(events) = inner.events.as_ref().filter(|e| e.wanted()) {
+            for (k, v) in &evicted {
+                events.evicted(k, v);
+            }
+        }
         Ok(true)
+    }
+
+    fn observe(&self, hub: &Arc<EventHub>) {
+        self.lock().events = Some(hub.tier(self.name()));
     }
 
     fn remove(&self, key: &Key) -> StoreResult<()> {

@@ -9,11 +9,12 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::error::StoreResult;
+use crate::events::{EventHub, TierEvents};
 
 /// What one tier served, counted by [`Metered`].
 #[derive(Default)]
@@ -28,6 +29,9 @@ pub struct TierCounts {
 pub struct Metered {
     inner: Arc<dyn Backend>,
     counts: TierCounts,
+    /// The tier's event reporter, once someone observes the store: the wrapper sees what each
+    /// put stored, so it reports the stores (and then the evictions they caused).
+    events: OnceLock<Arc<TierEvents>>,
 }
 
 impl Metered {
@@ -36,6 +40,7 @@ impl Metered {
         Metered {
             inner,
             counts: TierCounts::default(),
+            events: OnceLock::new(),
         }
     }
 
@@ -97,21 +102,30 @@ impl Backend for Metered {
     }
 
     fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool> {
-        let stored = self.inner.put_if_absent(key, value)?;
-        self.stored(value, stored);
-        Ok(stored)
+        self.put_many(&[(*key, value)]).map(|stored| stored[0])
     }
 
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
-        let stored = self.inner.put_many(entries)?;
-        for ((_, v), &s) in entries.iter().zip(&stored) {
+        let stored = self.inner.put_many(entries);
+        let kept = stored.as_deref().unwrap_or(&[]);
+        for ((_, v), &s) in entries.iter().zip(kept) {
             self.stored(v, s);
         }
-        Ok(stored)
+        if let Some(events) = self.events.get() {
+            // on an error, what the call evicted before it failed is still reported
+            let values = entries.iter().zip(kept).filter(|(_, &s)| s);
+            events.report(values.map(|((_, v), _)| *v));
+        }
+        stored
     }
 
     fn remove(&self, key: &Key) -> StoreResult<()> {
         self.inner.remove(key)
+    }
+
+    fn observe(&self, hub: &Arc<EventHub>) {
+        let _ = self.events.set(hub.tier(self.inner.name()));
+        self.inner.observe(hub);
     }
 
     fn usage(&self) -> StoreResult<Usage> {
@@ -123,7 +137,11 @@ impl Backend for Metered {
     }
 
     fn gc(&self) -> StoreResult<Usage> {
-        self.inner.gc()
+        let usage = self.inner.gc();
+        if let Some(events) = self.events.get() {
+            events.report(std::iter::empty());
+        }
+        usage
     }
 
     fn tier_metrics(&self) -> Vec<TierMetrics> {

@@ -15,6 +15,7 @@ use llama_kv_cache::{KvError, ModelInfo};
 
 use crate::backend::{Backend, Key};
 use crate::error::{StoreError, StoreResult};
+use crate::events::EventHub;
 use crate::geometry::chain_keys;
 use crate::metrics::{Latencies, Metered};
 use crate::seal::Sealer;
@@ -72,6 +73,8 @@ pub struct PromptStore {
     /// The model file's description, when the store was opened for one: every state put is
     /// checked against it before it can bind the store or add a block.
     model_info: Option<(ModelInfo, String)>,
+    /// Where the store's KV events go, once someone listens.
+    events: Option<Arc<EventHub>>,
 }
 
 fn aborted() -> StoreError {
@@ -129,6 +132,7 @@ impl PromptStore {
             bound: Mutex::new(None),
             counters: Counters::default(),
             model_info: None,
+            events: None,
         })
     }
 
@@ -165,6 +169,14 @@ impl PromptStore {
         }
         self.sealer = Sealer::new(Some(secret));
         Ok(self)
+    }
+
+    /// The store reporting its KV events to `hub` (see [`crate::events`]): what each tier
+    /// stores, evicts and drops, and the blocks found corrupt.
+    pub fn with_events(mut self, hub: Arc<EventHub>) -> PromptStore {
+        self.backend.observe(&hub);
+        self.events = Some(hub);
+        self
     }
 
     /// The backend.

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::error::{StoreError, StoreResult};
+use crate::events::EventHub;
 use crate::metrics::Metered;
 
 /// First wait before a failed tier is tried again.
@@ -302,6 +303,10 @@ impl Backend for TieredBackend {
 
     /// Each tier's counts, with its evictions where the tier is up (a tier backing off is not
     /// asked).
+    fn observe(&self, hub: &Arc<EventHub>) {
+        self.tiers.iter().for_each(|t| t.observe(hub));
+    }
+
     fn tier_metrics(&self) -> Vec<TierMetrics> {
         let mut failure = None;
         (0..self.tiers.len())

@@ -1,6 +1,8 @@
 //! The prompt store against real caches: round trips, prefixes, refusals, corruption,
 //! deduplication, budgets and concurrent writers.
 
+#[path = "common/caches.rs"]
+mod caches;
 #[path = "common/files.rs"]
 mod files;
 
@@ -8,6 +10,7 @@ use std::fs;
 use std::path::Path;
 use std::sync::Arc;
 
+use caches::{fill, params, row_byte, tokens};
 use files::sequence_file;
 use llama_kv_cache::state::files::inspect_bytes;
 use llama_kv_cache::{CacheParams, FileKind, GgmlType, Layout, SeedCache, Tensor, UBatch};
@@ -16,39 +19,6 @@ use prompt_store::{
 };
 
 const BT: u32 = 16;
-
-fn params(flash_attn: bool, ty: GgmlType, size: u32) -> CacheParams {
-    let mut p = CacheParams::new(size, 2, 64, 32);
-    p.type_k = ty;
-    p.type_v = if flash_attn { ty } else { GgmlType::F16 };
-    p.flash_attn = flash_attn;
-    p.n_seq_max = 4;
-    p
-}
-
-/// Row bytes of a token depend on its position and a salt: rows of different prompts differ.
-fn row_byte(pos: u32, il: u32, v: bool, salt: u32) -> u8 {
-    (pos.wrapping_mul(31) ^ il.wrapping_mul(7) ^ ((v as u32) * 13) ^ salt) as u8
-}
-
-/// Evaluates `n` tokens into `seq` starting at cell `first`-free slot: rows as `row_byte`.
-fn fill(cache: &mut SeedCache, seq: i32, n: u32, salt: u32) {
-    let slot = cache
-        .find_slot(&UBatch::sequence(seq, 0, n))
-        .unwrap()
-        .expect("room");
-    for il in 0..cache.n_layer() {
-        for (which, v) in [(Tensor::K, false), (Tensor::V, true)] {
-            let row = cache.row_size(il, which).unwrap();
-            let mut rows = Vec::new();
-            for p in 0..n {
-                rows.extend(std::iter::repeat_n(row_byte(p, il, v, salt), row));
-            }
-            // quantized rows are opaque bytes here: any bytes are valid block data for the test
-            cache.write_rows(il, which, slot.head, &rows).unwrap();
-        }
-    }
-}
 
 /// Every row of `seq`, by position (for byte-exact comparisons across caches).
 fn rows_by_position(cache: &SeedCache, seq: i32) -> Vec<Vec<u8>> {
@@ -70,10 +40,6 @@ fn rows_by_position(cache: &SeedCache, seq: i32) -> Vec<Vec<u8>> {
             out
         })
         .collect()
-}
-
-fn tokens(n: u32, salt: i32) -> Vec<i32> {
-    (0..n as i32).map(|t| t * 3 + salt).collect()
 }
 
 /// A cache whose sequence 0 holds `n` tokens (positions 0..n), and those tokens.

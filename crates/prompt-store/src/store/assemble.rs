@@ -49,6 +49,8 @@ impl PromptStore {
         let mut ok = 0;
         let mut corrupt = None;
         let mut failed = None;
+        // a far tier's hits are promoted into nearer ones: stored there as this chain's blocks
+        self.note_chain(keys);
         self.backend.visit_many(keys, &mut |i, value| {
             // absent: evicted between the two calls
             let Some(value) = value else { return false };
@@ -81,6 +83,9 @@ impl PromptStore {
         }
         if let Some((key, broken)) = corrupt {
             self.corrupt(&key, broken);
+            if let Some(hub) = &self.events {
+                hub.removed_everywhere(&key);
+            }
         }
         Ok(ok == keys.len())
     }

@@ -63,4 +63,11 @@ impl PromptStore {
         // best effort: a later put stores a good value under this key
         let _ = self.backend.remove(key);
     }
+
+    /// Tells the event hub that `keys` are a chain from a prompt's first block.
+    pub(super) fn note_chain(&self, keys: &[Key]) {
+        if let Some(hub) = &self.events {
+            hub.note_chain(keys);
+        }
+    }
 }

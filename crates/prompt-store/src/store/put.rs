@@ -161,6 +161,7 @@ impl PromptStore {
         let bt = self.block_tokens;
         let geometry = rows.source.geometry()?;
         let present = self.presence(keys)?;
+        self.note_chain(keys);
         let mut pending: Vec<(Key, Vec<u8>)> = Vec::new();
         // encode buffers return here after each batch: two batches of allocations per put
         let mut spare: Vec<Vec<u8>> = Vec::new();

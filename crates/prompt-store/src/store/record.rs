@@ -107,8 +107,12 @@ impl PromptStore {
     }
 
     pub(super) fn bound_to(&self, shape: Shape, format: FileFormat) -> Bound {
+        let fingerprint = shape.fingerprint(&self.model, &self.namespace);
+        if let Some(hub) = &self.events {
+            hub.bind(&fingerprint);
+        }
         Bound {
-            fingerprint: shape.fingerprint(&self.model, &self.namespace),
+            fingerprint,
             shape,
             format,
         }

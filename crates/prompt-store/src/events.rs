@@ -1,0 +1,338 @@
+//! KV events: what a router in front of many engines needs to know where prompts live. The
+//! three kinds are vLLM's (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), so that a
+//! cache-aware router (llm-d's precise prefix-cache scorer, NVIDIA Dynamo's KV router) that
+//! consumes vLLM's events can consume a prompt store's too; the binding publishes them.
+//!
+//! Each tier is its own medium (`"memory"`, `"dir"`, `"redis"`): a block put into two tiers is
+//! stored twice, once per medium, and an eviction removes it from one medium only.
+//!
+//! Where events come from:
+//! - stored: the values a tier's `put` actually stored (the [`crate::metrics::Metered`] wrapper
+//!   of each tier sees them), blocks only (not model records, checkpoints or indexes);
+//! - removed: a tier's own evictions (memory over its budget, dir over its budget or in `gc`),
+//!   reported by the backend through [`TierEvents`], and the blocks the store finds corrupt
+//!   and removes from every tier;
+//! - cleared: the store's memory is dropped (a store whose only tier is `memory` is closed).
+//!
+//! A store sees only its own blocks: a value whose header carries another fingerprint (another
+//! namespace or model sharing a dir) is never named. Nothing is done while nobody listens.
+
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use lru::LruCache;
+
+use crate::backend::Key;
+use crate::block::MAGIC;
+
+/// One change to where blocks live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Consecutive blocks of one prompt were stored in `medium`: `block_hashes[0]` follows
+    /// `parent_block_hash` (`None`: it is the prompt's first block), each later one follows
+    /// the one before it, and `token_ids` are their tokens, `block_size` per block.
+    BlockStored {
+        block_hashes: Vec<Key>,
+        parent_block_hash: Option<Key>,
+        token_ids: Vec<i32>,
+        block_size: u32,
+        medium: &'static str,
+    },
+    /// Blocks left `medium` (evicted, collected, or found corrupt).
+    BlockRemoved {
+        block_hashes: Vec<Key>,
+        medium: &'static str,
+    },
+    /// Every block of this store is gone (its only tier, memory, was dropped).
+    AllBlocksCleared,
+}
+
+/// A subscriber: called with each batch of events, in the order they happened, on the thread
+/// that caused them (keep it short: it runs inside the store's call).
+pub type Subscriber = Arc<dyn Fn(&[KvEvent]) + Send + Sync>;
+
+/// How many chain links (block -> parent) are remembered for naming a stored block's parent:
+/// the links of the prompts being put or restored, a few thousand at a time.
+const REMEMBERED_LINKS: usize = 1 << 16;
+
+/// Bytes of a block's header that name it: magic, version, fingerprint, key.
+pub const HEAD_BYTES: usize = 72;
+
+/// The events of one store: its subscribers, its fingerprint and each tier's reporter.
+pub struct EventHub {
+    subscribers: Mutex<Vec<(u64, Subscriber)>>,
+    next_id: AtomicU64,
+    /// Whether anyone listens (read on every call: nothing is parsed or kept otherwise).
+    active: AtomicBool,
+    /// The store's fingerprint once bound: blocks of other fingerprints are not ours.
+    own: Mutex<Option<Key>>,
+    /// block key -> its parent key, for the prompts recently put or read.
+    parents: Mutex<LruCache<Key, Key>>,
+    tiers: Mutex<Vec<Arc<TierEvents>>>,
+    /// Held while a batch is handed to the subscribers, so that all see one order.
+    order: Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // every critical section leaves its data whole: a panic elsewhere cannot corrupt it
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Default for EventHub {
+    fn default() -> Self {
+        EventHub {
+            subscribers: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            active: AtomicBool::new(false),
+            own: Mutex::default(),
+            parents: Mutex::new(LruCache::new(
+                NonZeroUsize::new(REMEMBERED_LINKS).expect("a positive constant"),
+            )),
+            tiers: Mutex::default(),
+            order: Mutex::default(),
+        }
+    }
+}
+
+/// What the header of a stored block says.
+struct Head<'a> {
+    fingerprint: &'a [u8],
+    key: Key,
+    index: u32,
+    tokens: &'a [u8],
+}
+
+/// Reads a block's header from its first bytes (`tokens` empty when they are not all there);
+/// `None` for other values (records, checkpoints, indexes) and foreign bytes.
+fn head(value: &[u8]) -> Option<Head<'_>> {
+    if value.len() < HEAD_BYTES || value[..4] != MAGIC {
+        return None;
+    }
+    let u32_at = |at: usize| {
+        value
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let n = u32_at(76).unwrap_or(0) as usize;
+    Some(Head {
+        fingerprint: &value[8..40],
+        key: Key(value[40..72].try_into().expect("32 bytes")),
+        index: u32_at(72).unwrap_or(0),
+        tokens: value.get(80..80 + 4 * n).unwrap_or(&[]),
+    })
+}
+
+impl EventHub {
+    /// A hub with no subscribers.
+    pub fn new() -> Arc<EventHub> {
+        Arc::new(EventHub::default())
+    }
+
+    /// Calls `f` with every later batch of events until [`EventHub::unsubscribe`] with the
+    /// returned id.
+    pub fn subscribe(&self, f: Subscriber) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut subs = lock(&self.subscribers);
+        subs.push((id, f));
+        self.active.store(true, Ordering::SeqCst);
+        id
+    }
+
+    /// Stops calling the subscriber `id` (an unknown id is ignored).
+    pub fn unsubscribe(&self, id: u64) {
+        let mut subs = lock(&self.subscribers);
+        subs.retain(|(i, _)| *i != id);
+        self.active.store(!subs.is_empty(), Ordering::SeqCst);
+    }
+
+    /// Whether anyone listens.
+    pub fn active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// The store's fingerprint, once it is bound: only blocks carrying it are named.
+    pub fn bind(&self, fingerprint: &Key) {
+        *lock(&self.own) = Some(*fingerprint);
+    }
+
+    fn is_own(&self, fingerprint: &[u8]) -> bool {
+        lock(&self.own).is_some_and(|k| k.0 == fingerprint)
+    }
+
+    /// Remembers that `keys` are consecutive blocks from a prompt's first one (each follows the
+    /// one before): what names a stored block's parent.
+    pub fn note_chain(&self, keys: &[Key]) {
+        if !self.active() {
+            return;
+        }
+        let mut parents = lock(&self.parents);
+        for pair in keys.windows(2) {
+            parents.put(pair[1], pair[0]);
+        }
+    }
+
+    /// The reporter of the tier `medium` (one per medium).
+    pub fn tier(self: &Arc<Self>, medium: &'static str) -> Arc<TierEvents> {
+        let mut tiers = lock(&self.tiers);
+        if let Some(t) = tiers.iter().find(|t| t.medium == medium) {
+            return t.clone();
+        }
+        let t = Arc::new(TierEvents {
+            medium,
+            hub: Arc::downgrade(self),
+            evicted: Mutex::default(),
+        });
+        tiers.push(t.clone());
+        t
+    }
+
+    fn emit(&self, events: Vec<KvEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let _order = lock(&self.order);
+        let subs: Vec<Subscriber> = lock(&self.subscribers)
+            .iter()
+            .map(|(_, f)| f.clone())
+            .collect();
+        for f in subs {
+            f(&events);
+        }
+    }
+
+    /// The block `key`, found corrupt, was removed from every tier.
+    pub fn removed_everywhere(&self, key: &Key) {
+        if !self.active() {
+            return;
+        }
+        let media: Vec<&'static str> = lock(&self.tiers).iter().map(|t| t.medium).collect();
+        self.emit(
+            media
+                .into_iter()
+                .map(|medium| KvEvent::BlockRemoved {
+                    block_hashes: vec![*key],
+                    medium,
+                })
+                .collect(),
+        );
+    }
+
+    /// Every block of the store is gone.
+    pub fn cleared(&self) {
+        if self.active() {
+            self.emit(vec![KvEvent::AllBlocksCleared]);
+        }
+    }
+
+    /// The events of the values `medium` stored (in the order put): one `BlockStored` per run
+    /// of consecutive blocks of one prompt.
+    fn stored<'a>(
+        &self,
+        medium: &'static str,
+        values: impl Iterator<Item = &'a [u8]>,
+    ) -> Vec<KvEvent> {
+        let parents = lock(&self.parents);
+        let mut events: Vec<KvEvent> = Vec::new();
+        for h in values
+            .filter_map(head)
+            .filter(|h| self.is_own(h.fingerprint))
+        {
+            let parent = match h.index {
+                0 => None,
+                _ => parents.peek(&h.key).copied(),
+            };
+            let tokens = h
+                .tokens
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            // a block that follows the last one joins its event
+            if let Some(KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                ..
+            }) = events.last_mut()
+            {
+                if parent.is_some() && block_hashes.last() == parent.as_ref() {
+                    block_hashes.push(h.key);
+                    token_ids.extend(tokens);
+                    continue;
+                }
+            }
+            events.push(KvEvent::BlockStored {
+                block_hashes: vec![h.key],
+                parent_block_hash: parent,
+                token_ids: tokens.collect(),
+                block_size: (h.tokens.len() / 4) as u32,
+                medium,
+            });
+        }
+        events
+    }
+}
+
+/// One tier's reporter: the tier's [`crate::metrics::Metered`] wrapper reports what it stored,
+/// and the backend reports what it evicted (with the value's first [`HEAD_BYTES`]), which is
+/// kept until the wrapper's call ends so that a put's stores come before the evictions it
+/// caused.
+pub struct TierEvents {
+    medium: &'static str,
+    hub: std::sync::Weak<EventHub>,
+    evicted: Mutex<Vec<Key>>,
+}
+
+impl TierEvents {
+    /// Whether anyone listens (a backend reads no header otherwise).
+    pub fn wanted(&self) -> bool {
+        self.hub.upgrade().is_some_and(|h| h.active())
+    }
+
+    /// The backend evicted the value `key`, whose first bytes are `head` (at least
+    /// [`HEAD_BYTES`] for a block; anything for other values).
+    pub fn evicted(&self, key: &Key, head_bytes: &[u8]) {
+        let Some(hub) = self.hub.upgrade() else {
+            return;
+        };
+        if hub.active()
+            && head(head_bytes).is_some_and(|h| h.key == *key && hub.is_own(h.fingerprint))
+        {
+            lock(&self.evicted).push(*key);
+        }
+    }
+
+    /// The tier was dropped with `values` (key, value) in it: when it was the store's only
+    /// tier, every block is gone; otherwise its own blocks left this medium.
+    pub fn dropped(&self, values: Vec<(Key, &[u8])>) {
+        let Some(hub) = self.hub.upgrade() else {
+            return;
+        };
+        if lock(&hub.tiers).len() == 1 {
+            return hub.cleared();
+        }
+        for (key, value) in values {
+            self.evicted(&key, value);
+        }
+        self.report(std::iter::empty());
+    }
+
+    /// Ends a call to the tier: the blocks among `stored` (values it stored, in order), then
+    /// what it evicted meanwhile.
+    pub fn report<'a>(&self, stored: impl Iterator<Item = &'a [u8]>) {
+        let Some(hub) = self.hub.upgrade() else {
+            return;
+        };
+        if !hub.active() {
+            lock(&self.evicted).clear();
+            return;
+        }
+        let mut events = hub.stored(self.medium, stored);
+        let evicted = std::mem::take(&mut *lock(&self.evicted));
+        if !evicted.is_empty() {
+            events.push(KvEvent::BlockRemoved {
+                block_hashes: evicted,
+                medium: self.medium,
+            });
+        }
+        hub.emit(events);
+    }
+}
