@@ -345,6 +345,14 @@ export declare class PromptStore {
    * have settled. Resolves when this object has let go of it; closing again does nothing.
    */
   close(): Promise<void>
+  /**
+   * Calls `callback` with each batch of the store's KV events (see `events()` in index.d.ts,
+   * which sits on this), and once with an empty batch when the store is gone. Returns the
+   * subscription's id for `unsubscribeEvents`.
+   */
+  subscribeEvents(callback: (events: StoreKvEvent[]) => void): number
+  /** Stops the subscription `id` (an unknown or ended one is ignored). */
+  unsubscribeEvents(id: number): void
   /** `await using store = new PromptStore(...)`: closes at the end of the scope. */
   [globalThis.Symbol.asyncDispose](): Promise<void>
   /**
@@ -1560,6 +1568,19 @@ export interface StoreCallOptions {
    * it loaded is rolled back).
    */
   signal?: AbortSignal
+}
+
+/** One event as the binding hands it to `lib/store-events.js`, which shapes it by `type`. */
+export interface StoreKvEvent {
+  /** `'BlockStored' | 'BlockRemoved' | 'AllBlocksCleared'`. */
+  type: string
+  /** Chain keys, 64 hex digits each. */
+  blockHashes: Array<string>
+  parentBlockHash?: string
+  tokenIds: Array<number>
+  blockSize: number
+  /** The tier: `'memory' | 'dir' | 'redis'` (empty for `AllBlocksCleared`). */
+  medium: string
 }
 
 /** What `lookupDetail` found. */

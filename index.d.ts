@@ -158,3 +158,52 @@ export interface KvCacheConstructor extends Omit<typeof NativeKvCache, 'prototyp
 /** A cache of any kind (`AnyKvCache`): `x instanceof KvCache` holds for all of them. */
 export type KvCache = AnyKvCache
 export declare const KvCache: KvCacheConstructor
+
+/** A KV event's tier: where the block was stored or from where it was removed. */
+export type KvEventMedium = 'memory' | 'dir' | 'redis'
+
+/**
+ * Consecutive blocks of one prompt stored in one tier: `blockHashes[0]` follows
+ * `parentBlockHash` (null: the prompt's first block), each later block the one before it;
+ * `tokenIds` are their tokens, `blockSize` per block. Hashes are the blocks' chain keys (64 hex
+ * digits: the dir tier's file names and the Redis keys' suffix).
+ */
+export interface BlockStoredEvent {
+  type: 'BlockStored'
+  blockHashes: string[]
+  parentBlockHash: string | null
+  tokenIds: number[]
+  blockSize: number
+  medium: KvEventMedium
+}
+
+/** Blocks that left one tier: evicted over its budget, collected by `gc()`, or found corrupt. */
+export interface BlockRemovedEvent {
+  type: 'BlockRemoved'
+  blockHashes: string[]
+  medium: KvEventMedium
+}
+
+/** Every block of the store is gone (a store whose only tier is memory was closed). */
+export interface AllBlocksClearedEvent {
+  type: 'AllBlocksCleared'
+}
+
+/** vLLM's three KV events, as `PromptStore.events()` yields them. */
+export type KvEvent = BlockStoredEvent | BlockRemovedEvent | AllBlocksClearedEvent
+
+declare module './binding' {
+  interface PromptStore {
+    /**
+     * The store's KV events from now on, in the order they happened: vLLM's `BlockStored`,
+     * `BlockRemoved` and `AllBlocksCleared`, one tier per medium, naming only this store's
+     * blocks (never another namespace's in a shared dir). What a cache-aware router needs to
+     * know which machine holds a prompt; `llama-kv-cache/kv-events` publishes them over
+     * ZeroMQ in vLLM's wire format. The iterator ends when the loop breaks, `signal` aborts
+     * (rejecting with ERR_KV_ABORTED), or the store is gone; events wait in the iterator until
+     * read. Listening never keeps an idle process alive. A Redis tier's own evictions (the
+     * server's `maxmemory` policy) are not seen.
+     */
+    events(options?: { signal?: AbortSignal }): AsyncIterableIterator<KvEvent>
+  }
+}

@@ -8,3 +8,4 @@
 // follows, so `import { KvCache } from 'llama-kv-cache'` gets every export of the binding
 module.exports = require('./binding.js')
 require('./lib/state-stream.js').attach(module.exports.KvCache)
+require('./lib/store-events.js').attach(module.exports.PromptStore)

@@ -155,4 +155,4 @@ function attach(KvCache) {
   })
 }
 
-module.exports = { attach }
+module.exports = { attach, abortError }

@@ -21,5 +21,6 @@ mod queue;
 mod signal;
 mod state_stream;
 mod store_backend;
+mod store_events;
 mod tasks;
 mod types;

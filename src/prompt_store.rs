@@ -3,7 +3,7 @@
 //! logic lives here.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use llama_kv_cache as core;
 use llama_kv_cache::cache::io::Progress;
@@ -469,6 +469,8 @@ impl PoolJob for CloseWork {
 pub struct PromptStore {
     /// None once closed.
     inner: Mutex<Option<Arc<store::PromptStore>>>,
+    /// The store's KV events (held by the store alone: its end is the store's end).
+    events: Weak<store::events::EventHub>,
 }
 
 fn call_options(o: Option<Obj<StoreCallOptions>>) -> (Option<ProgressFn>, Option<Signal>) {
@@ -601,9 +603,11 @@ impl PromptStore {
             };
             let backend = crate::store_backend::open(&o)?;
             let (model, info) = crate::model::model_identity(&o.model)?;
+            let hub = store::events::EventHub::new();
             let mut inner = store::PromptStore::new(backend, &model, block_tokens)
                 .map_err(from_store)?
-                .with_namespace(o.namespace.as_deref().unwrap_or(""));
+                .with_namespace(o.namespace.as_deref().unwrap_or(""))
+                .with_events(hub.clone());
             if let Some(info) = info {
                 inner = inner.with_model(info, &o.model);
             }
@@ -614,6 +618,7 @@ impl PromptStore {
             }
             Ok(PromptStore {
                 inner: Mutex::new(Some(Arc::new(inner))),
+                events: Arc::downgrade(&hub),
             })
         })
     }
@@ -631,6 +636,33 @@ impl PromptStore {
     pub fn close(&self, env: Env) -> AsyncTask<PoolTask<CloseWork>> {
         let store = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         PoolTask::new(&env, CloseWork(store), None, None)
+    }
+
+    /// Calls `callback` with each batch of the store's KV events (see `events()` in index.d.ts,
+    /// which sits on this), and once with an empty batch when the store is gone. Returns the
+    /// subscription's id for `unsubscribeEvents`.
+    #[napi(js_name = "subscribeEvents")]
+    pub fn subscribe_events(
+        &self,
+        #[napi(ts_arg_type = "(events: StoreKvEvent[]) => void")] callback: Unknown<'_>,
+    ) -> Result<f64, Code> {
+        guard(|| {
+            self.store()?;
+            let callback = crate::store_events::events_fn(callback)?;
+            let hub = self
+                .events
+                .upgrade()
+                .ok_or_else(|| err(Code::Disposed, "the prompt store was closed"))?;
+            Ok(crate::store_events::subscribe(&hub, callback) as f64)
+        })
+    }
+
+    /// Stops the subscription `id` (an unknown or ended one is ignored).
+    #[napi(js_name = "unsubscribeEvents")]
+    pub fn unsubscribe_events(&self, #[napi(ts_arg_type = "number")] id: Num) {
+        if let Some(hub) = self.events.upgrade() {
+            hub.unsubscribe(id.0 as u64);
+        }
     }
 
     /// `await using store = new PromptStore(...)`: closes at the end of the scope.

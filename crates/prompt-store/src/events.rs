@@ -49,7 +49,8 @@ pub enum KvEvent {
 }
 
 /// A subscriber: called with each batch of events, in the order they happened, on the thread
-/// that caused them (keep it short: it runs inside the store's call).
+/// that caused them (keep it short: it runs inside the store's call), and once with an empty
+/// batch when the store is gone (no event follows).
 pub type Subscriber = Arc<dyn Fn(&[KvEvent]) + Send + Sync>;
 
 /// How many chain links (block -> parent) are remembered for naming a stored block's parent:
@@ -91,6 +92,17 @@ impl Default for EventHub {
             )),
             tiers: Mutex::default(),
             order: Mutex::default(),
+        }
+    }
+}
+
+/// The store is gone: every subscriber hears its end, after the events of the store's
+/// teardown (the hub outlives the store's backend, whose tiers hold it weakly).
+impl Drop for EventHub {
+    fn drop(&mut self) {
+        let subs = std::mem::take(&mut *lock(&self.subscribers));
+        for (_, f) in subs {
+            f(&[]);
         }
     }
 }
