@@ -1393,6 +1393,16 @@ export interface PromptStoreOptions {
    * under any prompt's keys.
    */
   secret?: string | Uint8Array
+  /**
+   * How tiers keep their blocks: one mode for every tier, or one per tier
+   * (`{ redis: 'q8_0' }`; a tier not named keeps its blocks as they are). 'none' (the
+   * default): as the cache's rows. 'lossless': byte planes and zstd, the same bytes back.
+   * 'q8_0': f16 and f32 rows as q8_0 (1.9x smaller for f16), dequantized on restore: each
+   * value within half a q8_0 step (`max |x| / 254` of its 32) of the cache's. Every store
+   * reads every mode, whatever its own, so processes sharing a directory or a Redis may
+   * choose differently. Model records, checkpoints and indexes are kept as they are.
+   */
+  compress?: 'none' | 'lossless' | 'q8_0' | TierCompression
 }
 
 /** What a state read did. */
@@ -1735,6 +1745,13 @@ export interface StreamInfo {
   cellCount: number
   /** Per sequence id. One-sequence files of the seed layout record no id: their cells are listed under "-1". */
   seqs: Record<string, SeqStat>
+}
+
+/** The modes of `compress` per tier. */
+export interface TierCompression {
+  memory?: 'none' | 'lossless' | 'q8_0'
+  dir?: 'none' | 'lossless' | 'q8_0'
+  redis?: 'none' | 'lossless' | 'q8_0'
 }
 
 /** A micro-batch to place: positions and, per group, the owning sequences. */

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use crate::error::{coded_error, err, from_core, Code, JsResult};
 
-fn type_of(env: sys::napi_env, value: sys::napi_value) -> &'static str {
+pub fn type_of(env: sys::napi_env, value: sys::napi_value) -> &'static str {
     let mut t = 0;
     // SAFETY: env and value come straight from napi for this call
     if unsafe { sys::napi_typeof(env, value, &mut t) } != sys::Status::napi_ok {

@@ -9,7 +9,10 @@ use std::time::Duration;
 use napi::bindgen_prelude::Uint8Array;
 use napi::Either;
 use napi_derive::napi;
-use prompt_store::{Backend, DirBackend, EvictionPolicy, MemoryBackend, TieredBackend};
+use prompt_store::seal::Sealer;
+use prompt_store::{
+    Backend, Compressed, Compression, DirBackend, EvictionPolicy, MemoryBackend, TieredBackend,
+};
 use prompt_store_redis::{
     ConnectOptions, Credentials, HostPort, RedisBackend, RedisOptions, Servers, TlsOptions,
     DEFAULT_PREFIX, DEFAULT_TIMEOUT,
@@ -100,14 +103,74 @@ pub struct PromptStoreOptions {
     /// under any prompt's keys.
     #[napi(ts_type = "string | Uint8Array")]
     pub secret: Option<napi::Either<String, napi::bindgen_prelude::Uint8Array>>,
+    /// How tiers keep their blocks: one mode for every tier, or one per tier
+    /// (`{ redis: 'q8_0' }`; a tier not named keeps its blocks as they are). 'none' (the
+    /// default): as the cache's rows. 'lossless': byte planes and zstd, the same bytes back.
+    /// 'q8_0': f16 and f32 rows as q8_0 (1.9x smaller for f16), dequantized on restore: each
+    /// value within half a q8_0 step (`max |x| / 254` of its 32) of the cache's. Every store
+    /// reads every mode, whatever its own, so processes sharing a directory or a Redis may
+    /// choose differently. Model records, checkpoints and indexes are kept as they are.
+    #[napi(ts_type = "'none' | 'lossless' | 'q8_0' | TierCompression")]
+    pub compress: Option<CompressOption>,
 }
 
 crate::args::option_names!(
     PromptStoreOptions:
     "model", "path", "url", "sentinels", "name", "db", "cluster", "username", "password",
     "sentinelPassword", "tls", "prefix", "ttlSeconds", "timeoutMs", "tiers", "blockTokens",
-    "maxBytes", "policy", "namespace", "secret",
+    "maxBytes", "policy", "namespace", "secret", "compress",
 );
+
+/// The modes of `compress` per tier.
+#[napi(object, object_to_js = false)]
+pub struct TierCompression {
+    #[napi(ts_type = "'none' | 'lossless' | 'q8_0'")]
+    pub memory: Option<String>,
+    #[napi(ts_type = "'none' | 'lossless' | 'q8_0'")]
+    pub dir: Option<String>,
+    #[napi(ts_type = "'none' | 'lossless' | 'q8_0'")]
+    pub redis: Option<String>,
+}
+
+crate::args::option_names!(TierCompression: "memory", "dir", "redis");
+
+/// `compress`: a mode for every tier, or an object of modes by tier.
+pub enum CompressOption {
+    Every(String),
+    ByTier(TierCompression),
+}
+
+impl napi::bindgen_prelude::FromNapiValue for CompressOption {
+    unsafe fn from_napi_value(
+        env: napi::sys::napi_env,
+        value: napi::sys::napi_value,
+    ) -> napi::Result<Self> {
+        if crate::args::type_of(env, value) == "string" {
+            return String::from_napi_value(env, value).map(CompressOption::Every);
+        }
+        Obj::<TierCompression>::from_napi_value(env, value).map(|o| CompressOption::ByTier(o.0))
+    }
+}
+
+/// The compression of `tier` that `o` asks for.
+fn compression(o: &PromptStoreOptions, tier: Tier) -> JsResult<Compression> {
+    let name = match &o.compress {
+        None => return Ok(Compression::None),
+        Some(CompressOption::Every(name)) => Some(name),
+        Some(CompressOption::ByTier(t)) => match tier {
+            Tier::Memory => t.memory.as_ref(),
+            Tier::Dir => t.dir.as_ref(),
+            Tier::Redis => t.redis.as_ref(),
+        },
+    };
+    name.map_or(Ok(Compression::None), |name| {
+        Compression::parse(name).ok_or_else(|| {
+            invalid(format!(
+                "compress: unknown mode {name:?} (expected 'none', 'lossless' or 'q8_0')"
+            ))
+        })
+    })
+}
 
 /// A Redis server's address.
 #[napi(object, object_to_js = false)]
@@ -408,9 +471,24 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
             }
         }
     }
+    if let Some(CompressOption::ByTier(t)) = &o.compress {
+        for (named, tier, name) in [
+            (t.memory.is_some(), Tier::Memory, "memory"),
+            (t.dir.is_some(), Tier::Dir, "dir"),
+            (t.redis.is_some(), Tier::Redis, "redis"),
+        ] {
+            if named && !tiers.contains(&tier) {
+                return Err(invalid(format!(
+                    "compress.{name}: this store has no {name} tier"
+                )));
+            }
+        }
+    }
+    // q8_0 values are sealed with the store's secret, as its blocks are
+    let sealer = Sealer::new(o.secret.as_ref().map(text_or_bytes));
     let mut backends: Vec<Arc<dyn Backend>> = Vec::with_capacity(tiers.len());
     for tier in &tiers {
-        backends.push(match (tier, &o.path, redis_given(o)) {
+        let backend: Arc<dyn Backend> = match (tier, &o.path, redis_given(o)) {
             (Tier::Memory, _, _) => Arc::new(MemoryBackend::with_policy(max_bytes, policy)),
             (Tier::Dir, Some(path), _) => {
                 Arc::new(DirBackend::open(path, max_bytes).map_err(from_store)?)
@@ -424,7 +502,10 @@ pub fn open(o: &PromptStoreOptions) -> JsResult<Arc<dyn Backend>> {
                     format!("tier {tier:?} has no option (a bug: tiers() checks this)"),
                 ))
             }
-        });
+        };
+        // every tier decodes compact values, whatever its own mode
+        let mode = compression(o, *tier)?;
+        backends.push(Arc::new(Compressed::new(backend, mode, sealer.clone())));
     }
     if backends.len() == 1 {
         return Ok(backends.pop().expect("one backend"));

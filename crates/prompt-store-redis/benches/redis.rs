@@ -324,6 +324,7 @@ fn main() {
     );
 
     eight_b_restore(&backend, &client);
+    eight_b_compressed(&backend, &client);
 }
 
 /// A restore at the 8B geometry the long-running-app issue measures (32 layers of 1,024-wide
@@ -370,4 +371,98 @@ fn eight_b_restore(backend: &Arc<RedisBackend>, client: &RedisClient) {
         mbps(total, restore),
         median(ratios)
     );
+}
+
+/// Rows of activations-like f16 values (smooth in the token, varied in the channel), so that
+/// q8_0 and zstd see what a model's K and V look like rather than byte ramps.
+fn activations(params: CacheParams, tokens: &[i32]) -> SeedCache {
+    use llama_kv_cache::tensors::quant::quantize_row;
+    let mut cache = SeedCache::new(params).unwrap();
+    let slot = cache
+        .find_slot(&UBatch::sequence(0, 0, tokens.len() as u32))
+        .unwrap()
+        .unwrap();
+    for il in 0..cache.n_layer() {
+        for which in [Tensor::K, Tensor::V] {
+            let row = cache.row_size(il, which).unwrap();
+            let mut rows = vec![0u8; row * tokens.len()];
+            let mut f = vec![0f32; row / 2];
+            for (t, out) in rows.chunks_exact_mut(row).enumerate() {
+                for (c, x) in f.iter_mut().enumerate() {
+                    let scale = 1.0 + (c % 64) as f32 / 16.0;
+                    *x = ((t as f32 * 0.01 + c as f32 * 0.37 + il as f32).sin()) * scale;
+                }
+                quantize_row(llama_kv_cache::GgmlType::F16, &f, out).unwrap();
+            }
+            cache.write_rows(il, which, slot.head, &rows).unwrap();
+        }
+    }
+    cache
+}
+
+/// The 8B restore of [`eight_b_restore`] with the blocks kept as each `compress` mode of a
+/// tier keeps them, on f16 activations: bytes on the server and restore time against the
+/// uncompressed store's, interleaved per repetition.
+fn eight_b_compressed(backend: &Arc<RedisBackend>, client: &RedisClient) {
+    use prompt_store::seal::Sealer;
+    use prompt_store::{Backend, Compressed, Compression};
+    let params = || {
+        let mut p = CacheParams::new(8192, 32, 1024, 1024);
+        p.flash_attn = true;
+        p
+    };
+    let tokens: Vec<i32> = (0..2048).collect();
+    let source = activations(params(), &tokens);
+    flush(client);
+    let modes = [Compression::None, Compression::Lossless, Compression::Q8_0];
+    let stores: Vec<(Compression, PromptStore, usize)> = modes
+        .into_iter()
+        .map(|mode| {
+            let tier: Arc<dyn Backend> =
+                Arc::new(Compressed::new(backend.clone(), mode, Sealer::new(None)));
+            // one model name per mode: the three stores' blocks live side by side
+            let store =
+                PromptStore::new(tier, &format!("bench-8b-{mode:?}"), BLOCK_TOKENS).unwrap();
+            store.put(&source, 0, &tokens, None).unwrap();
+            let keys: Vec<Vec<u8>> = store
+                .keys(&tokens)
+                .unwrap()
+                .unwrap()
+                .iter()
+                .map(|k| backend.redis_key(k))
+                .collect();
+            let bytes = client
+                .get_many(&keys)
+                .unwrap()
+                .iter()
+                .flatten()
+                .map(Vec::len)
+                .sum();
+            (mode, store, bytes)
+        })
+        .collect();
+    let mut times = vec![Vec::new(); stores.len()];
+    for rep in 0..=REPS {
+        for (i, (_, store, _)) in stores.iter().enumerate() {
+            let mut fresh = SeedCache::new(params()).unwrap();
+            let t = Instant::now();
+            assert_eq!(store.restore(&mut fresh, 0, &tokens, None).unwrap(), 2048);
+            if rep > 0 {
+                times[i].push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let base = median(times[0].clone());
+    let base_bytes = stores[0].2;
+    for ((mode, _, bytes), samples) in stores.iter().zip(times) {
+        let t = median(samples);
+        println!(
+            "| 8B geometry, f16 activations, compress {:?}: restore from Redis | {:.1} ms | {:.1} MiB stored ({:.2}x smaller) | {:.2}x uncompressed |",
+            mode,
+            t * 1e3,
+            *bytes as f64 / (1 << 20) as f64,
+            base_bytes as f64 / *bytes as f64,
+            base / t
+        );
+    }
 }

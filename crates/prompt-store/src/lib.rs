@@ -24,6 +24,7 @@ mod backend;
 pub mod block;
 mod capture;
 pub mod checkpoint;
+pub mod compact;
 mod dir;
 mod error;
 pub mod events;
@@ -37,6 +38,7 @@ mod store;
 mod tiered;
 
 pub use backend::{visit_each, Backend, Key, TierHealth, TierMetrics, Usage};
+pub use compact::{Compressed, Compression};
 pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
 pub use geometry::{
