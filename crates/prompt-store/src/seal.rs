@@ -65,10 +65,17 @@ impl Sealer {
 
     /// Appends the trailer of `value` stored under `key`.
     pub fn seal(&self, key: &Key, value: &mut Vec<u8>) {
-        let sum = *blake3::hash(value).as_bytes();
-        let tag = self.tag(key, &sum);
-        value.extend_from_slice(&sum);
-        value.extend_from_slice(&tag);
+        let trailer = self.trailer(key, blake3::hash(value).as_bytes());
+        value.extend_from_slice(&trailer);
+    }
+
+    /// The trailer [`Sealer::seal`] appends to a value under `key` whose BLAKE3 is `sum`: for
+    /// writers that hash a value they never hold whole.
+    pub fn trailer(&self, key: &Key, sum: &[u8; 32]) -> [u8; TRAILER] {
+        let mut out = [0u8; TRAILER];
+        out[..32].copy_from_slice(sum);
+        out[32..].copy_from_slice(&self.tag(key, sum));
+        out
     }
 
     /// The body of `value` stored under `key`, if its checksum and tag hold.
