@@ -1398,7 +1398,8 @@ export interface PromptStoreOptions {
    * (`{ redis: 'q8_0' }`; a tier not named keeps its blocks as they are). 'none' (the
    * default): as the cache's rows. 'lossless': byte planes and zstd, the same bytes back.
    * 'q8_0': f16 and f32 rows as q8_0 (1.9x smaller for f16), dequantized on restore: each
-   * value within half a q8_0 step (`max |x| / 254` of its 32) of the cache's. Every store
+   * value within half a q8_0 step (`max |x| / 254` of its 32) of the cache's, plus its
+   * rounding to f16. Every store
    * reads every mode, whatever its own, so processes sharing a directory or a Redis may
    * choose differently. Model records, checkpoints and indexes are kept as they are.
    */

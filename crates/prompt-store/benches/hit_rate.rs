@@ -22,7 +22,7 @@
 //! enters it when read from the far tier. There the rate is of tokens served by the memory
 //! tier itself.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use prompt_store::{chain_keys, Backend, EvictionPolicy, Key, MemoryBackend, TieredBackend};
@@ -172,6 +172,52 @@ fn hit_rate(requests: &[Vec<Key>], budget: u64, policy: EvictionPolicy, admissio
     (near_hits * BLOCK_TOKENS as u64) as f64 / asked as f64
 }
 
+/// The token hit rate of Belady's MIN at `budget` blocks: the offline optimum that evicts the
+/// block used again farthest in the future (a block never used again first). Replayed as the
+/// other policies are (a request is served its stored prefix, then puts what was missing), it
+/// bounds what any online policy can reach on the trace.
+fn belady(requests: &[Vec<Key>], budget: usize) -> f64 {
+    // each block's request indexes, in order
+    let mut uses: HashMap<Key, Vec<usize>> = HashMap::new();
+    for (t, keys) in requests.iter().enumerate() {
+        for k in keys {
+            let u = uses.entry(*k).or_default();
+            if u.last() != Some(&t) {
+                u.push(t);
+            }
+        }
+    }
+    let mut cursor: HashMap<Key, usize> = HashMap::new();
+    let next_use = |cursor: &mut HashMap<Key, usize>, k: &Key, t: usize| {
+        let u = &uses[k];
+        let c = cursor.entry(*k).or_default();
+        while *c < u.len() && u[*c] <= t {
+            *c += 1;
+        }
+        u.get(*c).copied().unwrap_or(usize::MAX)
+    };
+    let mut held: HashMap<Key, usize> = HashMap::new();
+    let mut by_next: BTreeSet<(usize, Key)> = BTreeSet::new();
+    let (mut served, mut asked) = (0u64, 0u64);
+    for (t, keys) in requests.iter().enumerate() {
+        let hit = keys.iter().take_while(|k| held.contains_key(k)).count();
+        served += (hit * BLOCK_TOKENS) as u64;
+        asked += (keys.len() * BLOCK_TOKENS) as u64;
+        for k in keys {
+            let n = next_use(&mut cursor, k, t);
+            if let Some(old) = held.insert(*k, n) {
+                by_next.remove(&(old, *k));
+            }
+            by_next.insert((n, *k));
+        }
+        while held.len() > budget {
+            let (_, k) = by_next.pop_last().expect("held");
+            held.remove(&k);
+        }
+    }
+    served as f64 / asked as f64
+}
+
 fn main() {
     let shapes = [
         TraceShape {
@@ -198,9 +244,9 @@ fn main() {
             shape.name
         );
         println!(
-            "| budget (share of distinct blocks) | lru | s3fifo | s3fifo / lru | lru + admission | s3fifo + admission |"
+            "| budget (share of distinct blocks) | lru | s3fifo | s3fifo / lru | lru + admission | s3fifo + admission | optimum (Belady) | optimum / lru |"
         );
-        println!("|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|");
         for share in [0.005, 0.01, 0.02, 0.05, 0.2] {
             let budget = (distinct as f64 * share) as u64 * VALUE.len() as u64;
             let rate = |p, a| hit_rate(&requests, budget, p, a);
@@ -208,14 +254,17 @@ fn main() {
                 rate(EvictionPolicy::Lru, false),
                 rate(EvictionPolicy::S3Fifo, false),
             );
+            let best = belady(&requests, (distinct as f64 * share) as usize);
             println!(
-                "| {}% | {:.1}% | {:.1}% | {:.2}x | {:.1}% | {:.1}% |",
+                "| {}% | {:.1}% | {:.1}% | {:.2}x | {:.1}% | {:.1}% | {:.1}% | {:.2}x |",
                 share * 100.0,
                 lru * 100.0,
                 s3 * 100.0,
                 s3 / lru,
                 rate(EvictionPolicy::Lru, true) * 100.0,
                 rate(EvictionPolicy::S3Fifo, true) * 100.0,
+                best * 100.0,
+                best / lru,
             );
         }
     }
