@@ -235,5 +235,42 @@ test('published over ZeroMQ in vLLM format: a subscriber decoding with vLLM sche
   const seqs = [...new Set(got.map((l) => l.seq))]
   t.deepEqual(seqs, seqs.map((_, i) => i))
   t.is(publisher.published, seqs.length)
+
+  // a gc: another tenant takes the directory over this store's budget, the gc evicts, and the
+  // subscriber decodes the removals, which name only this store's blocks
+  const other = new PromptStore({ model: 'm', blockTokens: 16, path: dir, namespace: 'other' })
+  for (const w of [9, 10, 11]) {
+    const p = promptCache(KvCache, w)
+    await other.put(p.cache, 0, p.tokens)
+  }
+  await other.close()
+  await store.gc()
+  const p12 = promptCache(KvCache, 12)
+  await store.put(p12.cache, 0, p12.tokens)
+  const gc = (await until(iterator, storedOf(p12.tokens))).slice(0, -1)
+  t.true(gc.length > 0 && gc.every((e) => e.type === 'BlockRemoved'))
+  const gcDecoded = await decoded(gc.length + 1)
+  t.deepEqual(gcDecoded.slice(0, -1).map(({ type, blockHashes, medium }) => ({ type, blockHashes, medium })), gc)
   await store.close()
+
+  // AllBlocksCleared: a memory store closed while a subscriber listens
+  const memory = new PromptStore({ model: 'm', blockTokens: 16 })
+  const mp = await publishKvEvents(memory, { endpoint: 'tcp://127.0.0.1:*', replayEndpoint: 'tcp://127.0.0.1:*' })
+  const msub = spawn(PYTHON, [path.join(ROOT, 'interop', 'kv_events_subscriber.py'), mp.endpoint, mp.replayEndpoint], { stdio: ['ignore', 'pipe', 'pipe'] })
+  t.teardown(() => msub.kill())
+  const mlines = readline.createInterface({ input: msub.stdout })[Symbol.asyncIterator]()
+  const next = async () => {
+    for (;;) {
+      const { value, done } = await mlines.next()
+      if (done) t.fail('the subscriber ended')
+      const line = JSON.parse(value)
+      if (!line.ready) return line
+    }
+  }
+  const p0 = promptCache(KvCache, 0)
+  await memory.put(p0.cache, 0, p0.tokens)
+  t.like(await next(), { seq: 0, type: 'BlockStored', medium: 'memory', parentBlockHash: null })
+  // the subscriber has caught up: the close's event goes out live before the sockets close
+  await memory.close()
+  t.like(await next(), { seq: 1, type: 'AllBlocksCleared' })
 })

@@ -39,11 +39,14 @@ for (let i = 2; i < process.argv.length; i += 2) {
 const log = (m) => process.stderr.write(`${m}\n`)
 const mib = (b) => (b / 2 ** 20).toFixed(1)
 
+/** Bytes of a dir store's files: all, and the blocks' alone (the values compress compacts). */
 function storeBytes(dir) {
-  return fs.readdirSync(path.join(dir, 'blocks'), { recursive: true })
+  const files = fs.readdirSync(path.join(dir, 'blocks'), { recursive: true })
     .map((f) => path.join(dir, 'blocks', f))
     .filter((f) => fs.statSync(f).isFile())
-    .reduce((sum, f) => sum + fs.statSync(f).size, 0)
+  const isBlock = (f) => fs.readFileSync(f).subarray(0, 4).toString('latin1') === 'KVPB'
+  const size = (list) => list.reduce((sum, f) => sum + fs.statSync(f).size, 0)
+  return { all: size(files), blocks: size(files.filter(isBlock)) }
 }
 
 /** The largest |q8_0 - exact| of the restored K/V values, absolute and over its 32 values' max. */
@@ -116,8 +119,10 @@ try {
       rows.push({
         kind,
         mode,
-        bytes,
-        smaller: plain / bytes,
+        bytes: bytes.all,
+        smaller: plain.all / bytes.all,
+        blocks: bytes.blocks,
+        blocksSmaller: plain.blocks / bytes.blocks,
         restoredMs: median(samples[mode].ms),
         sameToken: samples[mode].tokens.every((t) => t === cold.token),
         error: mode === 'q8_0' ? error : null,
@@ -131,10 +136,10 @@ try {
 const out = []
 out.push(`# Compact blocks on K/V captured from node-llama-cpp 3.22.1 (${opts.tokens.toLocaleString('en-US')}-token prompt, ${(opts.tokens - SUFFIX).toLocaleString('en-US')} stored; restores: medians of ${opts.rounds} interleaved rounds, each in a new process)`)
 out.push('')
-out.push('| kind | compress | dir store MiB | smaller than none | restored first token, ms | same token as the cold run | q8_0 error: max abs, max / block max |')
-out.push('|---|---|---|---|---|---|---|')
+out.push('| kind | compress | dir store MiB | smaller than none | blocks MiB | blocks smaller than none | restored first token, ms | same token as the cold run | q8_0 error: max abs, max / block max |')
+out.push('|---|---|---|---|---|---|---|---|---|')
 for (const r of rows) {
   const err = r.error ? `${r.error.abs.toExponential(2)}, ${r.error.rel.toFixed(4)} (${r.error.n} tokens)` : ''
-  out.push(`| ${r.kind} | ${r.mode} | ${mib(r.bytes)} | ${r.smaller.toFixed(2)}x | ${r.restoredMs.toFixed(0)} | ${r.sameToken ? 'yes' : 'no'} | ${err} |`)
+  out.push(`| ${r.kind} | ${r.mode} | ${mib(r.bytes)} | ${r.smaller.toFixed(2)}x | ${mib(r.blocks)} | ${r.blocksSmaller.toFixed(2)}x | ${r.restoredMs.toFixed(0)} | ${r.sameToken ? 'yes' : 'no'} | ${err} |`)
 }
 process.stdout.write(out.join('\n') + '\n')

@@ -21,6 +21,10 @@ function peer(name) {
   }
 }
 
+// how long closed sockets keep delivering what was sent (a store's last events, its
+// AllBlocksCleared among them); an exiting process waits at most this long for a slow peer
+const LINGER_MS = 1000
+
 const END_SEQ = Buffer.from([0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff])
 
 function seqBytes(seq) {
@@ -81,13 +85,13 @@ async function publishKvEvents(store, options) {
   const encoder = new Encoder()
   const topic = Buffer.from(o.topic ?? '', 'utf8')
 
-  const pub = new zmq.Publisher({ sendHighWaterMark: o.hwm ?? 100_000, linger: 0 })
+  const pub = new zmq.Publisher({ sendHighWaterMark: o.hwm ?? 100_000, linger: LINGER_MS })
   let replay = null
   try {
     if (binds(endpoint)) await pub.bind(endpoint)
     else pub.connect(endpoint)
     if (o.replayEndpoint !== undefined) {
-      replay = new zmq.Router({ linger: 0 })
+      replay = new zmq.Router({ linger: LINGER_MS })
       await replay.bind(o.replayEndpoint)
     }
   } catch (e) {
