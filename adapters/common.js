@@ -10,22 +10,14 @@ const os = require('node:os')
 const path = require('node:path')
 const { PromptStore } = require('../index.js')
 
-/** An `Error` with one of the package's stable codes. */
-function codedError(code, message) {
-  const e = new Error(message)
-  e.code = code
-  return e
-}
+const { codedError, optionsObject, checkType } = require('../lib/options.js')
 
 /**
  * Splits `options` into the adapter's own (`known`: name -> expected `typeof`) and the
  * `PromptStore` options; a `model` option is refused, since the model comes from the peer.
  */
 function splitOptions(options, known, who) {
-  if (options === undefined) options = {}
-  if (options === null || typeof options !== 'object' || Array.isArray(options)) {
-    throw codedError('ERR_KV_INVALID_ARG', `${who}: options must be an object, got ${options === null ? 'null' : typeof options}`)
-  }
+  options = optionsObject(options, who)
   const own = {}
   const store = {}
   for (const [key, value] of Object.entries(options)) {
@@ -36,9 +28,7 @@ function splitOptions(options, known, who) {
       )
     }
     if (Object.hasOwn(known, key)) {
-      if (value !== undefined && typeof value !== known[key]) {
-        throw codedError('ERR_KV_INVALID_ARG', `${who}: option '${key}' must be a ${known[key]}, got ${typeof value}`)
-      }
+      checkType(key, value, known[key], who)
       own[key] = value
     } else {
       store[key] = value

@@ -11,7 +11,8 @@
 //   `[identity, '', -1, '']`).
 // `zeromq` and `@msgpack/msgpack` are optional peer dependencies: only this module loads them.
 
-const { listen, checkOptions, codedError } = require('./store-events.js')
+const { listen } = require('./store-events.js')
+const { checkOptions, codedError } = require('./options.js')
 
 function peer(name) {
   try {

@@ -5,33 +5,7 @@
 // last call settled). index.js calls `attach(PromptStore)`.
 
 const { abortError } = require('./state-stream.js')
-
-function codedError(code, message) {
-  const e = new Error(message)
-  e.code = code
-  return e
-}
-
-// refuses a key that is not one of `known` (name -> expected typeof), as every options
-// argument of the package does
-function checkOptions(options, known, who) {
-  if (options === undefined) return {}
-  if (options === null || typeof options !== 'object' || Array.isArray(options)) {
-    throw codedError('ERR_KV_INVALID_ARG', `${who}: options must be an object, got ${options === null ? 'null' : typeof options}`)
-  }
-  for (const [key, value] of Object.entries(options)) {
-    if (!Object.hasOwn(known, key)) {
-      throw codedError(
-        'ERR_KV_INVALID_ARG',
-        `${who}: unknown option '${key}' (the options are ${Object.keys(known).map((k) => `'${k}'`).join(', ')})`,
-      )
-    }
-    if (value !== undefined && typeof value !== known[key]) {
-      throw codedError('ERR_KV_INVALID_ARG', `${who}: option '${key}' must be a ${known[key]}, got ${typeof value}`)
-    }
-  }
-  return options
-}
+const { checkOptions } = require('./options.js')
 
 // the binding's flat record, shaped by its type
 function shape(e) {
@@ -150,4 +124,4 @@ function attach(PromptStore) {
   Object.defineProperty(PromptStore.prototype, 'events', { value: events, writable: true, configurable: true })
 }
 
-module.exports = { attach, listen, checkOptions, codedError }
+module.exports = { attach, listen }

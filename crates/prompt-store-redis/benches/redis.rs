@@ -37,7 +37,13 @@ fn flash_params() -> CacheParams {
     p
 }
 
-fn evaluated(params: CacheParams, tokens: &[i32]) -> SeedCache {
+/// A cache whose sequence 0 holds `tokens`, each row of layer `il` as `row(il, bytes)` gives
+/// it (all tokens' rows of that layer and tensor at once).
+fn filled(
+    params: CacheParams,
+    tokens: &[i32],
+    row: impl Fn(u32, usize, usize) -> Vec<u8>,
+) -> SeedCache {
     let mut cache = SeedCache::new(params).unwrap();
     let slot = cache
         .find_slot(&UBatch::sequence(0, 0, tokens.len() as u32))
@@ -45,14 +51,18 @@ fn evaluated(params: CacheParams, tokens: &[i32]) -> SeedCache {
         .unwrap();
     for il in 0..cache.n_layer() {
         for which in [Tensor::K, Tensor::V] {
-            let row = cache.row_size(il, which).unwrap();
-            let rows: Vec<u8> = (0..row * tokens.len())
-                .map(|i| (i * 7 + il as usize) as u8)
-                .collect();
+            let rows = row(il, cache.row_size(il, which).unwrap(), tokens.len());
             cache.write_rows(il, which, slot.head, &rows).unwrap();
         }
     }
     cache
+}
+
+/// Rows of byte ramps.
+fn evaluated(params: CacheParams, tokens: &[i32]) -> SeedCache {
+    filled(params, tokens, |il, row, n| {
+        (0..row * n).map(|i| (i * 7 + il as usize) as u8).collect()
+    })
 }
 
 /// Puts `source`'s sequence 0 (`tokens`) into an empty database; the Redis keys of its
@@ -377,27 +387,18 @@ fn eight_b_restore(backend: &Arc<RedisBackend>, client: &RedisClient) {
 /// q8_0 and zstd see what a model's K and V look like rather than byte ramps.
 fn activations(params: CacheParams, tokens: &[i32]) -> SeedCache {
     use llama_kv_cache::tensors::quant::quantize_row;
-    let mut cache = SeedCache::new(params).unwrap();
-    let slot = cache
-        .find_slot(&UBatch::sequence(0, 0, tokens.len() as u32))
-        .unwrap()
-        .unwrap();
-    for il in 0..cache.n_layer() {
-        for which in [Tensor::K, Tensor::V] {
-            let row = cache.row_size(il, which).unwrap();
-            let mut rows = vec![0u8; row * tokens.len()];
-            let mut f = vec![0f32; row / 2];
-            for (t, out) in rows.chunks_exact_mut(row).enumerate() {
-                for (c, x) in f.iter_mut().enumerate() {
-                    let scale = 1.0 + (c % 64) as f32 / 16.0;
-                    *x = ((t as f32 * 0.01 + c as f32 * 0.37 + il as f32).sin()) * scale;
-                }
-                quantize_row(llama_kv_cache::GgmlType::F16, &f, out).unwrap();
+    filled(params, tokens, |il, row, n| {
+        let mut rows = vec![0u8; row * n];
+        let mut f = vec![0f32; row / 2];
+        for (t, out) in rows.chunks_exact_mut(row).enumerate() {
+            for (c, x) in f.iter_mut().enumerate() {
+                let scale = 1.0 + (c % 64) as f32 / 16.0;
+                *x = ((t as f32 * 0.01 + c as f32 * 0.37 + il as f32).sin()) * scale;
             }
-            cache.write_rows(il, which, slot.head, &rows).unwrap();
+            quantize_row(llama_kv_cache::GgmlType::F16, &f, out).unwrap();
         }
-    }
-    cache
+        rows
+    })
 }
 
 /// The 8B restore of [`eight_b_restore`] with the blocks kept as each `compress` mode of a

@@ -207,3 +207,55 @@ pub trait Backend: Send + Sync {
         self.usage()
     }
 }
+
+/// Writes the named [`Backend`] methods of a wrapper as calls to its `inner` backend, for the
+/// wrappers of one tier (counting, compacting) that change a few calls and pass on the rest.
+/// `put_if_absent` is written as the wrapper's own `put_many` of one entry, so a wrapper that
+/// changes puts changes both.
+macro_rules! pass_on {
+    ($($method:ident),* $(,)?) => { $(crate::backend::pass_on!(@ $method);)* };
+    // what presence checks ask, which no wrapper of a value changes
+    (@ presence) => { crate::backend::pass_on!(get_tails, contains_many, present_prefix); };
+    (@ name) => {
+        fn name(&self) -> &'static str { self.inner.name() }
+    };
+    (@ get_tails) => {
+        fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
+            self.inner.get_tails(keys, n)
+        }
+    };
+    (@ contains_many) => {
+        fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
+            self.inner.contains_many(keys)
+        }
+    };
+    (@ present_prefix) => {
+        fn present_prefix(&self, keys: &[Key]) -> StoreResult<usize> {
+            self.inner.present_prefix(keys)
+        }
+    };
+    (@ put_if_absent) => {
+        fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool> {
+            self.put_many(&[(*key, value)]).map(|stored| stored[0])
+        }
+    };
+    (@ remove) => {
+        fn remove(&self, key: &Key) -> StoreResult<()> { self.inner.remove(key) }
+    };
+    (@ usage) => {
+        fn usage(&self) -> StoreResult<Usage> { self.inner.usage() }
+    };
+    (@ health) => {
+        fn health(&self) -> Vec<TierHealth> { self.inner.health() }
+    };
+    (@ tier_metrics) => {
+        fn tier_metrics(&self) -> Vec<TierMetrics> { self.inner.tier_metrics() }
+    };
+    (@ observe) => {
+        fn observe(&self, hub: &Arc<EventHub>) { self.inner.observe(hub) }
+    };
+    (@ gc) => {
+        fn gc(&self) -> StoreResult<Usage> { self.inner.gc() }
+    };
+}
+pub(crate) use pass_on;

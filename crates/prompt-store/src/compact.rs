@@ -29,7 +29,7 @@ use std::sync::Arc;
 use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::GgmlType;
 
-use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
+use crate::backend::{pass_on, Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::block::MAGIC;
 use crate::error::StoreResult;
 use crate::events::EventHub;
@@ -378,9 +378,19 @@ impl Compressed {
 }
 
 impl Backend for Compressed {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
+    // a compact value ends with a trailer of ours too (the block's), so presence checks pass
+    // on as they are
+    pass_on!(
+        name,
+        presence,
+        put_if_absent,
+        remove,
+        usage,
+        health,
+        tier_metrics,
+        observe,
+        gc
+    );
 
     fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>> {
         let mut values = self.inner.get_many(keys)?;
@@ -406,23 +416,6 @@ impl Backend for Compressed {
         })
     }
 
-    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
-        // a compact value ends with a trailer of ours too (the block's, or its own seal)
-        self.inner.get_tails(keys, n)
-    }
-
-    fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
-        self.inner.contains_many(keys)
-    }
-
-    fn present_prefix(&self, keys: &[Key]) -> StoreResult<usize> {
-        self.inner.present_prefix(keys)
-    }
-
-    fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool> {
-        self.put_many(&[(*key, value)]).map(|stored| stored[0])
-    }
-
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
         let compact: Vec<Option<Vec<u8>>> = entries
             .iter()
@@ -434,30 +427,6 @@ impl Backend for Compressed {
             .map(|((k, v), c)| (*k, c.as_deref().unwrap_or(v)))
             .collect();
         self.inner.put_many(&kept)
-    }
-
-    fn remove(&self, key: &Key) -> StoreResult<()> {
-        self.inner.remove(key)
-    }
-
-    fn usage(&self) -> StoreResult<Usage> {
-        self.inner.usage()
-    }
-
-    fn health(&self) -> Vec<TierHealth> {
-        self.inner.health()
-    }
-
-    fn tier_metrics(&self) -> Vec<TierMetrics> {
-        self.inner.tier_metrics()
-    }
-
-    fn observe(&self, hub: &Arc<EventHub>) {
-        self.inner.observe(hub)
-    }
-
-    fn gc(&self) -> StoreResult<Usage> {
-        self.inner.gc()
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
+use crate::backend::{pass_on, Backend, Key, TierHealth, TierMetrics, Usage};
 use crate::error::StoreResult;
 use crate::events::{EventHub, TierEvents};
 
@@ -68,9 +68,7 @@ impl Metered {
 }
 
 impl Backend for Metered {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
+    pass_on!(name, presence, put_if_absent, remove, usage, health);
 
     fn get_many(&self, keys: &[Key]) -> StoreResult<Vec<Option<Vec<u8>>>> {
         let values = self.inner.get_many(keys)?;
@@ -89,22 +87,6 @@ impl Backend for Metered {
         })
     }
 
-    fn get_tails(&self, keys: &[Key], n: usize) -> StoreResult<Vec<Option<Vec<u8>>>> {
-        self.inner.get_tails(keys, n)
-    }
-
-    fn contains_many(&self, keys: &[Key]) -> StoreResult<Vec<bool>> {
-        self.inner.contains_many(keys)
-    }
-
-    fn present_prefix(&self, keys: &[Key]) -> StoreResult<usize> {
-        self.inner.present_prefix(keys)
-    }
-
-    fn put_if_absent(&self, key: &Key, value: &[u8]) -> StoreResult<bool> {
-        self.put_many(&[(*key, value)]).map(|stored| stored[0])
-    }
-
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
         let stored = self.inner.put_many(entries);
         let kept = stored.as_deref().unwrap_or(&[]);
@@ -119,21 +101,9 @@ impl Backend for Metered {
         stored
     }
 
-    fn remove(&self, key: &Key) -> StoreResult<()> {
-        self.inner.remove(key)
-    }
-
     fn observe(&self, hub: &Arc<EventHub>) {
         let _ = self.events.set(hub.tier(self.inner.name()));
         self.inner.observe(hub);
-    }
-
-    fn usage(&self) -> StoreResult<Usage> {
-        self.inner.usage()
-    }
-
-    fn health(&self) -> Vec<TierHealth> {
-        self.inner.health()
     }
 
     fn gc(&self) -> StoreResult<Usage> {
