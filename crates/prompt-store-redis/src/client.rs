@@ -10,6 +10,7 @@ use redis::aio::ConnectionLike;
 use redis::cluster_routing::RoutingInfo;
 use redis::{ErrorKind, Pipeline, RedisError, RedisResult, Value};
 
+use crate::bulk::BulkReader;
 use crate::connect::{
     is_tls_error, redact_url, Conn, ConnectOptions, Connector, HostPort, Servers,
 };
@@ -52,6 +53,8 @@ pub struct RedisClient {
     link: Arc<Link>,
     address: String,
     timeout: Duration,
+    /// The reader of many values at once, for one server without TLS.
+    bulk: Option<Arc<BulkReader>>,
 }
 
 /// What a failed request says about the connection it used.
@@ -94,11 +97,21 @@ impl RedisClient {
         };
         let (connector, address) =
             Connector::new(options).map_err(|reason| ClientError::InvalidUrl { what, reason })?;
+        let bulk = match (&options.servers, &options.tls) {
+            (Servers::Url(url), None) => BulkReader::for_url(url, options.timeout).map(Arc::new),
+            _ => None,
+        };
         Ok(RedisClient {
             link: Arc::new(Link::new(connector)),
             address,
             timeout: options.timeout,
+            bulk,
         })
+    }
+
+    /// How many `visit_values` calls the bulk reader served whole (0 where there is none).
+    pub fn bulk_reads(&self) -> u64 {
+        self.bulk.as_ref().map_or(0, |b| b.served())
     }
 
     /// The server's address as error messages name it (never with a password).
@@ -291,7 +304,39 @@ impl RedisClient {
     /// meanwhile), so the reply buffers go to the caller without being gathered first; a
     /// cluster's pipelines of `GET` are visited as they complete. A retry after a stale
     /// connection asks only for the values not visited yet.
+    ///
+    /// One server over plain TCP or a Unix socket is read by a [`BulkReader`] instead (values
+    /// straight into one reused buffer); what it could not read comes through the client.
     pub fn visit_values<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
+    ) -> Result<(), ClientError> {
+        let mut from = 0;
+        if let Some(bulk) = self
+            .bulk
+            .as_ref()
+            .filter(|b| !keys.is_empty() && !b.paused())
+        {
+            let refs: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
+            let (visited, failure) = bulk.visit(&refs, visit);
+            match failure {
+                None => return Ok(()),
+                // the call's time is spent: no second try
+                Some(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    return Err(ClientError::Unavailable {
+                        address: self.address.clone(),
+                        reason: format!("no answer within {:?}", self.timeout),
+                    })
+                }
+                Some(_) => from = visited,
+            }
+        }
+        self.visit_values_via_client(&keys[from..], &mut |i, v| visit(from + i, v))
+    }
+
+    /// [`RedisClient::visit_values`] through the client's connection.
+    fn visit_values_via_client<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
         visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,

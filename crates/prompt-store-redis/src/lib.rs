@@ -2,6 +2,7 @@
 //! machines. Pure Rust, no Node.
 
 mod backend;
+mod bulk;
 mod client;
 mod connect;
 mod link;

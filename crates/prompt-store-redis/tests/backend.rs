@@ -408,3 +408,116 @@ fn memory_in_front_of_redis_promotes_hits_and_writes_through() {
         [Some(b"remote".to_vec())]
     );
 }
+
+/// Everything `visit_many` visits, as owned values.
+fn visited(store: &RedisBackend, keys: &[Key]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+    let mut seen = Vec::new();
+    store.visit_many(keys, &mut |_, v| {
+        seen.push(v.map(<[u8]>::to_vec));
+        true
+    })?;
+    Ok(seen)
+}
+
+/// One server without TLS is read by the bulk reader (its own connection, values straight into
+/// one reused buffer): with an ACL user and a database of its own, after a stop mid-reply, and
+/// the same values as `get_many` reads through the client.
+#[test]
+fn visit_many_on_a_plain_server_reads_off_its_own_connection_with_users_and_databases() {
+    let server = RedisServer::start_with(ServerOptions {
+        users: vec![AclUser {
+            name: "worker".into(),
+            password: "worker-pass".into(),
+        }],
+        ..Default::default()
+    });
+    let url = format!("{}/3", server.url_with("worker", "worker-pass"));
+    let store = backend(&url);
+    let (keys, values) = blocks(12, 300_000);
+    store
+        .put_many(&entries(&keys[..10], &values[..10]))
+        .unwrap();
+    let want = store.get_many(&keys).unwrap();
+    assert_eq!(want.iter().flatten().count(), 10);
+    assert_eq!(visited(&store, &keys).unwrap(), want);
+    assert_eq!(store.client().bulk_reads(), 1);
+    // database 3 holds them: the reader selected it
+    let mut admin = server.connection();
+    let in_db0: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(store.redis_key(&keys[0]))
+        .query(&mut admin)
+        .unwrap();
+    assert_eq!(in_db0, None);
+    // a visit stopped mid-reply drops that connection; the next reads whole again
+    let mut calls = 0;
+    store
+        .visit_many(&keys, &mut |_, _| {
+            calls += 1;
+            calls < 3
+        })
+        .unwrap();
+    assert_eq!(calls, 3);
+    assert_eq!(visited(&store, &keys).unwrap(), want);
+    assert_eq!(store.client().bulk_reads(), 2);
+}
+
+/// The bulk reader's failures are not answers: wrong credentials come back as the client's
+/// Auth error, and a server killed mid-reply as Unavailable, after which reads recover.
+#[test]
+fn bulk_reads_refused_or_cut_mid_reply_fail_as_the_client_does() {
+    let mut server = RedisServer::start_with(ServerOptions {
+        requirepass: Some("fleet-pass".into()),
+        ..Default::default()
+    });
+    let err = visited(&backend(&server.url_with("", "nope")), &[key(1)]).unwrap_err();
+    assert!(matches!(err, StoreError::Auth(_)), "{err:?}");
+    assert!(!err.to_string().contains("nope"), "no password in: {err}");
+
+    let store = backend(&server.url_with("", "fleet-pass"));
+    let (keys, values) = blocks(64, 1 << 20);
+    store.put_many(&entries(&keys, &values)).unwrap();
+    assert_eq!(visited(&store, &keys).unwrap().len(), 64);
+    // a password without a user is the default user's, as the client sends it
+    assert_eq!(store.client().bulk_reads(), 1);
+    let mut admin = server.connection();
+    pause_clients(&mut admin, 10_000);
+    let result = std::thread::scope(|scope| {
+        let read = scope.spawn(|| visited(&store, &keys));
+        std::thread::sleep(Duration::from_millis(100));
+        server.kill();
+        read.join().unwrap()
+    });
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "{:?}",
+        result.map(|r| r.len())
+    );
+    server.restart();
+    store.put_many(&entries(&keys[..2], &values[..2])).unwrap();
+    let after = visited(&store, &keys[..3]).unwrap();
+    assert_eq!(
+        after,
+        [Some(values[0].clone()), Some(values[1].clone()), None]
+    );
+}
+
+/// A server that holds its answer past the timeout fails the read within about the timeout:
+/// the bulk reader's wait counts against the call, and the client is not asked again.
+#[test]
+fn a_bulk_read_the_server_does_not_answer_in_time_is_unavailable_within_the_timeout() {
+    let server = RedisServer::start();
+    let store = backend(&server.url());
+    let (keys, values) = blocks(4, 1000);
+    store.put_many(&entries(&keys, &values)).unwrap();
+    let mut admin = server.connection();
+    pause_clients(&mut admin, 6_000);
+    let started = std::time::Instant::now();
+    let err = visited(&store, &keys).unwrap_err();
+    let took = started.elapsed();
+    unpause(&mut admin);
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(
+        took < Duration::from_millis(3500),
+        "took {took:?} with a 2 s timeout"
+    );
+}
