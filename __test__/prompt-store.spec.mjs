@@ -551,4 +551,13 @@ test('the store CLI ingests files, looks up, writes, reports and collects, with 
   const bad = cli('put', path.join(dir, 'missing.ggsq'), ...common)
   t.is(bad.status, 1)
   t.regex(bad.stderr, /ERR_KV_IO: .*missing\.ggsq/)
+  // --compress: the same prompt kept smaller, written back byte for byte by a plain lookup
+  const packed = ['--store', path.join(dir, 'packed'), '--model', 'm', '--block-tokens', '16']
+  t.is(cli('put', file, ...packed, '--compress', 'lossless').status, 0)
+  const back = path.join(dir, 'back.ggsq')
+  t.is(cli('write', file, back, ...packed).stdout, '96\n')
+  t.deepEqual(fs.readFileSync(back), fs.readFileSync(file))
+  const unknown = cli('put', file, ...packed, '--compress', 'zip')
+  t.is(unknown.status, 1)
+  t.regex(unknown.stderr, /ERR_KV_INVALID_ARG: compress: unknown mode "zip"/)
 })

@@ -51,6 +51,8 @@ const USAGE = `usage:
       --model ID              the model identity the blocks were stored under (put/lookup/write)
       --block-tokens N        tokens per block (default 256)
       --max-bytes N           byte budget (LRU eviction)
+      --compress MODE         put: keep blocks as none (default), lossless or q8_0 (every
+                              store reads every mode)
       --url redis://[user[:password]@]host[:port][/db]
                               a Redis / Valkey store (with --store too: tiers dir, then redis)
       --prefix P              Redis key namespace (default llama-kv:)
@@ -308,7 +310,7 @@ function readTokens(file) {
 async function storeCommand(args) {
   const [sub, ...rest] = args
   const flags = parseFlags(rest, {
-    store: 'str', url: 'str', prefix: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool',
+    store: 'str', url: 'str', prefix: 'str', model: 'str', 'block-tokens': 'int', 'max-bytes': 'int', json: 'bool', compress: 'str',
     kind: 'str', version: 'int', layout: 'str', 'flash-attn': 'bool', arch: 'str', 'swa-window': 'int',
   })
   if (!flags.store && !flags.url) fail(`store ${sub ?? ''} needs --store DIR or --url URL\n${USAGE}`)
@@ -326,6 +328,7 @@ async function storeCommand(args) {
       tiers: flags.store && flags.url ? ['dir', 'redis'] : undefined,
       blockTokens: flags['block-tokens'],
       maxBytes: flags['max-bytes'],
+      compress: flags.compress,
     })
     if (sub === 'put') {
       if (flags.positional.length === 0) fail('store put needs at least one file')
