@@ -201,8 +201,9 @@ declare module './binding' {
      * know which machine holds a prompt; `llama-kv-cache/kv-events` publishes them over
      * ZeroMQ in vLLM's wire format. The iterator ends when the loop breaks, `signal` aborts
      * (rejecting with ERR_KV_ABORTED), or the store is gone; events wait in the iterator until
-     * read. Listening never keeps an idle process alive. A Redis tier's own evictions (the
-     * server's `maxmemory` policy) are not seen.
+     * read. Listening never keeps an idle process alive. A Redis tier's own evictions and
+     * expiries are heard from the server's key-event notifications (one server without TLS;
+     * docs/prompt-store.md).
      */
     events(options?: { signal?: AbortSignal }): AsyncIterableIterator<KvEvent>
   }

@@ -46,7 +46,7 @@ const BINDING_LAYERS: &[(&str, &[&str])] = &[
     ("the cache class", &["kv_cache", "restorer"]),
     ("models and inspection", &["inspect"]),
     ("model set-up", &["model"]),
-    ("the prompt store", &["store_backend"]),
+    ("the prompt store", &["store_backend", "store_events"]),
     ("the prompt store class", &["prompt_store"]),
     ("crate root", &[""]),
 ];

@@ -5,8 +5,11 @@
 //! primary of a cluster, sent together): `MGET` (pipelined `GET` on a cluster, and with
 //! `PEXPIRE` when a TTL is set), pipelined `EXISTS` or `SET NX`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
+use prompt_store::events::EventHub;
 use prompt_store::{visit_each, Backend, Key, StoreError, StoreResult, Usage};
 use redis::Value;
 
@@ -69,6 +72,17 @@ pub struct RedisBackend {
     client: RedisClient,
     prefix: Vec<u8>,
     ttl: Option<Duration>,
+    /// Ends the listener of the server's own removals ([`crate::notify`]), if one started.
+    listener_stop: Arc<AtomicBool>,
+    /// Whether that listener is subscribed.
+    listening: Arc<AtomicBool>,
+}
+
+/// The listener of the server's removals ends with the backend.
+impl Drop for RedisBackend {
+    fn drop(&mut self) {
+        self.listener_stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl RedisBackend {
@@ -89,7 +103,15 @@ impl RedisBackend {
             client: RedisClient::connect(&options.connect)?,
             prefix: options.prefix.into_bytes(),
             ttl: options.ttl,
+            listener_stop: Arc::default(),
+            listening: Arc::default(),
         })
+    }
+
+    /// Whether the listener of the server's own evictions and expiries is subscribed: from
+    /// then on they become KV events (it starts when someone listens to the store's events).
+    pub fn listening(&self) -> bool {
+        self.listening.load(Ordering::Relaxed)
     }
 
     /// The client, for tools and tests that talk to the same server.
@@ -118,6 +140,26 @@ impl RedisBackend {
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    /// The server evicts and expires blocks on its own: while someone listens, a thread hears
+    /// of it from the server's notifications ([`crate::notify`]; one server without TLS).
+    fn observe(&self, hub: &Arc<EventHub>) {
+        let Some(server) = self.client.plain_server().cloned() else {
+            return;
+        };
+        let tier = hub.tier(self.name());
+        tier.track_keys();
+        let prefix = self.prefix.clone();
+        let (stop, listening) = (self.listener_stop.clone(), self.listening.clone());
+        let weak = Arc::downgrade(&tier);
+        let started = Once::new();
+        tier.on_wanted(Box::new(move || {
+            started.call_once(|| {
+                let (server, prefix, weak) = (server.clone(), prefix.clone(), weak.clone());
+                crate::notify::spawn(server, prefix, weak, stop.clone(), listening.clone())
+            })
+        }));
     }
 
     /// Without a TTL, the values are visited as their replies arrive

@@ -12,15 +12,12 @@
 //! reads the values not visited yet through the client, whose errors are the ones a store
 //! reports, and this reader stays out of the way for a second.
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-#[cfg(unix)]
-use std::os::unix::net::UnixStream;
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
-use redis::{ConnectionAddr, IntoConnectionInfo};
+use crate::resp::{command, invalid, Connection, Server};
 
 /// How long the reader stays out of the way after a failure.
 const PAUSE: Duration = Duration::from_secs(1);
@@ -30,63 +27,6 @@ const KEPT: usize = 4;
 
 /// Values received ahead of the one the caller works on.
 const IN_FLIGHT: usize = 2;
-
-/// The read buffer of a connection: headers come through it, large values bypass it.
-const BUFFER: usize = 64 * 1024;
-
-#[derive(Clone, Debug)]
-enum Target {
-    Tcp(String, u16),
-    #[cfg(unix)]
-    Unix(std::path::PathBuf),
-}
-
-enum Socket {
-    Tcp(TcpStream),
-    #[cfg(unix)]
-    Unix(UnixStream),
-}
-
-impl Read for Socket {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Socket::Tcp(s) => s.read(buf),
-            #[cfg(unix)]
-            Socket::Unix(s) => s.read(buf),
-        }
-    }
-}
-
-impl Socket {
-    fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
-        match self {
-            Socket::Tcp(s) => s.set_read_timeout(Some(t)),
-            #[cfg(unix)]
-            Socket::Unix(s) => s.set_read_timeout(Some(t)),
-        }
-    }
-}
-
-impl Write for Socket {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Socket::Tcp(s) => s.write(buf),
-            #[cfg(unix)]
-            Socket::Unix(s) => s.write(buf),
-        }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        match self {
-            Socket::Tcp(s) => s.flush(),
-            #[cfg(unix)]
-            Socket::Unix(s) => s.flush(),
-        }
-    }
-}
-
-/// One open connection, authenticated and on the right database.
-struct Connection(BufReader<Socket>);
 
 /// Reads must end by `at`: the call's whole time, as the client bounds its calls.
 struct Deadline {
@@ -103,159 +43,39 @@ impl Deadline {
                 "the call took too long",
             ));
         }
-        conn.0.get_ref().set_read_timeout(left)
+        conn.set_read_timeout(left)
     }
 }
 
 /// The reader of one server's values; see the module docs.
 pub struct BulkReader {
-    target: Target,
-    db: i64,
-    username: Option<String>,
-    password: Option<String>,
-    timeout: Duration,
+    server: Server,
     idle: Mutex<Vec<Connection>>,
     paused_until: Mutex<Option<Instant>>,
     /// Calls this reader served whole (for tests and stats).
     served: AtomicU64,
 }
 
-fn invalid(what: impl Into<String>) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, what.into())
-}
-
-/// A RESP2 command.
-fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
-    out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
-    for a in args {
-        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-        out.extend_from_slice(a);
-        out.extend_from_slice(b"\r\n");
-    }
-}
-
-impl Connection {
-    /// One reply line without its CRLF; a server error (`-...`) is an error.
-    fn line(&mut self, line: &mut Vec<u8>) -> io::Result<()> {
-        line.clear();
-        self.0.read_until(b'\n', line)?;
-        if !line.ends_with(b"\r\n") {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the connection closed mid-reply",
-            ));
-        }
-        line.truncate(line.len() - 2);
-        if line.first() == Some(&b'-') {
-            return Err(io::Error::other(
-                String::from_utf8_lossy(&line[1..]).into_owned(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// The number after a reply's type byte `kind` (`*` array, `$` bulk string).
-    fn header(&mut self, kind: u8, line: &mut Vec<u8>) -> io::Result<i64> {
-        self.line(line)?;
-        match line.split_first() {
-            Some((&k, digits)) if k == kind => std::str::from_utf8(digits)
-                .ok()
-                .and_then(|d| d.parse().ok())
-                .ok_or_else(|| invalid("a malformed reply header")),
-            _ => Err(invalid(format!(
-                "expected a '{}' reply, got {:?}",
-                kind as char,
-                String::from_utf8_lossy(line)
-            ))),
-        }
-    }
-
-    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
-        let socket = self.0.get_mut();
-        socket.write_all(bytes)?;
-        socket.flush()
-    }
-}
-
 impl BulkReader {
     /// The reader of the server `url` names, when it is reached over plain TCP or a Unix
     /// socket; `None` for TLS (and for a URL the client refuses, which it reports itself).
     pub fn for_url(url: &str, timeout: Duration) -> Option<BulkReader> {
-        let info = url.into_connection_info().ok()?;
-        let target = match info.addr() {
-            ConnectionAddr::Tcp(host, port) => Target::Tcp(host.clone(), *port),
-            #[cfg(unix)]
-            ConnectionAddr::Unix(path) => Target::Unix(path.clone()),
-            _ => return None,
-        };
-        let settings = info.redis_settings();
         Some(BulkReader {
-            target,
-            db: settings.db(),
-            username: settings.username().map(str::to_owned),
-            password: settings.password().map(str::to_owned),
-            timeout,
+            server: Server::for_url(url, timeout)?,
             idle: Mutex::default(),
             paused_until: Mutex::default(),
             served: AtomicU64::new(0),
         })
     }
 
+    /// The server it reads.
+    pub(crate) fn server(&self) -> &Server {
+        &self.server
+    }
+
     /// Calls this reader served whole.
     pub fn served(&self) -> u64 {
         self.served.load(Ordering::Relaxed)
-    }
-
-    fn open(&self) -> io::Result<Connection> {
-        let socket = match &self.target {
-            Target::Tcp(host, port) => {
-                let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
-                let mut found = None;
-                for addr in std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), *port))? {
-                    match TcpStream::connect_timeout(&addr, self.timeout) {
-                        Ok(s) => {
-                            found = Some(s);
-                            break;
-                        }
-                        Err(e) => last = e,
-                    }
-                }
-                let s = found.ok_or(last)?;
-                s.set_nodelay(true)?;
-                s.set_read_timeout(Some(self.timeout))?;
-                s.set_write_timeout(Some(self.timeout))?;
-                Socket::Tcp(s)
-            }
-            #[cfg(unix)]
-            Target::Unix(path) => {
-                let s = UnixStream::connect(path)?;
-                s.set_read_timeout(Some(self.timeout))?;
-                s.set_write_timeout(Some(self.timeout))?;
-                Socket::Unix(s)
-            }
-        };
-        let mut conn = Connection(BufReader::with_capacity(BUFFER, socket));
-        let mut hello = Vec::new();
-        let mut replies = 0;
-        if let Some(password) = &self.password {
-            match &self.username {
-                Some(user) => command(&mut hello, &[b"AUTH", user.as_bytes(), password.as_bytes()]),
-                None => command(&mut hello, &[b"AUTH", password.as_bytes()]),
-            }
-            replies += 1;
-        }
-        if self.db != 0 {
-            command(&mut hello, &[b"SELECT", self.db.to_string().as_bytes()]);
-            replies += 1;
-        }
-        if replies > 0 {
-            conn.send(&hello)?;
-            let mut line = Vec::new();
-            for _ in 0..replies {
-                conn.line(&mut line)?;
-            }
-        }
-        Ok(conn)
     }
 
     /// Whether the reader is out of the way after a failure.
@@ -281,10 +101,10 @@ impl BulkReader {
         visit: &mut dyn FnMut(usize, Option<&[u8]>) -> bool,
     ) -> (usize, Option<io::Error>) {
         let deadline = Deadline {
-            at: Instant::now() + self.timeout,
+            at: Instant::now() + self.server.timeout(),
         };
         let taken = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let mut conn = match taken.map_or_else(|| self.open(), Ok) {
+        let mut conn = match taken.map_or_else(|| self.server.open(), Ok) {
             Ok(c) => c,
             Err(e) => return (0, Some(self.failed(e))),
         };
@@ -375,19 +195,7 @@ impl BulkReader {
                 Err(_) => None,
                 Ok(len) => {
                     let mut value = buffer();
-                    value.clear();
-                    value
-                        .try_reserve(len + 2)
-                        .map_err(|_| invalid("a value too large to hold"))?;
-                    // a large value is read straight from the socket, past the small buffer
-                    (&mut conn.0).take(len as u64 + 2).read_to_end(&mut value)?;
-                    if value.len() != len + 2 || !value.ends_with(b"\r\n") {
-                        return Err(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "the connection closed mid-value",
-                        ));
-                    }
-                    value.truncate(len);
+                    conn.bulk_into(len, &mut value)?;
                     Some(value)
                 }
             };

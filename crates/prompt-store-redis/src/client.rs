@@ -109,6 +109,12 @@ impl RedisClient {
         })
     }
 
+    /// The one server this client reaches over plain TCP or a Unix socket, if it is such a
+    /// deployment (what the crate's own connections serve).
+    pub(crate) fn plain_server(&self) -> Option<&crate::resp::Server> {
+        self.bulk.as_ref().map(|b| b.server())
+    }
+
     /// How many `visit_values` calls the bulk reader served whole (0 where there is none).
     pub fn bulk_reads(&self) -> u64 {
         self.bulk.as_ref().map_or(0, |b| b.served())

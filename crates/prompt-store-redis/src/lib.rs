@@ -6,6 +6,8 @@ mod bulk;
 mod client;
 mod connect;
 mod link;
+mod notify;
+mod resp;
 mod runtime;
 
 pub use backend::{RedisBackend, RedisOptions, DEFAULT_PREFIX, DEFAULT_TIMEOUT};

@@ -316,3 +316,115 @@ fn an_evicted_model_record_does_not_stop_restores() {
         "recorded again"
     );
 }
+
+/// Collects a store's events; `wait_for` polls until `done(events)` holds (the server's
+/// notifications arrive on a thread of their own), failing after `bound`.
+struct Heard(std::sync::Arc<std::sync::Mutex<Vec<prompt_store::events::KvEvent>>>);
+
+impl Heard {
+    fn on(hub: &prompt_store::events::EventHub) -> Heard {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        hub.subscribe(std::sync::Arc::new(
+            move |e: &[prompt_store::events::KvEvent]| sink.lock().unwrap().extend_from_slice(e),
+        ));
+        Heard(seen)
+    }
+
+    /// The keys named removed from Redis so far.
+    fn removed(&self) -> Vec<prompt_store::Key> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|e| match e {
+                prompt_store::events::KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium: "redis",
+                } => block_hashes.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    fn wait_for(&self, what: &str, mut done: impl FnMut(&[prompt_store::Key]) -> bool) {
+        let bound = std::time::Instant::now() + Duration::from_secs(30);
+        while !done(&self.removed()) {
+            assert!(
+                std::time::Instant::now() < bound,
+                "never heard {what}: {:?}",
+                self.removed()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn evented(
+    options: prompt_store_redis::RedisOptions,
+    namespace: &str,
+) -> (prompt_store::PromptStore, Heard) {
+    let hub = prompt_store::events::EventHub::new();
+    let heard = Heard::on(&hub);
+    let store = store_with(options)
+        .with_namespace(namespace)
+        .with_events(hub);
+    (store, heard)
+}
+
+/// The server's own evictions at maxmemory become BlockRemoved events of exactly the blocks it
+/// dropped of this store's; another namespace's evicted blocks are never named.
+#[test]
+fn blocks_redis_evicts_are_named_removed_and_only_this_stores() {
+    let server = RedisServer::start_with(ServerOptions {
+        maxmemory: Some(1_600_000),
+        ..Default::default()
+    });
+    let options =
+        || prompt_store_redis::RedisOptions::new(server.url()).with_timeout(Duration::from_secs(2));
+    let (store, heard) = evented(options(), "");
+    let (other, other_heard) = evented(options(), "other");
+    let mut ours = Vec::new();
+    for salt in 0..8 {
+        let p: Vec<i32> = (0..256).map(|t| salt * 10_000 + t).collect();
+        store.put(&evaluated(&p, 0), 0, &p, None).unwrap();
+        ours.extend(store.keys(&p).unwrap().unwrap());
+        let q: Vec<i32> = (0..256).map(|t| -salt * 10_000 - t - 1).collect();
+        other.put(&evaluated(&q, 0), 0, &q, None).unwrap();
+    }
+    let held = |keys: &[prompt_store::Key]| store.backend().contains_many(keys).unwrap();
+    let gone: Vec<_> = ours
+        .iter()
+        .zip(held(&ours))
+        .filter(|(_, h)| !h)
+        .map(|(k, _)| *k)
+        .collect();
+    assert!(
+        !gone.is_empty(),
+        "the server evicted some of this store's blocks"
+    );
+    heard.wait_for("every evicted block of ours", |removed| {
+        gone.iter().all(|k| removed.contains(k))
+    });
+    // only this store's, and only evicted ones
+    let removed = heard.removed();
+    assert!(removed.iter().all(|k| ours.contains(k)));
+    assert!(held(&removed).iter().all(|h| !h));
+    assert!(other_heard.removed().iter().all(|k| !ours.contains(k)));
+}
+
+/// A TTL's expiry is a removal too.
+#[test]
+fn blocks_that_expire_are_named_removed() {
+    let server = RedisServer::start();
+    let mut options =
+        prompt_store_redis::RedisOptions::new(server.url()).with_timeout(Duration::from_secs(2));
+    options.ttl = Some(Duration::from_millis(300));
+    let (store, heard) = evented(options, "");
+    let p = prompt(64, 0, 0);
+    store.put(&evaluated(&p, 0), 0, &p, None).unwrap();
+    let keys = store.keys(&p).unwrap().unwrap();
+    heard.wait_for("the expired blocks", |removed| {
+        keys.iter().all(|k| removed.contains(k))
+    });
+}

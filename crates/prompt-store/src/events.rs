@@ -53,6 +53,9 @@ pub enum KvEvent {
 /// batch when the store is gone (no event follows).
 pub type Subscriber = Arc<dyn Fn(&[KvEvent]) + Send + Sync>;
 
+/// How many blocks a tier of bare-key evictions remembers having stored.
+const KNOWN_KEYS: usize = 1 << 18;
+
 /// How many chain links (block -> parent) are remembered for naming a stored block's parent:
 /// the links of the prompts being put or restored, a few thousand at a time.
 const REMEMBERED_LINKS: usize = 1 << 16;
@@ -145,9 +148,14 @@ impl EventHub {
     /// returned id.
     pub fn subscribe(&self, f: Subscriber) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut subs = lock(&self.subscribers);
-        subs.push((id, f));
+        lock(&self.subscribers).push((id, f));
         self.active.store(true, Ordering::SeqCst);
+        let tiers: Vec<Arc<TierEvents>> = lock(&self.tiers).clone();
+        for t in tiers {
+            if let Some(start) = t.starter.get() {
+                start();
+            }
+        }
         id
     }
 
@@ -194,6 +202,8 @@ impl EventHub {
             medium,
             hub: Arc::downgrade(self),
             evicted: Mutex::default(),
+            known: Mutex::default(),
+            starter: std::sync::OnceLock::new(),
         });
         tiers.push(t.clone());
         t
@@ -283,6 +293,14 @@ impl EventHub {
     }
 }
 
+/// The keys a tier of bare-key evictions tracks.
+struct Keys {
+    /// Blocks this store stored there (and reported).
+    stored: LruCache<Key, ()>,
+    /// Blocks a put is storing now, and which of them were evicted meanwhile.
+    putting: std::collections::HashMap<Key, bool>,
+}
+
 /// One tier's reporter: the tier's [`crate::metrics::Metered`] wrapper reports what it stored,
 /// and the backend reports what it evicted (with the value's first [`HEAD_BYTES`]), which is
 /// kept until the wrapper's call ends so that a put's stores come before the evictions it
@@ -291,6 +309,13 @@ pub struct TierEvents {
     medium: &'static str,
     hub: std::sync::Weak<EventHub>,
     evicted: Mutex<Vec<Key>>,
+    /// For a tier whose evictions come as bare keys (a Redis server's notifications): the
+    /// blocks this store stored there, the only ones such an eviction may name, and evictions
+    /// heard before the put that stored the block was reported (the server evicts during the
+    /// put; its notification can outrun the put's return).
+    known: Mutex<Option<Keys>>,
+    /// Called when someone starts listening (a tier that must start a listener of its own).
+    starter: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl TierEvents {
@@ -327,6 +352,60 @@ impl TierEvents {
         self.report(std::iter::empty());
     }
 
+    /// The tier's evictions come as bare keys (see [`TierEvents::evicted_key`]): from now on,
+    /// the blocks it stores while someone listens are remembered.
+    pub fn track_keys(&self) {
+        let keys = || LruCache::new(NonZeroUsize::new(KNOWN_KEYS).expect("a positive constant"));
+        lock(&self.known).get_or_insert_with(|| Keys {
+            stored: keys(),
+            putting: Default::default(),
+        });
+    }
+
+    /// A put of `keys` begins (a tier of bare-key evictions: an eviction heard before the put
+    /// is reported is held for it). End it with [`TierEvents::put_done`].
+    pub fn putting<'a>(&self, keys: impl Iterator<Item = &'a Key>) {
+        if let Some(known) = lock(&self.known).as_mut().filter(|_| self.wanted()) {
+            known.putting.extend(keys.map(|k| (*k, false)));
+        }
+    }
+
+    /// The put of `keys` was reported.
+    pub fn put_done<'a>(&self, keys: impl Iterator<Item = &'a Key>) {
+        if let Some(known) = lock(&self.known).as_mut() {
+            keys.for_each(|k| {
+                known.putting.remove(k);
+            });
+        }
+    }
+
+    /// Calls `start` now if someone listens, and whenever someone starts listening (it must
+    /// start its work once, however often it is called).
+    pub fn on_wanted(&self, start: Box<dyn Fn() + Send + Sync>) {
+        if self.starter.set(start).is_ok() && self.wanted() {
+            if let Some(start) = self.starter.get() {
+                start();
+            }
+        }
+    }
+
+    /// The tier dropped the value `key` on its own (a Redis eviction or expiry), reported at
+    /// once: named only when this store stored it there.
+    pub fn evicted_key(&self, key: &Key) {
+        let ours = lock(&self.known).as_mut().is_some_and(|known| {
+            if let Some(evicted) = known.putting.get_mut(key) {
+                // stored by a put not reported yet: named after its store, if it stored it
+                *evicted = true;
+                return false;
+            }
+            known.stored.pop(key).is_some()
+        });
+        if ours && self.wanted() {
+            lock(&self.evicted).push(*key);
+            self.report(std::iter::empty());
+        }
+    }
+
     /// Ends a call to the tier: the blocks among `stored` (values it stored, in order), then
     /// what it evicted meanwhile.
     pub fn report<'a>(&self, stored: impl Iterator<Item = &'a [u8]>) {
@@ -338,7 +417,22 @@ impl TierEvents {
             return;
         }
         let mut events = hub.stored(self.medium, stored);
-        let evicted = std::mem::take(&mut *lock(&self.evicted));
+        let mut evicted = std::mem::take(&mut *lock(&self.evicted));
+        if let Some(known) = lock(&self.known).as_mut() {
+            for e in &events {
+                if let KvEvent::BlockStored { block_hashes, .. } = e {
+                    for k in block_hashes {
+                        match known.putting.get(k) {
+                            // evicted already: removed right after its store
+                            Some(true) => evicted.push(*k),
+                            _ => {
+                                known.stored.put(*k, ());
+                            }
+                        }
+                    }
+                }
+            }
+        }
         if !evicted.is_empty() {
             events.push(KvEvent::BlockRemoved {
                 block_hashes: evicted,

@@ -88,15 +88,20 @@ impl Backend for Metered {
     }
 
     fn put_many(&self, entries: &[(Key, &[u8])]) -> StoreResult<Vec<bool>> {
+        let events = self.events.get();
+        if let Some(events) = events {
+            events.putting(entries.iter().map(|(k, _)| k));
+        }
         let stored = self.inner.put_many(entries);
         let kept = stored.as_deref().unwrap_or(&[]);
         for ((_, v), &s) in entries.iter().zip(kept) {
             self.stored(v, s);
         }
-        if let Some(events) = self.events.get() {
+        if let Some(events) = events {
             // on an error, what the call evicted before it failed is still reported
             let values = entries.iter().zip(kept).filter(|(_, &s)| s);
             events.report(values.map(|((_, v), _)| *v));
+            events.put_done(entries.iter().map(|(k, _)| k));
         }
         stored
     }
