@@ -394,3 +394,25 @@ test('close() releases the store\'s Redis connections', async (t) => {
   t.is(clients(), before)
   t.throws(() => store.lookup(tokens), { code: 'ERR_KV_DISPOSED' })
 })
+
+test('KV events name the blocks Redis expires on its own, as BlockRemoved from the redis medium', async (t) => {
+  const redis = await redisForTest(t)
+  const store = open(redis.url, { ttlSeconds: 1 })
+  t.teardown(() => store.close())
+  // listening starts the listener of the server's notifications, well before the TTL runs out
+  const events = store.events()
+  const { cache, tokens } = promptCache(KvCache, 0)
+  await store.put(cache, 0, tokens)
+  const stored = []
+  const removed = new Set()
+  for await (const e of events) {
+    if (e.type === 'BlockStored') stored.push(...e.blockHashes)
+    if (e.type === 'BlockRemoved') {
+      t.is(e.medium, 'redis')
+      e.blockHashes.forEach((h) => removed.add(h))
+    }
+    if (stored.length === 6 && stored.every((h) => removed.has(h))) break
+  }
+  t.is(removed.size, 6)
+  t.is(await store.lookup(tokens), 0)
+})
