@@ -358,17 +358,16 @@ fn a_put_whose_connection_drops_mid_call_is_unavailable_and_leaves_no_half_block
     }
 }
 
-#[test]
-fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
-    let mut server = RedisServer::start();
-    let store = backend(&server.url());
-    let (keys, values) = blocks(64, 1 << 20);
-    store.put_many(&entries(&keys, &values)).unwrap();
-    // the server holds its answer (CLIENT PAUSE), so the read is surely in flight at the kill
+/// Kills `server` while `read` runs, the server holding its answer (CLIENT PAUSE) so that the
+/// read is surely in flight; the read must fail as Unavailable.
+fn killed_mid_read<T: Send>(
+    server: &mut RedisServer,
+    read: impl FnOnce() -> Result<Vec<T>, StoreError> + Send,
+) {
     let mut admin = server.connection();
     pause_clients(&mut admin, 10_000);
     let result = std::thread::scope(|scope| {
-        let read = scope.spawn(|| store.get_many(&keys));
+        let read = scope.spawn(read);
         std::thread::sleep(Duration::from_millis(100));
         server.kill();
         read.join().unwrap()
@@ -378,6 +377,15 @@ fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
         "{:?}",
         result.map(|r| r.len())
     );
+}
+
+#[test]
+fn killing_redis_during_a_read_is_unavailable_and_the_backend_recovers() {
+    let mut server = RedisServer::start();
+    let store = backend(&server.url());
+    let (keys, values) = blocks(64, 1 << 20);
+    store.put_many(&entries(&keys, &values)).unwrap();
+    killed_mid_read(&mut server, || store.get_many(&keys));
     server.restart();
     assert_eq!(
         store.get_many(&keys[..1]).unwrap(),
@@ -479,19 +487,7 @@ fn bulk_reads_refused_or_cut_mid_reply_fail_as_the_client_does() {
     assert_eq!(visited(&store, &keys).unwrap().len(), 64);
     // a password without a user is the default user's, as the client sends it
     assert_eq!(store.client().bulk_reads(), 1);
-    let mut admin = server.connection();
-    pause_clients(&mut admin, 10_000);
-    let result = std::thread::scope(|scope| {
-        let read = scope.spawn(|| visited(&store, &keys));
-        std::thread::sleep(Duration::from_millis(100));
-        server.kill();
-        read.join().unwrap()
-    });
-    assert!(
-        matches!(result, Err(StoreError::Unavailable(_))),
-        "{:?}",
-        result.map(|r| r.len())
-    );
+    killed_mid_read(&mut server, || visited(&store, &keys));
     server.restart();
     store.put_many(&entries(&keys[..2], &values[..2])).unwrap();
     let after = visited(&store, &keys[..3]).unwrap();
