@@ -181,6 +181,32 @@ registerPeerSuite(test, 'node-llama-cpp adapter', () => {
     })
   }
 
+  test.serial("llama-h32.gguf with compress 'q8_0': turn 1's K/V restored from q8_0 blocks, and the peer continues with the cold process's next token", async (t) => {
+    const dir = tmp(t)
+    const model = path.join(MODELS, 'llama-h32.gguf')
+    const store = { path: path.join(dir, 'store'), blockTokens: 16, compress: 'q8_0' }
+    const history = path.join(dir, 'history.json')
+    const one = await chat({ model, store, tmp: path.join(dir, 'tmp1'), chats: [{ prompt: 'the cat sat on the mat', saveHistory: history }] })
+    const [two, cold] = await Promise.all([
+      chat({ model, store, tmp: path.join(dir, 'tmp2'), chats: [{ prompt: 'and the dog ran to the sea', history }] }),
+      chat({ model, store: null, chats: [{ prompt: 'and the dog ran to the sea', history }] }),
+    ])
+    const [t1, t2, c] = [one.chats[0], two.chats[0], cold.chats[0]]
+    const same = t2.generated.findIndex((tok, i) => tok !== c.generated[i])
+    t.log(`restored ${t2.lastRestore.restoredTokens} tokens from q8_0 blocks; generated tokens equal to the cold run's: ${same < 0 ? 'all' : same} of ${c.generated.length}`)
+    t.true(t2.lastRestore.restoredTokens >= t1.lastRestore.evaluatedTokens)
+    t.is(t2.lastError, null)
+    t.is(t2.usedInputTokens, c.usedInputTokens - t2.lastRestore.restoredTokens)
+    // the rows are within half a q8_0 step of the cold ones: the peer's next token is the same
+    t.is(t2.generated[0], c.generated[0])
+    // and the blocks were kept as q8_0: every block file is smaller than an f16 block's rows
+    const blocks = fs.readdirSync(path.join(dir, 'store', 'blocks'), { recursive: true })
+      .map((f) => path.join(dir, 'store', 'blocks', f))
+      .filter((f) => fs.statSync(f).isFile() && fs.readFileSync(f).subarray(0, 4).toString('latin1') === 'KVPB')
+    t.true(blocks.length > 0)
+    for (const f of blocks) t.is(fs.readFileSync(f).readUInt32LE(4) >>> 31, 1, `${path.basename(f)} is compact`)
+  })
+
   test.serial('llama-h32.gguf: two sequences of one context, each with its adapter on one store, restore and continue at once', async (t) => {
     const dir = tmp(t)
     const model = path.join(MODELS, 'llama-h32.gguf')
