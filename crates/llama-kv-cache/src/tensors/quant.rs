@@ -215,13 +215,10 @@ fn round_half_away(x: f32) -> f32 {
     }
     let t = (x as i32) as f32;
     let frac = x - t;
-    if frac >= 0.5 {
-        t + 1.0
-    } else if frac <= -0.5 {
-        t - 1.0
-    } else {
-        t
-    }
+    // without branches: on data, the comparisons go either way about half the time (the
+    // mispredictions made q8_0 12 ns a value); t is never -0.0 (an integer's float), so adding
+    // the two 0-or-1 terms gives exactly t, t + 1 or t - 1
+    t + f32::from(u8::from(frac >= 0.5)) - f32::from(u8::from(frac <= -0.5))
 }
 
 /// The element of largest magnitude (the first one on ties) and that magnitude, as the
