@@ -3,6 +3,9 @@
 // failover, and a three-primary cluster. The options are Node-shaped; these tests prove they reach
 // the Rust client. (The Rust tests in crates/prompt-store-redis/tests/deployed.rs go deeper.)
 import test from 'ava'
+import fs from 'node:fs'
+import net from 'node:net'
+import path from 'node:path'
 import { createRequire } from 'node:module'
 import { promptCache } from './helpers/store-prompts.mjs'
 import { certsForTest, clusterForTest, redisForTest } from './support/redis-server.mjs'
@@ -77,9 +80,21 @@ test('Sentinel: a store finds the primary, and after the primary dies it reaches
   await roundTrip(t, store)
   t.is(primary.cli(['WAIT', '1', '5000']), '1', 'the replica has the blocks')
   await primary.kill()
+  // hold the dead primary's port: a server another test starts meanwhile must not take it and
+  // pass for the primary (the Sentinel would see it alive, and never fail over)
+  const holder = net.createServer((socket) => socket.destroy())
+  await new Promise((resolve) => holder.once('error', resolve).listen(primary.port, '127.0.0.1', resolve))
+  t.teardown(() => holder.close())
+  // the failover's own bound, from the kill (a Sentinel retries a failed attempt after twice
+  // its failover-timeout, 6 s here); on failure, what the Sentinel saw goes into the message
+  const failoverBy = Date.now() + 60_000
   let restored = 0
   while (restored !== 96) {
-    if (Date.now() > deadline + 30_000) throw new Error('no failover')
+    if (Date.now() > failoverBy) {
+      const log = fs.readFileSync(path.join(sentinel.dir, 'sentinel.log'), 'utf8').split('\n').slice(-40).join('\n')
+      throw new Error(`no failover: the Sentinel names ${sentinel.cli(['SENTINEL', 'GET-MASTER-ADDR-BY-NAME', 'kvjs'])} ` +
+        `(the primary was ${primary.port}, the replica ${replica.port}); last restore ${restored}; its log ends:\n${log}`)
+    }
     restored = await store.restore(emptyCache(), 0, tokens).catch((e) => {
       t.is(e.code, 'ERR_KV_STORE_UNAVAILABLE', e.message)
       return 0
