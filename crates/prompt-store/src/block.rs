@@ -13,14 +13,78 @@
 //! to another key (even one with the same tokens at the same index under another prefix) is
 //! recognised as foreign.
 
-use crate::backend::Key;
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{ext_at, Geometry, EXT_BYTES, FORMAT_VERSION};
+use crate::key::Key;
 use crate::seal::{Broken, Sealer, TRAILER};
 use llama_kv_cache::CellExtValue;
 
 /// The magic at the start of every block.
 pub const MAGIC: [u8; 4] = *b"KVPB";
+
+/// Bytes of a block's header that name it: magic, version, fingerprint, key.
+pub const HEAD_BYTES: usize = 72;
+
+/// Where the token count is, after the block index.
+const COUNT_AT: usize = 76;
+
+/// Where the tokens start.
+const TOKENS_AT: usize = 80;
+
+fn u32_at(value: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([value[at], value[at + 1], value[at + 2], value[at + 3]])
+}
+
+/// The fingerprint and key a block's first [`HEAD_BYTES`] name (an evicted value's first bytes
+/// are enough); `None` for other values (records, checkpoints, indexes) and shorter bytes.
+pub fn named(value: &[u8]) -> Option<(&[u8], Key)> {
+    if value.len() < HEAD_BYTES || value[..4] != MAGIC {
+        return None;
+    }
+    Some((&value[8..40], Key(value[40..72].try_into().ok()?)))
+}
+
+/// A block's header as its bytes say it, verified against nothing: what the readers of stored
+/// values that hold no [`BlockId`] need (KV events, compact blocks), and what [`decode`]
+/// compares with the one it expects.
+pub struct Head<'a> {
+    /// The format version (a compact value flags it, see [`crate::compact`]).
+    pub version: u32,
+    pub fingerprint: &'a [u8],
+    pub key: Key,
+    pub index: u32,
+    pub n_tokens: usize,
+    /// The tokens' bytes; empty when the value stops before their end.
+    pub tokens: &'a [u8],
+}
+
+impl Head<'_> {
+    /// Where the geometry starts (`None` when the count overflows).
+    pub fn geometry_at(&self) -> Option<usize> {
+        TOKENS_AT.checked_add(self.n_tokens.checked_mul(4)?)
+    }
+}
+
+/// The header of the block `value`; `None` for other values and bytes that stop before the
+/// token count.
+pub fn head(value: &[u8]) -> Option<Head<'_>> {
+    let (fingerprint, key) = named(value)?;
+    if value.len() < TOKENS_AT {
+        return None;
+    }
+    let n_tokens = u32_at(value, COUNT_AT) as usize;
+    Some(Head {
+        version: u32_at(value, 4),
+        fingerprint,
+        key,
+        index: u32_at(value, HEAD_BYTES),
+        n_tokens,
+        tokens: n_tokens
+            .checked_mul(4)
+            .and_then(|len| value.get(TOKENS_AT..TOKENS_AT.checked_add(len)?))
+            .unwrap_or(&[]),
+    })
+}
 
 /// What identifies a block: the fields its header must carry.
 #[derive(Clone, Copy, Debug)]
@@ -39,7 +103,7 @@ pub struct BlockId<'a> {
 
 fn header_len(id: &BlockId<'_>) -> usize {
     let ext_id = if id.geometry.ext.is_none() { 0 } else { 4 };
-    4 + 4 + 32 + 32 + 4 + 4 + 4 * id.tokens.len() + 4 + 24 * id.geometry.layers.len() + ext_id
+    TOKENS_AT + 4 * id.tokens.len() + 4 + 24 * id.geometry.layers.len() + ext_id
 }
 
 /// Total encoded size of a block.
@@ -203,7 +267,7 @@ pub fn decode<'a>(
     if body[..4] != MAGIC {
         return bad("bad magic".into());
     }
-    let version = u32::from_le_bytes([body[4], body[5], body[6], body[7]]);
+    let version = u32_at(body, 4);
     if version != FORMAT_VERSION {
         return bad(format!(
             "block format version {version}, expected {FORMAT_VERSION}"
@@ -212,29 +276,32 @@ pub fn decode<'a>(
     if value.len() != want {
         return bad(format!("{} bytes, expected {want}", value.len()));
     }
-    if body[8..40] != id.fingerprint.0 {
+    // as long as the header of the block expected: every field is there
+    let Some(h) = head(body) else {
+        return bad("a truncated header".into());
+    };
+    if h.fingerprint != id.fingerprint.0 {
         return bad("another model or geometry (fingerprint mismatch)".into());
     }
-    if body[40..72] != id.key.0 {
+    if h.key != *id.key {
         return bad("stored under another key".into());
     }
-    let index = u32::from_le_bytes([body[72], body[73], body[74], body[75]]);
-    if index != id.index {
-        return bad(format!("block index {index}, expected {}", id.index));
+    if h.index != id.index {
+        return bad(format!("block index {}, expected {}", h.index, id.index));
     }
-    let n = u32::from_le_bytes([body[76], body[77], body[78], body[79]]) as usize;
+    let n = h.n_tokens;
     if n != id.tokens.len() {
         return bad(format!("{n} tokens, expected {}", id.tokens.len()));
     }
-    let tokens = &body[80..80 + 4 * n];
-    let same = tokens
-        .chunks_exact(4)
-        .zip(id.tokens)
-        .all(|(b, t)| b == t.to_le_bytes());
+    let same = h.tokens.len() == 4 * n
+        && h.tokens
+            .chunks_exact(4)
+            .zip(id.tokens)
+            .all(|(b, t)| b == t.to_le_bytes());
     if !same {
         return bad("tokens differ".into());
     }
-    let geo_at = 80 + 4 * n;
+    let geo_at = TOKENS_AT + 4 * n;
     match Geometry::decode(&body[geo_at..]) {
         Some((g, _)) if &g == id.geometry => {}
         _ => return bad("geometry differs".into()),

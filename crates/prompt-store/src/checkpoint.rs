@@ -25,10 +25,10 @@
 //! writers racing may drop each other's entry, which costs a miss, never a wrong prefix, since
 //! every checkpoint is verified when read.
 
-use crate::backend::Key;
 use crate::block::{BlockRows, Corrupt};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::key::Key;
 use crate::seal::{Sealer, TRAILER};
 use crate::shape::{Fields, PutLe, Shape};
 

@@ -29,11 +29,12 @@ use std::sync::Arc;
 use llama_kv_cache::tensors::quant::{dequantize_row, quantize_row};
 use llama_kv_cache::GgmlType;
 
-use crate::backend::{pass_on, Backend, Key, TierHealth, TierMetrics, Usage};
-use crate::block::MAGIC;
+use crate::backend::{pass_on, Backend, TierHealth, TierMetrics, Usage};
+use crate::block::head;
 use crate::error::StoreResult;
 use crate::events::EventHub;
 use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::key::Key;
 use crate::seal::{Sealer, TRAILER};
 
 /// How a tier keeps its blocks.
@@ -83,6 +84,8 @@ const ZSTD_LEVEL: i32 = 3;
 
 /// Where a block's parts lie.
 struct Layout {
+    /// The header's version field (flagged in a compact value).
+    version: u32,
     /// The header's length: the rows start here.
     rows_at: usize,
     n_tokens: usize,
@@ -95,11 +98,9 @@ impl Layout {
     /// The layout of the block (or compact value) `value`, from its header; `None` for values
     /// of another kind or a malformed header.
     fn of(value: &[u8]) -> Option<Layout> {
-        if value.len() < 80 || value[..4] != MAGIC {
-            return None;
-        }
-        let n_tokens = u32::from_le_bytes(value[76..80].try_into().ok()?) as usize;
-        let geo_at = 80usize.checked_add(n_tokens.checked_mul(4)?)?;
+        let h = head(value)?;
+        let n_tokens = h.n_tokens;
+        let geo_at = h.geometry_at()?;
         let (geometry, geo_len) = Geometry::decode(value.get(geo_at..)?)?;
         let mut rows_len = 0usize;
         for l in &geometry.layers {
@@ -110,15 +111,12 @@ impl Layout {
         }
         rows_len.checked_add(n_tokens.checked_mul(geometry.ext_bytes())?)?;
         Some(Layout {
+            version: h.version,
             rows_at: geo_at + geo_len,
             n_tokens,
             geometry,
             rows_len,
         })
-    }
-
-    fn version(value: &[u8]) -> u32 {
-        u32::from_le_bytes([value[4], value[5], value[6], value[7]])
     }
 
     /// Each layer's K then V rows as (type, bytes of all its rows) in block order.
@@ -207,7 +205,7 @@ pub fn encode(mode: Compression, key: &Key, value: &[u8], sealer: &Sealer) -> Op
     if mode == Compression::None {
         return None;
     }
-    let l = Layout::of(value).filter(|_| Layout::version(value) == FORMAT_VERSION)?;
+    let l = Layout::of(value).filter(|l| l.version == FORMAT_VERSION)?;
     let rows_end = l.rows_at + l.rows_len;
     if value.len() != rows_end + l.tail_len() + TRAILER {
         return None;
@@ -280,9 +278,7 @@ pub fn decode<'a>(value: &'a [u8], buf: &'a mut Vec<u8>) -> &'a [u8] {
 
 /// Whether `value` is a compact block.
 fn is_compact(value: &[u8]) -> bool {
-    value.len() >= 80
-        && value[..4] == MAGIC
-        && Layout::version(value) == FORMAT_VERSION | COMPACT_FLAG
+    head(value).is_some_and(|h| h.version == FORMAT_VERSION | COMPACT_FLAG)
 }
 
 fn decode_into(value: &[u8], out: &mut Vec<u8>) -> Option<()> {

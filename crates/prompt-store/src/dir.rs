@@ -26,9 +26,11 @@ use fs4::fs_std::FileExt;
 
 use llama_kv_cache::state::source::read_ahead;
 
-use crate::backend::{Backend, Key, Usage};
+use crate::backend::{Backend, Usage};
+use crate::block::HEAD_BYTES;
 use crate::error::{io_error, StoreError, StoreResult};
-use crate::events::{EventHub, TierEvents, HEAD_BYTES};
+use crate::events::{EventHub, TierEvents};
+use crate::key::Key;
 
 /// Leftover temporary files older than this are removed by [`Backend::gc`] (a writer that
 /// crashed mid-write).

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use lru::LruCache;
 
-use crate::backend::Key;
-use crate::block::MAGIC;
+use crate::block::{head, named};
+use crate::key::Key;
 
 /// One change to where blocks live.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,9 +59,6 @@ const KNOWN_KEYS: usize = 1 << 18;
 /// How many chain links (block -> parent) are remembered for naming a stored block's parent:
 /// the links of the prompts being put or restored, a few thousand at a time.
 const REMEMBERED_LINKS: usize = 1 << 16;
-
-/// Bytes of a block's header that name it: magic, version, fingerprint, key.
-pub const HEAD_BYTES: usize = 72;
 
 /// The events of one store: its subscribers, its fingerprint and each tier's reporter.
 pub struct EventHub {
@@ -108,34 +105,6 @@ impl Drop for EventHub {
             f(&[]);
         }
     }
-}
-
-/// What the header of a stored block says.
-struct Head<'a> {
-    fingerprint: &'a [u8],
-    key: Key,
-    index: u32,
-    tokens: &'a [u8],
-}
-
-/// Reads a block's header from its first bytes (`tokens` empty when they are not all there);
-/// `None` for other values (records, checkpoints, indexes) and foreign bytes.
-fn head(value: &[u8]) -> Option<Head<'_>> {
-    if value.len() < HEAD_BYTES || value[..4] != MAGIC {
-        return None;
-    }
-    let u32_at = |at: usize| {
-        value
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    let n = u32_at(76).unwrap_or(0) as usize;
-    Some(Head {
-        fingerprint: &value[8..40],
-        key: Key(value[40..72].try_into().expect("32 bytes")),
-        index: u32_at(72).unwrap_or(0),
-        tokens: value.get(80..80 + 4 * n).unwrap_or(&[]),
-    })
 }
 
 impl EventHub {
@@ -302,7 +271,7 @@ struct Keys {
 }
 
 /// One tier's reporter: the tier's [`crate::metrics::Metered`] wrapper reports what it stored,
-/// and the backend reports what it evicted (with the value's first [`HEAD_BYTES`]), which is
+/// and the backend reports what it evicted (with the value's first [`crate::block::HEAD_BYTES`]), which is
 /// kept until the wrapper's call ends so that a put's stores come before the evictions it
 /// caused.
 pub struct TierEvents {
@@ -325,14 +294,12 @@ impl TierEvents {
     }
 
     /// The backend evicted the value `key`, whose first bytes are `head` (at least
-    /// [`HEAD_BYTES`] for a block; anything for other values).
+    /// [`crate::block::HEAD_BYTES`] for a block; anything for other values).
     pub fn evicted(&self, key: &Key, head_bytes: &[u8]) {
         let Some(hub) = self.hub.upgrade() else {
             return;
         };
-        if hub.active()
-            && head(head_bytes).is_some_and(|h| h.key == *key && hub.is_own(h.fingerprint))
-        {
+        if hub.active() && named(head_bytes).is_some_and(|(fp, k)| k == *key && hub.is_own(fp)) {
             lock(&self.evicted).push(*key);
         }
     }

@@ -6,8 +6,8 @@ use llama_kv_cache::{CellExt, CellExtValue, GgmlType, SeedCache, Tensor};
 
 use sha2::{Digest, Sha256};
 
-use crate::backend::Key;
 use crate::error::StoreResult;
+use crate::key::Key;
 
 /// Version of the block format and of the key derivation. Part of every fingerprint, so a
 /// format change starts a fresh chain instead of misreading old blocks.

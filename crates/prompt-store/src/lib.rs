@@ -29,6 +29,7 @@ mod dir;
 mod error;
 pub mod events;
 mod geometry;
+mod key;
 mod memory;
 pub mod metrics;
 mod payload;
@@ -37,7 +38,7 @@ mod shape;
 mod store;
 mod tiered;
 
-pub use backend::{visit_each, Backend, Key, TierHealth, TierMetrics, Usage};
+pub use backend::{visit_each, Backend, TierHealth, TierMetrics, Usage};
 pub use compact::{Compressed, Compression};
 pub use dir::DirBackend;
 pub use error::{StoreError, StoreResult};
@@ -45,6 +46,7 @@ pub use geometry::{
     chain_at, chain_keys, checkpoint_key, index_key, swa_key, Geometry, LayerGeometry,
     FORMAT_VERSION,
 };
+pub use key::Key;
 pub use memory::{EvictionPolicy, MemoryBackend};
 pub use shape::{FileFormat, KvShape, Shape};
 pub use store::{

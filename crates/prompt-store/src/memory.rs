@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use lru::LruCache;
 use quick_cache::{OptionsBuilder, Weighter};
 
-use crate::backend::{visit_each, Backend, Key, Usage};
+use crate::backend::{visit_each, Backend, Usage};
 use crate::error::StoreResult;
 use crate::events::{EventHub, TierEvents};
+use crate::key::Key;
 
 /// Which value the memory tier evicts when a put takes it over its byte budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

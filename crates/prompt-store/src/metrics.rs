@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::backend::{pass_on, Backend, Key, TierHealth, TierMetrics, Usage};
+use crate::backend::{pass_on, Backend, TierHealth, TierMetrics, Usage};
 use crate::error::StoreResult;
 use crate::events::{EventHub, TierEvents};
+use crate::key::Key;
 
 /// What one tier served, counted by [`Metered`].
 #[derive(Default)]

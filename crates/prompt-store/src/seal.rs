@@ -16,7 +16,7 @@
 //! Keyed BLAKE3 (crate `blake3`, already the checksum) is a MAC by design, as HMAC-SHA-256 is;
 //! one crate and one pass over the body serve both.
 
-use crate::backend::Key;
+use crate::key::Key;
 
 /// Bytes of the trailer.
 pub const TRAILER: usize = 64;

@@ -22,8 +22,8 @@ use llama_kv_cache::state::files::FileKind;
 use llama_kv_cache::{CellExt, GgmlType, LayerWidths, Layout, PartRole};
 use sha2::{Digest, Sha256};
 
-use crate::backend::Key;
 use crate::geometry::{Geometry, FORMAT_VERSION};
+use crate::key::Key;
 
 /// Rows of one KV part: the layers' shapes and the Hadamard rotation they are stored in
 /// (`n_rot_k`, `n_rot_v`; rotated rows are kept as they are, so the rotation is part of the

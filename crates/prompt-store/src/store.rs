@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex};
 use llama_kv_cache::cache::io::Progress;
 use llama_kv_cache::{KvError, ModelInfo};
 
-use crate::backend::{Backend, Key};
+use crate::backend::Backend;
 use crate::error::{StoreError, StoreResult};
 use crate::events::EventHub;
 use crate::geometry::chain_keys;
+use crate::key::Key;
 use crate::metrics::{Latencies, Metered};
 use crate::seal::Sealer;
 use crate::shape::Shape;

@@ -11,9 +11,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, Key, TierHealth, TierMetrics, Usage};
+use crate::backend::{Backend, TierHealth, TierMetrics, Usage};
 use crate::error::{StoreError, StoreResult};
 use crate::events::EventHub;
+use crate::key::Key;
 use crate::metrics::Metered;
 
 /// First wait before a failed tier is tried again.

@@ -7,11 +7,11 @@ use llama_kv_cache::{CellExt, MemoryKind};
 use super::plan::Plan;
 use super::record::Bound;
 use super::PromptStore;
-use crate::backend::Key;
 use crate::block::{self, BlockId, BlockRows};
 use crate::checkpoint::{self, CheckpointId, CheckpointView, SwaRows};
 use crate::error::StoreResult;
 use crate::geometry::{chain_at, checkpoint_key, swa_key, Geometry};
+use crate::key::Key;
 use crate::payload::{KvPartWriter, PayloadSink, StreamAt};
 
 /// Who a restored payload is for: the sequence its cells name, its V layout, and the SWA

@@ -5,10 +5,10 @@
 use super::presence::Presence;
 use super::record::Bound;
 use super::{PromptStore, NEEDS_SWA_BLOCKS};
-use crate::backend::Key;
 use crate::checkpoint;
 use crate::error::StoreResult;
 use crate::geometry::{chain_at, chain_keys, checkpoint_key, index_key, swa_key};
+use crate::key::Key;
 
 /// Restores that meet corrupt values re-plan at most this often before giving up on the
 /// prompt (each round removes what it found corrupt).

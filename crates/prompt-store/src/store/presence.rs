@@ -2,8 +2,8 @@
 //! values a store must not use (another writer's, or corrupt ones).
 
 use super::PromptStore;
-use crate::backend::Key;
 use crate::error::StoreResult;
+use crate::key::Key;
 use crate::seal::{Broken, TRAILER};
 
 /// What a backend holds under a key, as far as a store can tell without reading the value.

@@ -12,12 +12,12 @@ use llama_kv_cache::{check_memory, check_state, Fit, MemoryKind, ModelInfo, Seed
 use super::presence::Presence;
 use super::record::{live_format, Bound};
 use super::{tick, PromptStore, NEEDS_SWA_BLOCKS};
-use crate::backend::Key;
 use crate::block::{self, BlockId};
 use crate::capture::{Capture, KvRows};
 use crate::checkpoint::{self, CheckpointId, Slot, SwaRows};
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::{chain_at, chain_keys, checkpoint_key, index_key, swa_key};
+use crate::key::Key;
 use crate::shape::FileFormat;
 
 /// Blocks encoded and sent to the backend per batch: bounds memory on long prompts.

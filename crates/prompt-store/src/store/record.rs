@@ -8,9 +8,9 @@ use llama_kv_cache::{Layout, SeedCache};
 use sha2::{Digest, Sha256};
 
 use super::PromptStore;
-use crate::backend::Key;
 use crate::error::{StoreError, StoreResult};
 use crate::geometry::FORMAT_VERSION;
+use crate::key::Key;
 use crate::seal::Broken;
 use crate::shape::{Fields, FileFormat, Shape};
 
