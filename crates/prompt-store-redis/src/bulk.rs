@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::resp::{command, invalid, Connection, Server};
+use crate::resp::{invalid, Connection, Server};
 
 /// How long the reader stays out of the way after a failure.
 const PAUSE: Duration = Duration::from_secs(1);
@@ -179,9 +179,7 @@ impl BulkReader {
         let mut args: Vec<&[u8]> = Vec::with_capacity(keys.len() + 1);
         args.push(b"MGET");
         args.extend_from_slice(keys);
-        let mut request = Vec::new();
-        command(&mut request, &args);
-        conn.send(&request)?;
+        conn.send_command(&args)?;
         let mut line = Vec::new();
         deadline.arm(conn)?;
         let n = conn.header(b'*', &mut line)?;

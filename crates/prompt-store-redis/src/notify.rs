@@ -20,7 +20,7 @@ use std::time::Duration;
 use prompt_store::events::TierEvents;
 use prompt_store::Key;
 
-use crate::resp::{command, Connection, Server};
+use crate::resp::{Connection, Server};
 
 /// How often a quiet listener looks whether it should stop.
 const POLL: Duration = Duration::from_millis(250);
@@ -64,12 +64,7 @@ pub(crate) fn spawn(
 /// Adds the notification classes the listener needs to the server's setting, where the server
 /// lets it.
 fn enable_notifications(conn: &mut Connection) -> io::Result<()> {
-    let mut request = Vec::new();
-    command(
-        &mut request,
-        &[b"CONFIG", b"GET", b"notify-keyspace-events"],
-    );
-    conn.send(&request)?;
+    conn.send_command(&[b"CONFIG", b"GET", b"notify-keyspace-events"])?;
     let flags = match conn.array() {
         Ok(reply) => reply.get(1).cloned().unwrap_or_default(),
         // refused (NOPERM, a renamed CONFIG): listen to what the operator enabled
@@ -84,17 +79,12 @@ fn enable_notifications(conn: &mut Connection) -> io::Result<()> {
         return Ok(());
     }
     let wanted = format!("{flags}{missing}");
-    request.clear();
-    command(
-        &mut request,
-        &[
-            b"CONFIG",
-            b"SET",
-            b"notify-keyspace-events",
-            wanted.as_bytes(),
-        ],
-    );
-    conn.send(&request)?;
+    conn.send_command(&[
+        b"CONFIG",
+        b"SET",
+        b"notify-keyspace-events",
+        wanted.as_bytes(),
+    ])?;
     let mut line = Vec::new();
     match conn.line(&mut line) {
         Err(e) if e.kind() == io::ErrorKind::Other => Ok(()),
@@ -117,12 +107,7 @@ fn listen(
         format!("__keyevent@{db}__:evicted"),
         format!("__keyevent@{db}__:expired"),
     ];
-    let mut request = Vec::new();
-    command(
-        &mut request,
-        &[b"SUBSCRIBE", channels[0].as_bytes(), channels[1].as_bytes()],
-    );
-    conn.send(&request)?;
+    conn.send_command(&[b"SUBSCRIBE", channels[0].as_bytes(), channels[1].as_bytes()])?;
     for _ in &channels {
         conn.array()?;
     }

@@ -38,7 +38,7 @@ impl Read for Socket {
 }
 
 impl Socket {
-    pub(crate) fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
+    fn set_read_timeout(&self, t: Duration) -> io::Result<()> {
         match self {
             Socket::Tcp(s) => s.set_read_timeout(Some(t)),
             #[cfg(unix)]
@@ -82,8 +82,16 @@ pub(crate) fn invalid(what: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.into())
 }
 
+/// The decimal number of a reply header (after its type byte).
+fn number(digits: &[u8]) -> io::Result<i64> {
+    std::str::from_utf8(digits)
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .ok_or_else(|| invalid("a malformed reply header"))
+}
+
 /// A RESP2 command.
-pub(crate) fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
+fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
     out.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
     for a in args {
         out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
@@ -116,10 +124,7 @@ impl Connection {
     pub(crate) fn header(&mut self, kind: u8, line: &mut Vec<u8>) -> io::Result<i64> {
         self.line(line)?;
         match line.split_first() {
-            Some((&k, digits)) if k == kind => std::str::from_utf8(digits)
-                .ok()
-                .and_then(|d| d.parse().ok())
-                .ok_or_else(|| invalid("a malformed reply header")),
+            Some((&k, digits)) if k == kind => number(digits),
             _ => Err(invalid(format!(
                 "expected a '{}' reply, got {:?}",
                 kind as char,
@@ -149,10 +154,7 @@ impl Connection {
             self.line(&mut line)?;
             match line.split_first() {
                 Some((b'$', digits)) => {
-                    let len: i64 = std::str::from_utf8(digits)
-                        .ok()
-                        .and_then(|d| d.parse().ok())
-                        .ok_or_else(|| invalid("a malformed bulk string header"))?;
+                    let len = number(digits)?;
                     let mut value = Vec::new();
                     if let Ok(len) = usize::try_from(len) {
                         self.bulk_into(len, &mut value)?;
@@ -190,7 +192,14 @@ impl Connection {
         Ok(())
     }
 
-    pub(crate) fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+    /// Sends one command.
+    pub(crate) fn send_command(&mut self, args: &[&[u8]]) -> io::Result<()> {
+        let mut request = Vec::new();
+        command(&mut request, args);
+        self.send(&request)
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
         let socket = self.0.get_mut();
         socket.write_all(bytes)?;
         socket.flush()

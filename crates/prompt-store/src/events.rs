@@ -271,9 +271,9 @@ struct Keys {
 }
 
 /// One tier's reporter: the tier's [`crate::metrics::Metered`] wrapper reports what it stored,
-/// and the backend reports what it evicted (with the value's first [`crate::block::HEAD_BYTES`]), which is
-/// kept until the wrapper's call ends so that a put's stores come before the evictions it
-/// caused.
+/// and the backend reports what it evicted (with the value's first
+/// [`crate::block::HEAD_BYTES`]), which is kept until the wrapper's call ends so that a put's
+/// stores come before the evictions it caused.
 pub struct TierEvents {
     medium: &'static str,
     hub: std::sync::Weak<EventHub>,

@@ -55,12 +55,15 @@ impl Weighter<Key, Arc<[u8]>> for ByLen {
     }
 }
 
+/// What one insert evicted.
+type Evicted = Vec<(Key, Arc<[u8]>)>;
+
 /// Collects the values a call evicts, to report them (`quick_cache` calls it per eviction).
 #[derive(Clone, Default)]
 struct Collect;
 
 impl quick_cache::Lifecycle<Key, Arc<[u8]>> for Collect {
-    type RequestState = Vec<(Key, Arc<[u8]>)>;
+    type RequestState = Evicted;
 
     fn on_evict(&self, evicted: &mut Self::RequestState, key: Key, value: Arc<[u8]>) {
         evicted.push((key, value));
@@ -69,9 +72,6 @@ impl quick_cache::Lifecycle<Key, Arc<[u8]>> for Collect {
 
 type S3Fifo =
     quick_cache::unsync::Cache<Key, Arc<[u8]>, ByLen, quick_cache::DefaultHashBuilder, Collect>;
-
-/// What one insert evicted.
-type Evicted = Vec<(Key, Arc<[u8]>)>;
 
 /// The values in their eviction order.
 enum Values {
@@ -107,7 +107,7 @@ impl Values {
     }
 
     /// Every value held, as key and value (in no particular order).
-    fn heads(&self) -> Vec<(Key, &[u8])> {
+    fn entries(&self) -> Vec<(Key, &[u8])> {
         match self {
             Values::Lru(v) => v.iter().map(|(k, v)| (*k, &v[..])).collect(),
             Values::S3Fifo(v, _) => v
@@ -232,7 +232,7 @@ impl Drop for MemoryBackend {
     fn drop(&mut self) {
         let inner = self.lock();
         if let Some(events) = inner.events.as_ref().filter(|e| e.wanted()) {
-            events.dropped(inner.values.heads());
+            events.dropped(inner.values.entries());
         }
     }
 }
