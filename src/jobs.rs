@@ -1,10 +1,14 @@
 //! The long operations, each a [`Job`] shared by its sync and async entry points.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use llama_kv_cache as core;
+use llama_kv_cache::alloc::MAP_MIN;
+use llama_kv_cache::staging::{self, Staged};
 use llama_kv_cache::{Layout, ReadOptions, ShiftParams, WriteOptions};
 use napi::bindgen_prelude::*;
+use napi::JsValue;
 
 use crate::error::{err, from_core, Code, JsResult};
 use crate::move_list::UpdateReport;
@@ -75,6 +79,8 @@ pub struct StateWriteJob {
     pub seq: i32,
     pub opts: WriteOptions,
     pub form: StateForm,
+    /// The plan of a payload lent from staging memory (decided at the call, see [`lends`]).
+    pub lend: Option<core::StateOut>,
     /// The plan and a Buffer of its size from Node's allocator, made at the call when the
     /// cache was idle (so the task finds it unchanged); otherwise the task plans and allocates.
     pub planned: Option<(core::StateOut, Buffer)>,
@@ -82,49 +88,178 @@ pub struct StateWriteJob {
     pub failure: Option<crate::error::JsErr>,
 }
 
-impl Job for StateWriteJob {
-    type Output = Buffer;
-    type Js = Buffer;
-    fn run(
+impl StateWriteJob {
+    /// The job for a call that found the seed's cache idle with `plan` (`None`: another kind, a
+    /// framed state, or a busy cache, which the task plans itself): how its payload will
+    /// reach JS is decided here, on the JS thread.
+    pub fn new(
+        env: &Env,
+        seq: i32,
+        opts: WriteOptions,
+        form: StateForm,
+        plan: Option<core::StateOut>,
+    ) -> StateWriteJob {
+        let mut job = StateWriteJob {
+            seq,
+            opts,
+            form,
+            lend: None,
+            planned: None,
+            failure: None,
+        };
+        match plan {
+            Some(plan) if lends(plan.size()) => job.lend = Some(plan),
+            Some(plan) if plan.size() >= NODE_BUFFER_FROM => match node_buffer(env, plan.size()) {
+                Ok(buf) => job.planned = Some((plan, buf)),
+                Err(e) => job.failure = Some(e),
+            },
+            _ => {}
+        }
+        job
+    }
+
+    /// `stateWriteSync`: the payload made on this thread, by the same choices.
+    pub fn run_sync(
+        env: &Env,
+        m: &dyn core::Memory,
+        seq: i32,
+        opts: WriteOptions,
+        form: StateForm,
+    ) -> JsResult<PayloadBuffer> {
+        let plan = match (form.plain(), m.seed()) {
+            (true, Some(c)) => Some(
+                c.state_out(seq, opts.layout, opts.n_stream)
+                    .map_err(from_core)?,
+            ),
+            _ => None,
+        };
+        StateWriteJob::new(env, seq, opts, form, plan).payload(m, None)
+    }
+
+    fn payload(
         &mut self,
-        m: &mut dyn core::Memory,
-        p: &mut dyn FnMut(u64, u64) -> bool,
-    ) -> JsResult<Buffer> {
+        m: &dyn core::Memory,
+        p: Option<core::Progress<'_>>,
+    ) -> JsResult<PayloadBuffer> {
         if let Some(e) = self.failure.take() {
             return Err(e);
         }
         if !self.form.plain() {
-            return Ok(self
-                .form
-                .write(m, self.seq, self.opts)
-                .map_err(from_core)?
-                .into());
+            let framed = self.form.write(m, self.seq, self.opts).map_err(from_core)?;
+            return Ok(PayloadBuffer::Buffer(framed.into()));
+        }
+        // a plan is made only for the seed's cache
+        if let Some(plan) = self.lend.take() {
+            let c = m.kv_ref("stateWrite").map_err(from_core)?;
+            let staged = c.state_out_staged(&plan, p).map_err(from_core)?;
+            return Ok(PayloadBuffer::Lent(staged));
         }
         match self.planned.take() {
-            // a plan is made only for the seed's cache
             Some((plan, mut buf)) => {
-                let c = m.kv("stateWrite").map_err(from_core)?;
-                c.state_out_all(&plan, buf.as_mut(), Some(p))
-                    .map_err(from_core)?;
-                Ok(buf)
+                let c = m.kv_ref("stateWrite").map_err(from_core)?;
+                c.state_out_all(&plan, buf.as_mut(), p).map_err(from_core)?;
+                Ok(PayloadBuffer::Buffer(buf))
             }
-            None => Ok(m
-                .state_write(self.seq, &self.opts, Some(p))
-                .map_err(from_core)?
-                .into()),
+            None => Ok(PayloadBuffer::Buffer(
+                m.state_write(self.seq, &self.opts, p)
+                    .map_err(from_core)?
+                    .into(),
+            )),
         }
     }
-    fn to_js(o: Buffer) -> JsResult<Buffer> {
+}
+
+impl Job for StateWriteJob {
+    type Output = PayloadBuffer;
+    type Js = PayloadBuffer;
+    fn run(
+        &mut self,
+        m: &mut dyn core::Memory,
+        p: &mut dyn FnMut(u64, u64) -> bool,
+    ) -> JsResult<PayloadBuffer> {
+        self.payload(m, Some(p))
+    }
+    fn to_js(o: PayloadBuffer) -> JsResult<PayloadBuffer> {
         Ok(o)
     }
 }
 
-/// Payloads from this size on go into a Buffer from Node's allocator ([`node_buffer`]); smaller
-/// ones into a Rust `Vec` handed over as is. Measured at 65,536 cells: a 16 MiB payload took
-/// 7.3 ms instead of 9-15 ms (fresh pages every call the other way), a 2 MiB one 0.49 ms
-/// instead of 0.21 ms (below the allocator's mmap threshold a freed `Vec`'s memory is reused at
-/// once, while an allocation V8 counts brings garbage collection work into the call).
+/// Payloads lent to JS whose Buffers were not yet collected, by size class (the bit length of
+/// their size: one class per doubling).
+static ON_LOAN: [AtomicUsize; usize::BITS as usize + 1] =
+    [const { AtomicUsize::new(0) }; usize::BITS as usize + 1];
+
+fn on_loan(len: usize) -> &'static AtomicUsize {
+    &ON_LOAN[(usize::BITS - len.leading_zeros()) as usize]
+}
+
+/// Whether a payload of `len` bytes is lent from staging memory: when kept staging memory fits
+/// it, or when no payload of its size class is on loan. Node runs the finalizers of lent
+/// Buffers only from its event loop, so the payloads of a loop of calls cannot come back to
+/// staging meanwhile: with fresh staging memory for each, a loop of 20 one-sequence gets took
+/// 0.82 ms per get instead of 0.31 from `malloc` (which reuses what the collector freed within
+/// the loop), and a synchronous loop of 300 held 3.3 GiB. So a loop lends its first payload of
+/// each size and the rest take the other routes ([`NODE_BUFFER_FROM`]).
+fn lends(len: usize) -> bool {
+    len >= MAP_MIN && (on_loan(len).load(Ordering::Relaxed) == 0 || staging::has_spare(len))
+}
+
+/// Payloads from this size on that are not lent go into a Buffer from Node's allocator
+/// ([`node_buffer`]); smaller ones into a Rust `Vec` handed over as is. Measured at 65,536
+/// cells: a 16 MiB payload took 7.3 ms instead of 9-15 ms (fresh pages every call the other
+/// way), a 2 MiB one 0.49 ms instead of 0.21 ms (below the allocator's mmap threshold a freed
+/// `Vec`'s memory is reused at once, while an allocation V8 counts brings garbage collection
+/// work into the call).
 pub const NODE_BUFFER_FROM: usize = 8 << 20;
+
+/// A state payload on its way to JS.
+pub enum PayloadBuffer {
+    /// In its own memory, lent to JS as an external Buffer. That memory goes back to staging
+    /// ([`llama_kv_cache::staging`]) when the garbage collector frees the Buffer, so that the
+    /// next payload finds its pages faulted in: a payload in fresh memory pays a page fault per
+    /// 4 KiB (4,289 for 16 MiB; a Buffer from Node's allocator the same whenever the collector
+    /// has not yet freed an earlier one), fewer and cheaper in staging's huge pages. Where
+    /// external buffers are refused (Electron), the bytes are copied into a Buffer of Node's
+    /// and the memory goes back at once.
+    Lent(Staged),
+    /// A Buffer from Node's allocator, or over a Rust `Vec` (napi-rs's own conversion).
+    Buffer(Buffer),
+}
+
+impl TypeName for PayloadBuffer {
+    fn type_name() -> &'static str {
+        "Buffer"
+    }
+    fn value_type() -> ValueType {
+        ValueType::Object
+    }
+}
+
+impl ToNapiValue for PayloadBuffer {
+    unsafe fn to_napi_value(env: napi::sys::napi_env, val: Self) -> Result<napi::sys::napi_value> {
+        let mut staged = match val {
+            PayloadBuffer::Buffer(buf) => return Buffer::to_napi_value(env, buf),
+            PayloadBuffer::Lent(staged) => staged,
+        };
+        let env = Env::from_raw(env);
+        if staged.is_empty() {
+            // Node-API has no external buffer of no bytes
+            return Ok(BufferSlice::copy_from(&env, &*staged)?.value().value);
+        }
+        // the bytes stay where they are when `staged` moves into the finalizer's hint
+        let (data, len) = (staged.as_mut_ptr(), staged.len());
+        on_loan(len).fetch_add(1, Ordering::Relaxed);
+        let returned = move |_: Env, staged: Staged| {
+            on_loan(len).fetch_sub(1, Ordering::Relaxed);
+            drop(staged);
+        };
+        // SAFETY: `data..data + len` is owned by `staged`, which the finalizer drops only when
+        // the Buffer is collected, and nothing else writes it meanwhile; where the Buffer must
+        // be a copy, napi-rs runs the finalizer at once
+        let buffer = unsafe { BufferSlice::from_external(&env, data, len, staged, returned) }?;
+        Ok(buffer.value().value)
+    }
+}
 
 /// A Buffer of `len` bytes from Node's own allocator: uninitialized and counted by V8, so the
 /// memory of payloads the program dropped is collected and reused by the next one. (A Buffer
@@ -145,8 +280,10 @@ pub fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
         ));
     }
     // SAFETY: `value` is the Buffer just created on this thread
-    unsafe { Buffer::from_napi_value(env.raw(), value) }
-        .map_err(|e| err(Code::Internal, e.reason.clone()))
+    let mut buf = unsafe { Buffer::from_napi_value(env.raw(), value) }
+        .map_err(|e| err(Code::Internal, e.reason.clone()))?;
+    llama_kv_cache::alloc::advise_huge_pages(buf.as_mut());
+    Ok(buf)
 }
 
 /// `stateWriteIntoSync`: the payload written into the caller's buffer, without a copy (no JS

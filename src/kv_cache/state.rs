@@ -9,7 +9,7 @@ use super::KvCache;
 use crate::args::{self, i32v, opt_i32, u32v, Bytes, Num, Obj, Tokens};
 use crate::error::{err, from_core, Code, JsResult};
 use crate::jobs::{
-    self, LoadFileJob, SaveFileJob, StateForm, StateReadJob, StateWriteIntoCopyJob,
+    self, LoadFileJob, PayloadBuffer, SaveFileJob, StateForm, StateReadJob, StateWriteIntoCopyJob,
     StateWriteIntoJob, StateWriteJob,
 };
 use crate::queue::JsPromise;
@@ -116,36 +116,16 @@ impl KvCache {
 
     /// The KV state of sequence `seqId` (-1, the default: the whole cache) in llama.cpp's
     /// format (`llama_state_seq_get_data`'s KV part), synchronously.
-    #[napi]
+    #[napi(ts_return_type = "Buffer")]
     pub fn state_write_sync(
         &self,
         env: Env,
         #[napi(ts_arg_type = "number")] seq_id: Option<Num>,
         #[napi(ts_arg_type = "SaveOptions")] options: Option<Obj<SaveOptions>>,
-    ) -> Result<Buffer, Code> {
+    ) -> Result<PayloadBuffer, Code> {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, form, ..) = state_options(options)?;
-        self.with_memory(|m| {
-            if !form.plain() {
-                return Ok(form.write(m, seq, opts).map_err(from_core)?.into());
-            }
-            // the seed's cache plans its state, so a large one goes into a Buffer from Node's
-            // allocator without a second copy
-            let Some(c) = m.seed() else {
-                return Ok(m.state_write(seq, &opts, None).map_err(from_core)?.into());
-            };
-            let plan = c
-                .state_out(seq, opts.layout, opts.n_stream)
-                .map_err(from_core)?;
-            if plan.size() < jobs::NODE_BUFFER_FROM {
-                let payload = c.state_write(seq, opts.layout, opts.n_stream, None);
-                return Ok(payload.map_err(from_core)?.into());
-            }
-            let mut buf = jobs::node_buffer(&env, plan.size())?;
-            c.state_out_all(&plan, buf.as_mut(), None)
-                .map_err(from_core)?;
-            Ok(buf)
-        })
+        self.with_memory(|m| StateWriteJob::run_sync(&env, m, seq, opts, form))
     }
 
     /// The KV state of sequence `seqId` (-1: the whole cache), on the threadpool.
@@ -159,8 +139,8 @@ impl KvCache {
         let seq = opt_i32("seqId", seq_id, -1)?;
         let (opts, form, progress, signal) = state_options(options)?;
         // an idle cache is what the task will find (calls from now on queue or are busy), so
-        // the Buffer can come from Node's allocator here; a failed plan is left to the task,
-        // which rejects with it
+        // the route of its payload is decided here; a failed plan is left to the task, which
+        // rejects with it
         let plan = match self.shared.queue.is_pending() || !form.plain() {
             true => None,
             false => self.with_memory(|m| {
@@ -169,19 +149,7 @@ impl KvCache {
                     .ok())
             })?,
         };
-        let plan = plan.filter(|p| p.size() >= jobs::NODE_BUFFER_FROM);
-        let (planned, failure) = match plan.map(|p| (jobs::node_buffer(&env, p.size()), p)) {
-            Some((Ok(buf), plan)) => (Some((plan, buf)), None),
-            Some((Err(e), _)) => (None, Some(e)),
-            None => (None, None),
-        };
-        let job = StateWriteJob {
-            seq,
-            opts,
-            form,
-            planned,
-            failure,
-        };
+        let job = StateWriteJob::new(&env, seq, opts, form, plan);
         self.run_async(&env, job, progress, signal)
     }
 

@@ -623,3 +623,35 @@ fn regression_converting_a_file_whose_cell_names_an_out_of_range_seq_id_is_refus
         "{e}"
     );
 }
+
+#[test]
+fn a_staged_state_is_state_write_even_in_memory_an_earlier_payload_left() {
+    use llama_kv_cache::staging;
+    // 6,000 cells of 256 bytes: a payload in a staging mapping, not on the heap
+    let mut c = SeedCache::new(params(8192, GgmlType::F16, false)).unwrap();
+    let n = 6000;
+    c.find_slot(&UBatch::per_token(
+        (0..n).collect(),
+        vec![vec![0]; n as usize],
+    ))
+    .unwrap()
+    .unwrap();
+    for il in 0..2u32 {
+        for cell in 0..n as u32 {
+            let k: Vec<f32> = (0..32).map(|j| ((cell * 7 + il + j) % 97) as f32).collect();
+            c.write_rows_f32(il, Tensor::K, cell, &k).unwrap();
+            c.write_rows_f32(il, Tensor::V, cell, &k[..]).unwrap();
+        }
+    }
+    for layout in [Layout::Seed, Layout::Streams] {
+        let expected = c.state_write(0, layout, 1, None).unwrap();
+        assert!(expected.len() >= llama_kv_cache::alloc::MAP_MIN);
+        let stale = staging::stage_bytes(&vec![0xAA; expected.len() + 9], "stale").unwrap();
+        let at = stale.as_ptr();
+        drop(stale);
+        let plan = c.state_out(0, layout, 1).unwrap();
+        let staged = c.state_out_staged(&plan, None).unwrap();
+        assert_eq!(staged.as_ptr(), at, "the kept mapping was written");
+        assert!(staged[..] == expected[..], "{layout}: not the state");
+    }
+}

@@ -17,6 +17,7 @@ use crate::cache::io::{ReadOptions, ReadSummary, WritePlan};
 use crate::cache::rollback::PlacedLoad;
 use crate::cache::SeedCache;
 use crate::error::{KvError, Result};
+use crate::staging::{stage_with, Staged};
 use crate::state::cells::{PayloadCells, MAX_PAYLOAD_SEQS};
 use crate::state::rows::{write_columns, write_rows};
 use crate::state::sink::WindowSink;
@@ -74,6 +75,19 @@ impl SeedCache {
             &out.plan,
             progress,
         )
+    }
+
+    /// The whole payload of `out` in staging memory ([`crate::staging`]).
+    pub fn state_out_staged(
+        &self,
+        out: &StateOut,
+        progress: Option<crate::cache::io::Progress<'_>>,
+    ) -> Result<Staged> {
+        // the plan's writer puts every byte of its size (kept staging memory holds an earlier
+        // payload's): the same guarantee `state_out_all` gives a caller's buffer
+        stage_with(out.size(), "the state", |into| {
+            self.state_out_all(out, into, progress).map(drop)
+        })
     }
 
     /// Copies the next bytes of the payload into `buf` and returns how many (0 at the end).
