@@ -81,7 +81,7 @@ test("releaseMemory 'now' hands the pages back inside seqRm, false never does", 
   off.dispose()
 })
 
-test('a synchronous call while the clock releases waits for it instead of throwing ERR_KV_BUSY', (t) => {
+test('regression: a synchronous call while the clock releases waits for it instead of throwing ERR_KV_BUSY (also when the clock lets go between the call\'s two looks: seen once in CI)', (t) => {
   // the clock takes the cache's lock to release: calls made meanwhile must all succeed
   const c = twoChats({ releaseDelayMs: 0 })
   const pos = Array.from({ length: CHAT }, (_, p) => p)

@@ -3,7 +3,7 @@
 //! Which call may take the lock when (the FIFO of async work, the `ERR_KV_BUSY` refusal of
 //! synchronous calls meanwhile) is [`crate::queue`]'s.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use llama_kv_cache as core;
@@ -22,6 +22,10 @@ pub struct Handle {
     /// synchronous call that finds the lock held waits for it (the release is brief) instead
     /// of throwing `ERR_KV_BUSY`.
     releasing: AtomicBool,
+    /// How many times the release clock was done with the lock: a synchronous call that found
+    /// the lock held and `releasing` already false sees by this count whether the clock held it
+    /// meanwhile (it let go between the call's two looks) and tries again.
+    released: AtomicU64,
     /// The cache is on the release clock's list; set and cleared under the lock.
     pub release_scheduled: AtomicBool,
 }
@@ -47,6 +51,7 @@ impl Handle {
             env: JsEnv(env.raw()),
             external: AtomicI64::new(0),
             releasing: AtomicBool::new(false),
+            released: AtomicU64::new(0),
             release_scheduled: AtomicBool::new(false),
         };
         handle.account(cache.as_ref());
@@ -112,8 +117,12 @@ impl Handle {
     /// holds it, waits for it.
     fn lock_unless_busy(&self) -> Result<CacheGuard<'_>, TryLockError<CacheGuard<'_>>> {
         loop {
+            let done = self.released.load(Ordering::SeqCst);
             match self.cache.try_lock() {
-                Err(TryLockError::WouldBlock) if self.releasing.load(Ordering::SeqCst) => {
+                Err(TryLockError::WouldBlock)
+                    if self.releasing.load(Ordering::SeqCst)
+                        || self.released.load(Ordering::SeqCst) != done =>
+                {
                     std::thread::yield_now()
                 }
                 other => return other,
@@ -135,6 +144,9 @@ impl Handle {
             Err(TryLockError::Poisoned(_)) => Ok(None),
             Err(TryLockError::WouldBlock) => Err(()),
         };
+        // counted before `releasing` is cleared, so that a call which saw the lock held by the
+        // clock sees one or the other
+        self.released.fetch_add(1, Ordering::SeqCst);
         self.releasing.store(false, Ordering::SeqCst);
         out
     }
