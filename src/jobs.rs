@@ -76,16 +76,16 @@ impl StateForm {
 
 /// `stateWrite`: the payload of one sequence or the whole cache.
 pub struct StateWriteJob {
-    pub seq: i32,
-    pub opts: WriteOptions,
-    pub form: StateForm,
+    seq: i32,
+    opts: WriteOptions,
+    form: StateForm,
     /// The plan of a payload lent from staging memory (decided at the call, see [`lends`]).
-    pub lend: Option<core::StateOut>,
+    lend: Option<core::StateOut>,
     /// The plan and a Buffer of its size from Node's allocator, made at the call when the
     /// cache was idle (so the task finds it unchanged); otherwise the task plans and allocates.
-    pub planned: Option<(core::StateOut, Buffer)>,
+    planned: Option<(core::StateOut, Buffer)>,
     /// The Buffer could not be allocated at the call: the task rejects with this.
-    pub failure: Option<crate::error::JsErr>,
+    failure: Option<crate::error::JsErr>,
 }
 
 impl StateWriteJob {
@@ -210,7 +210,7 @@ fn lends(len: usize) -> bool {
 /// way), a 2 MiB one 0.49 ms instead of 0.21 ms (below the allocator's mmap threshold a freed
 /// `Vec`'s memory is reused at once, while an allocation V8 counts brings garbage collection
 /// work into the call).
-pub const NODE_BUFFER_FROM: usize = 8 << 20;
+const NODE_BUFFER_FROM: usize = 8 << 20;
 
 /// A state payload on its way to JS.
 pub enum PayloadBuffer {
@@ -242,11 +242,8 @@ impl ToNapiValue for PayloadBuffer {
             PayloadBuffer::Lent(staged) => staged,
         };
         let env = Env::from_raw(env);
-        if staged.is_empty() {
-            // Node-API has no external buffer of no bytes
-            return Ok(BufferSlice::copy_from(&env, &*staged)?.value().value);
-        }
-        // the bytes stay where they are when `staged` moves into the finalizer's hint
+        // never empty (a lent payload has at least MAP_MIN bytes, see `lends`); its bytes stay
+        // where they are when `staged` moves into the finalizer's hint
         let (data, len) = (staged.as_mut_ptr(), staged.len());
         on_loan(len).fetch_add(1, Ordering::Relaxed);
         let returned = move |_: Env, staged: Staged| {
@@ -265,7 +262,7 @@ impl ToNapiValue for PayloadBuffer {
 /// memory of payloads the program dropped is collected and reused by the next one. (A Buffer
 /// over a large Rust `Vec` is invisible to V8's heap accounting: every payload then faulted in
 /// fresh pages, 4 ms of a 16 MiB state's 5.)
-pub fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
+fn node_buffer(env: &Env, len: usize) -> JsResult<Buffer> {
     let mut data = std::ptr::null_mut();
     let mut value = std::ptr::null_mut();
     // SAFETY: on the JS thread of `env`, with out-pointers to locals

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
 
-use crate::alloc::{copy_bytes, map_zeroed, populate, zeroed, OwnedBytes, MAP_MIN};
+use crate::alloc::{
+    advise_huge_pages, copy_bytes, map_zeroed, populate, zeroed, OwnedBytes, MAP_MIN,
+};
 use crate::error::Result;
 
 /// How long a kept mapping waits for its next payload before it is released.
@@ -132,10 +134,8 @@ fn give_back(map: MmapMut) {
 
 /// A fresh mapping for `len` bytes, in whole huge pages, its first `len` bytes faulted in.
 fn fresh_mapping(len: usize, what: &str) -> Result<MmapMut> {
-    let map = map_zeroed(len.next_multiple_of(HUGE_PAGE), what)?;
-    #[cfg(target_os = "linux")]
-    // advice only: a kernel without transparent huge pages refuses it, and nothing is lost
-    let _ = map.advise(memmap2::Advice::HugePage);
+    let mut map = map_zeroed(len.next_multiple_of(HUGE_PAGE), what)?;
+    advise_huge_pages(&mut map);
     populate(&map, 0, len);
     Ok(map)
 }
